@@ -1,0 +1,143 @@
+"""FlashAttention in pure PyTorch: online softmax over key tiles.
+
+Forward (Milakov & Gimelshein 2018; Dao et al. 2022): for each block of queries,
+walk the key tiles keeping a running max m, running sum l and an unnormalized
+accumulator, so the (T, S) score matrix never exists; extra memory is
+O(T*D + block_q*block_k) and the log-sum-exp per row comes out for free.
+Backward recomputes each tile's probabilities from the saved LSE (FlashAttention-2,
+Dao 2023), so training needs no O(T*S) memory either.
+
+Masks are built per tile (`tile_masks`) and tiles that causal/window structure
+masks completely are skipped, which halves the work of causal attention.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..masks import tile_is_empty, tile_masks
+from ..spec import AttentionOutput, AttentionSpec
+
+BLOCK_Q = 256   # query rows per block
+BLOCK_K = 512   # keys per tile: scores tile is B*H*256*512*4 bytes = 6 MiB at B=1, H=12
+
+NEG_INF = float("-inf")
+
+
+def _scores(spec, qb, kb, q0, q1, k0, k1):
+    """Scaled, masked scores of one tile in fp32. qb: (B, Hkv, G*tq, D), kb: (B, Hkv, tk, D)."""
+    B, H = spec.B, spec.H
+    s = (qb @ kb.transpose(-2, -1)).view(B, H, q1 - q0, k1 - k0) * spec.scale   # (B, H, tq, tk)
+    allowed, bias = tile_masks(spec, q0, q1, k0, k1, qb.device)
+    if bias is not None:
+        s = s + bias
+    if allowed is not None:
+        s = s.masked_fill(~allowed, NEG_INF)
+    return s
+
+
+def _group(t, spec, q0, q1):
+    """(B, H, T, X) rows [q0, q1) -> fp32 (B, Hkv, G*tq, X): a GQA group shares one K/V head."""
+    B, Hkv, G = spec.B, spec.Hkv, spec.G
+    return t[:, :, q0:q1].float().reshape(B, Hkv, G * (q1 - q0), t.shape[-1])
+
+
+def _forward(q, k, v, spec, block_q, block_k):
+    B, H, T, S, Hkv, G, Dv = spec.B, spec.H, spec.T, spec.S, spec.Hkv, spec.G, v.shape[-1]
+    out = torch.empty(B, H, T, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+    for q0 in range(0, T, block_q):
+        q1 = min(q0 + block_q, T)
+        tq = q1 - q0
+        qb = _group(q, spec, q0, q1)
+        m = torch.full((B, H, tq), NEG_INF, device=q.device)       # running max
+        l = torch.zeros(B, H, tq, device=q.device)                 # running sum of exp
+        acc = torch.zeros(B, H, tq, Dv, device=q.device)           # running unnormalized output
+        for k0 in range(0, S, block_k):
+            k1 = min(k0 + block_k, S)
+            if tile_is_empty(spec, q0, q1, k0, k1):
+                continue
+            s = _scores(spec, qb, k[:, :, k0:k1].float(), q0, q1, k0, k1)
+            m_new = torch.maximum(m, s.amax(dim=-1))
+            m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # rows with nothing visible yet
+            p = torch.exp(s - m_safe[..., None])                    # (B, H, tq, tk)
+            alpha = torch.exp(m - m_safe)                           # rescale what came before
+            l = l * alpha + p.sum(dim=-1)
+            pv = p.view(B, Hkv, G * tq, k1 - k0) @ v[:, :, k0:k1].float()
+            acc = acc * alpha[..., None] + pv.view(B, H, tq, Dv)
+            m = m_new
+        out[:, :, q0:q1] = (acc / l.clamp_min(1e-30)[..., None]).masked_fill((l == 0)[..., None], 0.0)
+        lse[:, :, q0:q1] = m + torch.log(l)                         # -inf where nothing was visible
+    return out, lse
+
+
+def _backward(q, k, v, out, lse, dout, dlse, spec, block_q, block_k):
+    B, H, T, S, Hkv, G, D, Dv = spec.B, spec.H, spec.T, spec.S, spec.Hkv, spec.G, spec.D, v.shape[-1]
+    dq = torch.zeros(B, H, T, D, device=q.device)
+    dk = torch.zeros(B, Hkv, S, D, device=q.device)
+    dv = torch.zeros(B, Hkv, S, Dv, device=q.device)
+    delta = (dout.float() * out.float()).sum(dim=-1)               # (B, H, T): rowsum(dO * O)
+    if dlse is not None:
+        delta = delta - dlse.float()                               # d lse / d s = p
+    lse_safe = lse.masked_fill(torch.isneginf(lse), 0.0)
+    for q0 in range(0, T, block_q):
+        q1 = min(q0 + block_q, T)
+        tq = q1 - q0
+        qb = _group(q, spec, q0, q1)                               # (B, Hkv, G*tq, D)
+        dob = _group(dout, spec, q0, q1)                           # (B, Hkv, G*tq, Dv)
+        dqb = torch.zeros(B, Hkv, G * tq, D, device=q.device)
+        for k0 in range(0, S, block_k):
+            k1 = min(k0 + block_k, S)
+            if tile_is_empty(spec, q0, q1, k0, k1):
+                continue
+            kb, vb = k[:, :, k0:k1].float(), v[:, :, k0:k1].float()
+            s = _scores(spec, qb, kb, q0, q1, k0, k1)
+            p = torch.exp(s - lse_safe[:, :, q0:q1, None])         # (B, H, tq, tk), recomputed
+            pg = p.view(B, Hkv, G * tq, k1 - k0)
+            dv[:, :, k0:k1] += pg.transpose(-2, -1) @ dob          # sums over the group
+            dp = (dob @ vb.transpose(-2, -1)).view(B, H, tq, k1 - k0)
+            ds = (p * (dp - delta[:, :, q0:q1, None])).view(B, Hkv, G * tq, k1 - k0)
+            dqb += ds @ kb
+            dk[:, :, k0:k1] += ds.transpose(-2, -1) @ qb
+        dq[:, :, q0:q1] = dqb.view(B, H, tq, D)
+    s = spec.scale
+    return (dq * s).to(q.dtype), (dk * s).to(k.dtype), dv.to(v.dtype)
+
+
+class _ChunkedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, spec, block_q, block_k):
+        out, lse = _forward(q, k, v, spec, block_q, block_k)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spec, ctx.blocks = spec, (block_q, block_k)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = _backward(q, k, v, out, lse, dout, dlse, ctx.spec, *ctx.blocks)
+        return dq, dk, dv, None, None, None
+
+
+def chunked_attention(q, k, v, spec: AttentionSpec, *, block_q: int | None = None,
+                      block_k: int | None = None) -> AttentionOutput:
+    """Tiled attention; `block_q`/`block_k` default to the module's BLOCK_Q/BLOCK_K."""
+    block_q, block_k = block_q or BLOCK_Q, block_k or BLOCK_K
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        out, lse = _ChunkedAttention.apply(q, k, v, spec, block_q, block_k)
+    else:
+        out, lse = _forward(q, k, v, spec, block_q, block_k)
+    return AttentionOutput(out, lse if spec.return_lse else None, None)
+
+
+def chunked_check(q, k, v, spec: AttentionSpec) -> list[str]:
+    reasons = []
+    if spec.need_weights:
+        reasons.append("returns no weights (use backend='math', or return_lse with weights_from_lse)")
+    if spec.dropout_p > 0:
+        reasons.append("no dropout")
+    for name, t in (("attn_mask", spec.attn_mask), ("alibi_slopes", spec.alibi_slopes)):
+        if t is not None and t.requires_grad:
+            reasons.append(f"computes no gradient for {name}")
+    return reasons

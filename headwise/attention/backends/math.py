@@ -1,0 +1,44 @@
+"""The reference: materialize scores, mask, softmax, weighted sum. Short and
+obviously right; every other backend and every cache is tested against it.
+
+Low-precision inputs are computed in fp32 and rounded once at the end, so the
+reference is the exact answer rounded to the input dtype.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..masks import tile_masks
+from ..spec import AttentionOutput, AttentionSpec
+
+
+def math_attention(q, k, v, spec: AttentionSpec) -> AttentionOutput:
+    B, H, T, D = q.shape
+    Hkv, S, Dv, G = spec.Hkv, spec.S, v.shape[-1], spec.G
+    dtype = q.dtype
+    q, k, v = q.float(), k.float(), v.float()
+
+    # GQA without copying K/V: query heads of one group share a KV head, so fold the
+    # group into the row dim: (B, Hkv, G*T, D) @ (B, Hkv, D, S). Head h = kv * G + g.
+    scores = q.reshape(B, Hkv, G * T, D) @ k.transpose(-2, -1)      # (B, Hkv, G*T, S)
+    scores = scores.view(B, H, T, S) * spec.scale                   # (B, H, T, S)
+    allowed, bias = tile_masks(spec, 0, T, 0, S, q.device)
+    if bias is not None:
+        scores = scores + bias
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+
+    lse = torch.logsumexp(scores, dim=-1)                           # (B, H, T); -inf on fully masked rows
+    weights = torch.softmax(scores, dim=-1)
+    weights = weights.masked_fill(torch.isneginf(lse)[..., None], 0.0)  # fully masked rows: zeros, not NaN
+    if spec.dropout_p > 0:
+        weights = F.dropout(weights, spec.dropout_p)
+    out = weights.view(B, Hkv, G * T, S) @ v                        # (B, Hkv, G*T, Dv)
+    out = out.view(B, H, T, Dv).to(dtype)
+    return AttentionOutput(out, lse if spec.return_lse else None,
+                           weights.to(dtype) if spec.need_weights else None)
+
+
+def math_check(q, k, v, spec: AttentionSpec) -> list[str]:
+    return []   # the reference serves everything

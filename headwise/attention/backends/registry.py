@@ -1,0 +1,57 @@
+"""Backends by name. Each is a plain function `fn(q, k, v, spec) -> AttentionOutput`
+paired with `check(q, k, v, spec) -> list[str]`: the reasons it cannot serve a
+request (empty list = it can). `attend(backend="auto")` walks the registry in
+order and takes the first backend whose check passes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import Tensor
+
+from ..spec import AttentionOutput, AttentionSpec
+
+BackendFn = Callable[[Tensor, Tensor, Tensor, AttentionSpec], AttentionOutput]
+CheckFn = Callable[[Tensor, Tensor, Tensor, AttentionSpec], "list[str]"]
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    fn: BackendFn
+    check: CheckFn
+    description: str = ""
+
+
+_REGISTRY: dict[str, Backend] = {}   # insertion order is the "auto" order
+
+
+def register_backend(name: str, fn: BackendFn, check: CheckFn | None = None, *,
+                     description: str = "", before: str | None = None) -> Backend:
+    """Add (or replace) a backend. `before` places it ahead of another in the auto order."""
+    backend = Backend(name, fn, check or (lambda q, k, v, spec: []), description)
+    _REGISTRY.pop(name, None)
+    if before is None:
+        _REGISTRY[name] = backend
+    else:
+        get_backend(before)
+        items = list(_REGISTRY.items())
+        at = [n for n, _ in items].index(before)
+        items.insert(at, (name, backend))
+        _REGISTRY.clear()
+        _REGISTRY.update(items)
+    return backend
+
+
+def backends() -> list[str]:
+    """Registered backend names, in the order `backend="auto"` tries them."""
+    return list(_REGISTRY)
+
+
+def get_backend(name: str) -> Backend:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown attention backend {name!r}; valid backends: "
+                         f"{', '.join(['auto', *_REGISTRY])}") from None

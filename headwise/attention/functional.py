@@ -1,0 +1,140 @@
+"""`attend()`: the one functional entry point, and `explain()`: why it chose a backend."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from .backends import backends, get_backend
+from .masks import tile_masks
+from .spec import AttentionOutput, AttentionSpec, make_spec
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = None,
+           key_padding_mask: Tensor | None = None, is_causal: bool = False,
+           window: int | tuple[int, int] | None = None, alibi_slopes: Tensor | None = None,
+           scale: float | None = None, dropout_p: float = 0.0, backend: str = "auto",
+           need_weights: bool = False, return_lse: bool = False):
+    """Scaled dot-product attention over heads, with GQA/MQA and every mask kind.
+
+    Args:
+        q: (B, H, T, D) queries. k: (B, Hkv, S, D), v: (B, Hkv, S, Dv); H % Hkv == 0.
+            Query head h reads key/value head h // (H // Hkv), as in Llama's GQA.
+        attn_mask: broadcastable to (B, H, T, S), each dim 1 or exact.
+            **bool: True = may attend** (as in `F.scaled_dot_product_attention`;
+            the opposite of `nn.MultiheadAttention`, where True = masked out).
+            float: added to the scaled scores (use -inf to block).
+        key_padding_mask: (B, S) bool, **True = padded key, ignored** (as in
+            `nn.MultiheadAttention`).
+        is_causal: query i may attend keys j <= S - T + i (bottom-right aligned:
+            the T queries are the *last* T positions, right for decoding against
+            a cache and for chunked prefill).
+        window: sliding window. int W: each query sees the W keys ending at its
+            own position (and W-1 ahead too when not causal); (left, right): keys
+            at positions [p - left, p + right].
+        alibi_slopes: (H,) or (B, H); adds -slope * |p - j| to the scores.
+        scale: defaults to 1/sqrt(D).
+        dropout_p: dropout on the attention weights (pass 0.0 at inference).
+        backend: "auto" or a name from `headwise.attention.backends()`.
+        need_weights: also return the (B, H, T, S) weights (math backend).
+        return_lse: also return the fp32 (B, H, T) log-sum-exp of each row.
+
+    Returns:
+        The output (B, H, T, Dv); or, when need_weights or return_lse is set, an
+        `AttentionOutput(out, lse, weights)` named tuple. Rows with no visible key
+        give zeros (LSE -inf), never NaN.
+    """
+    spec = make_spec(q, k, v, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                     is_causal=is_causal, window=window, alibi_slopes=alibi_slopes, scale=scale,
+                     dropout_p=dropout_p, need_weights=need_weights, return_lse=return_lse)
+    fn = _select(q, k, v, spec, backend)
+    res = fn(q, k, v, spec)
+    if need_weights or return_lse:
+        return res
+    return res.out
+
+
+@dataclass
+class Explanation:
+    """The backend `auto` picks for a request, and why each other one was passed over."""
+    chosen: str | None
+    rejected: dict[str, list[str]] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"chosen: {self.chosen}"]
+        lines += [f"  {name}: {'; '.join(why)}" for name, why in self.rejected.items()]
+        return "\n".join(lines)
+
+
+def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Explanation:
+    """Which backend `attend(q, k, v, **kwargs)` would use, and every rejection with reasons."""
+    backend = kwargs.pop("backend", "auto")
+    spec = make_spec(q, k, v, **kwargs)
+    names = backends() if backend == "auto" else [get_backend(backend).name]
+    exp = Explanation(chosen=None)
+    for name in names:
+        reasons = get_backend(name).check(q, k, v, spec)
+        if not reasons and exp.chosen is None:
+            exp.chosen = name
+        elif reasons:
+            exp.rejected[name] = reasons
+    return exp
+
+
+def _select(q, k, v, spec: AttentionSpec, backend: str):
+    if backend != "auto":
+        b = get_backend(backend)
+        reasons = b.check(q, k, v, spec)
+        if reasons:
+            raise ValueError(f"backend {backend!r} cannot serve this request: {'; '.join(reasons)}")
+        return b.fn
+    for name in backends():
+        b = get_backend(name)
+        if not b.check(q, k, v, spec):
+            return b.fn
+    raise ValueError("no attention backend can serve this request:\n" + str(explain(q, k, v)))
+
+
+def weights_from_lse(q: Tensor, k: Tensor, lse: Tensor, *, heads: Sequence[int] | Tensor | None = None,
+                     queries: Sequence[int] | Tensor | slice | None = None, **mask_kwargs) -> Tensor:
+    """Rebuild exact attention rows from a fused backend's LSE: w_ij = exp(s_ij - lse_i).
+
+    Pass the same mask arguments (attn_mask, key_padding_mask, is_causal, window,
+    alibi_slopes, scale) as the `attend` call that produced `lse`. Only the chosen
+    heads and query rows are computed: (B, len(heads), len(queries), S) in fp32.
+    Rows are pre-dropout weights.
+    """
+    B, H, T, D = q.shape
+    spec = make_spec(q, k, k, **mask_kwargs)
+    if lse.shape != (B, H, T):
+        raise ValueError(f"lse has shape {tuple(lse.shape)} but q implies (B, H, T) = ({B}, {H}, {T})")
+    heads = torch.arange(H) if heads is None else torch.as_tensor(heads, dtype=torch.long).reshape(-1)
+    if queries is None:
+        queries = slice(None)
+    heads = heads.to(q.device)
+    if ((heads < 0) | (heads >= H)).any():
+        raise ValueError(f"heads must be in [0, {H}), got {heads.tolist()}")
+    qs = q.index_select(1, heads)[:, :, queries].float()              # (B, h, t, D)
+    ks = k.index_select(1, heads // spec.G).float()                    # (B, h, S, D): chosen heads only
+    s = (qs @ ks.transpose(-2, -1)) * spec.scale                       # (B, h, t, S)
+    allowed, bias = tile_masks(spec, 0, T, 0, spec.S, q.device)
+    if bias is not None:
+        s = s + _rows(bias, heads, queries)
+    if allowed is not None:
+        s = s.masked_fill(~_rows(allowed, heads, queries), float("-inf"))
+    lse_rows = lse.float().index_select(1, heads)[:, :, queries]
+    w = torch.exp(s - lse_rows.masked_fill(torch.isneginf(lse_rows), 0.0)[..., None])
+    return w.masked_fill(torch.isneginf(lse_rows)[..., None], 0.0)
+
+
+def _rows(m: Tensor, heads: Tensor, queries) -> Tensor:
+    """Select heads (if the mask has a head dim) and query rows (if it has a query dim)."""
+    if m.dim() == 2:
+        m = m[None, None]
+    if m.shape[1] != 1:
+        m = m.index_select(1, heads)
+    if m.shape[2] != 1:
+        m = m[:, :, queries]
+    return m

@@ -1,0 +1,338 @@
+"""`MultiHeadAttention`: project, split into heads, attend, concatenate, project back.
+
+One module for MHA (Hkv == H), GQA (1 < Hkv < H) and MQA (Hkv == 1). Self
+attention runs one fused QKV matmul; cross attention projects Q from the query
+and K/V from the memory. The attention itself is `attend()`, so every backend,
+mask kind and cache works here unchanged.
+
+Parameters (no bias): C*H*D (Q) + 2*C*Hkv*D (K, V) + H*D*C (O). For MHA with
+H*D = C that is the seed's 4*C^2; for GQA it is 2*C^2 + 2*C^2*Hkv/H.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..cache.protocol import LayerKVCache
+from .functional import attend
+from .masks import alibi_slopes as make_alibi_slopes
+from .rope import RotaryEmbedding
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention over batch-first inputs (B, T, C).
+
+    Args:
+        d_model: model width C.
+        num_heads: query heads H.
+        num_kv_heads: key/value heads Hkv (default H); H % Hkv == 0.
+        head_dim: D (default C // H).
+        bias: biases on all four projections.
+        dropout: dropout on attention weights, applied in training mode only.
+        rope: None, True (RoPE over the whole head, base 10000) or a `RotaryEmbedding`.
+        backend: attention backend name, or "auto" (see `headwise.attention.backends()`).
+        kdim, vdim: widths of key/value inputs for cross attention (default C).
+        alibi: add ALiBi biases with the paper's slopes.
+
+    Masks follow `attend`: a bool attn_mask is True where attention is *allowed*
+    (the opposite of `nn.MultiheadAttention`); key_padding_mask is True at padding.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, bias: bool = False, dropout: float = 0.0,
+                 rope: RotaryEmbedding | bool | None = None, backend: str = "auto",
+                 kdim: int | None = None, vdim: int | None = None, alibi: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads < 1 or num_kv_heads < 1:
+            raise ValueError(f"num_heads={num_heads} and num_kv_heads={num_kv_heads} must be >= 1")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
+        if head_dim is None:
+            if d_model % num_heads:
+                raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}; "
+                                 f"pass head_dim explicitly")
+            head_dim = d_model // num_heads
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, num_kv_heads, head_dim
+        self.kdim = d_model if kdim is None else kdim
+        self.vdim = d_model if vdim is None else vdim
+        self.dropout, self.backend, self.bias = dropout, backend, bias
+        kw = {"device": device, "dtype": dtype}
+        H, Hkv, D = num_heads, num_kv_heads, head_dim
+        self.fused = self.kdim == d_model and self.vdim == d_model
+        if self.fused:
+            self.qkv_proj = nn.Linear(d_model, (H + 2 * Hkv) * D, bias=bias, **kw)   # rows: [Q | K | V]
+        else:
+            self.q_proj = nn.Linear(d_model, H * D, bias=bias, **kw)
+            self.k_proj = nn.Linear(self.kdim, Hkv * D, bias=bias, **kw)
+            self.v_proj = nn.Linear(self.vdim, Hkv * D, bias=bias, **kw)
+        self.out_proj = nn.Linear(H * D, d_model, bias=bias, **kw)
+        self.rope = RotaryEmbedding(D) if rope is True else (rope or None)
+        if alibi:
+            self.register_buffer("alibi_slopes", make_alibi_slopes(H), persistent=False)
+        else:
+            self.alibi_slopes = None
+        # After uneven GQA pruning, query head h reads KV head kv_map[h]; None = uniform groups.
+        self.register_buffer("kv_map", None, persistent=False)
+        self.head_ids = list(range(H))    # original index of each remaining query head
+        self.original_num_heads = H
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
+                attn_mask: Tensor | None = None, key_padding_mask: Tensor | None = None,
+                is_causal: bool = False, need_weights: bool = False,
+                cache: LayerKVCache | None = None, head_mask: Tensor | None = None):
+        """query (B, T, C); key (B, S, kdim), value (B, S, vdim) default to query.
+
+        attn_mask: (T, S), (B*H, T, S) as in nn.MultiheadAttention, or anything
+        broadcastable to (B, H, T, S). head_mask: (H,) or (B, H) multiplier on each
+        head's output (0 ablates a head; pass requires_grad for importance scores).
+        Returns the output (B, T, C), or (output, weights (B, H, T, S)) with
+        need_weights (computed on the math backend for that call).
+        """
+        if query.dim() != 3 or query.shape[-1] != self.d_model:
+            raise ValueError(f"query must be (B, T, d_model={self.d_model}), got {tuple(query.shape)}")
+        key = query if key is None else key
+        value = key if value is None else value
+        self_attn = key is query and value is query
+        if key.dim() != 3 or value.dim() != 3 or key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
+            raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must be (B, S, dim) "
+                             f"with the query's batch {query.shape[0]}")
+        B, T, _ = query.shape
+        S_new = key.shape[1]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+
+        q, k, v = self._project(query, key, value, self_attn)
+        q = q.view(B, T, H, D).transpose(1, 2)                  # (B, H, T, D)
+        k = k.view(B, S_new, Hkv, D).transpose(1, 2)            # (B, Hkv, S, D)
+        v = v.view(B, S_new, Hkv, D).transpose(1, 2)            # (B, Hkv, S, D)
+
+        if cache is not None:
+            if not self_attn:
+                raise ValueError("cache= is for self-attention; cross-attention K/V can be computed once")
+            if self.rope is not None:
+                pos = cache.positions(T)
+                q, k = self.rope(q, pos), self.rope(k, pos)
+            read = cache.update(k, v)
+            k, v = read.k, read.v
+            key_padding_mask = _merge_padding(key_padding_mask, read.key_padding_mask)
+            if read.attn_mask is not None:
+                attn_mask = _merge_attn(attn_mask, read.attn_mask, B, H)
+                is_causal = False     # the cache's mask already says who sees whom
+        elif self.rope is not None:
+            S = k.shape[2]
+            q = self.rope(q, torch.arange(S - T, S, device=q.device))   # bottom-right, as causal masks
+            k = self.rope(k, torch.arange(S, device=k.device))
+
+        if attn_mask is not None and attn_mask.dim() == 3 and attn_mask.shape[0] == B * H and B * H != 1:
+            attn_mask = attn_mask.view(B, H, *attn_mask.shape[1:])    # nn.MultiheadAttention's (B*H, T, S)
+        if self.kv_map is not None:             # uneven groups after pruning: give each query head its K/V
+            k, v = k.index_select(1, self.kv_map), v.index_select(1, self.kv_map)
+
+        res = attend(q, k, v, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
+                     alibi_slopes=self.alibi_slopes, dropout_p=self.dropout if self.training else 0.0,
+                     backend="math" if need_weights else self.backend, need_weights=need_weights)
+        out, weights = (res.out, res.weights) if need_weights else (res, None)   # out: (B, H, T, D)
+        if head_mask is not None:
+            out = out * _head_multiplier(head_mask, B, H).to(out.dtype)
+        out = self.out_proj(out.transpose(1, 2).reshape(B, T, H * D))    # (B, T, C)
+        return (out, weights) if need_weights else out
+
+    def _project(self, query, key, value, self_attn):
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        sizes = [H * D, Hkv * D, Hkv * D]
+        if not self.fused:
+            return self.q_proj(query), self.k_proj(key), self.v_proj(value)
+        if self_attn:
+            return self.qkv_proj(query).split(sizes, dim=-1)               # one matmul
+        w = self.qkv_proj.weight.split(sizes, dim=0)
+        b = self.qkv_proj.bias.split(sizes, dim=0) if self.qkv_proj.bias is not None else (None,) * 3
+        q = F.linear(query, w[0], b[0])
+        if key is value:                                                   # one matmul for K and V
+            wkv = self.qkv_proj.weight[H * D:]
+            bkv = self.qkv_proj.bias[H * D:] if self.qkv_proj.bias is not None else None
+            k, v = F.linear(key, wkv, bkv).split(sizes[1:], dim=-1)
+            return q, k, v
+        return q, F.linear(key, w[1], b[1]), F.linear(value, w[2], b[2])
+
+    # ------------------------------------------------------------- weights in/out
+    def projection_weights(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(W_q (H*D, C), W_k (Hkv*D, kdim), W_v (Hkv*D, vdim), W_o (C, H*D)), as views."""
+        if self.fused:
+            H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+            wq, wk, wv = self.qkv_proj.weight.split([H * D, Hkv * D, Hkv * D], dim=0)
+        else:
+            wq, wk, wv = self.q_proj.weight, self.k_proj.weight, self.v_proj.weight
+        return wq, wk, wv, self.out_proj.weight
+
+    def projection_biases(self) -> tuple[Tensor | None, ...]:
+        if not self.bias:
+            return (None,) * 4
+        if self.fused:
+            H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+            bq, bk, bv = self.qkv_proj.bias.split([H * D, Hkv * D, Hkv * D], dim=0)
+        else:
+            bq, bk, bv = self.q_proj.bias, self.k_proj.bias, self.v_proj.bias
+        return bq, bk, bv, self.out_proj.bias
+
+    @torch.no_grad()
+    def load_projections(self, w_q, w_k, w_v, w_o, b_q=None, b_k=None, b_v=None, b_o=None) -> "MultiHeadAttention":
+        """Copy four textbook projections (tensors in nn.Linear's (out, in) layout, or
+        nn.Linear modules, whose biases are taken too) into this layer."""
+        ws, bs = [], [b_q, b_k, b_v, b_o]
+        for i, w in enumerate((w_q, w_k, w_v, w_o)):
+            if isinstance(w, nn.Linear):
+                bs[i] = w.bias if bs[i] is None else bs[i]
+                w = w.weight
+            ws.append(w)
+        names = ("w_q", "w_k", "w_v", "w_o")
+        for name, src, dst in zip(names, ws, self.projection_weights()):
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(f"{name} has shape {tuple(src.shape)} but this layer needs {tuple(dst.shape)} "
+                                 f"(H={self.num_heads}, Hkv={self.num_kv_heads}, D={self.head_dim}, "
+                                 f"C={self.d_model})")
+            dst.copy_(src)
+        for name, src, dst in zip(("b_q", "b_k", "b_v", "b_o"), bs, self.projection_biases()):
+            if (src is None) != (dst is None):
+                raise ValueError(f"{name}: the layer has bias={self.bias} but {name} is "
+                                 f"{'missing' if src is None else 'given'}")
+            if src is not None:
+                if src.shape != dst.shape:
+                    raise ValueError(f"{name} has shape {tuple(src.shape)} but this layer needs {tuple(dst.shape)}")
+                dst.copy_(src)
+        return self
+
+    @classmethod
+    def from_torch(cls, mha: nn.MultiheadAttention, backend: str = "auto") -> "MultiHeadAttention":
+        """Exact copy of an `nn.MultiheadAttention`'s weights. The new layer is batch-first
+        and uses headwise mask conventions (bool attn_mask True = may attend)."""
+        if mha.bias_k is not None or mha.add_zero_attn:
+            raise ValueError("nn.MultiheadAttention with add_bias_kv or add_zero_attn has no headwise equivalent")
+        ref = mha.out_proj.weight
+        layer = cls(mha.embed_dim, mha.num_heads, bias=mha.in_proj_bias is not None, dropout=mha.dropout,
+                    backend=backend, kdim=mha.kdim, vdim=mha.vdim, device=ref.device, dtype=ref.dtype)
+        if mha._qkv_same_embed_dim:
+            w_q, w_k, w_v = mha.in_proj_weight.chunk(3, dim=0)
+        else:
+            w_q, w_k, w_v = mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight
+        b = mha.in_proj_bias.chunk(3) if mha.in_proj_bias is not None else (None,) * 3
+        return layer.load_projections(w_q, w_k, w_v, mha.out_proj.weight, *b, mha.out_proj.bias)
+
+    @torch.no_grad()
+    def to_torch(self) -> nn.MultiheadAttention:
+        """An `nn.MultiheadAttention(batch_first=True)` with these exact weights (MHA only)."""
+        why = []
+        if self.num_kv_heads != self.num_heads or self.kv_map is not None:
+            why.append(f"it has {self.num_kv_heads} KV heads for {self.num_heads} query heads (GQA/MQA)")
+        if self.num_heads * self.head_dim != self.d_model:
+            why.append(f"num_heads*head_dim={self.num_heads * self.head_dim} != d_model={self.d_model}")
+        if self.rope is not None or self.alibi_slopes is not None:
+            why.append("it uses RoPE/ALiBi")
+        if why:
+            raise ValueError("nn.MultiheadAttention cannot represent this layer: " + "; ".join(why))
+        w_q, w_k, w_v, w_o = self.projection_weights()
+        b_q, b_k, b_v, b_o = self.projection_biases()
+        mha = nn.MultiheadAttention(self.d_model, self.num_heads, dropout=self.dropout, bias=self.bias,
+                                    kdim=self.kdim, vdim=self.vdim, batch_first=True,
+                                    device=w_o.device, dtype=w_o.dtype)
+        if mha._qkv_same_embed_dim:
+            mha.in_proj_weight.copy_(torch.cat([w_q, w_k, w_v]))
+        else:
+            mha.q_proj_weight.copy_(w_q), mha.k_proj_weight.copy_(w_k), mha.v_proj_weight.copy_(w_v)
+        if self.bias:
+            mha.in_proj_bias.copy_(torch.cat([b_q, b_k, b_v]))
+            mha.out_proj.bias.copy_(b_o)
+        mha.out_proj.weight.copy_(w_o)
+        return mha
+
+    # ------------------------------------------------------------------ pruning
+    @torch.no_grad()
+    def prune_heads(self, heads: Iterable[int]) -> "MultiHeadAttention":
+        """Remove query heads for real: Q rows and O columns go; a KV head goes when its
+        whole group does. `heads` are original head indices (see `head_ids`); ones
+        already pruned are ignored. Groups left uneven are served through `kv_map`."""
+        heads = set(int(h) for h in heads)
+        out_of_range = sorted(h for h in heads if not 0 <= h < self.original_num_heads)
+        if out_of_range:
+            raise ValueError(f"head indices {out_of_range} are out of range: this layer was built "
+                             f"with {self.original_num_heads} heads")
+        keep = [i for i, h in enumerate(self.head_ids) if h not in heads]   # positions of kept query heads
+        if not keep:
+            raise ValueError(f"pruning {sorted(heads)} would remove every head of this layer")
+        if len(keep) == self.num_heads:
+            return self
+        H, Hkv, D, G = self.num_heads, self.num_kv_heads, self.head_dim, self.num_heads // self.num_kv_heads
+        kv_of = self.kv_map.tolist() if self.kv_map is not None else [h // G for h in range(H)]
+        keep_kv = sorted({kv_of[i] for i in keep})
+        new_kv = {kv: j for j, kv in enumerate(keep_kv)}
+        kv_map = [new_kv[kv_of[i]] for i in keep]
+
+        def rows(idx):   # weight rows of heads `idx`
+            return torch.cat([torch.arange(h * D, (h + 1) * D) for h in idx])
+
+        q_rows, kv_rows = rows(keep), rows(keep_kv)
+        w_q, w_k, w_v, w_o = self.projection_weights()
+        b_q, b_k, b_v, b_o = self.projection_biases()
+        dev = w_o.device
+        q_rows, kv_rows = q_rows.to(dev), kv_rows.to(dev)
+        nH, nHkv = len(keep), len(keep_kv)
+        new_w = [w_q[q_rows], w_k[kv_rows], w_v[kv_rows]]
+        new_b = [b_q[q_rows], b_k[kv_rows], b_v[kv_rows]] if self.bias else None
+        if self.fused:
+            self.qkv_proj = _linear(torch.cat(new_w), torch.cat(new_b) if new_b else None)
+        else:
+            self.q_proj = _linear(new_w[0], new_b and new_b[0])
+            self.k_proj = _linear(new_w[1], new_b and new_b[1])
+            self.v_proj = _linear(new_w[2], new_b and new_b[2])
+        self.out_proj = _linear(w_o[:, q_rows], b_o)
+        if self.alibi_slopes is not None:
+            self.alibi_slopes = self.alibi_slopes[torch.tensor(keep, device=self.alibi_slopes.device)]
+        self.head_ids = [self.head_ids[i] for i in keep]
+        self.num_heads, self.num_kv_heads = nH, nHkv
+        uniform = nH % nHkv == 0 and kv_map == [h // (nH // nHkv) for h in range(nH)]
+        self.kv_map = None if uniform else torch.tensor(kv_map, device=dev)
+        return self
+
+    def extra_repr(self) -> str:
+        kind = "MHA" if self.num_kv_heads == self.num_heads else ("MQA" if self.num_kv_heads == 1 else "GQA")
+        return (f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, {kind}, backend={self.backend!r}"
+                + (", uneven groups" if self.kv_map is not None else ""))
+
+
+def _linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    lin.weight = nn.Parameter(weight.clone())
+    if bias is not None:
+        lin.bias = nn.Parameter(bias.clone())
+    return lin
+
+
+def _head_multiplier(head_mask: Tensor, B: int, H: int) -> Tensor:
+    if head_mask.shape == (H,):
+        return head_mask.view(1, H, 1, 1)
+    if head_mask.shape == (B, H):
+        return head_mask.view(B, H, 1, 1)
+    raise ValueError(f"head_mask must be (H,) = ({H},) or (B, H) = ({B}, {H}), got {tuple(head_mask.shape)}")
+
+
+def _merge_padding(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    if a is None or b is None:
+        return a if b is None else b
+    if a.shape != b.shape:
+        raise ValueError(f"key_padding_mask {tuple(a.shape)} does not match the cache's keys {tuple(b.shape)}")
+    return a | b
+
+
+def _merge_attn(user: Tensor | None, cache_mask: Tensor, B: int, H: int) -> Tensor:
+    if user is None:
+        return cache_mask
+    if user.dtype == torch.bool:
+        return user & cache_mask
+    return user.masked_fill(~cache_mask, float("-inf"))

@@ -1,0 +1,46 @@
+"""Rotary position embeddings (Su et al. 2021, "RoFormer").
+
+Pairs of channels are rotated by an angle proportional to the token's absolute
+position, so q_m . k_n depends only on m - n. Two layouts exist in the wild:
+- halves (Llama in HF transformers, GPT-NeoX): channel i pairs with i + D/2;
+- interleaved (Meta's original Llama, GPT-J): channel 2i pairs with 2i + 1.
+Scaling variants (linear, NTK, llama3) change only `inv_freq`; the models issue
+adds them.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, dim: int, base: float = 10000.0, interleaved: bool = False,
+                 inv_freq: Tensor | None = None):
+        super().__init__()
+        if dim % 2:
+            raise ValueError(f"rotary dim must be even, got {dim}")
+        self.dim, self.base, self.interleaved = dim, base, interleaved
+        if inv_freq is None:
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))  # (dim/2,)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        """Rotate the first `dim` channels of x (B, H, T, D) at positions (T,) or (B, T)."""
+        if positions.dim() == 1:
+            positions = positions[None]                                  # (1, T)
+        T = x.shape[-2]
+        if positions.shape[-1] != T:
+            raise ValueError(f"positions has length {positions.shape[-1]} but x has {T} tokens")
+        angles = positions[:, None, :, None].float() * self.inv_freq    # (B|1, 1, T, dim/2)
+        cos, sin = angles.cos(), angles.sin()
+        rot, rest = x[..., : self.dim].float(), x[..., self.dim:]
+        if self.interleaved:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            rot = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        else:
+            x1, x2 = rot.chunk(2, dim=-1)
+            rot = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return torch.cat((rot.to(x.dtype), rest), dim=-1) if rest.shape[-1] else rot.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, base={self.base}, interleaved={self.interleaved}"

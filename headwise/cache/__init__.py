@@ -1,0 +1,4 @@
+"""KV caches in the (B, Hkv, S, D) layout."""
+from .protocol import CacheRead, LayerKVCache
+
+__all__ = ["CacheRead", "LayerKVCache"]
