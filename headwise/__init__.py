@@ -1,5 +1,26 @@
-"""headwise: multi-head attention from the layer to the API."""
-from .attention import MultiHeadAttention, RotaryEmbedding, attend
+"""headwise: multi-head attention from the layer to the API.
+
+Torch-backed names load on first use, so `headwise plan` starts without torch.
+"""
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
-__all__ = ["attend", "MultiHeadAttention", "RotaryEmbedding"]
+
+_LAZY = {
+    "attend": "headwise.attention",
+    "explain": "headwise.attention",
+    "MultiHeadAttention": "headwise.attention",
+    "RotaryEmbedding": "headwise.attention",
+    "AttentionConfig": "headwise.config",
+    "ModelConfig": "headwise.config",
+    "get_preset": "headwise.config",
+}
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'headwise' has no attribute {name!r}")

@@ -25,13 +25,16 @@ def tile_masks(spec: AttentionSpec, q0: int, q1: int, k0: int, k1: int,
     """
     allowed = None
     bias = None
-    if spec.is_causal or spec.window is not None or spec.alibi_slopes is not None:
-        qpos = torch.arange(q0, q1, device=device) + spec.q_offset   # absolute positions (bottom-right)
+    first_q, last_q = q0 + spec.q_offset, q1 - 1 + spec.q_offset     # absolute positions (bottom-right)
+    causal = spec.is_causal and k1 - 1 > first_q                     # some key in the tile is in some query's future
+    window = spec.window is not None and (k0 < last_q - spec.window[0] or k1 - 1 > first_q + spec.window[1])
+    if causal or window or spec.alibi_slopes is not None:
+        qpos = torch.arange(first_q, last_q + 1, device=device)
         kpos = torch.arange(k0, k1, device=device)
         rel = qpos[:, None] - kpos[None, :]                          # (tq, tk): > 0 means key is in the past
-        if spec.is_causal:
+        if causal:
             allowed = rel >= 0
-        if spec.window is not None:
+        if window:
             left, right = spec.window
             in_window = (rel <= left) & (rel >= -right)
             allowed = in_window if allowed is None else allowed & in_window

@@ -104,7 +104,7 @@ def test_gradients_match_math(backend, p):
     q, k, v, kw = p
     for got, ref in zip(_grads(q, k, v, kw, backend), _grads(q, k, v, kw, "math")):
         assert not torch.isnan(got).any()
-        assert (got - ref).abs().max().item() <= 2e-5
+        assert (got - ref).abs().max().item() <= 2e-5 * max(1.0, ref.abs().max().item())   # fp32 rounding
 
 
 @given(p=problems())
@@ -122,7 +122,7 @@ def test_chunked_lse_gradient(p):
         return torch.autograd.grad(res.out.sum() + res.lse[rows].sum(), (qq, kk, vv))
 
     for got, ref in zip(grads("chunked"), grads("math")):
-        assert (got - ref).abs().max().item() <= 2e-5
+        assert (got - ref).abs().max().item() <= 2e-5 * max(1.0, ref.abs().max().item())
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "chunked"])

@@ -24,21 +24,24 @@ NEG_INF = float("-inf")
 
 
 def _scores(spec, qb, kb, q0, q1, k0, k1):
-    """Scaled, masked scores of one tile in fp32. qb: (B, Hkv, G*tq, D), kb: (B, Hkv, tk, D)."""
+    """Masked scores of one tile in fp32. qb: (B, Hkv, G*tq, D), already scaled; kb: (B, Hkv, tk, D).
+    Runs without autograd (forward and the recomputing backward), so it works in place."""
     B, H = spec.B, spec.H
-    s = (qb @ kb.transpose(-2, -1)).view(B, H, q1 - q0, k1 - k0) * spec.scale   # (B, H, tq, tk)
+    s = (qb @ kb.transpose(-2, -1)).view(B, H, q1 - q0, k1 - k0)   # (B, H, tq, tk)
     allowed, bias = tile_masks(spec, q0, q1, k0, k1, qb.device)
     if bias is not None:
-        s = s + bias
+        s += bias
     if allowed is not None:
-        s = s.masked_fill(~allowed, NEG_INF)
+        s.masked_fill_(~allowed, NEG_INF)
     return s
 
 
-def _group(t, spec, q0, q1):
+def _group(t, spec, q0, q1, scale=1.0):
     """(B, H, T, X) rows [q0, q1) -> fp32 (B, Hkv, G*tq, X): a GQA group shares one K/V head."""
     B, Hkv, G = spec.B, spec.Hkv, spec.G
-    return t[:, :, q0:q1].float().reshape(B, Hkv, G * (q1 - q0), t.shape[-1])
+    rows = t[:, :, q0:q1].float()
+    rows = rows * scale if scale != 1.0 else rows
+    return rows.reshape(B, Hkv, G * (q1 - q0), t.shape[-1])
 
 
 def _forward(q, k, v, spec, block_q, block_k):
@@ -48,7 +51,7 @@ def _forward(q, k, v, spec, block_q, block_k):
     for q0 in range(0, T, block_q):
         q1 = min(q0 + block_q, T)
         tq = q1 - q0
-        qb = _group(q, spec, q0, q1)
+        qb = _group(q, spec, q0, q1, spec.scale)                    # scale once per block, not per tile
         m = torch.full((B, H, tq), NEG_INF, device=q.device)       # running max
         l = torch.zeros(B, H, tq, device=q.device)                 # running sum of exp
         acc = torch.zeros(B, H, tq, Dv, device=q.device)           # running unnormalized output
@@ -59,7 +62,7 @@ def _forward(q, k, v, spec, block_q, block_k):
             s = _scores(spec, qb, k[:, :, k0:k1].float(), q0, q1, k0, k1)
             m_new = torch.maximum(m, s.amax(dim=-1))
             m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # rows with nothing visible yet
-            p = torch.exp(s - m_safe[..., None])                    # (B, H, tq, tk)
+            p = s.sub_(m_safe[..., None]).exp_()                    # (B, H, tq, tk), in place
             alpha = torch.exp(m - m_safe)                           # rescale what came before
             l = l * alpha + p.sum(dim=-1)
             pv = p.view(B, Hkv, G * tq, k1 - k0) @ v[:, :, k0:k1].float()
@@ -82,7 +85,7 @@ def _backward(q, k, v, out, lse, dout, dlse, spec, block_q, block_k):
     for q0 in range(0, T, block_q):
         q1 = min(q0 + block_q, T)
         tq = q1 - q0
-        qb = _group(q, spec, q0, q1)                               # (B, Hkv, G*tq, D)
+        qs = _group(q, spec, q0, q1, spec.scale)                   # (B, Hkv, G*tq, D), scaled
         dob = _group(dout, spec, q0, q1)                           # (B, Hkv, G*tq, Dv)
         dqb = torch.zeros(B, Hkv, G * tq, D, device=q.device)
         for k0 in range(0, S, block_k):
@@ -90,17 +93,16 @@ def _backward(q, k, v, out, lse, dout, dlse, spec, block_q, block_k):
             if tile_is_empty(spec, q0, q1, k0, k1):
                 continue
             kb, vb = k[:, :, k0:k1].float(), v[:, :, k0:k1].float()
-            s = _scores(spec, qb, kb, q0, q1, k0, k1)
-            p = torch.exp(s - lse_safe[:, :, q0:q1, None])         # (B, H, tq, tk), recomputed
+            s = _scores(spec, qs, kb, q0, q1, k0, k1)
+            p = s.sub_(lse_safe[:, :, q0:q1, None]).exp_()         # (B, H, tq, tk), recomputed
             pg = p.view(B, Hkv, G * tq, k1 - k0)
             dv[:, :, k0:k1] += pg.transpose(-2, -1) @ dob          # sums over the group
             dp = (dob @ vb.transpose(-2, -1)).view(B, H, tq, k1 - k0)
             ds = (p * (dp - delta[:, :, q0:q1, None])).view(B, Hkv, G * tq, k1 - k0)
             dqb += ds @ kb
-            dk[:, :, k0:k1] += ds.transpose(-2, -1) @ qb
+            dk[:, :, k0:k1] += ds.transpose(-2, -1) @ qs           # scaled q: the scale is already in
         dq[:, :, q0:q1] = dqb.view(B, H, tq, D)
-    s = spec.scale
-    return (dq * s).to(q.dtype), (dk * s).to(k.dtype), dv.to(v.dtype)
+    return (dq * spec.scale).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _ChunkedAttention(torch.autograd.Function):

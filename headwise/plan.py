@@ -1,0 +1,374 @@
+"""Parameters, FLOPs, KV-cache bytes and what fits in memory, for a ModelConfig.
+
+Everything is counted exactly from the config, layer by layer; no torch. The CLI
+is `headwise plan PRESET [--context N] [--batch B] [--dtype bf16] [--memory 80GiB]`
+and `headwise plan all`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass, field
+
+from headwise.config import PRESETS, AttentionConfig, ModelConfig, get_preset, parse_overrides
+
+DTYPE_BYTES = {
+    "fp32": 4, "float32": 4,
+    "fp16": 2, "float16": 2, "half": 2,
+    "bf16": 2, "bfloat16": 2,
+    "int8": 1,
+    "fp8": 1, "float8": 1,  # e4m3 / e5m2; scales of quantized formats are not counted
+}  # fmt: skip
+
+
+def dtype_bytes(dtype: str) -> int:
+    key = dtype.strip().lower()
+    if key not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[key]
+
+
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """'80GiB' -> 80 * 2**30, '80GB' -> 80 * 10**9, '24G' -> 24 * 2**30, '512MiB', '1e9'.
+
+    A bare K/M/G/T means the binary unit, as in `docker --memory 24g`.
+    """
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]?)(i?)(b?)\s*", str(text).lower())
+    if not m or (m.group(3) and not m.group(2)):
+        raise ValueError(f"cannot read size {text!r}; write e.g. 80GiB, 80GB, 24G or 512MiB")
+    number, prefix, binary, byte = m.groups()
+    decimal = prefix and byte and not binary  # "GB" is 10**9; "GiB" and "G" are 2**30
+    scale = 10 ** (3 * "kmgt".index(prefix) + 3) if decimal else _UNITS[prefix]
+    return round(float(number) * scale)
+
+
+# --- parameters --------------------------------------------------------------
+
+
+def attention_params(attn: AttentionConfig) -> int:
+    """One attention layer: Q (C, H*D) + K, V (C, Hkv*D) each + O (H*D, C), plus biases.
+
+    = 2*C*H*D + 2*C*Hkv*D; for MHA with D = C/H that is 4*C^2 (the seed's count).
+    """
+    C, H, Hkv, D = attn.d_model, attn.num_heads, attn.num_kv_heads, attn.head_dim
+    weights = C * H * D + 2 * C * Hkv * D + H * D * C
+    biases = H * D + 2 * Hkv * D + C if attn.bias else 0
+    return weights + biases
+
+
+def mlp_params(cfg: ModelConfig) -> int:
+    """One MLP: GELU has up (C, F) and down (F, C); SwiGLU adds a gate (C, F)."""
+    C, F = cfg.d_model, cfg.d_ff
+    if cfg.mlp == "swiglu":
+        return 3 * C * F + (2 * F + C if cfg.mlp_bias else 0)
+    return 2 * C * F + (F + C if cfg.mlp_bias else 0)
+
+
+def count_params(cfg: ModelConfig) -> dict[str, int]:
+    """Exact parameter count, by part.
+
+    attention  L * attention_params (see there)
+    mlp        L * mlp_params
+    embeddings token (V, C) + learned positions (max_positions, C) + token types
+    lm_head    (C, V) only when the head is untied; 0 when tied or absent
+    norms      2 per layer + a final one (pre-norm) or one on the embeddings
+               (post-norm, BERT); LayerNorm is 2*C, RMSNorm C
+    other      BERT's pooler, (C, C) + C
+    """
+    C, L = cfg.d_model, cfg.num_layers
+    norm = 2 * C if cfg.norm == "layernorm" else C
+    positions = cfg.max_positions * C if cfg.positions == "learned" else 0
+    counts = {
+        "attention": L * attention_params(cfg.attention),
+        "mlp": L * mlp_params(cfg),
+        "embeddings": cfg.vocab_size * C + positions + cfg.type_vocab_size * C,
+        "lm_head": cfg.vocab_size * C if cfg.lm_head and not cfg.tie_embeddings else 0,
+        "norms": (2 * L + 1) * norm,
+        "other": C * C + C if cfg.pooler else 0,
+    }
+    counts["total"] = sum(counts.values())
+    return counts
+
+
+# --- FLOPs and KV cache --------------------------------------------------------
+
+
+def flops_per_token(cfg: ModelConfig, context: int) -> dict[str, int]:
+    """Forward FLOPs for one token that attends to `context` keys; FLOPs = 2 * MACs.
+
+    projections  2 * L * attention weights (Q, K, V, O)
+    attention    L * 2 * 2 * context * H * D   (q.k scores, then weights @ v)
+    mlp          2 * L * MLP weights
+    lm_head      2 * C * V for models that end in a vocab projection
+
+    No causal averaging: this is the cost of the token at position `context`
+    (a decode step, or any token of a bidirectional encoder). The mean over a
+    causal prefill of n tokens is the same with context = (n + 1) / 2.
+    Embedding lookups, norms, softmax and activations are elementwise and left out.
+    """
+    C, L, F, V = cfg.d_model, cfg.num_layers, cfg.d_ff, cfg.vocab_size
+    H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    projection_weights = 2 * C * H * D + 2 * C * Hkv * D  # Q and O, K and V; biases are adds, not MACs
+    mlp_weights = (3 if cfg.mlp == "swiglu" else 2) * C * F
+    counts = {
+        "projections": 2 * L * projection_weights,
+        "attention": L * 2 * 2 * context * H * D,
+        "mlp": 2 * L * mlp_weights,
+        "lm_head": 2 * C * V if cfg.lm_head else 0,
+    }
+    counts["total"] = sum(counts.values())
+    return counts
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: str = "bf16") -> int:
+    """K and V for one token in every layer: 2 * L * Hkv * D * bytes(dtype).
+
+    Encoders (cfg.causal False) keep no cache at inference; this is what caching
+    their K/V would take, and plan() says so.
+    """
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes(dtype)
+
+
+# --- the plan ----------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """What `cfg` costs at (context, batch, dtype), and what fits in `memory`.
+
+    Memory model: weights (params * bytes) + reserve + KV cache
+    (kv_bytes_per_token * context * batch). `reserve` is yours to set for
+    activations, CUDA context and fragmentation; by default nothing is reserved.
+    """
+
+    config: ModelConfig
+    context: int
+    batch: int
+    dtype: str
+    params: dict[str, int]
+    flops: dict[str, int]  # per token, at `context`
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_bytes: int  # the whole cache for (batch, context); 0 for encoders
+    memory: int | None = None
+    reserve: int = 0
+    fits: bool | None = None  # weights + reserve + KV <= memory
+    max_context: int | None = None  # for `batch`, memory-bound only
+    max_batch: int | None = None  # for `context`
+    notes: list[str] = field(default_factory=list)
+
+
+def plan(
+    cfg: ModelConfig,
+    context: int | None = None,
+    batch: int = 1,
+    dtype: str = "bf16",
+    memory: int | str | None = None,
+    reserve: int | str = 0,
+) -> Plan:
+    context = cfg.max_positions if context is None else context
+    if context <= 0 or batch <= 0:
+        raise ValueError(f"context={context} and batch={batch} must be positive")
+    nbytes = dtype_bytes(dtype)
+    params = count_params(cfg)
+    per_token = kv_bytes_per_token(cfg, dtype)
+    result = Plan(
+        config=cfg,
+        context=context,
+        batch=batch,
+        dtype=dtype,
+        params=params,
+        flops=flops_per_token(cfg, context),
+        weight_bytes=params["total"] * nbytes,
+        kv_bytes_per_token=per_token,
+        kv_bytes=per_token * context * batch if cfg.causal else 0,
+        memory=None if memory is None else parse_size(memory),
+        reserve=parse_size(reserve),
+    )
+    notes = result.notes
+    if not cfg.causal:
+        notes.append(
+            f"encoder: no KV cache at inference (caching K/V would take {fmt_bytes(per_token)}/token); "
+            "context and batch are bounded by activations and max_positions instead"
+        )
+    if context > cfg.max_positions:
+        how = "learned position table" if cfg.positions == "learned" else "trained context (RoPE)"
+        notes.append(f"context {context} is past the {how} of {cfg.max_positions}")
+    if result.memory is None:
+        return result
+    free = result.memory - result.weight_bytes - result.reserve
+    result.fits = free >= result.kv_bytes
+    if free < 0:
+        result.max_context = result.max_batch = 0
+        devices = -(-(result.weight_bytes + result.reserve) // max(result.memory, 1))  # ceil
+        notes.append(
+            f"weights alone ({fmt_bytes(result.weight_bytes)} in {dtype}) + reserve do not fit in "
+            f"{fmt_bytes(result.memory)}: {fmt_bytes(-free)} short; shard over >= {devices} such devices "
+            "or use a smaller --dtype"
+        )
+    elif cfg.causal:
+        result.max_context = free // (per_token * batch)
+        result.max_batch = free // (per_token * context)
+        if result.max_context > cfg.max_positions:
+            trained = cfg.max_positions
+            notes.append(f"memory allows context {result.max_context:,} but the model was trained on {trained:,}")
+    return result
+
+
+# --- formatting ----------------------------------------------------------------
+
+
+def _short(value: float, units: list[str], step: float) -> str:
+    i = 0
+    while abs(value) >= step and i < len(units) - 1:
+        value, i = value / step, i + 1
+    digits = 0 if value == int(value) else 1 if abs(value) >= 10 else 2
+    return f"{value:.{digits}f}{units[i]}"
+
+
+def fmt_count(n: float) -> str:
+    """124439808 -> '124.44M', 6738415616 -> '6.74B'."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:g}"
+
+
+def fmt_bytes(n: float) -> str:
+    """524288 -> '512 KiB', 1.5 * 2**30 -> '1.50 GiB', 137952391168 -> '128.5 GiB'."""
+    return _short(n, [" B", " KiB", " MiB", " GiB", " TiB", " PiB"], 1024)
+
+
+def fmt_flops(n: float) -> str:
+    return _short(n, [" ", " K", " M", " G", " T", " P"], 1000) + "FLOP"
+
+
+def _table(rows: list[list[str]], right: set[int]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    def line(row: list[str]) -> str:
+        cells = (c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        return "  ".join(cells).rstrip()
+
+    return "\n".join(line(r) for r in rows)
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
+
+
+def format_plan(p: Plan) -> str:
+    cfg, attn, pc, fl = p.config, p.config.attention, p.params, p.flops
+    head = (
+        f"{cfg.name}: {cfg.arch}, {attn.kind} {attn.num_heads}q/{attn.num_kv_heads}kv heads x D={attn.head_dim}, "
+        f"L={cfg.num_layers}, C={cfg.d_model}, F={cfg.d_ff}, V={cfg.vocab_size}"
+    )
+    rows = [["parameters", fmt_count(pc["total"]), f"{pc['total']:,}"]]
+    for part in ("attention", "mlp", "embeddings", "lm_head", "norms", "other"):
+        rows.append([f"  {part}", fmt_count(pc[part]), _pct(pc[part], pc["total"])])
+    rows.append([f"weights ({p.dtype})", fmt_bytes(p.weight_bytes), ""])
+    kv_how = f"2 x L {cfg.num_layers} x Hkv {attn.num_kv_heads} x D {attn.head_dim} x {dtype_bytes(p.dtype)} B"
+    rows.append(["KV cache per token", fmt_bytes(p.kv_bytes_per_token), kv_how])
+    kv_total = fmt_bytes(p.kv_bytes) if cfg.causal else "none (encoder)"
+    rows.append([f"KV cache, {p.context:,} tokens x batch {p.batch}", kv_total, ""])
+    rows.append([f"forward FLOPs/token at {p.context:,}", fmt_flops(fl["total"]), "2 x multiply-adds"])
+    for part in ("projections", "attention", "mlp", "lm_head"):
+        rows.append([f"  {part}", fmt_flops(fl[part]), _pct(fl[part], fl["total"])])
+    if p.memory is not None:
+        verdict = "fits" if p.fits else "does NOT fit"
+        rows.append([f"memory (reserve {fmt_bytes(p.reserve)})", fmt_bytes(p.memory), verdict])
+        if p.max_context is not None:
+            rows.append([f"max context at batch {p.batch}", f"{p.max_context:,}", "tokens"])
+            rows.append([f"max batch at context {p.context:,}", f"{p.max_batch:,}", "sequences"])
+    out = head + "\n\n" + _table(rows, right={1})
+    return out + "".join(f"\nnote: {n}" for n in p.notes)
+
+
+def format_all(plans: list[Plan]) -> str:
+    with_memory = plans[0].memory is not None
+    header = "model attn L C H/Hkv D params weights KV/token context KV_cache FLOP/token attn_FLOP".split()
+    header = [h.replace("_", " ") for h in header]
+    if with_memory:
+        header += ["max ctx", "max batch"]
+    rows = [header]
+    for p in plans:
+        c, a = p.config, p.config.attention
+        row = [
+            c.name, a.kind, str(c.num_layers), str(c.d_model), f"{a.num_heads}/{a.num_kv_heads}", str(a.head_dim),
+            fmt_count(p.params["total"]), fmt_bytes(p.weight_bytes), fmt_bytes(p.kv_bytes_per_token),
+            f"{p.context:,}", fmt_bytes(p.kv_bytes) if c.causal else "none",
+            fmt_flops(p.flops["total"]), _pct(p.flops["attention"], p.flops["total"]),
+        ]  # fmt: skip
+        if with_memory:
+            row += ["-" if n is None else f"{n:,}" for n in (p.max_context, p.max_batch)]
+        rows.append(row)
+    p0 = plans[0]
+    title = f"dtype {p0.dtype}, batch {p0.batch}" + (f", memory {fmt_bytes(p0.memory)}" if with_memory else "")
+    foot = ["context: each model's max_positions unless --context; KV/token: 2 x L x Hkv x D x bytes"]
+    foot += [f"{p.config.name}: {note}" for p in plans for note in p.notes]
+    return title + "\n\n" + _table(rows, right=set(range(2, len(header)))) + "\n\n" + "\n".join(foot)
+
+
+# --- CLI -----------------------------------------------------------------------
+
+EXAMPLES = """\
+examples:
+  headwise plan llama-2-70b --context 4096 --batch 8 --dtype bf16 --memory 80GiB
+  headwise plan all --memory 24GiB
+  headwise plan llama-2-7b --set num_layers=16 --set num_kv_heads=8   # a custom model
+"""
+
+
+def add_cli(subparsers) -> argparse.ArgumentParser:
+    """Register `plan` on an argparse subparsers object; dispatch with args.func(args)."""
+    p = subparsers.add_parser(
+        "plan",
+        help="parameters, FLOPs, KV-cache size and max context/batch for a model",
+        description="Count parameters, forward FLOPs per token and KV-cache bytes for a model config,\n"
+        "and find the largest context and batch that fit a memory budget after the weights.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    arg = p.add_argument
+    arg("model", help=f"a preset ({', '.join(PRESETS)}; aliases such as gpt2-small, llama2-7b), "
+        "or 'all' for one table of every preset")  # fmt: skip
+    arg("--context", type=int, metavar="N", help="tokens per sequence (default: the model's max_positions)")
+    arg("--batch", type=int, default=1, metavar="B", help="sequences held at once (default: 1)")
+    arg("--dtype", default="bf16", help="dtype of weights and KV cache: fp32, fp16, bf16, int8, fp8 (default: bf16)")
+    arg("--memory", metavar="SIZE", help="memory budget, e.g. 80GiB, 80GB (10^9 bytes), 24G (= 24GiB); "
+        "adds the largest context and batch that fit after the weights")  # fmt: skip
+    arg("--reserve", default="0", metavar="SIZE",
+        help="memory held back from --memory for activations and runtime, e.g. 2GiB (default: 0)")  # fmt: skip
+    arg("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="change a field of the preset's config (repeatable) to plan a custom model, "
+        "e.g. --set num_layers=24 --set d_model=2048 --set num_heads=16 --set num_kv_heads=4")  # fmt: skip
+    p.set_defaults(func=run_plan)
+    return p
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Print the plan for args.model (or every preset); 0 on success, 2 on bad input."""
+    try:
+        kwargs = dict(context=args.context, batch=args.batch, dtype=args.dtype)
+        kwargs.update(memory=args.memory, reserve=getattr(args, "reserve", 0))
+        overrides = parse_overrides(getattr(args, "overrides", None) or [])
+        if args.model.strip().lower() == "all":
+            if overrides:
+                raise ValueError("--set changes one preset; name it instead of 'all'")
+            print(format_all([plan(cfg, **kwargs) for cfg in PRESETS.values()]))
+            return 0
+        cfg = get_preset(args.model)
+        if overrides:  # name the result so the header can't pass it off as the preset
+            name = f"{cfg.name} with {', '.join(args.overrides)}"
+            cfg = cfg.override(**{"name": name, **overrides})
+        print(format_plan(plan(cfg, **kwargs)))
+        return 0
+    except ValueError as e:
+        print(f"headwise plan: error: {e}", file=sys.stderr)
+        return 2
