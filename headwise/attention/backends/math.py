@@ -21,22 +21,24 @@ def math_attention(q, k, v, spec: AttentionSpec) -> AttentionOutput:
 
     # GQA without copying K/V: query heads of one group share a KV head, so fold the
     # group into the row dim: (B, Hkv, G*T, D) @ (B, Hkv, D, S). Head h = kv * G + g.
-    scores = q.reshape(B, Hkv, G * T, D) @ k.transpose(-2, -1)      # (B, Hkv, G*T, S)
-    scores = scores.view(B, H, T, S) * spec.scale                   # (B, H, T, S)
+    scores = (q * spec.scale).reshape(B, Hkv, G * T, D) @ k.transpose(-2, -1)   # (B, Hkv, G*T, S)
+    scores = scores.view(B, H, T, S)                                # (B, H, T, S)
     allowed, bias = tile_masks(spec, 0, T, 0, S, q.device)
     if bias is not None:
         scores = scores + bias
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
 
-    lse = torch.logsumexp(scores, dim=-1)                           # (B, H, T); -inf on fully masked rows
     weights = torch.softmax(scores, dim=-1)
-    weights = weights.masked_fill(torch.isneginf(lse)[..., None], 0.0)  # fully masked rows: zeros, not NaN
+    lse = torch.logsumexp(scores, dim=-1) if spec.return_lse else None   # (B, H, T)
+    if allowed is not None or bias is not None:                     # fully masked rows: zeros, not NaN
+        dead = torch.isneginf(lse) if lse is not None else torch.isneginf(scores.amax(dim=-1))
+        weights = weights.masked_fill(dead[..., None], 0.0)
     if spec.dropout_p > 0:
         weights = F.dropout(weights, spec.dropout_p)
     out = weights.view(B, Hkv, G * T, S) @ v                        # (B, Hkv, G*T, Dv)
     out = out.view(B, H, T, Dv).to(dtype)
-    return AttentionOutput(out, lse if spec.return_lse else None,
+    return AttentionOutput(out, lse,
                            weights.to(dtype) if spec.need_weights else None)
 
 

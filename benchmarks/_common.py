@@ -1,0 +1,174 @@
+"""Helpers shared by benchmark scripts: environment capture, interleaved timing,
+summaries, peak-memory readings and plain-text tables.
+
+Timing method (the project's standard): warm every contender up, then run
+rounds in which each contender runs once, in an order rotated every round, so
+slow drift of the machine (thermal, other jobs) hits every contender alike.
+Report min / median / max per contender and compare medians.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from typing import Callable, Sequence
+
+import torch
+
+
+# ---------------------------------------------------------------- environment
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def cpu_ticks() -> list[int]:
+    """Aggregate /proc/stat cpu counters (user nice system idle iowait irq softirq steal ...)."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return []
+
+
+def busy_and_steal(start: list[int], end: list[int]) -> dict:
+    """Share of CPU time, between two cpu_ticks(), that was busy and that the
+    hypervisor stole: steal > a few % means another VM was using our cores."""
+    if not start or not end:
+        return {}
+    d = [b - a for a, b in zip(start, end)]
+    total = max(sum(d[:8]), 1)
+    return {"busy_pct": round(100 * (total - d[3] - d[4]) / total, 1), "steal_pct": round(100 * d[7] / total, 1)}
+
+
+def environment() -> dict:
+    """What a reader needs to judge the numbers: versions, threads, CPU, load, date."""
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model(),
+        "platform": platform.platform(),
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+    }
+
+
+# --------------------------------------------------------------------- timing
+def rotated(names: Sequence[str], r: int) -> list[str]:
+    """Round r runs the contenders starting at index r mod n."""
+    i = r % len(names)
+    return [*names[i:], *names[:i]]
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], *, rounds: int | None = None,
+                     budget_s: float = 20.0, min_rounds: int = 5, max_rounds: int = 40,
+                     warmup: int = 2) -> tuple[dict[str, list[float]], int]:
+    """Time each zero-argument callable in interleaved, rotated rounds.
+
+    With `rounds=None` the number of rounds is chosen so the whole thing takes
+    about `budget_s`, clamped to [min_rounds, max_rounds]; the estimate is the last
+    warm-up call of each contender. Returns ({name: [seconds per call]}, rounds).
+    """
+    names = list(fns)
+    estimate = {}
+    for name in names:
+        for _ in range(max(1, warmup)):
+            t0 = time.perf_counter()
+            fns[name]()
+            estimate[name] = time.perf_counter() - t0
+    if rounds is None:
+        per_round = sum(estimate.values())
+        rounds = int(min(max_rounds, max(min_rounds, budget_s // max(per_round, 1e-9))))
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in rotated(names, r):
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times, rounds
+
+
+def summarize(samples: Sequence[float]) -> dict:
+    return {"min": min(samples), "median": statistics.median(samples), "max": max(samples), "n": len(samples)}
+
+
+# --------------------------------------------------------------------- memory
+def maxrss_bytes() -> int:
+    """ru_maxrss in bytes (it is KiB on Linux). Careful: a process inherits its
+    parent's peak across fork/exec (the forked copy's RSS is recorded at exec), so a
+    child of a big process reads far too high; use peak_rss_bytes() there."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_rss_bytes() -> int:
+    """Peak RSS of this process's own memory (VmHWM) since start or the last
+    reset_peak_rss(); ru_maxrss where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return maxrss_bytes()
+
+
+def reset_peak_rss() -> bool:
+    """Set the peak RSS (VmHWM) to the current RSS, so peak_rss_bytes() measures
+    from now on (Linux >= 4.0). False if unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def rss_bytes() -> int:
+    """Current resident set size, from /proc/self/statm."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# --------------------------------------------------------------------- output
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Plain-text table; first column left-aligned, the rest right-aligned."""
+    cells = [[str(h) for h in headers]] + [[("" if c is None else str(c)) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def fmt(row):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+
+    lines = [fmt(cells[0]), "  ".join("-" * w for w in widths)]
+    return "\n".join(lines + [fmt(r) for r in cells[1:]])
+
+
+class Log:
+    """print() that also keeps the lines, so the same text can be saved next to the JSON."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def __call__(self, *parts: object) -> None:
+        text = " ".join(str(p) for p in parts)
+        print(text, flush=True)
+        self.lines.append(text)
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
