@@ -113,31 +113,30 @@ class MultiHeadAttention(nn.Module):
         k = k.view(B, S_new, Hkv, D).transpose(1, 2)            # (B, Hkv, S, D)
         v = v.view(B, S_new, Hkv, D).transpose(1, 2)            # (B, Hkv, S, D)
 
+        if attn_mask is not None and attn_mask.dim() == 3 and attn_mask.shape[0] == B * H and B * H != 1:
+            attn_mask = attn_mask.view(B, H, *attn_mask.shape[1:])    # nn.MultiheadAttention's (B*H, T, S)
+        kwargs = dict(attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
+                      alibi_slopes=self.alibi_slopes, dropout_p=self.dropout if self.training else 0.0,
+                      backend="math" if need_weights else self.backend, need_weights=need_weights)
         if cache is not None:
             if not self_attn:
                 raise ValueError("cache= is for self-attention; cross-attention K/V can be computed once")
+            num_new = None
+            if key_padding_mask is not None:     # with a cache it marks padding among the T new tokens
+                num_new = _right_padding_lengths(key_padding_mask, B, T)
+                kwargs["key_padding_mask"] = None
             if self.rope is not None:
                 pos = cache.positions(T)
                 q, k = self.rope(q, pos), self.rope(k, pos)
-            read = cache.update(k, v)
-            k, v = read.k, read.v
-            key_padding_mask = _merge_padding(key_padding_mask, read.key_padding_mask)
-            if read.attn_mask is not None:
-                attn_mask = _merge_attn(attn_mask, read.attn_mask, B, H)
-                is_causal = False     # the cache's mask already says who sees whom
-        elif self.rope is not None:
-            S = k.shape[2]
-            q = self.rope(q, torch.arange(S - T, S, device=q.device))   # bottom-right, as causal masks
-            k = self.rope(k, torch.arange(S, device=k.device))
-
-        if attn_mask is not None and attn_mask.dim() == 3 and attn_mask.shape[0] == B * H and B * H != 1:
-            attn_mask = attn_mask.view(B, H, *attn_mask.shape[1:])    # nn.MultiheadAttention's (B*H, T, S)
-        if self.kv_map is not None:             # uneven groups after pruning: give each query head its K/V
-            k, v = k.index_select(1, self.kv_map), v.index_select(1, self.kv_map)
-
-        res = attend(q, k, v, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
-                     alibi_slopes=self.alibi_slopes, dropout_p=self.dropout if self.training else 0.0,
-                     backend="math" if need_weights else self.backend, need_weights=need_weights)
+            res = cache.update(k, v, num_new).attend(q, kv_map=self.kv_map, **kwargs)
+        else:
+            if self.rope is not None:
+                S = k.shape[2]
+                q = self.rope(q, torch.arange(S - T, S, device=q.device))   # bottom-right, as causal masks
+                k = self.rope(k, torch.arange(S, device=k.device))
+            if self.kv_map is not None:         # uneven groups after pruning: give each query head its K/V
+                k, v = k.index_select(1, self.kv_map), v.index_select(1, self.kv_map)
+            res = attend(q, k, v, **kwargs)
         out, weights = (res.out, res.weights) if need_weights else (res, None)   # out: (B, H, T, D)
         if head_mask is not None:
             out = out * _head_multiplier(head_mask, B, H).to(out.dtype)
@@ -322,17 +321,14 @@ def _head_multiplier(head_mask: Tensor, B: int, H: int) -> Tensor:
     raise ValueError(f"head_mask must be (H,) = ({H},) or (B, H) = ({B}, {H}), got {tuple(head_mask.shape)}")
 
 
-def _merge_padding(a: Tensor | None, b: Tensor | None) -> Tensor | None:
-    if a is None or b is None:
-        return a if b is None else b
-    if a.shape != b.shape:
-        raise ValueError(f"key_padding_mask {tuple(a.shape)} does not match the cache's keys {tuple(b.shape)}")
-    return a | b
-
-
-def _merge_attn(user: Tensor | None, cache_mask: Tensor, B: int, H: int) -> Tensor:
-    if user is None:
-        return cache_mask
-    if user.dtype == torch.bool:
-        return user & cache_mask
-    return user.masked_fill(~cache_mask, float("-inf"))
+def _right_padding_lengths(key_padding_mask: Tensor, B: int, T: int) -> Tensor:
+    """(B,) real-token counts from a right-padded (B, T) mask (True = padding)."""
+    if tuple(key_padding_mask.shape) != (B, T):
+        raise ValueError(f"with cache=, key_padding_mask marks padding among the new tokens and must be "
+                         f"(B, T) = ({B}, {T}), got {tuple(key_padding_mask.shape)}")
+    num_new = (~key_padding_mask).sum(dim=1)
+    expected = torch.arange(T, device=key_padding_mask.device)[None, :] >= num_new[:, None]
+    if not torch.equal(expected, key_padding_mask):
+        raise ValueError("with cache=, padding among the new tokens must be on the right "
+                         "(each row: real tokens, then True padding)")
+    return num_new

@@ -191,9 +191,9 @@ class _TinyCache:
         self.len = 0
 
     def positions(self, num_new):
-        return torch.arange(self.len, self.len + num_new)
+        return torch.arange(self.len, self.len + num_new)[None]
 
-    def update(self, k, v):
+    def update(self, k, v, num_new=None):
         T = k.shape[2]
         self.k[:, :, self.len:self.len + T] = k
         self.v[:, :, self.len:self.len + T] = v
