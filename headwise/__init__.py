@@ -16,6 +16,9 @@ _LAZY = {
     "AttentionConfig": "headwise.config",
     "ModelConfig": "headwise.config",
     "get_preset": "headwise.config",
+    "generate": "headwise.generation",
+    "SamplingParams": "headwise.generation",
+    "GenerationResult": "headwise.generation",
 }
 __all__ = list(_LAZY)
 

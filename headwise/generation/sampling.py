@@ -1,0 +1,113 @@
+"""Sampling: one description of how to pick tokens (`SamplingParams`), and the
+logits processors that implement it.
+
+The order follows Hugging Face transformers and vLLM: repetition penalty, then
+temperature, then top-k, top-p and min-p filters, then a draw from the softmax.
+temperature == 0 means greedy. Filters never remove the most likely token, so
+at least one candidate always survives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 1.0          # 0 = greedy (argmax)
+    top_k: int = 0                    # keep the k most likely tokens; 0 = off
+    top_p: float = 1.0                # keep the smallest set with cumulative probability >= top_p
+    min_p: float = 0.0                # keep tokens with p >= min_p * p_max (Nguyen et al. 2024)
+    repetition_penalty: float = 1.0   # CTRL (Keskar et al. 2019): divide positive logits of seen tokens
+    stop: tuple[str, ...] = ()        # stop strings; the text is cut before them
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    n: int = 1                        # completions per prompt
+    logprobs: int | None = None       # return the chosen token's logprob and this many alternatives
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        checks = [
+            (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (self.n >= 1, f"n must be >= 1, got {self.n}"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (all(s for s in self.stop), "stop strings must be non-empty"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """logits (B, V); seen (B, V) bool: tokens in the prompt or output so far."""
+    if penalty == 1.0:
+        return logits
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> Tensor:
+    """Set filtered-out entries of logits (B, V) to -inf. Temperature is applied before."""
+    neg_inf = torch.finfo(logits.dtype).min if logits.dtype != torch.float32 else float("-inf")
+    if top_k and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]                   # (B, 1)
+        logits = logits.masked_fill(logits < kth, neg_inf)
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # drop a token when the tokens strictly more likely already reach top_p
+        drop = (probs.cumsum(dim=-1) - probs) >= top_p
+        drop[..., 0] = False
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), neg_inf)
+    if min_p > 0.0:
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), neg_inf)
+    return logits
+
+
+def sample(logits: Tensor, params: SamplingParams, *, seen: Tensor | None = None,
+           generator: torch.Generator | None = None) -> Tensor:
+    """Pick one token per row of logits (B, V) -> (B,) long."""
+    logits = logits.float()
+    if seen is not None:
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    logits = filter_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)   # (token_id, logprob), most likely first
+
+
+def token_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> list[TokenLogprobs]:
+    """Logprobs of the chosen tokens under the unmodified distribution, plus the top k."""
+    logp = logits.float().log_softmax(dim=-1)                                 # (B, V)
+    chosen = logp.gather(-1, token_ids[:, None]).squeeze(-1)
+    out = []
+    top_v, top_i = logp.topk(k, dim=-1) if k else (None, None)
+    for b in range(logits.shape[0]):
+        top = list(zip(top_i[b].tolist(), top_v[b].tolist())) if k else []
+        out.append(TokenLogprobs(int(token_ids[b]), float(chosen[b]), top))
+    return out
