@@ -16,9 +16,11 @@ _LAZY = {
     "AttentionConfig": "headwise.config",
     "ModelConfig": "headwise.config",
     "get_preset": "headwise.config",
+    "load": "headwise.models.loading",
     "generate": "headwise.generation",
     "SamplingParams": "headwise.generation",
     "GenerationResult": "headwise.generation",
+    "embed": "headwise.embeddings",
 }
 __all__ = list(_LAZY)
 

@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     plan.add_cli(sub)
     compare.add_cli(sub)
+    from .generation import cli as generation_cli
+    generation_cli.add_cli(sub)
     demo = sub.add_parser("demo", help="plan the seed's models and compare attention backends (what `make run` shows)")
     demo.add_argument("--tokens", type=int, default=1024, help="sequence length for the backend comparison")
     demo.add_argument("--rounds", type=int, default=5)

@@ -19,6 +19,8 @@ MLPS = ("gelu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("pre", "post")
 POSITIONS = ("learned", "rope")
+ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")  # gelu = exact erf; gelu_tanh = GPT-2's "gelu_new"
+ROPE_SCALINGS = ("linear", "dynamic", "llama3")
 
 
 def _check_positive(**values: int) -> None:
@@ -82,6 +84,35 @@ class AttentionConfig:
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """How a RoPE model reads positions past its trained context (HF `rope_scaling`).
+
+    linear: positions / factor (Chen et al. 2023, "Extending context window ... via
+        positional interpolation", arXiv:2306.15595).
+    dynamic: NTK-aware base that grows with the sequence once it passes
+        max_positions (/u/bloc97 and /u/emozilla, 2023); no change below it.
+    llama3: low frequencies / factor, high ones kept, a smooth ramp between (Llama 3.1).
+    """
+
+    kind: str  # one of ROPE_SCALINGS
+    factor: float  # context stretch: 8.0 for Llama 3.1
+    original_max_positions: int | None = None  # llama3: pretraining context (8192 for Llama 3.1)
+    low_freq_factor: float = 1.0  # llama3: wavelengths above original/low are divided by factor
+    high_freq_factor: float = 4.0  # llama3: wavelengths below original/high are kept
+
+    def __post_init__(self) -> None:
+        _check_choice("rope_scaling kind", self.kind, ROPE_SCALINGS)
+        if not self.factor > 0:
+            raise ValueError(f"rope_scaling factor={self.factor} must be > 0")
+        if self.kind == "llama3":
+            if self.original_max_positions is None:
+                raise ValueError("rope_scaling llama3 needs original_max_positions (8192 for Llama 3.1)")
+            if not self.high_freq_factor > self.low_freq_factor:
+                raise ValueError(f"rope_scaling llama3 needs high_freq_factor={self.high_freq_factor} > "
+                                 f"low_freq_factor={self.low_freq_factor}")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """A decoder LM or a BERT-style encoder, as far as counts are concerned."""
 
@@ -106,10 +137,29 @@ class ModelConfig:
     pooler: bool = False  # BERT's dense + tanh over [CLS], (C, C) + bias
     causal: bool = True  # decoders keep a KV cache; encoders recompute K/V each pass
     lm_head: bool = True  # ends in a (C, V) projection; BertModel ends at hidden states
+    out_bias: bool | None = None  # O projection bias; None = attn_bias. Qwen2 biases Q, K, V but not O
+    # --- numerics the model code needs; they change no count ---
+    norm_eps: float = 1e-5  # LayerNorm / RMSNorm epsilon: GPT-2 and Llama 2 1e-5, BERT 1e-12
+    activation: str | None = None  # None: the MLP's own (gelu: exact erf GELU; swiglu: SiLU)
+    rope_theta: float = 10000.0  # RoPE base; Llama 3 uses 500000 to stretch wavelengths
+    rope_scaling: RopeScaling | None = None  # None = plain RoPE
+    sliding_window: int | None = None  # Mistral v0.1: keys older than this many tokens are not seen
+    eos_token_ids: tuple[int, ...] = ()  # generation stops at any of these
 
     def __post_init__(self) -> None:
         _check_choice("arch", self.arch, ARCHES)
         _check_choice("mlp", self.mlp, MLPS)
+        if self.activation is None:
+            object.__setattr__(self, "activation", "silu" if self.mlp == "swiglu" else "gelu")
+        _check_choice("activation", self.activation, ACTIVATIONS)
+        if self.out_bias is None:
+            object.__setattr__(self, "out_bias", self.attn_bias)
+        if not self.norm_eps > 0:
+            raise ValueError(f"norm_eps={self.norm_eps} must be > 0")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta={self.rope_theta} must be > 0")
+        if self.sliding_window is not None:
+            _check_positive(sliding_window=self.sliding_window)
         _check_choice("norm", self.norm, NORMS)
         _check_choice("norm_placement", self.norm_placement, NORM_PLACEMENTS)
         _check_choice("positions", self.positions, POSITIONS)
@@ -145,6 +195,11 @@ class ModelConfig:
             changes["head_dim"] = None
         if "num_heads" in changes and "num_kv_heads" not in changes and self.num_kv_heads == self.num_heads:
             changes["num_kv_heads"] = None
+        mlp_default = "silu" if self.mlp == "swiglu" else "gelu"
+        if "mlp" in changes and "activation" not in changes and self.activation == mlp_default:
+            changes["activation"] = None  # it was the MLP's default, so it follows the MLP
+        if "attn_bias" in changes and "out_bias" not in changes and self.out_bias == self.attn_bias:
+            changes["out_bias"] = None
         return dataclasses.replace(self, **changes)
 
 
@@ -164,16 +219,26 @@ def parse_overrides(items: list[str]) -> dict[str, object]:
         if key not in hints:
             raise ValueError(f"unknown config field {key!r}; valid: {', '.join(field_names())}")
         kind = hints[key]
+        args = typing.get_args(kind)
+        if type(None) in args:  # X | None
+            if raw.lower() in ("none", ""):
+                out[key] = None
+                continue
+            kind = next(a for a in args if a is not type(None))
         if kind is bool:
             if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise ValueError(f"{key} expects true/false, got {raw!r}")
             out[key] = raw.lower() in ("true", "1", "yes")
         elif kind is str:
             out[key] = raw
-        else:  # int or int | None
-            if raw.lower() in ("none", "") and type(None) in typing.get_args(kind):
-                out[key] = None
-                continue
+        elif kind is float:
+            try:
+                out[key] = float(raw.replace("_", ""))
+            except ValueError:
+                raise ValueError(f"{key} expects a number, got {raw!r}") from None
+        elif kind is not int:
+            raise ValueError(f"{key} cannot be set as KEY=VALUE; use ModelConfig.override in Python")
+        else:
             try:
                 out[key] = int(raw.replace("_", ""))
             except ValueError:
@@ -208,6 +273,7 @@ _BERT_BASE = ModelConfig(
     pooler=True,  # dense + tanh over [CLS] for NSP; in BertModel's 109.48M
     causal=False,  # bidirectional encoder: no KV cache
     lm_head=False,  # BertModel (what checkpoints load into) ends at hidden states
+    norm_eps=1e-12,  # google-research/bert's LayerNorm epsilon
 )
 
 _GPT2 = ModelConfig(
@@ -226,6 +292,8 @@ _GPT2 = ModelConfig(
     tie_embeddings=True,  # LM head is wte^T
     attn_bias=True,  # c_attn and c_proj are Conv1D with bias
     mlp_bias=True,
+    activation="gelu_tanh",  # "gelu_new": the tanh approximation openai/gpt-2 trained with
+    eos_token_ids=(50256,),  # <|endoftext|>
 )
 
 _GPT3_175B = ModelConfig(
@@ -297,6 +365,7 @@ _SMOLLM2_135M = ModelConfig(
     tie_embeddings=True,  # the embedding is 28M of 135M parameters; one copy, not two
     attn_bias=False,
     mlp_bias=False,
+    rope_theta=100000.0,  # config.json rope_theta: a longer base for its 8192 context
 )
 
 _MINILM_L6 = _BERT_BASE.override(

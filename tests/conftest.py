@@ -1,8 +1,12 @@
 import os
+import tempfile
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+# Converted-model cache of this test session, not the user's ~/.cache/headwise.
+os.environ.setdefault("HEADWISE_CACHE", tempfile.mkdtemp(prefix="headwise-test-cache-"))
 
 # Two cores here: keep torch from oversubscribing them when pytest runs.
 torch.set_num_threads(min(2, os.cpu_count() or 1))

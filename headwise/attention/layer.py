@@ -30,7 +30,8 @@ class MultiHeadAttention(nn.Module):
         num_heads: query heads H.
         num_kv_heads: key/value heads Hkv (default H); H % Hkv == 0.
         head_dim: D (default C // H).
-        bias: biases on all four projections.
+        bias: biases on the projections (Q, K, V and, unless out_bias says otherwise, O).
+        out_bias: bias on the O projection; None = `bias`. Qwen2 biases Q, K, V but not O.
         dropout: dropout on attention weights, applied in training mode only.
         rope: None, True (RoPE over the whole head, base 10000) or a `RotaryEmbedding`.
         backend: attention backend name, or "auto" (see `headwise.attention.backends()`).
@@ -45,7 +46,7 @@ class MultiHeadAttention(nn.Module):
                  head_dim: int | None = None, bias: bool = False, dropout: float = 0.0,
                  rope: RotaryEmbedding | bool | None = None, backend: str = "auto",
                  kdim: int | None = None, vdim: int | None = None, alibi: bool = False,
-                 device=None, dtype=None):
+                 out_bias: bool | None = None, device=None, dtype=None):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads < 1 or num_kv_heads < 1:
@@ -72,7 +73,7 @@ class MultiHeadAttention(nn.Module):
             self.q_proj = nn.Linear(d_model, H * D, bias=bias, **kw)
             self.k_proj = nn.Linear(self.kdim, Hkv * D, bias=bias, **kw)
             self.v_proj = nn.Linear(self.vdim, Hkv * D, bias=bias, **kw)
-        self.out_proj = nn.Linear(H * D, d_model, bias=bias, **kw)
+        self.out_proj = nn.Linear(H * D, d_model, bias=bias if out_bias is None else out_bias, **kw)
         self.rope = RotaryEmbedding(D) if rope is True else (rope or None)
         if alibi:
             self.register_buffer("alibi_slopes", make_alibi_slopes(H), persistent=False)
@@ -87,12 +88,16 @@ class MultiHeadAttention(nn.Module):
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
                 attn_mask: Tensor | None = None, key_padding_mask: Tensor | None = None,
                 is_causal: bool = False, need_weights: bool = False,
-                cache: LayerKVCache | None = None, head_mask: Tensor | None = None):
+                cache: LayerKVCache | None = None, head_mask: Tensor | None = None,
+                rope_cos_sin: tuple[Tensor, Tensor] | None = None):
         """query (B, T, C); key (B, S, kdim), value (B, S, vdim) default to query.
 
         attn_mask: (T, S), (B*H, T, S) as in nn.MultiheadAttention, or anything
         broadcastable to (B, H, T, S). head_mask: (H,) or (B, H) multiplier on each
         head's output (0 ablates a head; pass requires_grad for importance scores).
+        rope_cos_sin: `self.rope.cos_sin(positions)` of the T new tokens, computed once by
+        a model and shared by all its layers (self-attention, where the T keys are those
+        same tokens, or cached ones that were rotated when written).
         Returns the output (B, T, C), or (output, weights (B, H, T, S)) with
         need_weights (computed on the math backend for that call).
         """
@@ -126,11 +131,16 @@ class MultiHeadAttention(nn.Module):
                 num_new = _right_padding_lengths(key_padding_mask, B, T)
                 kwargs["key_padding_mask"] = None
             if self.rope is not None:
-                pos = cache.positions(T)
-                q, k = self.rope(q, pos), self.rope(k, pos)
+                cs = rope_cos_sin if rope_cos_sin is not None else self.rope.cos_sin(cache.positions(T))
+                q, k = self.rope(q, cos_sin=cs), self.rope(k, cos_sin=cs)
             res = cache.update(k, v, num_new).attend(q, kv_map=self.kv_map, **kwargs)
         else:
-            if self.rope is not None:
+            if self.rope is not None and rope_cos_sin is not None:
+                if k.shape[2] != T:
+                    raise ValueError(f"rope_cos_sin covers the {T} query tokens but there are {k.shape[2]} keys; "
+                                     f"it is for self-attention")
+                q, k = self.rope(q, cos_sin=rope_cos_sin), self.rope(k, cos_sin=rope_cos_sin)
+            elif self.rope is not None:
                 S = k.shape[2]
                 q = self.rope(q, torch.arange(S - T, S, device=q.device))   # bottom-right, as causal masks
                 k = self.rope(k, torch.arange(S, device=k.device))
@@ -172,7 +182,7 @@ class MultiHeadAttention(nn.Module):
 
     def projection_biases(self) -> tuple[Tensor | None, ...]:
         if not self.bias:
-            return (None,) * 4
+            return None, None, None, self.out_proj.bias
         if self.fused:
             H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
             bq, bk, bv = self.qkv_proj.bias.split([H * D, Hkv * D, Hkv * D], dim=0)
@@ -233,6 +243,8 @@ class MultiHeadAttention(nn.Module):
             why.append(f"num_heads*head_dim={self.num_heads * self.head_dim} != d_model={self.d_model}")
         if self.rope is not None or self.alibi_slopes is not None:
             why.append("it uses RoPE/ALiBi")
+        if (self.out_proj.bias is not None) != self.bias:
+            why.append("its O projection and Q/K/V projections differ in having a bias")
         if why:
             raise ValueError("nn.MultiheadAttention cannot represent this layer: " + "; ".join(why))
         w_q, w_k, w_v, w_o = self.projection_weights()

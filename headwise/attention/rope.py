@@ -24,15 +24,33 @@ class RotaryEmbedding(nn.Module):
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))  # (dim/2,)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
-        """Rotate the first `dim` channels of x (B, H, T, D) at positions (T,) or (B, T)."""
+    def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and sin of the angles, each (B|1, 1, T, dim/2) fp32, for positions (T,) or (B, T).
+
+        A model computes these once per forward and hands them to every layer
+        (`MultiHeadAttention(..., rope_cos_sin=)`), instead of each layer computing
+        them twice (for q and for k). Subclasses that scale with the sequence
+        (dynamic NTK) override this.
+        """
         if positions.dim() == 1:
             positions = positions[None]                                  # (1, T)
-        T = x.shape[-2]
-        if positions.shape[-1] != T:
-            raise ValueError(f"positions has length {positions.shape[-1]} but x has {T} tokens")
         angles = positions[:, None, :, None].float() * self.inv_freq    # (B|1, 1, T, dim/2)
-        cos, sin = angles.cos(), angles.sin()
+        return angles.cos(), angles.sin()
+
+    def forward(self, x: Tensor, positions: Tensor | None = None, *,
+                cos_sin: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """Rotate the first `dim` channels of x (B, H, T, D) at positions (T,) or (B, T),
+        or by a precomputed `cos_sin` (from `self.cos_sin(positions)`)."""
+        T = x.shape[-2]
+        if cos_sin is None:
+            if positions is None:
+                raise ValueError("pass positions (T,) or (B, T), or cos_sin from RotaryEmbedding.cos_sin")
+            if positions.shape[-1] != T:
+                raise ValueError(f"positions has length {positions.shape[-1]} but x has {T} tokens")
+            cos_sin = self.cos_sin(positions)
+        cos, sin = cos_sin
+        if cos.shape[-2] != T:
+            raise ValueError(f"cos_sin covers {cos.shape[-2]} positions but x has {T} tokens")
         rot, rest = x[..., : self.dim].float(), x[..., self.dim:]
         if self.interleaved:
             x1, x2 = rot[..., 0::2], rot[..., 1::2]

@@ -1,0 +1,113 @@
+"""Sliding-window KV cache: a ring buffer of the last W tokens per sequence.
+
+For sliding-window attention (Mistral 7B, Jiang et al. 2023: "rolling buffer
+cache"), where the query at position p sees keys (p - W, p]. Memory is bounded by
+W slots per sequence however long the sequence gets.
+
+Position p lives in slot p % W; positions keep growing (RoPE sees the absolute
+position). Keys are rotated before they are cached, so the scores do not depend
+on where in the ring a key sits, and the read may hand the W slots to attention
+in ring order, with a mask computed from each slot's absolute position.
+
+Chunked prefill (T > 1 new tokens): the chunk evicts keys that its own first
+queries still need (the query at L sees L-W+1, which token L+1 overwrites). So a
+chunk attends over [the ring as it was, the new chunk] (W + T keys, one copy),
+and only then are its last W real tokens written into the ring. A decode step
+(T = 1) evicts only position L - W, which its query does not see, so it writes
+first and reads the ring in place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .contiguous import LayerCacheBase, LayeredCache, check_dims, check_new_kv
+from .protocol import CacheRead
+from .quantized import Int8CacheRead
+
+
+def slot_positions(lengths: Tensor, W: int) -> Tensor:
+    """(B, W): absolute position held by each slot after `lengths` tokens; negative = empty."""
+    last = lengths[:, None] - 1                                    # (B, 1) newest position
+    s = torch.arange(W, device=lengths.device)
+    return last - torch.remainder(last - s, W)                     # largest p <= last with p % W == s
+
+
+@dataclass(frozen=True)
+class RingRead:
+    """A read whose keys are in ring order, not position order."""
+    read: CacheRead | Int8CacheRead
+
+    def attend(self, q: Tensor, *, alibi_slopes: Tensor | None = None, **kwargs):
+        if alibi_slopes is not None:
+            # ALiBi adds -slope * (query index - key index), taking index = position; ring order breaks that.
+            raise ValueError("ALiBi needs keys in position order; SlidingWindowCache holds them in ring "
+                             "order. Use ContiguousKVCache with a window mask for ALiBi models")
+        return self.read.attend(q, **kwargs)
+
+
+class SlidingWindowLayerCache(LayerCacheBase):
+    """One layer's ring of `window` slots; implements `LayerKVCache` (positions, update)."""
+
+    def __init__(self, batch_size: int, num_kv_heads: int, window: int, head_dim: int, *,
+                 dtype: torch.dtype = torch.float32, device=None, kv_dtype=None):
+        super().__init__(batch_size, num_kv_heads, window, head_dim, dtype=dtype, device=device,
+                         kv_dtype=kv_dtype)
+        self.window = window
+
+    def update(self, k: Tensor, v: Tensor, num_new: Tensor | None = None) -> RingRead:
+        """Append k, v (B, Hkv, T, D); each new query sees the last W positions up to its own."""
+        W = self.window
+        T = check_new_kv(k, v, self.batch_size, self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        counts = self._book(T, num_new)
+        n = [T] * self.batch_size if counts is None else counts
+
+        if T == 1 and counts is None:                               # decode: write, then read the ring in place
+            self.store.write_at((self._len % W)[:, None], k, v)
+            self._len += 1
+            end = self._len
+            if min(self._host) >= W:                                # every slot holds one of the last W keys
+                return RingRead(self.store.read(W))
+            filled = slot_positions(end, W) >= 0                    # (B, W)
+            return RingRead(self.store.read(W, attn_mask=filled[:, None, None, :]))
+
+        ring_k, ring_v = self.store.dense()                         # (B, Hkv, W, D): positions < L
+        keys = torch.cat([ring_k, self.store.round_trip(k)], dim=2)            # (B, Hkv, W + T, D)
+        values = torch.cat([ring_v, self.store.round_trip(v)], dim=2)
+        t = torch.arange(T, device=self.device)
+        n_t = torch.tensor(n, dtype=torch.long, device=self.device)            # (B,)
+        qpos = self._len[:, None] + t                                           # (B, T)
+        kpos = torch.cat([slot_positions(self._len, W),
+                          torch.where(t < n_t[:, None], qpos, -1)], dim=1)      # (B, W + T), < 0 = no key
+        rel = qpos[:, :, None] - kpos[:, None, :]                                # (B, T, W + T)
+        mask = (kpos[:, None, :] >= 0) & (rel >= 0) & (rel < W)                  # causal, in the window
+
+        keep = (t >= n_t[:, None] - W) & (t < n_t[:, None])         # the last W real tokens survive
+        b, tt = keep.nonzero(as_tuple=True)
+        self.store.write_tokens(b, tt, qpos[b, tt] % W, k, v)       # distinct slots per sequence
+        self._len += n_t
+        return RingRead(CacheRead(keys, values, attn_mask=mask[:, None]))      # mask (B, 1, T, W + T)
+
+
+class SlidingWindowCache(LayeredCache):
+    """Ring buffers of the last `window` tokens for `num_layers` layers, (B, Hkv, W, D) each.
+
+    No `trim`: evicted tokens cannot come back. kv_dtype="int8" stores int8 + scales.
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, window: int, head_dim: int,
+                 *, dtype: torch.dtype = torch.float32, device=None, kv_dtype=None):
+        check_dims(num_layers=num_layers, batch_size=batch_size, num_kv_heads=num_kv_heads,
+                   window=window, head_dim=head_dim)
+        self.batch_size, self.num_kv_heads, self.window, self.head_dim = batch_size, num_kv_heads, window, head_dim
+        self.dtype = dtype
+        self.layers = [SlidingWindowLayerCache(batch_size, num_kv_heads, window, head_dim, dtype=dtype,
+                                               device=device, kv_dtype=kv_dtype) for _ in range(num_layers)]
+        self.kv_dtype = self.layers[0].kv_dtype
+
+    def __repr__(self) -> str:
+        return (f"SlidingWindowCache(num_layers={self.num_layers}, batch_size={self.batch_size}, "
+                f"num_kv_heads={self.num_kv_heads}, window={self.window}, head_dim={self.head_dim}, "
+                f"dtype={self.dtype}, kv_dtype={self.kv_dtype})")

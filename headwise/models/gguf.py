@@ -1,0 +1,345 @@
+"""A GGUF file -> (HF-style config, HF-named float tensors, Tokenizer).
+
+    config, tensors, tokenizer = read_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
+
+The file is parsed with the `gguf` package, tensors are dequantized by
+`headwise.models.quants`, and llama.cpp's conversion is undone (names, Q/K row
+order) so the result equals what transformers loads from the same file.
+Parsing is slow in pure Python (the reader walks a 49k-token vocabulary and its
+merges one string at a time), so `read_gguf` keeps the converted model in a
+cache (`gguf_cache.py`) and reads that on later loads.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import gguf_cache
+from .gguf_cache import cache_entry, default_cache_dir  # noqa: F401 -- part of this module's API
+from .quants import UnsupportedQuantType, dequantize, supported_types, type_name
+from .tokenizer import Tokenizer
+
+
+class GGUFError(ValueError):
+    """The file is not a GGUF headwise can read; the message names the file and the part."""
+
+
+def read_gguf(path: str | os.PathLike, dtype: torch.dtype | None = None, *, use_cache: bool = True,
+              cache_dir: str | os.PathLike | None = None) -> tuple[dict, dict[str, Tensor], Tokenizer]:
+    """Read a GGUF: (HF config dict, {HF name: tensor}, Tokenizer).
+
+    dtype: tensors come back fp32 (exact dequantized values) unless given.
+    use_cache: read/write the converted copy under `cache_dir` (default
+    $HEADWISE_CACHE or ~/.cache/headwise); False always converts from the file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such GGUF file")
+    if not use_cache:
+        config, tensors, tokenizer = convert_gguf(path)
+    else:
+        entry = cache_entry(path, cache_dir)
+        cached = gguf_cache.read(entry)
+        if cached is not None:
+            config, tensors, tokenizer = cached
+        else:
+            config, tensors, tokenizer = convert_gguf(path)
+            gguf_cache.write(entry, config, tensors, tokenizer)
+    if dtype is not None:
+        tensors = {name: t.to(dtype) for name, t in tensors.items()}
+    return config, tensors, tokenizer
+
+
+# ---- parsing ------------------------------------------------------------------------
+
+
+def _reader_class():
+    import gguf
+
+    class FastReader(gguf.GGUFReader):
+        """GGUFReader whose field views are plain ndarrays instead of np.memmap slices.
+
+        The reader makes ~250k tiny views while walking the metadata; each memmap
+        view runs memmap.__array_finalize__, which is 2/3 of its parse time on
+        this vocabulary (2.0 s -> 0.8 s). The bytes are the same mapped pages.
+        """
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            raw = self.__dict__.get("_plain")
+            if raw is None:
+                raw = self.__dict__["_plain"] = self.data.view(np.ndarray)
+            dtype = np.dtype(dtype)
+            count = int(count)
+            arr = raw[offset:offset + dtype.itemsize * count].view(dtype)[:count]
+            order = self.byte_order if override_order is None else override_order
+            return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))
+
+    return FastReader
+
+
+def open_gguf(path: str | os.PathLike):
+    """A `gguf.GGUFReader` over the file, with corrupt or foreign files reported by name."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise GGUFError(f"{path} is not a GGUF file: it starts with {magic!r}, not b'GGUF'")
+    import gguf
+    try:
+        try:
+            reader = _reader_class()(path)
+        except TypeError:     # a future gguf changed `_get`'s signature: the stock reader is slower but fine
+            reader = gguf.GGUFReader(path)
+    except Exception as e:    # noqa: BLE001 -- numpy/struct/unicode errors all mean the same here
+        # A short file fails inside the reader: an index past the end of the map, or a
+        # reshape of a tensor whose bytes are missing.
+        raise GGUFError(f"{path} ({path.stat().st_size} bytes) cannot be read as GGUF "
+                        f"({type(e).__name__}: {e}); the file is truncated or corrupt") from None
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise GGUFError(f"{path}: tensor {t.name} needs bytes up to {t.data_offset + t.n_bytes} but the "
+                            f"file has {size}; it is truncated")
+    return reader
+
+
+_BIG_ARRAY = 1024     # longer arrays (vocab, merges, token types) are read only when asked for
+
+
+def read_metadata(reader) -> dict:
+    """Every key -> Python value, except long arrays, which map to None (see `_strings`/`_numbers`)."""
+    import gguf
+    VT = gguf.GGUFValueType
+    meta = {}
+    for key, field in reader.fields.items():
+        kind = field.types[0] if field.types else None
+        if kind == VT.STRING:
+            meta[key] = _text(field.parts[-1], key)
+        elif kind == VT.ARRAY:
+            if len(field.data) > _BIG_ARRAY:
+                meta[key] = None
+            elif field.types[-1] == VT.STRING:
+                meta[key] = _strings(field, key)
+            else:
+                meta[key] = _numbers(field).tolist()
+        elif field.parts:
+            meta[key] = field.parts[-1][0].item()
+    return meta
+
+
+def _text(part: np.ndarray, what: str) -> str:
+    try:
+        return bytes(part).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GGUFError(f"metadata {what} is not valid UTF-8 ({e})") from None
+
+
+def _strings(field, key: str) -> list[str]:
+    # bytes() of each part: the parts are plain views into the file, so this is one pass (~20 ms / 49k)
+    return [_text(field.parts[i], key) for i in field.data]
+
+
+def _numbers(field) -> np.ndarray:
+    return np.concatenate([field.parts[i] for i in field.data]) if field.data else np.zeros(0)
+
+
+# ---- tokenizer ----------------------------------------------------------------------
+
+
+def gguf_tokenizer(reader, meta: dict, path: Path) -> Tokenizer:
+    """The tokenizer described by `tokenizer.ggml.*` and `tokenizer.chat_template`."""
+    f = reader.fields
+    if "tokenizer.ggml.tokens" not in f:
+        raise GGUFError(f"{path} has no tokenizer.ggml.tokens; it carries no vocabulary")
+    tokens = _strings(f["tokenizer.ggml.tokens"], "tokenizer.ggml.tokens")
+    merges = _strings(f["tokenizer.ggml.merges"], "tokenizer.ggml.merges") if "tokenizer.ggml.merges" in f else []
+    types = _numbers(f["tokenizer.ggml.token_type"]).tolist() if "tokenizer.ggml.token_type" in f else None
+    try:
+        return Tokenizer.from_gguf_vocab(
+            model=meta.get("tokenizer.ggml.model"), pre=meta.get("tokenizer.ggml.pre"), tokens=tokens,
+            merges=merges, token_types=types, bos_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_id=meta.get("tokenizer.ggml.eos_token_id"), pad_id=meta.get("tokenizer.ggml.padding_token_id"),
+            unk_id=meta.get("tokenizer.ggml.unknown_token_id"),
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+            chat_template=meta.get("tokenizer.chat_template"))
+    except ValueError as e:
+        raise GGUFError(f"{path}: {e}") from None
+
+
+# ---- llama: config and weights --------------------------------------------------------
+
+# llama.cpp name -> HF name (gguf-py's tensor_mapping.py, read backwards).
+_LLAMA_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LLAMA_BLOCK = {                     # blk.{i}.<key>.weight -> model.layers.{i}.<value>.weight
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _f32(x) -> float:
+    """GGUF stores floats as f32: 1e-5 arrives as 9.99999974e-06. Give back the short decimal it came from."""
+    return float(str(np.float32(x)))
+
+
+def llama_config(meta: dict, tensor_names: set[str], tokenizer: Tokenizer, path: Path) -> dict:
+    a = meta["general.architecture"]
+
+    def need(key):
+        if f"{a}.{key}" not in meta:
+            raise GGUFError(f"{path}: metadata {a}.{key} is missing")
+        return meta[f"{a}.{key}"]
+
+    C, H = need("embedding_length"), need("attention.head_count")
+    Hkv = meta.get(f"{a}.attention.head_count_kv", H)        # absent means MHA
+    D = meta.get(f"{a}.attention.key_length", C // H)
+    if meta.get(f"{a}.rope.dimension_count", D) != D:
+        raise GGUFError(f"{path}: rope.dimension_count={meta[f'{a}.rope.dimension_count']} != head_dim={D}; "
+                        "partial rotary is not a llama layout")
+    if "rope_freqs.weight" in tensor_names:
+        raise GGUFError(f"{path} has rope_freqs.weight (Llama-3.1-style per-frequency RoPE factors), "
+                        "which headwise does not apply yet")
+    rope_scaling = None
+    kind = meta.get(f"{a}.rope.scaling.type")
+    if kind not in (None, "none"):
+        rope_scaling = {"rope_type": kind, "factor": _f32(meta.get(f"{a}.rope.scaling.factor", 1.0))}
+        if f"{a}.rope.scaling.original_context_length" in meta:
+            rope_scaling["original_max_position_embeddings"] = meta[f"{a}.rope.scaling.original_context_length"]
+    tied = "output.weight" not in tensor_names
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": C,
+        "intermediate_size": need("feed_forward_length"),
+        "num_hidden_layers": need("block_count"),
+        "num_attention_heads": H,
+        "num_key_value_heads": Hkv,
+        "head_dim": D,
+        "hidden_act": "silu",
+        "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(meta.get(f"{a}.rope.freq_base", 10000.0)),     # llama.cpp's default
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": need("context_length"),
+        "vocab_size": meta.get(f"{a}.vocab_size", tokenizer.vocab_size),
+        "tie_word_embeddings": tied,        # llama.cpp drops output.weight when it equals the embedding
+        "attention_bias": any(n.endswith(".attn_q.bias") for n in tensor_names),
+        "mlp_bias": False,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "_name_or_path": meta.get("general.name", path.stem),
+    }
+
+
+def _hf_name(name: str) -> str | None:
+    if name in _LLAMA_GLOBAL:
+        return _LLAMA_GLOBAL[name]
+    parts = name.split(".")          # blk.{i}.{kind}.{weight|bias}
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LLAMA_BLOCK:
+        return f"model.layers.{parts[1]}.{_LLAMA_BLOCK[parts[2]]}.{parts[3]}"
+    return None
+
+
+def _expected_shape(hf: str, cfg: dict) -> tuple[int, ...]:
+    C, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    kind = hf.rsplit(".", 2)[-2] if hf.startswith("model.layers.") else hf
+    table = {"model.embed_tokens.weight": (V, C), "lm_head.weight": (V, C), "model.norm.weight": (C,),
+             "input_layernorm": (C,), "post_attention_layernorm": (C,),
+             "q_proj": (q, C), "k_proj": (kv, C), "v_proj": (kv, C), "o_proj": (C, q),
+             "gate_proj": (I, C), "up_proj": (I, C), "down_proj": (C, I)}
+    shape = table[kind]
+    return shape[:1] if hf.endswith(".bias") else shape
+
+
+def unpermute_qk(w: Tensor, n_head: int) -> Tensor:
+    """Undo llama.cpp's Q/K row order (convert_hf_to_gguf.py LlamaModel.permute).
+
+    llama.cpp rotates adjacent pairs (x0, x1), (x2, x3)... (GPT-J style); HF
+    rotates halves (x_i, x_{i+D/2}) (GPT-NeoX style). The converter interleaves
+    each head's two halves; this puts them back. w: (n_head * D, C) or (n_head * D,).
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Dequantizing is memory-bound elementwise work on mid-sized tensors. On this 2-core box
+    under load, torch's intra-op threads made it ~18x slower (9 s vs 0.5 s for SmolLM2)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def llama_tensors(reader, cfg: dict, path: Path) -> dict[str, Tensor]:
+    out = {}
+    with _one_thread():
+        for t in reader.tensors:
+            hf = _hf_name(t.name)
+            if hf is None:
+                raise GGUFError(f"{path}: tensor {t.name} has no Hugging Face name in the llama table "
+                                "(headwise/models/gguf.py _LLAMA_BLOCK)")
+            shape = tuple(int(s) for s in reversed(t.shape.tolist()))     # ggml lists the fastest dim first
+            want = _expected_shape(hf, cfg)
+            if shape != want:
+                raise GGUFError(f"{path}: tensor {t.name} has shape {shape}, but the config implies {want} "
+                                f"for {hf}")
+            try:
+                w = dequantize(t.data, t.tensor_type, shape)
+            except (UnsupportedQuantType, ValueError) as e:
+                raise GGUFError(f"{path}: tensor {t.name} is stored as {type_name(t.tensor_type)}, which "
+                                f"headwise cannot dequantize ({e}). Supported: {', '.join(supported_types())} "
+                                "and what gguf.quants.dequantize handles") from None
+            if ".attn_q." in t.name:
+                w = unpermute_qk(w, cfg["num_attention_heads"])
+            elif ".attn_k." in t.name:
+                w = unpermute_qk(w, cfg["num_key_value_heads"])
+            out[hf] = w.contiguous()
+    if cfg["tie_word_embeddings"]:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+_ARCHS = ("llama",)
+
+
+def convert_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, Tensor], Tokenizer]:
+    """Convert straight from the file (no cache)."""
+    path = Path(path)
+    reader = open_gguf(path)
+    meta = read_metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHS:
+        raise GGUFError(f"{path}: architecture {arch!r} is not supported; supported: {', '.join(_ARCHS)}")
+    tokenizer = gguf_tokenizer(reader, meta, path)
+    names = {t.name for t in reader.tensors}
+    config = llama_config(meta, names, tokenizer, path)
+    config["gguf"] = {"file": path.name, "tensor_types": _type_counts(reader)}
+    return config, llama_tensors(reader, config, path), tokenizer
+
+
+def _type_counts(reader) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for t in reader.tensors:
+        counts[type_name(t.tensor_type)] = counts.get(type_name(t.tensor_type), 0) + 1
+    return counts

@@ -1,0 +1,136 @@
+"""headwise.generate against transformers' generate with the same weights, plus
+batching, streaming, stop strings, seeds and bad input."""
+import pytest
+import torch
+
+import headwise
+import transformers as tf  # the independent reference
+
+from headwise.models.builtin import resolve
+from headwise.models.gguf import read_gguf
+
+tf.logging.set_verbosity_error()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A random GQA Llama saved offline, loaded by both libraries."""
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=256,
+                         initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    hf = tf.LlamaForCausalLM(cfg).eval()
+    path = tmp_path_factory.mktemp("tiny")
+    hf.save_pretrained(path)
+    return hf, headwise.load(path)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    """SmolLM2-135M-Instruct from the packaged GGUF: headwise's model, and transformers'
+    LlamaForCausalLM holding the same dequantized tensors (tests/models checks those
+    tensors equal what transformers reads from the file)."""
+    model = headwise.load("smollm2-135m-instruct")
+    hf_config, tensors, _ = read_gguf(resolve("smollm2-135m-instruct"))
+    config = tf.LlamaConfig(**{k: v for k, v in hf_config.items() if k not in ("gguf", "_name_or_path")})
+    hf = tf.LlamaForCausalLM(config).eval()
+    missing, unexpected = hf.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    hf.tie_weights()
+    return model, hf
+
+
+@torch.no_grad()
+def _hf_greedy(hf, ids, n):
+    """n argmax steps with transformers' forward and its own KV cache (EOS not special)."""
+    out = hf(torch.tensor([ids]), use_cache=True)
+    tokens = []
+    for _ in range(n):
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        tokens.append(int(nxt))
+        out = hf(nxt, past_key_values=out.past_key_values, use_cache=True)  # noqa: deprecated name still works in 5.x
+    return tokens
+
+
+def test_greedy_ids_match_transformers(tiny):
+    hf, model = tiny
+    prompt = list(range(3, 20))
+    res = headwise.generate(model, prompt, max_new_tokens=32, temperature=0)
+    assert res.token_ids == _hf_greedy(hf, prompt, 32)
+    assert res.finish_reason == "length" and res.prompt_token_ids == prompt
+
+
+def test_batched_prompts_of_different_lengths_equal_one_at_a_time(tiny):
+    _, model = tiny
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 17, 1, 30)]
+    batched = headwise.generate(model, prompts, max_new_tokens=20, temperature=0)
+    for p, r in zip(prompts, batched):
+        assert r.token_ids == headwise.generate(model, p, max_new_tokens=20, temperature=0).token_ids
+
+
+def test_seeded_sampling_reproduces(tiny):
+    _, model = tiny
+    kw = dict(max_new_tokens=16, temperature=0.9, top_k=50, top_p=0.95)
+    a = headwise.generate(model, [1, 2, 3], seed=7, **kw).token_ids
+    assert a == headwise.generate(model, [1, 2, 3], seed=7, **kw).token_ids
+    assert a != headwise.generate(model, [1, 2, 3], seed=8, **kw).token_ids
+
+
+def test_smollm2_logits_and_greedy_64_match_transformers(smol):
+    model, hf = smol
+    msgs = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    ids = model.tokenizer.encode(model.tokenizer.apply_chat_template(msgs, add_generation_prompt=True),
+                                 add_special_tokens=False)
+    with torch.no_grad():
+        assert (model(torch.tensor([ids])) - hf(torch.tensor([ids])).logits).abs().max() <= 1e-3
+    res = headwise.generate(model, msgs, max_new_tokens=64, temperature=0, ignore_eos=True)
+    assert res.token_ids == _hf_greedy(hf, ids, 64)
+    assert "Paris" in res.text
+
+
+def test_streaming_pieces_join_to_the_text_and_never_split_utf8(smol):
+    model, _ = smol
+    msgs = [{"role": "user", "content": "Write three emoji and the word 'café' in Japanese."}]
+    full = headwise.generate(model, msgs, max_new_tokens=40, temperature=0)
+    pieces = list(headwise.generate(model, msgs, max_new_tokens=40, temperature=0, stream=True))
+    assert "".join(pieces) == full.text
+    assert len(pieces) > 5 and len(full.token_ids) > len(pieces)     # multi-token characters were held back
+    # every piece is whole characters; only the final flush may end in a character cut by max_new_tokens
+    assert all("\ufffd" not in p for p in pieces[:-1])
+
+
+def test_stop_strings_cut_across_token_boundaries(smol):
+    model, _ = smol
+    prompt = [{"role": "user", "content": "Count from one to twenty in words, separated by commas."}]
+    base = headwise.generate(model, prompt, max_new_tokens=48, temperature=0)
+    tok = model.tokenizer
+    # a stop string made of the end of one token and the start of the next
+    pieces = [tok.decode(base.token_ids[:i]) for i in range(1, len(base.token_ids))]
+    i = next(i for i in range(6, len(pieces)) if len(pieces[i]) - len(pieces[i - 1]) >= 3)
+    boundary = len(pieces[i - 1])
+    stop = base.text[boundary - 2: boundary + 2]
+    expect = base.text[: base.text.find(stop)]
+    res = headwise.generate(model, prompt, max_new_tokens=48, temperature=0, stop=[stop])
+    assert res.finish_reason == "stop" and res.text == expect
+    streamed = "".join(headwise.generate(model, prompt, max_new_tokens=48, temperature=0, stop=[stop], stream=True))
+    assert streamed == expect
+
+
+def test_eos_stops_generation(smol):
+    model, _ = smol
+    res = headwise.generate(model, [{"role": "user", "content": "Say hi."}], max_new_tokens=200, temperature=0)
+    assert res.finish_reason == "stop" and res.token_ids[-1] in model.tokenizer.stop_token_ids
+
+
+def test_bad_input(tiny):
+    _, model = tiny
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        headwise.generate(model, [[]], max_new_tokens=4)
+    with pytest.raises(ValueError, match="prompt 0 has 250 tokens; with max_new_tokens=10 that exceeds the "
+                                         "model's context of 256"):
+        headwise.generate(model, [1] * 250, max_new_tokens=10)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        headwise.generate(model, "text", max_new_tokens=4)
+    with pytest.raises(TypeError, match="unknown sampling field"):
+        headwise.generate(model, [1, 2], max_tokens=4)
