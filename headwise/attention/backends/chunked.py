@@ -22,12 +22,7 @@ from ..spec import AttentionOutput, AttentionSpec
 BLOCK_Q = 128   # query rows per block
 BLOCK_K = 256   # keys per tile: a scores tile is B*H*128*256*4 bytes = 1.5 MiB at B=1, H=12
 
-TILE_ELEMENTS = 12 * BLOCK_Q * BLOCK_K * 4   # the 128x256 tile of B*H = 48, measured best above
 NEG_INF = float("-inf")
-
-
-def _pow2_floor(n: int) -> int:
-    return 1 << max(0, n.bit_length() - 1)
 
 
 def _scores(spec, qb, kb, q0, q1, k0, k1):
@@ -132,11 +127,7 @@ class _ChunkedAttention(torch.autograd.Function):
 def chunked_attention(q, k, v, spec: AttentionSpec, *, block_q: int | None = None,
                       block_k: int | None = None) -> AttentionOutput:
     """Tiled attention; `block_q`/`block_k` default to the module's BLOCK_Q/BLOCK_K."""
-    block_k = block_k or BLOCK_K
-    if block_q is None:
-        # Keep a scores tile near B*H*128*256 elements (~1.5 MiB per head-batch of 12): fewer,
-        # larger tiles when B*H is small, so per-op overhead does not dominate.
-        block_q = max(BLOCK_Q, min(1024, _pow2_floor(TILE_ELEMENTS // max(1, spec.B * spec.H * block_k))))
+    block_q, block_k = block_q or BLOCK_Q, block_k or BLOCK_K
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out, lse = _ChunkedAttention.apply(q, k, v, spec, block_q, block_k)
     else:

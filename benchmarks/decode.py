@@ -1,0 +1,676 @@
+"""One claim: headwise generates with SmolLM2-135M-Instruct faster than transformers on the same fp32 weights.
+
+Model: headwise.load("smollm2-135m-instruct") (the builtin Q4_1 GGUF, dequantized to
+fp32), and transformers' LlamaForCausalLM built from the very same tensors, once with
+attn_implementation="sdpa" and once with "eager". CPU, inference only, greedy.
+
+Decode: B in {1, 8} random prompts of 32 tokens each (same length: no padding), 128
+new tokens, EOS ignored. Contenders:
+  hw_generate       headwise.generate(..., temperature=0, ignore_eos=True); decode rate
+                    from its own decode_seconds, end-to-end from the wall clock
+  hw_loop           (diagnostic) the same steps by hand: model(ids, cache=) + argmax,
+                    then 127 x (model(next, cache=) + argmax); no detokenizer, no sampler
+  hw_compiled       (--compile) headwise.generate on torch.compile(model, dynamic=True)
+  hf_<impl>_generate  hf.generate(ids, attention_mask, do_sample=False, max_new_tokens=128,
+                    min_new_tokens=128, pad_token_id=0): end-to-end only
+  hf_<impl>_loop    out = hf(ids, use_cache=True), argmax, then 127 x hf(next,
+                    past_key_values=..., use_cache=True) + argmax; prefill and decode timed apart
+  floor             not a contender: only the weight matmuls of 127 steps (4 linears per
+                    layer + the output layer), no norms, RoPE, attention, cache or Python
+                    model code; hf / floor bounds any speed-up a faster model could show
+Decode span (for every contender that has one): from after prefill's logits to the
+128th token, i.e. 128 argmaxes and 127 one-token forwards, exactly what
+generate() times; decode tok/s = B * 128 / that time. The claim compares decode
+rates (hw_generate vs hf_sdpa_loop); end-to-end (hw_generate vs hf_sdpa_generate)
+is reported next to it.
+
+Memory-bandwidth limit (B=1): a one-token forward must read every fp32 weight once
+(the tied 49152x576 output layer included, the embedding row lookup not counted
+separately) plus the K/V cached so far (30 layers x 2 x 3 heads x 64 x 4 B per token
+of context, 96 tokens on average over the 127 forwards). Copy bandwidth is measured in
+the same run: a 512 MiB torch.Tensor.copy_, counting bytes read + written (write-
+allocate traffic not counted, so the bound is, if anything, optimistic for the
+machine). fraction = bytes a forward must read * forwards / decode time / bandwidth.
+
+Prefill: one 512-token prompt, B=1, one forward returning all 512 x 49152 logits:
+model(ids) vs hf(ids, use_cache=False).logits.
+
+Greedy token ids must agree (headwise vs each HF path) before anything is timed; a
+divergence is accepted only where it is explained (a near-tie of the two logits,
+< TIE_TOL, or EOS, which hf.generate's min_new_tokens forbids), and is reported.
+Contenders run interleaved in rotated order after warm-up (benchmarks/_common.py),
+once per thread count in --threads (default 2,1: the machine is shared, and 2-thread
+timings collapse when another process is busy; 1-thread comparisons are steadier).
+Profiles: one decode step at B=1 after 32 tokens, torch.profiler (CPU), at 1 thread.
+
+    .venv/bin/python benchmarks/decode.py              # full run, ~30-40 min; saves results/
+    .venv/bin/python benchmarks/decode.py --quick      # smoke test (16 new tokens), nothing saved
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import gc
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))           # benchmark this checkout of headwise
+
+from _common import (Log, busy_and_steal, cpu_ticks, environment, loadavg, summarize, table,  # noqa: E402
+                     time_interleaved)
+import headwise  # noqa: E402
+from headwise.cache import ContiguousKVCache  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+PROMPT_LEN = 32
+HF_IMPLS = ("sdpa", "eager")
+TIE_TOL = 1e-3          # |logit difference| under which a greedy divergence is a near-tie (fp32 noise ~1e-4)
+PREFILL_ATOL = 1e-3     # max |logits difference| headwise vs HF at prefill
+BW_MIB = 512
+MIB = 2 ** 20
+SEED = 1234
+
+
+# ------------------------------------------------------------------ models
+def load_models():
+    import transformers
+    from transformers import LlamaForCausalLM
+    from headwise.models.builtin import resolve
+    from headwise.models.gguf import read_gguf
+
+    transformers.logging.set_verbosity_error()
+    model = headwise.load(MODEL)                                    # fp32 (the GGUF is dequantized)
+    if next(model.parameters()).dtype != torch.float32:
+        model = model.float()
+    hf_config, tensors, _ = read_gguf(resolve(MODEL))
+    base = transformers.LlamaConfig(**{k: v for k, v in hf_config.items() if k not in ("gguf", "_name_or_path")})
+    hf = {}
+    for impl in HF_IMPLS:
+        config = copy.deepcopy(base)
+        config._attn_implementation = impl
+        m = LlamaForCausalLM(config).eval()
+        res = m.load_state_dict(tensors, strict=False)
+        if res.unexpected_keys or set(res.missing_keys) - {"lm_head.weight"}:
+            sys.exit(f"HF {impl}: state dict mismatch: {res}")
+        m.tie_weights()
+        if m.lm_head.weight.data_ptr() != m.model.embed_tokens.weight.data_ptr():
+            sys.exit(f"HF {impl}: lm_head is not tied to embed_tokens after tie_weights()")
+        if m.config._attn_implementation != impl:
+            sys.exit(f"HF model asked for attention {impl!r} runs {m.config._attn_implementation!r}")
+        hf[impl] = m
+    del tensors
+    gc.collect()
+    return model, hf, transformers.__version__
+
+
+def model_bytes(model) -> dict:
+    cfg = model.config
+    params = {p.data_ptr(): p for p in model.parameters()}          # tied weights once
+    weight = sum(p.numel() * p.element_size() for p in params.values())
+    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    return {"params": sum(p.numel() for p in params.values()), "weight_bytes": weight,
+            "output_layer_bytes": cfg.vocab_size * cfg.d_model * 4, "kv_bytes_per_token": kv_per_token}
+
+
+def make_prompts(B: int, V: int, T: int = PROMPT_LEN, seed: int = SEED) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + B)
+    return torch.randint(17, V, (B, T), generator=g)                # ids < 17 are special tokens
+
+
+# ------------------------------------------------------------------ contenders
+def hw_generate(model, ids: torch.Tensor, new: int) -> dict:
+    prompts = ids.tolist()
+    t0 = time.perf_counter()
+    res = headwise.generate(model, prompts[0] if len(prompts) == 1 else prompts, max_new_tokens=new,
+                            temperature=0, ignore_eos=True)
+    wall = time.perf_counter() - t0
+    res = [res] if not isinstance(res, list) else res
+    return {"prefill_s": res[0].prefill_seconds, "decode_s": res[0].decode_seconds, "wall_s": wall,
+            "ids": [r.token_ids for r in res]}
+
+
+def hw_loop(model, ids: torch.Tensor, new: int) -> dict:
+    cfg = model.config
+    B, T = ids.shape
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        cache = ContiguousKVCache(cfg.num_layers, B, cfg.num_kv_heads, T + new, cfg.head_dim)
+        nxt = model(ids, cache=cache)[:, -1].argmax(-1)                          # (B,)
+        t1 = time.perf_counter()
+        toks = [nxt]
+        for _ in range(new - 1):
+            nxt = model(nxt[:, None], cache=cache)[:, -1].argmax(-1)
+            toks.append(nxt)
+        t2 = time.perf_counter()
+    return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "wall_s": t2 - t0,
+            "ids": torch.stack(toks, 1).tolist()}
+
+
+def hf_generate(hf, ids: torch.Tensor, new: int) -> dict:
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
+                          min_new_tokens=new, pad_token_id=0)
+        wall = time.perf_counter() - t0
+    return {"wall_s": wall, "ids": out[:, ids.shape[1]:].tolist()}
+
+
+def hf_loop(hf, ids: torch.Tensor, new: int) -> dict:
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = hf(input_ids=ids, use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1)                                        # (B,)
+        t1 = time.perf_counter()
+        toks = [nxt]
+        for _ in range(new - 1):
+            out = hf(input_ids=nxt[:, None], past_key_values=out.past_key_values, use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1)
+            toks.append(nxt)
+        t2 = time.perf_counter()
+    return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "wall_s": t2 - t0,
+            "ids": torch.stack(toks, 1).tolist()}
+
+
+def floor_weights(model):
+    return [(l.attn.qkv_proj.weight, l.attn.out_proj.weight, l.mlp.gate_up.weight, l.mlp.down.weight)
+            for l in model.layers], model.lm_head.weight
+
+
+def floor_steps(weights, B: int, steps: int) -> dict:
+    """Only the weight matmuls of `steps` one-token forwards (shapes as in the model)."""
+    layers, head = weights
+    C = head.shape[1]
+    F_ = layers[0][3].shape[1]
+    x = torch.randn(B, 1, C)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            h = x
+            for w_qkv, w_o, w_gu, w_d in layers:
+                a = F.linear(h, w_qkv)
+                h = F.linear(a[..., : w_o.shape[1]], w_o)
+                g = F.linear(h, w_gu)
+                h = F.linear(g[..., :F_], w_d)
+            F.linear(h, head)
+        t1 = time.perf_counter()
+    return {"decode_s": t1 - t0, "wall_s": t1 - t0}
+
+
+# ------------------------------------------------------------------ agreement
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def explain_divergence(model, prompt: list[int], ref: list[int], other: list[int], i: int, eos: set[int]) -> dict:
+    """Why `other` left `ref` at step i: EOS (hf.generate forbids it before min_new_tokens),
+    a near-tie of the two candidates' logits (headwise's logits), or a real disagreement."""
+    a, b = ref[i], other[i]
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + ref[:i]]))[0, -1]
+    gap = (logits[a] - logits[b]).abs().item()
+    kind = "eos" if (a in eos) != (b in eos) else "near-tie" if gap < TIE_TOL else "DISAGREE"
+    return {"step": i, "ref_token": a, "other_token": b, "logit_gap": gap, "kind": kind}
+
+
+def check_agreement(model, ids: torch.Tensor, outputs: dict[str, list[list[int]]], log) -> dict:
+    """outputs: {contender: ids per sequence}; reference = hw_generate. Exits on an unexplained divergence."""
+    eos = set(model.config.eos_token_ids)
+    ref = outputs["hw_generate"]
+    report = {}
+    for name, got in outputs.items():
+        if name == "hw_generate":
+            continue
+        rows = []
+        for b, (r, o) in enumerate(zip(ref, got)):
+            i = first_divergence(r, o)
+            if i is not None:
+                rows.append({"row": b, **explain_divergence(model, ids[b].tolist(), r, o, i, eos)})
+        report[name] = {"identical_rows": len(ref) - len(rows), "rows": len(ref), "divergences": rows}
+        bad = [d for d in rows if d["kind"] == "DISAGREE"]
+        if bad:
+            sys.exit(f"{name} disagrees with headwise's greedy tokens beyond noise: {bad}; refusing to time")
+    parts = [f"{n} {r['identical_rows']}/{r['rows']} identical"
+             + "".join(f" (row {d['row']}: step {d['step']} {d['kind']}, gap {d['logit_gap']:.1e})"
+                       for d in r["divergences"]) for n, r in report.items()]
+    log(f"  greedy ids vs hw_generate, B={len(ref)}: " + "; ".join(parts))
+    return report
+
+
+# ------------------------------------------------------------------ bandwidth
+def copy_bandwidth(mib: int = BW_MIB, reps: int = 5) -> list[float]:
+    """GB/s of dst.copy_(src) for `mib` MiB, counting bytes read + written."""
+    n = mib * MIB // 4
+    src, dst = torch.ones(n), torch.zeros(n)
+    dst.copy_(src)                                  # fault the pages in
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        out.append(2 * mib * MIB / (time.perf_counter() - t0) / 1e9)
+    del src, dst
+    gc.collect()
+    return out
+
+
+# ------------------------------------------------------------------ compile
+def try_compile(model, ids: torch.Tensor, new: int, log) -> tuple[object | None, dict]:
+    """torch.compile(model, dynamic=True) used by headwise.generate as is. Returns
+    (compiled or None, info with first-call time and why it was skipped)."""
+    info = {"how": "headwise.generate(torch.compile(model, dynamic=True), ...)"}
+    try:
+        import torch._dynamo
+        torch._dynamo.reset()
+        compiled = torch.compile(model, dynamic=True)
+        t0 = time.perf_counter()
+        first = hw_generate(compiled, ids, new)
+        info["first_call_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        second = hw_generate(compiled, ids, new)
+        info["second_call_s"] = time.perf_counter() - t0
+        info["ids_equal_first_second"] = first["ids"] == second["ids"]
+        from torch._dynamo.utils import counters
+        info["dynamo_unique_graphs"] = counters["stats"].get("unique_graphs")
+        info["dynamo_calls_captured"] = counters["stats"].get("calls_captured")
+        log(f"  compiled: first generate {info['first_call_s']:.1f} s (compile), second "
+            f"{info['second_call_s']:.1f} s; {info['dynamo_unique_graphs']} graphs")
+        return compiled, info
+    except Exception as e:      # report, never fail the benchmark on it
+        info["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        log(f"  compiled: skipped - {info['skipped']}")
+        return None, info
+
+
+# ------------------------------------------------------------------ decode cells
+def run_decode(B: int, args, model, hf, floor_w, mb, bw: float, compiled, log, check: bool) -> dict:
+    V = model.config.vocab_size
+    ids = make_prompts(B, V)
+    new = args.new_tokens
+    calls = {"hw_generate": lambda: hw_generate(model, ids, new),
+             "hw_loop": lambda: hw_loop(model, ids, new)}
+    if compiled is not None:
+        calls["hw_compiled"] = lambda: hw_generate(compiled, ids, new)
+    for impl, m in hf.items():
+        calls[f"hf_{impl}_generate"] = (lambda m=m: hf_generate(m, ids, new))
+        calls[f"hf_{impl}_loop"] = (lambda m=m: hf_loop(m, ids, new))
+    calls["floor"] = lambda: floor_steps(floor_w, B, new - 1)
+
+    agreement = None
+    if check:
+        outs = {n: fn()["ids"] for n, fn in calls.items() if n != "floor"}
+        agreement = check_agreement(model, ids, outs, log)
+
+    details: dict[str, list[dict]] = {n: [] for n in calls}
+
+    def recorder(name):
+        def run():
+            details[name].append(calls[name]())
+        return run
+
+    load0, ticks0 = loadavg(), cpu_ticks()
+    with torch.inference_mode():
+        times, rounds = time_interleaved({n: recorder(n) for n in calls}, rounds=args.rounds, warmup=1)
+    load1, cpu = loadavg(), busy_and_steal(ticks0, cpu_ticks())
+    details = {n: d[-rounds:] for n, d in details.items()}          # drop the warm-up calls
+    ref_ids = details["hw_generate"][0]["ids"]
+    unstable = [n for n, ds in details.items() if n.startswith("hw") and any(d["ids"] != ref_ids for d in ds)]
+
+    # bytes one forward must read: weights + the K/V of its context (32 + 1 .. 32 + 127)
+    steps = new - 1
+    ctx_mean = PROMPT_LEN + 1 + (steps - 1) / 2
+    fwd_bytes = mb["weight_bytes"] + B * mb["kv_bytes_per_token"] * ctx_mean
+    summary = {}
+    for name, ds in details.items():
+        s = {}
+        if "decode_s" in ds[0]:
+            rates = [B * new / d["decode_s"] for d in ds]
+            s["decode_tok_s"] = summarize(rates)
+            s["decode_bw_fraction"] = {k: fwd_bytes * steps / (B * new / s["decode_tok_s"][k]) / (bw * 1e9)
+                                       for k in ("min", "median", "max")}
+        s["e2e_tok_s"] = summarize([B * new / d["wall_s"] for d in ds])
+        if "prefill_s" in ds[0]:
+            s["prefill_ms"] = summarize([d["prefill_s"] * 1e3 for d in ds])
+        summary[name] = s
+
+    def ratio(a, b, key):
+        return summary[a][key]["median"] / summary[b][key]["median"]
+
+    for name, s in summary.items():
+        if "decode_tok_s" in s:
+            s["decode_vs_hf_sdpa_loop"] = ratio(name, "hf_sdpa_loop", "decode_tok_s")
+            s["decode_vs_hf_sdpa_loop_paired"] = statistics.median(
+                (B * new / a["decode_s"]) / (B * new / b["decode_s"])
+                for a, b in zip(details[name], details["hf_sdpa_loop"]))
+        s["e2e_vs_hf_sdpa_generate"] = ratio(name, "hf_sdpa_generate", "e2e_tok_s")
+    for d in details.values():
+        for x in d:
+            x.pop("ids", None)
+    log(f"  done decode B={B} rounds={rounds} load {load0[0]:.2f} -> {load1[0]:.2f}"
+        + (f"  cpu busy {cpu['busy_pct']}% steal {cpu['steal_pct']}%" if cpu else ""))
+    return {"B": B, "prompt_len": PROMPT_LEN, "new_tokens": new, "rounds": rounds, "loadavg_before": load0,
+            "loadavg_after": load1, **cpu, "forward_bytes_mean": fwd_bytes, "bandwidth_gb_s": bw,
+            "bw_limit_tok_s": B * bw * 1e9 / fwd_bytes, "agreement": agreement,
+            "hw_ids_unstable_across_runs": unstable, "times_s": times, "details": details,
+            "summary": summary}
+
+
+def decode_table(cell) -> str:
+    rows = []
+    for name, s in cell["summary"].items():
+        d = s.get("decode_tok_s")
+        fmt = lambda x: f"{x:.1f}"   # noqa: E731
+        rows.append([name,
+                     fmt(d["min"]) if d else "", fmt(d["median"]) if d else "", fmt(d["max"]) if d else "",
+                     f"{s['decode_vs_hf_sdpa_loop']:.2f}x" if d else "",
+                     f"{s['decode_bw_fraction']['median'] * 100:.0f}%" if d else "",
+                     fmt(s["e2e_tok_s"]["median"]),
+                     f"{s['e2e_vs_hf_sdpa_generate']:.2f}x",
+                     f"{s['prefill_ms']['median']:.0f}" if "prefill_ms" in s else ""])
+    return table(["contender", "dec tok/s min", "median", "max", "vs hf_sdpa_loop", "of BW limit",
+                  "e2e tok/s", "e2e vs hf_sdpa_gen", "prefill ms"], rows)
+
+
+# ------------------------------------------------------------------ prefill
+def run_prefill(args, model, hf, log) -> dict:
+    T = args.prefill_tokens
+    ids = make_prompts(1, model.config.vocab_size, T=T, seed=SEED + 99)
+    fns = {"hw": lambda: model(ids)}
+    for impl, m in hf.items():
+        fns[f"hf_{impl}"] = (lambda m=m: m(input_ids=ids, use_cache=False).logits)
+    with torch.inference_mode():
+        ref = fns["hw"]()
+        diffs = {n: (fn() - ref).abs().max().item() for n, fn in fns.items() if n != "hw"}
+        del ref
+        bad = {n: d for n, d in diffs.items() if d > PREFILL_ATOL}
+        if bad:
+            sys.exit(f"prefill logits differ from headwise by {bad} > {PREFILL_ATOL}; refusing to time")
+        load0, ticks0 = loadavg(), cpu_ticks()
+        times, rounds = time_interleaved(fns, rounds=args.prefill_rounds, budget_s=args.prefill_budget,
+                                         min_rounds=5, warmup=1)
+    load1, cpu = loadavg(), busy_and_steal(ticks0, cpu_ticks())
+    summary = {}
+    for name, ts in times.items():
+        s = {"ms": summarize([t * 1e3 for t in ts]), "tok_s": summarize([T / t for t in ts])}
+        summary[name] = s
+    for name, s in summary.items():
+        s["vs_hf_sdpa"] = summary["hf_sdpa"]["ms"]["median"] / s["ms"]["median"]
+        s["vs_hf_sdpa_paired"] = statistics.median(b / a for a, b in zip(times[name], times["hf_sdpa"]))
+    log(f"  done prefill T={T} rounds={rounds} load {load0[0]:.2f} -> {load1[0]:.2f}"
+        + (f"  cpu busy {cpu['busy_pct']}% steal {cpu['steal_pct']}%" if cpu else ""))
+    return {"T": T, "B": 1, "rounds": rounds, "loadavg_before": load0, "loadavg_after": load1, **cpu,
+            "max_abs_logit_diff_vs_hw": diffs, "times_s": times, "summary": summary}
+
+
+def prefill_table(cell) -> str:
+    rows = [[name, cell["rounds"], f"{s['ms']['min']:.0f}", f"{s['ms']['median']:.0f}", f"{s['ms']['max']:.0f}",
+             f"{s['tok_s']['median']:.0f}", f"{s['vs_hf_sdpa']:.2f}x",
+             f"{cell['max_abs_logit_diff_vs_hw'].get(name, 0.0):.1e}"] for name, s in cell["summary"].items()]
+    return table(["contender", "n", "min ms", "median ms", "max ms", "tok/s", "vs hf_sdpa", "|logits diff|"], rows)
+
+
+# ------------------------------------------------------------------ profiles
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_mkl_linear", "mkldnn::_linear",
+              "aten::mkldnn_linear", "aten::_addmm_activation", "aten::dot", "aten::mv"}
+ATTN_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
+            "aten::_softmax", "aten::_safe_softmax"}
+
+
+def profile_step(name: str, setup, step, n: int = 8, timed: int = 30) -> dict:
+    """Profile `n` decode steps (after `setup()`); also time `timed` steps without the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    with torch.inference_mode():
+        state = setup()
+        for _ in range(3):
+            step(state)
+        walls = []
+        for _ in range(timed):
+            t0 = time.perf_counter()
+            step(state)
+            walls.append(time.perf_counter() - t0)
+        state = setup()                                 # back to 32 tokens of context
+        step(state)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(n):
+                step(state)
+    events = [e for e in prof.events() if e.device_type.name == "CPU" and not e.name.startswith("ProfilerStep")]
+    ops = [e for e in events if "::" in e.name]
+    top_level = [e for e in ops if e.cpu_parent is None or "::" not in e.cpu_parent.name]
+    by_name: dict[str, list[float]] = {}
+    for e in ops:
+        by_name.setdefault(e.name, []).append(e.self_cpu_time_total)
+    rows = sorted(((k, len(v) / n, sum(v) / n / 1e3) for k, v in by_name.items()), key=lambda r: -r[2])
+    total_self = sum(r[2] for r in rows)
+    cat = {"matmul": sum(r[2] for r in rows if r[0] in MATMUL_OPS),
+           "attention": sum(r[2] for r in rows if r[0] in ATTN_OPS)}
+    cat["other ops"] = total_self - cat["matmul"] - cat["attention"]
+    wall = statistics.median(walls) * 1e3
+    cat["outside ops (Python, dispatch)"] = max(0.0, wall - total_self)
+    return {"name": name, "step_ms_unprofiled_median": wall, "step_ms_unprofiled_min": min(walls) * 1e3,
+            "ops_per_step": len(ops) / n, "top_level_ops_per_step": len(top_level) / n,
+            "self_ms_per_step": total_self, "categories_ms": cat,
+            "top": [{"op": k, "calls": c, "self_ms": t} for k, t, c in ((r[0], r[2], r[1]) for r in rows[:15])],
+            "note": "ms per step; self ms are measured under the profiler (inflated by its per-op cost); "
+                    "'outside ops' = unprofiled wall - profiled self time, so it underestimates Python time"}
+
+
+def run_profiles(model, hf, log) -> list[dict]:
+    cfg = model.config
+    ids = make_prompts(1, cfg.vocab_size)
+
+    def hw_setup():
+        cache = ContiguousKVCache(cfg.num_layers, 1, cfg.num_kv_heads, PROMPT_LEN + 64, cfg.head_dim)
+        nxt = model(ids, cache=cache)[:, -1].argmax(-1)
+        return {"cache": cache, "nxt": nxt}
+
+    def hw_step(st):
+        st["nxt"] = model(st["nxt"][:, None], cache=st["cache"])[:, -1].argmax(-1)
+
+    out = [profile_step("headwise", hw_setup, hw_step)]
+    for impl, m in hf.items():
+        def hf_setup(m=m):
+            o = m(input_ids=ids, use_cache=True)
+            return {"past": o.past_key_values, "nxt": o.logits[:, -1].argmax(-1)}
+
+        def hf_step(st, m=m):
+            o = m(input_ids=st["nxt"][:, None], past_key_values=st["past"], use_cache=True)
+            st["past"], st["nxt"] = o.past_key_values, o.logits[:, -1].argmax(-1)
+
+        out.append(profile_step(f"hf_{impl}", hf_setup, hf_step))
+    log("  done profiles")
+    return out
+
+
+def profile_text(p) -> str:
+    c = p["categories_ms"]
+    head = (f"{p['name']}: step {p['step_ms_unprofiled_median']:.2f} ms unprofiled (min "
+            f"{p['step_ms_unprofiled_min']:.2f}); {p['ops_per_step']:.0f} aten ops per step "
+            f"({p['top_level_ops_per_step']:.0f} called from Python); profiled self time "
+            f"{p['self_ms_per_step']:.2f} ms = matmul {c['matmul']:.2f} + attention {c['attention']:.2f} + "
+            f"other ops {c['other ops']:.2f}; outside ops ~{c['outside ops (Python, dispatch)']:.2f} ms")
+    rows = [[t["op"], f"{t['calls']:.0f}", f"{t['self_ms']:.3f}",
+             f"{100 * t['self_ms'] / p['self_ms_per_step']:.1f}%"] for t in p["top"]]
+    return head + "\n" + table(["op", "calls/step", "self ms/step", "of op time"], rows)
+
+
+# ------------------------------------------------------------------ main
+def parse_args(argv=None):
+    ints = lambda s: [int(x) for x in s.split(",") if x.strip()]   # noqa: E731
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=ints, default=[2, 1],
+                   help="comma-separated torch thread counts, one full section each (default 2,1)")
+    p.add_argument("--batches", type=ints, default=[1, 8], help="decode batch sizes (default 1,8)")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per sequence (default 128)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved decode rounds per cell (default 3)")
+    p.add_argument("--prefill-tokens", type=int, default=512, help="prefill prompt length (default 512; 0 skips)")
+    p.add_argument("--prefill-rounds", type=int, default=None,
+                   help="prefill rounds (default: as many as fit --prefill-budget, at least 5)")
+    p.add_argument("--prefill-budget", type=float, default=30.0, help="seconds of timed prefill rounds (default 30)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time headwise.generate on torch.compile(model, dynamic=True) (default: on, off "
+                        "with --quick)")
+    p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                   help="profile one decode step of each model at 1 thread (default on)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: 16 new tokens, 1 round, prefill 128 tokens, threads 2 only, no compile; "
+                        "saves nothing unless --out")
+    p.add_argument("--out", type=Path, default=None,
+                   help="directory for decode.json / decode.txt (default benchmarks/results; not written with "
+                        "--quick unless given)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.new_tokens, args.rounds, args.prefill_tokens = 16, 1, 128
+        args.threads, args.prefill_rounds = args.threads[:1], args.prefill_rounds or 3
+        args.compile = bool(args.compile)
+    elif args.compile is None:
+        args.compile = True
+    if args.out is None and not args.quick:
+        args.out = Path(__file__).resolve().parent / "results"
+    return args
+
+
+def verdicts(sections) -> list[dict]:
+    out = []
+    for sec in sections:
+        for cell in sec["decode"]:
+            need = 2.0 if cell["B"] == 1 else 1.5
+            s = cell["summary"]["hw_generate"]
+            out.append({"threads": sec["threads"], "what": f"decode B={cell['B']} tok/s >= {need}x hf sdpa",
+                        "need": need, "decode_ratio": s["decode_vs_hf_sdpa_loop"],
+                        "decode_ratio_paired": s["decode_vs_hf_sdpa_loop_paired"],
+                        "e2e_ratio": s["e2e_vs_hf_sdpa_generate"],
+                        "holds": s["decode_vs_hf_sdpa_loop"] >= need})
+        if sec.get("prefill"):
+            s = sec["prefill"]["summary"]["hw"]
+            out.append({"threads": sec["threads"], "what": f"prefill T={sec['prefill']['T']} >= 1x hf sdpa",
+                        "need": 1.0, "decode_ratio": None, "e2e_ratio": s["vs_hf_sdpa"],
+                        "ratio_paired": s["vs_hf_sdpa_paired"], "holds": s["vs_hf_sdpa"] >= 1.0})
+    return out
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    log = Log()
+    env = environment()
+    env["loadavg_before"], ticks0 = loadavg(), cpu_ticks()
+    model, hf, tf_version = load_models()
+    env["transformers"] = tf_version
+    mb = model_bytes(model)
+    log(f"headwise decode benchmark  {env['date']}")
+    log(f"torch {env['torch']}  transformers {tf_version}  cpu {env['cpu_model']} ({env['cpu_count']} cores)  "
+        f"threads {args.threads}")
+    log(f"loadavg before {env['loadavg_before']}"
+        + ("  ** busy machine (> 1.5): treat numbers with care **" if env["loadavg_before"][0] > 1.5 else ""))
+    log(f"model {MODEL} fp32: {mb['params'] / 1e6:.1f} M params, {mb['weight_bytes'] / 1e6:.1f} MB of weights read "
+        f"per forward (output layer {mb['output_layer_bytes'] / 1e6:.1f} MB of it); K/V "
+        f"{mb['kv_bytes_per_token'] / 1e3:.1f} kB per cached token")
+    log(f"decode: B in {args.batches}, {PROMPT_LEN}-token random prompts + {args.new_tokens} new tokens, greedy, "
+        f"{args.rounds} interleaved rounds after 1 warm-up; prefill: T={args.prefill_tokens}, B=1")
+
+    sections = []
+    compiled, compile_info = None, None
+    for i, threads in enumerate(args.threads):
+        torch.set_num_threads(threads)
+        log(f"threads={threads}:")
+        sec = {"threads": threads, "loadavg_before": loadavg()}
+        bw = copy_bandwidth()
+        if args.compile and compiled is None and compile_info is None:
+            compiled, compile_info = try_compile(model, make_prompts(1, model.config.vocab_size), args.new_tokens,
+                                                 log)
+        cells = [run_decode(B, args, model, hf, floor_weights(model), mb, max(bw), compiled, log, check=i == 0)
+                 for B in args.batches]
+        bw += copy_bandwidth()
+        sec["copy_bandwidth_gb_s"] = {**summarize(bw), "samples": bw}
+        for cell in cells:         # the limit uses the best copy of the whole section
+            scale = cell["bandwidth_gb_s"] / max(bw)
+            cell["bandwidth_gb_s"] = max(bw)
+            cell["bw_limit_tok_s"] /= scale
+            for s in cell["summary"].values():
+                if "decode_bw_fraction" in s:
+                    s["decode_bw_fraction"] = {k: v * scale for k, v in s["decode_bw_fraction"].items()}
+        sec["decode"] = cells
+        sec["prefill"] = run_prefill(args, model, hf, log) if args.prefill_tokens else None
+        sec["loadavg_after"] = loadavg()
+        sections.append(sec)
+
+    profiles = []
+    if args.profile:
+        torch.set_num_threads(1)
+        profiles = run_profiles(model, hf, log)
+    env["loadavg_after"] = loadavg()
+    env.update(busy_and_steal(ticks0, cpu_ticks()))
+
+    for sec in sections:
+        bw = sec["copy_bandwidth_gb_s"]
+        log("")
+        log(f"=== threads={sec['threads']}  (load {sec['loadavg_before'][0]:.2f} -> {sec['loadavg_after'][0]:.2f}; "
+            f"copy bandwidth {bw['min']:.1f} / {bw['median']:.1f} / {bw['max']:.1f} GB/s min/median/max, "
+            f"read+written, 512 MiB copy_) ===")
+        for cell in sec["decode"]:
+            log("")
+            log(f"Decode B={cell['B']}: {PROMPT_LEN}-token prompts + {cell['new_tokens']} new tokens, "
+                f"{cell['rounds']} rounds, load {cell['loadavg_before'][0]:.2f} -> {cell['loadavg_after'][0]:.2f}"
+                + (f", cpu steal {cell['steal_pct']}%" if "steal_pct" in cell else "")
+                + f"; BW limit {cell['bw_limit_tok_s']:.1f} tok/s ({cell['forward_bytes_mean'] / 1e6:.1f} MB "
+                  f"per forward at {cell['bandwidth_gb_s']:.1f} GB/s)")
+            log(decode_table(cell))
+            if cell["hw_ids_unstable_across_runs"]:
+                log(f"  note: token ids changed between runs for {cell['hw_ids_unstable_across_runs']}")
+        if sec["prefill"]:
+            p = sec["prefill"]
+            log("")
+            log(f"Prefill T={p['T']} B=1 (one forward, all logits), load {p['loadavg_before'][0]:.2f} -> "
+                f"{p['loadavg_after'][0]:.2f}")
+            log(prefill_table(p))
+    if compile_info is not None:
+        log("")
+        log("torch.compile: " + json.dumps(compile_info))
+    if profiles:
+        log("")
+        log("Profiles: one decode step at B=1 after 32 tokens of context, 1 thread, torch.profiler (CPU), "
+            "per step (mean of 8)")
+        for p in profiles:
+            log("")
+            log(profile_text(p))
+    claims = verdicts(sections)
+    log("")
+    log("Targets (decode: hw_generate decode rate / hf_sdpa_loop decode rate, medians; "
+        "e2e: hw_generate / hf_sdpa_generate):")
+    for c in claims:
+        if c["decode_ratio"] is not None:
+            log(f"  threads={c['threads']} {c['what']}: {c['decode_ratio']:.2f}x (paired {c['decode_ratio_paired']:.2f}x, "
+                f"e2e {c['e2e_ratio']:.2f}x) -> {'HOLDS' if c['holds'] else 'MISSES'}")
+        else:
+            log(f"  threads={c['threads']} {c['what']}: {c['e2e_ratio']:.2f}x (paired {c['ratio_paired']:.2f}x) -> "
+                f"{'HOLDS' if c['holds'] else 'MISSES'}")
+    steal = f"  cpu busy {env['busy_pct']}% steal {env['steal_pct']}%" if "steal_pct" in env else ""
+    log(f"loadavg after {env['loadavg_after']}{steal}")
+
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        result = {"benchmark": "decode", "env": env,
+                  "config": {"model": MODEL, "dtype": "float32", "prompt_len": PROMPT_LEN,
+                             "new_tokens": args.new_tokens, "batches": args.batches, "threads": args.threads,
+                             "rounds": args.rounds, "prefill_tokens": args.prefill_tokens, "seed": SEED,
+                             "tie_tol": TIE_TOL, "prefill_atol": PREFILL_ATOL, "bandwidth_copy_mib": BW_MIB,
+                             "order": "interleaved, rotated each round, after 1 warm-up call",
+                             **mb},
+                  "sections": sections, "compile": compile_info, "profiles": profiles, "targets": claims}
+        (args.out / "decode.json").write_text(json.dumps(result, indent=1) + "\n")
+        (args.out / "decode.txt").write_text(log.text())
+        print(f"saved {args.out / 'decode.json'} and decode.txt")
+
+
+if __name__ == "__main__":
+    main()
