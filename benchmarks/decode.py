@@ -10,7 +10,12 @@ new tokens, EOS ignored. Contenders:
                     from its own decode_seconds, end-to-end from the wall clock
   hw_loop           (diagnostic) the same steps by hand: model(ids, cache=) + argmax,
                     then 127 x (model(next, cache=) + argmax); no detokenizer, no sampler
-  hw_compiled       (--compile) headwise.generate on torch.compile(model, dynamic=True)
+  hw_packed         (prototype, NOT in the library) headwise.generate on a copy of the model
+                    whose nn.Linear layers are swapped, by this script, for oneDNN linears with
+                    weights prepacked once (torch.ops.mkldnn._reorder_linear_weight /
+                    _linear_pointwise, what inductor's freezing does): what that change would give
+  hw_compiled       (--compile, off by default) headwise.generate on torch.compile(model,
+                    dynamic=True); see --compile for why it is off
   hf_<impl>_generate  hf.generate(ids, attention_mask, do_sample=False, max_new_tokens=128,
                     min_new_tokens=128, pad_token_id=0): end-to-end only
   hf_<impl>_loop    out = hf(ids, use_cache=True), argmax, then 127 x hf(next,
@@ -18,6 +23,7 @@ new tokens, EOS ignored. Contenders:
   floor             not a contender: only the weight matmuls of 127 steps (4 linears per
                     layer + the output layer), no norms, RoPE, attention, cache or Python
                     model code; hf / floor bounds any speed-up a faster model could show
+  floor_packed      not a contender: the same matmuls through prepacked oneDNN weights
 Decode span (for every contender that has one): from after prefill's logits to the
 128th token, i.e. 128 argmaxes and 127 one-token forwards, exactly what
 generate() times; decode tok/s = B * 128 / that time. The claim compares decode
@@ -33,7 +39,9 @@ allocate traffic not counted, so the bound is, if anything, optimistic for the
 machine). fraction = bytes a forward must read * forwards / decode time / bandwidth.
 
 Prefill: one 512-token prompt, B=1, one forward returning all 512 x 49152 logits:
-model(ids) vs hf(ids, use_cache=False).logits.
+model(ids) vs hf(ids, use_cache=False).logits (and hw_packed, floor, floor_packed as above).
+transformers 5.24 renamed forward's past_key_values to cache (the old name warns); the
+loop passes whichever this version's LlamaForCausalLM.forward takes.
 
 Greedy token ids must agree (headwise vs each HF path) before anything is timed; a
 divergence is accepted only where it is explained (a near-tie of the two logits,
@@ -61,6 +69,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))           # benchmark this checkout of headwise
@@ -78,6 +87,7 @@ PREFILL_ATOL = 1e-3     # max |logits difference| headwise vs HF at prefill
 BW_MIB = 512
 MIB = 2 ** 20
 SEED = 1234
+PACK_HINT = 8           # batch-size hint for oneDNN weight packing (the packed weight serves any M)
 
 
 # ------------------------------------------------------------------ models
@@ -119,6 +129,48 @@ def model_bytes(model) -> dict:
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
     return {"params": sum(p.numel() for p in params.values()), "weight_bytes": weight,
             "output_layer_bytes": cfg.vocab_size * cfg.d_model * 4, "kv_bytes_per_token": kv_per_token}
+
+
+# ------------------------------------------------------------------ prepacked prototype
+def packed_available() -> str | None:
+    """None if oneDNN prepacked linears run here, else why not."""
+    try:
+        w, x = torch.randn(8, 4), torch.randn(2, 3, 4)
+        p = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        y = torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+        if (y - F.linear(x, w)).abs().max().item() > 1e-4:
+            return "oneDNN linear gives different results"
+        return None
+    except Exception as e:          # no mkldnn build, or the private ops moved
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+class PackedLinear(nn.Module):
+    """Inference-only stand-in for nn.Linear: weight reordered once into oneDNN's blocked
+    layout, applied with oneDNN's linear (as inductor does with freezing=True)."""
+
+    def __init__(self, linear: nn.Linear, hint: int = PACK_HINT):
+        super().__init__()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), hint)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x):
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def packed_model():
+    """A fresh headwise model with every linear of the blocks and the output layer packed."""
+    model = headwise.load(MODEL)
+    if next(model.parameters()).dtype != torch.float32:
+        model = model.float()
+    for layer in model.layers:
+        layer.attn.qkv_proj = PackedLinear(layer.attn.qkv_proj)
+        layer.attn.out_proj = PackedLinear(layer.attn.out_proj)
+        layer.mlp.gate_up = PackedLinear(layer.mlp.gate_up)
+        layer.mlp.down = PackedLinear(layer.mlp.down)
+    model.lm_head = PackedLinear(model.lm_head)           # the tied matrix stays as embed.weight too
+    return model
 
 
 def make_prompts(B: int, V: int, T: int = PROMPT_LEN, seed: int = SEED) -> torch.Tensor:
@@ -164,7 +216,19 @@ def hf_generate(hf, ids: torch.Tensor, new: int) -> dict:
     return {"wall_s": wall, "ids": out[:, ids.shape[1]:].tolist()}
 
 
+def _cache_kwarg() -> str:
+    """transformers >= 5.24 calls forward's past_key_values `cache` (the old name warns)."""
+    import inspect
+    from transformers import LlamaForCausalLM
+    return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+def _past(out):
+    return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+
+
 def hf_loop(hf, ids: torch.Tensor, new: int) -> dict:
+    kw = _cache_kwarg()
     with torch.inference_mode():
         t0 = time.perf_counter()
         out = hf(input_ids=ids, use_cache=True)
@@ -172,7 +236,7 @@ def hf_loop(hf, ids: torch.Tensor, new: int) -> dict:
         t1 = time.perf_counter()
         toks = [nxt]
         for _ in range(new - 1):
-            out = hf(input_ids=nxt[:, None], past_key_values=out.past_key_values, use_cache=True)
+            out = hf(input_ids=nxt[:, None], use_cache=True, **{kw: _past(out)})
             nxt = out.logits[:, -1].argmax(-1)
             toks.append(nxt)
         t2 = time.perf_counter()
@@ -180,27 +244,36 @@ def hf_loop(hf, ids: torch.Tensor, new: int) -> dict:
             "ids": torch.stack(toks, 1).tolist()}
 
 
-def floor_weights(model):
-    return [(l.attn.qkv_proj.weight, l.attn.out_proj.weight, l.mlp.gate_up.weight, l.mlp.down.weight)
-            for l in model.layers], model.lm_head.weight
+def floor_weights(model, packed: bool = False):
+    """[(linear fn, out features) x 4 per layer], output layer: the model's matmuls, bare."""
+    def fn(lin):
+        if packed:
+            p = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), PACK_HINT)
+            return lambda x: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+        w = lin.weight
+        return lambda x: F.linear(x, w)
+    layers = [(fn(l.attn.qkv_proj), fn(l.attn.out_proj), fn(l.mlp.gate_up), fn(l.mlp.down)) for l in model.layers]
+    cfg = model.config
+    return layers, fn(model.lm_head), (cfg.num_heads * cfg.head_dim, cfg.d_ff)
 
 
-def floor_steps(weights, B: int, steps: int) -> dict:
+def floor_forward(weights, x):
+    """x (B, T, C): qkv -> (the Q part) o -> gate_up -> (the gate part) down, per layer; then the output layer."""
+    layers, head, (Q, F_) = weights
+    h = x
+    for qkv, o, gate_up, down in layers:
+        h = o(qkv(h)[..., :Q].contiguous())
+        h = down(gate_up(h)[..., :F_].contiguous())
+    return head(h)
+
+
+def floor_steps(weights, B: int, C: int, steps: int) -> dict:
     """Only the weight matmuls of `steps` one-token forwards (shapes as in the model)."""
-    layers, head = weights
-    C = head.shape[1]
-    F_ = layers[0][3].shape[1]
     x = torch.randn(B, 1, C)
     with torch.inference_mode():
         t0 = time.perf_counter()
         for _ in range(steps):
-            h = x
-            for w_qkv, w_o, w_gu, w_d in layers:
-                a = F.linear(h, w_qkv)
-                h = F.linear(a[..., : w_o.shape[1]], w_o)
-                g = F.linear(h, w_gu)
-                h = F.linear(g[..., :F_], w_d)
-            F.linear(h, head)
+            floor_forward(weights, x)
         t1 = time.perf_counter()
     return {"decode_s": t1 - t0, "wall_s": t1 - t0}
 
@@ -239,7 +312,7 @@ def check_agreement(model, ids: torch.Tensor, outputs: dict[str, list[list[int]]
                 rows.append({"row": b, **explain_divergence(model, ids[b].tolist(), r, o, i, eos)})
         report[name] = {"identical_rows": len(ref) - len(rows), "rows": len(ref), "divergences": rows}
         bad = [d for d in rows if d["kind"] == "DISAGREE"]
-        if bad:
+        if bad and name not in ("hw_packed", "hw_compiled"):     # prototypes: reported, never fatal
             sys.exit(f"{name} disagrees with headwise's greedy tokens beyond noise: {bad}; refusing to time")
     parts = [f"{n} {r['identical_rows']}/{r['rows']} identical"
              + "".join(f" (row {d['row']}: step {d['step']} {d['kind']}, gap {d['logit_gap']:.1e})"
@@ -293,22 +366,28 @@ def try_compile(model, ids: torch.Tensor, new: int, log) -> tuple[object | None,
 
 
 # ------------------------------------------------------------------ decode cells
-def run_decode(B: int, args, model, hf, floor_w, mb, bw: float, compiled, log, check: bool) -> dict:
-    V = model.config.vocab_size
-    ids = make_prompts(B, V)
+def run_decode(B: int, args, M: dict, mb, bw: float, log, check: bool) -> dict:
+    """M: the models, {"hw", "hw_packed" (or None), "hw_compiled" (or None), "hf": {impl: model},
+    "floor", "floor_packed" (or None)}."""
+    model = M["hw"]
+    cfg = model.config
+    ids = make_prompts(B, cfg.vocab_size)
     new = args.new_tokens
     calls = {"hw_generate": lambda: hw_generate(model, ids, new),
              "hw_loop": lambda: hw_loop(model, ids, new)}
-    if compiled is not None:
-        calls["hw_compiled"] = lambda: hw_generate(compiled, ids, new)
-    for impl, m in hf.items():
+    for name in ("hw_packed", "hw_compiled"):
+        if M.get(name) is not None:
+            calls[name] = (lambda m=M[name]: hw_generate(m, ids, new))
+    for impl, m in M["hf"].items():
         calls[f"hf_{impl}_generate"] = (lambda m=m: hf_generate(m, ids, new))
         calls[f"hf_{impl}_loop"] = (lambda m=m: hf_loop(m, ids, new))
-    calls["floor"] = lambda: floor_steps(floor_w, B, new - 1)
+    for name in ("floor", "floor_packed"):
+        if M.get(name) is not None:
+            calls[name] = (lambda w=M[name]: floor_steps(w, B, cfg.d_model, new - 1))
 
     agreement = None
     if check:
-        outs = {n: fn()["ids"] for n, fn in calls.items() if n != "floor"}
+        outs = {n: fn()["ids"] for n, fn in calls.items() if not n.startswith("floor")}
         agreement = check_agreement(model, ids, outs, log)
 
     details: dict[str, list[dict]] = {n: [] for n in calls}
@@ -324,7 +403,8 @@ def run_decode(B: int, args, model, hf, floor_w, mb, bw: float, compiled, log, c
     load1, cpu = loadavg(), busy_and_steal(ticks0, cpu_ticks())
     details = {n: d[-rounds:] for n, d in details.items()}          # drop the warm-up calls
     ref_ids = details["hw_generate"][0]["ids"]
-    unstable = [n for n, ds in details.items() if n.startswith("hw") and any(d["ids"] != ref_ids for d in ds)]
+    unstable = [n for n, ds in details.items() if n in ("hw_generate", "hw_loop") and
+                any(d["ids"] != ref_ids for d in ds)]
 
     # bytes one forward must read: weights + the K/V of its context (32 + 1 .. 32 + 127)
     steps = new - 1
@@ -382,15 +462,23 @@ def decode_table(cell) -> str:
 
 
 # ------------------------------------------------------------------ prefill
-def run_prefill(args, model, hf, log) -> dict:
+def run_prefill(args, M: dict, log) -> dict:
+    model = M["hw"]
     T = args.prefill_tokens
     ids = make_prompts(1, model.config.vocab_size, T=T, seed=SEED + 99)
     fns = {"hw": lambda: model(ids)}
-    for impl, m in hf.items():
+    if M.get("hw_packed") is not None:
+        fns["hw_packed"] = lambda: M["hw_packed"](ids)
+    for impl, m in M["hf"].items():
         fns[f"hf_{impl}"] = (lambda m=m: m(input_ids=ids, use_cache=False).logits)
+    x = torch.randn(1, T, model.config.d_model)
+    for name in ("floor", "floor_packed"):
+        if M.get(name) is not None:
+            fns[name] = (lambda w=M[name]: floor_forward(w, x))
     with torch.inference_mode():
         ref = fns["hw"]()
-        diffs = {n: (fn() - ref).abs().max().item() for n, fn in fns.items() if n != "hw"}
+        diffs = {n: (fn() - ref).abs().max().item() for n, fn in fns.items()
+                 if n != "hw" and not n.startswith("floor")}
         del ref
         bad = {n: d for n, d in diffs.items() if d > PREFILL_ATOL}
         if bad:
@@ -415,13 +503,15 @@ def run_prefill(args, model, hf, log) -> dict:
 def prefill_table(cell) -> str:
     rows = [[name, cell["rounds"], f"{s['ms']['min']:.0f}", f"{s['ms']['median']:.0f}", f"{s['ms']['max']:.0f}",
              f"{s['tok_s']['median']:.0f}", f"{s['vs_hf_sdpa']:.2f}x",
-             f"{cell['max_abs_logit_diff_vs_hw'].get(name, 0.0):.1e}"] for name, s in cell["summary"].items()]
+             f"{cell['max_abs_logit_diff_vs_hw'][name]:.1e}" if name in cell['max_abs_logit_diff_vs_hw']
+             else ("(bound)" if name.startswith("floor") else "(ref)")] for name, s in cell["summary"].items()]
     return table(["contender", "n", "min ms", "median ms", "max ms", "tok/s", "vs hf_sdpa", "|logits diff|"], rows)
 
 
 # ------------------------------------------------------------------ profiles
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_mkl_linear", "mkldnn::_linear",
-              "aten::mkldnn_linear", "aten::_addmm_activation", "aten::dot", "aten::mv"}
+              "aten::mkldnn_linear", "aten::_addmm_activation", "aten::dot", "aten::mv",
+              "mkldnn::_linear_pointwise", "mkl::_mkl_linear"}
 ATTN_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
             "aten::_softmax", "aten::_safe_softmax"}
 
@@ -464,27 +554,33 @@ def profile_step(name: str, setup, step, n: int = 8, timed: int = 30) -> dict:
                     "'outside ops' = unprofiled wall - profiled self time, so it underestimates Python time"}
 
 
-def run_profiles(model, hf, log) -> list[dict]:
-    cfg = model.config
+def run_profiles(M: dict, log) -> list[dict]:
+    cfg = M["hw"].config
     ids = make_prompts(1, cfg.vocab_size)
+    kw = _cache_kwarg()
+    out = []
+    for name in ("hw", "hw_packed"):
+        model = M.get(name)
+        if model is None:
+            continue
 
-    def hw_setup():
-        cache = ContiguousKVCache(cfg.num_layers, 1, cfg.num_kv_heads, PROMPT_LEN + 64, cfg.head_dim)
-        nxt = model(ids, cache=cache)[:, -1].argmax(-1)
-        return {"cache": cache, "nxt": nxt}
+        def hw_setup(model=model):
+            cache = ContiguousKVCache(cfg.num_layers, 1, cfg.num_kv_heads, PROMPT_LEN + 64, cfg.head_dim)
+            nxt = model(ids, cache=cache)[:, -1].argmax(-1)
+            return {"cache": cache, "nxt": nxt}
 
-    def hw_step(st):
-        st["nxt"] = model(st["nxt"][:, None], cache=st["cache"])[:, -1].argmax(-1)
+        def hw_step(st, model=model):
+            st["nxt"] = model(st["nxt"][:, None], cache=st["cache"])[:, -1].argmax(-1)
 
-    out = [profile_step("headwise", hw_setup, hw_step)]
-    for impl, m in hf.items():
+        out.append(profile_step("headwise" if name == "hw" else "headwise packed (prototype)", hw_setup, hw_step))
+    for impl, m in M["hf"].items():
         def hf_setup(m=m):
             o = m(input_ids=ids, use_cache=True)
-            return {"past": o.past_key_values, "nxt": o.logits[:, -1].argmax(-1)}
+            return {"past": _past(o), "nxt": o.logits[:, -1].argmax(-1)}
 
         def hf_step(st, m=m):
-            o = m(input_ids=st["nxt"][:, None], past_key_values=st["past"], use_cache=True)
-            st["past"], st["nxt"] = o.past_key_values, o.logits[:, -1].argmax(-1)
+            o = m(input_ids=st["nxt"][:, None], use_cache=True, **{kw: st["past"]})
+            st["past"], st["nxt"] = _past(o), o.logits[:, -1].argmax(-1)
 
         out.append(profile_step(f"hf_{impl}", hf_setup, hf_step))
     log("  done profiles")
@@ -515,14 +611,16 @@ def parse_args(argv=None):
     p.add_argument("--prefill-tokens", type=int, default=512, help="prefill prompt length (default 512; 0 skips)")
     p.add_argument("--prefill-rounds", type=int, default=None,
                    help="prefill rounds (default: as many as fit --prefill-budget, at least 5)")
-    p.add_argument("--prefill-budget", type=float, default=30.0, help="seconds of timed prefill rounds (default 30)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="also time headwise.generate on torch.compile(model, dynamic=True) (default: on, off "
-                        "with --quick)")
+    p.add_argument("--prefill-budget", type=float, default=40.0, help="seconds of timed prefill rounds (default 40)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                   help="also time headwise.generate on torch.compile(model, dynamic=True) (default off: "
+                        "measured here, the first call compiles for ~5 min on 2 busy cores, dynamo hits its "
+                        "recompile limit on the cache's host lengths (cache.layers[0]._host[0] is guarded "
+                        "every step) and falls back, and steps ran slower than eager)")
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                    help="profile one decode step of each model at 1 thread (default on)")
     p.add_argument("--quick", action="store_true",
-                   help="smoke test: 16 new tokens, 1 round, prefill 128 tokens, threads 2 only, no compile; "
+                   help="smoke test: 16 new tokens, 1 round, prefill 128 tokens, first thread count only; "
                         "saves nothing unless --out")
     p.add_argument("--out", type=Path, default=None,
                    help="directory for decode.json / decode.txt (default benchmarks/results; not written with "
@@ -531,9 +629,6 @@ def parse_args(argv=None):
     if args.quick:
         args.new_tokens, args.rounds, args.prefill_tokens = 16, 1, 128
         args.threads, args.prefill_rounds = args.threads[:1], args.prefill_rounds or 3
-        args.compile = bool(args.compile)
-    elif args.compile is None:
-        args.compile = True
     if args.out is None and not args.quick:
         args.out = Path(__file__).resolve().parent / "results"
     return args
@@ -545,15 +640,19 @@ def verdicts(sections) -> list[dict]:
         for cell in sec["decode"]:
             need = 2.0 if cell["B"] == 1 else 1.5
             s = cell["summary"]["hw_generate"]
+            pk = cell["summary"].get("hw_packed")
             out.append({"threads": sec["threads"], "what": f"decode B={cell['B']} tok/s >= {need}x hf sdpa",
                         "need": need, "decode_ratio": s["decode_vs_hf_sdpa_loop"],
                         "decode_ratio_paired": s["decode_vs_hf_sdpa_loop_paired"],
                         "e2e_ratio": s["e2e_vs_hf_sdpa_generate"],
+                        "prototype_packed_decode_ratio": pk["decode_vs_hf_sdpa_loop"] if pk else None,
                         "holds": s["decode_vs_hf_sdpa_loop"] >= need})
         if sec.get("prefill"):
             s = sec["prefill"]["summary"]["hw"]
+            pk = sec["prefill"]["summary"].get("hw_packed")
             out.append({"threads": sec["threads"], "what": f"prefill T={sec['prefill']['T']} >= 1x hf sdpa",
                         "need": 1.0, "decode_ratio": None, "e2e_ratio": s["vs_hf_sdpa"],
+                        "prototype_packed_ratio": pk["vs_hf_sdpa"] if pk else None,
                         "ratio_paired": s["vs_hf_sdpa_paired"], "holds": s["vs_hf_sdpa"] >= 1.0})
     return out
 
@@ -567,6 +666,10 @@ def main(argv=None):
     model, hf, tf_version = load_models()
     env["transformers"] = tf_version
     mb = model_bytes(model)
+    no_pack = packed_available()
+    M = {"hw": model, "hf": hf, "floor": floor_weights(model), "hw_packed": None, "floor_packed": None}
+    if no_pack is None:
+        M["hw_packed"], M["floor_packed"] = packed_model(), floor_weights(model, packed=True)
     log(f"headwise decode benchmark  {env['date']}")
     log(f"torch {env['torch']}  transformers {tf_version}  cpu {env['cpu_model']} ({env['cpu_count']} cores)  "
         f"threads {args.threads}")
@@ -577,6 +680,8 @@ def main(argv=None):
         f"{mb['kv_bytes_per_token'] / 1e3:.1f} kB per cached token")
     log(f"decode: B in {args.batches}, {PROMPT_LEN}-token random prompts + {args.new_tokens} new tokens, greedy, "
         f"{args.rounds} interleaved rounds after 1 warm-up; prefill: T={args.prefill_tokens}, B=1")
+    log("hw_packed / floor_packed: " + ("a prototype of prepacked oneDNN linears made by this script, not library "
+                                        "code" if no_pack is None else f"skipped - {no_pack}"))
 
     sections = []
     compiled, compile_info = None, None
@@ -588,8 +693,8 @@ def main(argv=None):
         if args.compile and compiled is None and compile_info is None:
             compiled, compile_info = try_compile(model, make_prompts(1, model.config.vocab_size), args.new_tokens,
                                                  log)
-        cells = [run_decode(B, args, model, hf, floor_weights(model), mb, max(bw), compiled, log, check=i == 0)
-                 for B in args.batches]
+            M["hw_compiled"] = compiled
+        cells = [run_decode(B, args, M, mb, max(bw), log, check=i == 0) for B in args.batches]
         bw += copy_bandwidth()
         sec["copy_bandwidth_gb_s"] = {**summarize(bw), "samples": bw}
         for cell in cells:         # the limit uses the best copy of the whole section
@@ -600,14 +705,14 @@ def main(argv=None):
                 if "decode_bw_fraction" in s:
                     s["decode_bw_fraction"] = {k: v * scale for k, v in s["decode_bw_fraction"].items()}
         sec["decode"] = cells
-        sec["prefill"] = run_prefill(args, model, hf, log) if args.prefill_tokens else None
+        sec["prefill"] = run_prefill(args, M, log) if args.prefill_tokens else None
         sec["loadavg_after"] = loadavg()
         sections.append(sec)
 
     profiles = []
     if args.profile:
         torch.set_num_threads(1)
-        profiles = run_profiles(model, hf, log)
+        profiles = run_profiles(M, log)
     env["loadavg_after"] = loadavg()
     env.update(busy_and_steal(ticks0, cpu_ticks()))
 
@@ -633,9 +738,9 @@ def main(argv=None):
             log(f"Prefill T={p['T']} B=1 (one forward, all logits), load {p['loadavg_before'][0]:.2f} -> "
                 f"{p['loadavg_after'][0]:.2f}")
             log(prefill_table(p))
-    if compile_info is not None:
-        log("")
-        log("torch.compile: " + json.dumps(compile_info))
+    log("")
+    log("torch.compile: " + (json.dumps(compile_info) if compile_info is not None else
+                             "not run (--compile is off by default; see --help for why)"))
     if profiles:
         log("")
         log("Profiles: one decode step at B=1 after 32 tokens of context, 1 thread, torch.profiler (CPU), "
@@ -649,11 +754,14 @@ def main(argv=None):
         "e2e: hw_generate / hf_sdpa_generate):")
     for c in claims:
         if c["decode_ratio"] is not None:
+            pk = c["prototype_packed_decode_ratio"]
             log(f"  threads={c['threads']} {c['what']}: {c['decode_ratio']:.2f}x (paired {c['decode_ratio_paired']:.2f}x, "
-                f"e2e {c['e2e_ratio']:.2f}x) -> {'HOLDS' if c['holds'] else 'MISSES'}")
+                f"e2e {c['e2e_ratio']:.2f}x) -> {'HOLDS' if c['holds'] else 'MISSES'}"
+                + (f"   [prototype hw_packed: {pk:.2f}x]" if pk else ""))
         else:
+            pk = c["prototype_packed_ratio"]
             log(f"  threads={c['threads']} {c['what']}: {c['e2e_ratio']:.2f}x (paired {c['ratio_paired']:.2f}x) -> "
-                f"{'HOLDS' if c['holds'] else 'MISSES'}")
+                f"{'HOLDS' if c['holds'] else 'MISSES'}" + (f"   [prototype hw_packed: {pk:.2f}x]" if pk else ""))
     steal = f"  cpu busy {env['busy_pct']}% steal {env['steal_pct']}%" if "steal_pct" in env else ""
     log(f"loadavg after {env['loadavg_after']}{steal}")
 

@@ -20,12 +20,13 @@ time alone (N appends, no attention; timed separately), and K/V bytes per token.
 Every contender's last output is checked against the seed's before its time
 counts (fp32 within 1e-4, int8 within 2e-2 of the output's max).
 
-Timing: one 256-step warm-up run of every contender, then `--rounds` rounds in
-which each contender runs once, order rotated every round (benchmarks/_common.py);
+Timing: one 256-step warm-up run of every contender, then rounds (10 at N=512, 9 at
+2048, 3 at 8192; `--rounds` overrides) in which each contender runs once, order
+rotated every round (benchmarks/_common.py);
 min / median / max reported, ratios are of medians. Load average and CPU steal
 are recorded per cell.
 
-    .venv/bin/python benchmarks/kv_cache.py            # full run (~30 min on 2 cores); saves results/
+    .venv/bin/python benchmarks/kv_cache.py            # full run (~45 min on a busy 2-core box); saves results/
     .venv/bin/python benchmarks/kv_cache.py --quick    # N=512, 2 rounds; nothing saved
 """
 from __future__ import annotations
@@ -254,7 +255,9 @@ def parse_args(argv=None):
     p.add_argument("--sizes", type=ints, default=[512, 2048, 8192], help="decode lengths N (default 512,2048,8192)")
     p.add_argument("--configs", type=lambda s: s.split(","), default=list(CONFIGS),
                    help=f"comma-separated, from {', '.join(CONFIGS)} (default all)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell (default 3)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="interleaved rounds per cell (default: 10 at N=512, 9 at 2048, 3 at 8192: "
+                        "min(10, max(3, 20000 // N)))")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--quick", action="store_true", help="N=512, 2 rounds; saves nothing unless --out")
     p.add_argument("--out", type=Path, default=None, help="directory for kv_cache.json/.txt "
@@ -288,7 +291,8 @@ def main(argv=None):
     cells = []
     for cfg_name in args.configs:
         for N in args.sizes:
-            cells.append(run_cell(cfg_name, N, args.rounds, names, log))
+            rounds = args.rounds or min(10, max(3, 20000 // N))     # small cells are cheap: more rounds
+            cells.append(run_cell(cfg_name, N, rounds, names, log))
     env["loadavg_after"] = loadavg()
     env.update(busy_and_steal(ticks0, cpu_ticks()))
 
@@ -309,7 +313,8 @@ def main(argv=None):
         args.out.mkdir(parents=True, exist_ok=True)
         result = {"benchmark": "kv_cache", "env": env,
                   "config": {"configs": {n: CONFIGS[n] for n in args.configs}, "sizes": args.sizes,
-                             "rounds": args.rounds, "tail_steps": TAIL, "warmup_steps": WARMUP_STEPS,
+                             "rounds": args.rounds or "min(10, max(3, 20000 // N))",
+                             "tail_steps": TAIL, "warmup_steps": WARMUP_STEPS,
                              "paged": why_not or "included", "block_size": BLOCK, "dtype": "float32",
                              "order": "interleaved, rotated each round, after a short warm-up run"},
                   "cells": cells, "claims": checks}
