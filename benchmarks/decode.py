@@ -436,8 +436,10 @@ def run_decode(B: int, args, M: dict, mb, bw: float, log, check: bool) -> dict:
     for d in details.values():
         for x in d:
             x.pop("ids", None)
+    brief = ", ".join(f"{n} {summary[n]['decode_tok_s']['median']:.1f}" for n in summary if "decode_tok_s" in summary[n])
     log(f"  done decode B={B} rounds={rounds} load {load0[0]:.2f} -> {load1[0]:.2f}"
-        + (f"  cpu busy {cpu['busy_pct']}% steal {cpu['steal_pct']}%" if cpu else ""))
+        + (f"  cpu busy {cpu['busy_pct']}% steal {cpu['steal_pct']}%" if cpu else "")
+        + f"; median decode tok/s: {brief}")
     return {"B": B, "prompt_len": PROMPT_LEN, "new_tokens": new, "rounds": rounds, "loadavg_before": load0,
             "loadavg_after": load1, **cpu, "forward_bytes_mean": fwd_bytes, "bandwidth_gb_s": bw,
             "bw_limit_tok_s": B * bw * 1e9 / fwd_bytes, "agreement": agreement,
@@ -634,6 +636,31 @@ def parse_args(argv=None):
     return args
 
 
+def log_section(sec, log) -> None:
+    """The tables of one thread count, printed as soon as it is done."""
+    bw = sec["copy_bandwidth_gb_s"]
+    log("")
+    log(f"=== threads={sec['threads']}  (load {sec['loadavg_before'][0]:.2f} -> {sec['loadavg_after'][0]:.2f}; "
+        f"copy bandwidth {bw['min']:.1f} / {bw['median']:.1f} / {bw['max']:.1f} GB/s min/median/max, "
+        f"read+written, 512 MiB copy_) ===")
+    for cell in sec["decode"]:
+        log("")
+        log(f"Decode B={cell['B']}: {PROMPT_LEN}-token prompts + {cell['new_tokens']} new tokens, "
+            f"{cell['rounds']} rounds, load {cell['loadavg_before'][0]:.2f} -> {cell['loadavg_after'][0]:.2f}"
+            + (f", cpu steal {cell['steal_pct']}%" if "steal_pct" in cell else "")
+            + f"; BW limit {cell['bw_limit_tok_s']:.1f} tok/s ({cell['forward_bytes_mean'] / 1e6:.1f} MB "
+              f"per forward at {cell['bandwidth_gb_s']:.1f} GB/s)")
+        log(decode_table(cell))
+        if cell["hw_ids_unstable_across_runs"]:
+            log(f"  note: token ids changed between runs for {cell['hw_ids_unstable_across_runs']}")
+    if sec["prefill"]:
+        p = sec["prefill"]
+        log("")
+        log(f"Prefill T={p['T']} B=1 (one forward, all logits), load {p['loadavg_before'][0]:.2f} -> "
+            f"{p['loadavg_after'][0]:.2f}")
+        log(prefill_table(p))
+
+
 def verdicts(sections) -> list[dict]:
     out = []
     for sec in sections:
@@ -708,6 +735,11 @@ def main(argv=None):
         sec["prefill"] = run_prefill(args, M, log) if args.prefill_tokens else None
         sec["loadavg_after"] = loadavg()
         sections.append(sec)
+        log_section(sec, log)
+        if args.out:          # a partial file, in case the run is cut short; rewritten at the end
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "decode.json").write_text(json.dumps(
+                {"benchmark": "decode", "complete": False, "env": env, "sections": sections}, indent=1) + "\n")
 
     profiles = []
     if args.profile:
@@ -716,28 +748,6 @@ def main(argv=None):
     env["loadavg_after"] = loadavg()
     env.update(busy_and_steal(ticks0, cpu_ticks()))
 
-    for sec in sections:
-        bw = sec["copy_bandwidth_gb_s"]
-        log("")
-        log(f"=== threads={sec['threads']}  (load {sec['loadavg_before'][0]:.2f} -> {sec['loadavg_after'][0]:.2f}; "
-            f"copy bandwidth {bw['min']:.1f} / {bw['median']:.1f} / {bw['max']:.1f} GB/s min/median/max, "
-            f"read+written, 512 MiB copy_) ===")
-        for cell in sec["decode"]:
-            log("")
-            log(f"Decode B={cell['B']}: {PROMPT_LEN}-token prompts + {cell['new_tokens']} new tokens, "
-                f"{cell['rounds']} rounds, load {cell['loadavg_before'][0]:.2f} -> {cell['loadavg_after'][0]:.2f}"
-                + (f", cpu steal {cell['steal_pct']}%" if "steal_pct" in cell else "")
-                + f"; BW limit {cell['bw_limit_tok_s']:.1f} tok/s ({cell['forward_bytes_mean'] / 1e6:.1f} MB "
-                  f"per forward at {cell['bandwidth_gb_s']:.1f} GB/s)")
-            log(decode_table(cell))
-            if cell["hw_ids_unstable_across_runs"]:
-                log(f"  note: token ids changed between runs for {cell['hw_ids_unstable_across_runs']}")
-        if sec["prefill"]:
-            p = sec["prefill"]
-            log("")
-            log(f"Prefill T={p['T']} B=1 (one forward, all logits), load {p['loadavg_before'][0]:.2f} -> "
-                f"{p['loadavg_after'][0]:.2f}")
-            log(prefill_table(p))
     log("")
     log("torch.compile: " + (json.dumps(compile_info) if compile_info is not None else
                              "not run (--compile is off by default; see --help for why)"))
@@ -767,7 +777,7 @@ def main(argv=None):
 
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        result = {"benchmark": "decode", "env": env,
+        result = {"benchmark": "decode", "complete": True, "env": env,
                   "config": {"model": MODEL, "dtype": "float32", "prompt_len": PROMPT_LEN,
                              "new_tokens": args.new_tokens, "batches": args.batches, "threads": args.threads,
                              "rounds": args.rounds, "prefill_tokens": args.prefill_tokens, "seed": SEED,
