@@ -21,6 +21,8 @@ _LAZY = {
     "SamplingParams": "headwise.generation",
     "GenerationResult": "headwise.generation",
     "embed": "headwise.embeddings",
+    "Engine": "headwise.engine",
+    "QueueFull": "headwise.engine",
 }
 __all__ = list(_LAZY)
 

@@ -54,6 +54,22 @@ def run_demo(args) -> int:
     return 0
 
 
+def add_optional_cli(sub, module: str, name: str, help: str) -> None:
+    """Register a subcommand whose module may need an extra; if it cannot be imported, the
+    subcommand still shows in --help and says what to install when run."""
+    import importlib
+    try:
+        importlib.import_module(module).add_cli(sub)
+    except ImportError as e:
+        missing = e.name or str(e)
+
+        def fail(args, _missing=missing) -> int:
+            print(f"headwise {name}: cannot import {_missing!r}; install the extra: pip install 'headwise[serve,viz]'",
+                  file=sys.stderr)
+            return 2
+        sub.add_parser(name, help=help + " [unavailable here]").set_defaults(func=fail)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="headwise", description="Multi-head attention from the layer to the API.")
@@ -63,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_cli(sub)
     from .generation import cli as generation_cli
     generation_cli.add_cli(sub)
+    add_optional_cli(sub, "headwise.serve.cli", "serve", "serve models behind the OpenAI API (needs headwise[serve])")
+    add_optional_cli(sub, "headwise.analysis.cli", "analyze", "head analysis report: patterns, roles, attribution, "
+                                                               "ablation, pruning")
     demo = sub.add_parser("demo", help="chat with SmolLM2, embed with MiniLM, plan the seed's models, compare "
                                        "attention backends (what `make run` shows)")
     demo.add_argument("--max-new-tokens", type=int, default=60)
