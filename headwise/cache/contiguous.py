@@ -242,7 +242,10 @@ class ContiguousLayerCache(LayerCacheBase):
         if self.static:
             # The host bookkeeping runs outside any torch.compile graph, so lengths never become
             # guards (that would recompile every step); the step itself reads only self._len.
-            self._book_outside_graph(T, num_new)
+            # Inside a graph it is skipped altogether: whoever compiles books the step before
+            # calling it (`ContiguousKVCache.book`), which keeps the whole forward one graph.
+            if not torch.compiler.is_compiling():
+                self._book_outside_graph(T, num_new)
             n_t = None if num_new is None else torch.as_tensor(num_new, device=self.device).long()
             return self._write_masked(k, v, T, n_t)
         L, uniform = self._host[0], self._uniform
@@ -360,6 +363,14 @@ class ContiguousKVCache(LayeredCache):
                                             device=device, kv_dtype=kv_dtype, static=static)
                        for _ in range(num_layers)]
         self.kv_dtype = self.layers[0].kv_dtype
+
+    def book(self, num_new: int) -> None:
+        """Check and advance every layer's host lengths by num_new tokens per sequence, for a
+        static cache whose next step runs inside a compiled graph (which skips this)."""
+        if not self.static:
+            raise ValueError("book() is for static caches: a dynamic cache books inside update()")
+        for layer in self.layers:
+            layer._book(num_new, None)
 
     def trim(self, lengths: int | Sequence[int] | Tensor) -> None:
         """Keep only the first `lengths` tokens of each sequence in every layer (all checked first)."""

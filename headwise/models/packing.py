@@ -1,0 +1,88 @@
+"""Prepacked linears for CPU inference: the weight reordered once into oneDNN's blocked layout.
+
+A one-token decode step is a chain of matrix-vector products, so its speed is how fast the
+weights stream from memory. PyTorch's `F.linear` on a plain (out, in) fp32 weight does that
+at about half the bandwidth oneDNN reaches on the same weight reordered for it (measured
+here, 2 threads, the 49152x576 output layer of SmolLM2: 11.5 ms plain vs 6.1 ms packed;
+whole decode step, every linear packed: 1.46x tokens/s). Inductor does the same reorder
+when it freezes a compiled graph; this gets it without compiling.
+
+`PackedLinear` *is* an `nn.Linear` (same parameters, state_dict, hooks, `isinstance`): only
+its forward changes, and only when nothing needs gradients. The packed copy is made on
+first use and remade whenever the weight changes (in-place edits bump the tensor's version
+counter; pruning swaps the module). Cost: a second copy of each packed weight (+1x weight
+memory), which `unpack_linears` gives back.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+PACKED_DTYPES = (torch.float32,)     # bf16 without native bf16 units is slower than fp32 here anyway
+
+
+@functools.cache
+def packing_available() -> str | None:
+    """None if oneDNN prepacked linears run (and agree with F.linear) here, else why not."""
+    try:
+        w, x = torch.randn(8, 4), torch.randn(2, 3, 4)
+        y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, 1),
+                                               None, "none", [], "")
+        if not torch.allclose(y, F.linear(x, w), atol=1e-5):
+            return "oneDNN's linear disagrees with F.linear"
+        return None
+    except (AttributeError, RuntimeError, NotImplementedError) as e:   # no mkldnn build, or the ops moved
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+class PackedLinear(nn.Linear):
+    """nn.Linear with a oneDNN-prepacked copy of its weight for gradient-free CPU forwards."""
+
+    _packed: Tensor | None = None
+    _packed_key: tuple | None = None
+
+    def _key(self) -> tuple:
+        w = self.weight
+        return (w.data_ptr(), w._version, w.dtype, tuple(w.shape))
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight
+        if (x.device.type != "cpu" or x.dtype != w.dtype or w.dtype not in PACKED_DTYPES
+                or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+                or torch.compiler.is_compiling()):              # inductor packs on its own when freezing
+            return F.linear(x, w, self.bias)
+        key = self._key()
+        if key != self._packed_key:
+            with torch.no_grad():
+                # 1 = the batch-size hint; the packed weight serves any number of rows.
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+            self._packed_key = key
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Turn every plain nn.Linear in `model` into a PackedLinear, in place (no weight is
+    copied until its first forward). Returns how many; 0 where packing is unavailable."""
+    if packing_available() is not None:
+        return 0
+    n = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = PackedLinear
+            n += 1
+    return n
+
+
+def unpack_linears(model: nn.Module) -> int:
+    """Undo `pack_linears`: plain nn.Linear again, the packed copies freed."""
+    n = 0
+    for module in model.modules():
+        if type(module) is PackedLinear:
+            module.__dict__.pop("_packed", None)
+            module.__dict__.pop("_packed_key", None)
+            module.__class__ = nn.Linear
+            n += 1
+    return n

@@ -1,0 +1,65 @@
+"""PackedLinear against nn.Linear: same outputs, same gradients, and a weight edit is seen."""
+import pytest
+import torch
+from torch import nn
+
+from headwise.models.packing import PackedLinear, pack_linears, packing_available, unpack_linears
+
+
+
+def test_onednn_packing_runs_here():
+    assert packing_available() is None          # the CPU build of torch ships oneDNN
+
+
+def _pair(bias: bool, seed: int = 0):
+    torch.manual_seed(seed)
+    ref = nn.Linear(96, 200, bias=bias)
+    packed = nn.Linear(96, 200, bias=bias)
+    packed.load_state_dict(ref.state_dict())
+    assert pack_linears(packed) == 1
+    return ref, packed
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 96), (1, 1, 96), (3, 7, 96), (64, 96)])
+def test_packed_forward_equals_linear(bias, shape):
+    ref, packed = _pair(bias)
+    x = torch.randn(shape)
+    with torch.inference_mode():
+        want, got = ref(x), packed(x)
+    assert type(packed) is PackedLinear and packed._packed is not None      # the packed path really ran
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_weight_edit_repacks():
+    ref, packed = _pair(True)
+    x = torch.randn(4, 96)
+    with torch.no_grad():
+        packed(x)
+        first = packed._packed
+        for m in (ref, packed):
+            m.weight.mul_(-2.0)              # in place: same storage, new version
+        torch.testing.assert_close(packed(x), ref(x), atol=1e-5, rtol=1e-5)
+    assert packed._packed is not first
+
+
+def test_gradients_use_the_plain_weight():
+    ref, packed = _pair(True)
+    x = torch.randn(5, 96, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    ref(x).square().sum().backward()
+    packed(x2).square().sum().backward()
+    torch.testing.assert_close(x2.grad, x.grad)
+    torch.testing.assert_close(packed.weight.grad, ref.weight.grad)
+    assert packed._packed is None                  # training never packs
+
+
+def test_state_dict_and_unpack():
+    ref, packed = _pair(True)
+    with torch.inference_mode():
+        packed(torch.randn(2, 96))
+    assert set(packed.state_dict()) == {"weight", "bias"}
+    assert unpack_linears(packed) == 1
+    assert type(packed) is nn.Linear and "_packed" not in packed.__dict__
+    torch.testing.assert_close(packed(torch.ones(1, 96)), ref(torch.ones(1, 96)))
