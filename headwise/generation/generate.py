@@ -113,7 +113,7 @@ def _normalize_prompts(model, prompt) -> tuple[list[list[int]], bool]:
 
 
 def generate(model, prompt, sampling: SamplingParams | None = None, *, stream: bool = False,
-             **fields):
+             compile: bool = False, **fields):
     """Generate from a decoder model.
 
     prompt: text, token ids, chat messages ([{"role": ..., "content": ...}]), or a
@@ -122,6 +122,8 @@ def generate(model, prompt, sampling: SamplingParams | None = None, *, stream: b
     top_k, top_p, min_p, repetition_penalty, stop, seed, ...) override it.
     Returns a `GenerationResult` (a list for a list of prompts, or for n > 1); with
     stream=True (one prompt, n == 1), an iterator of text pieces.
+    compile: run each one-token decode step as one torch.compile graph (compiled.py): the
+    first call per batch and cache size compiles for tens of seconds; later calls reuse it.
     """
     params = sampling or SamplingParams()
     if fields:
@@ -133,18 +135,19 @@ def generate(model, prompt, sampling: SamplingParams | None = None, *, stream: b
     if stream:
         if not single or params.n != 1:
             raise ValueError("stream=True takes one prompt with n=1")
-        return _stream(model, prompts[0], params)
-    results = list(_run(model, [p for p in prompts for _ in range(params.n)], params, streaming=False))
+        return _stream(model, prompts[0], params, compile)
+    results = list(_run(model, [p for p in prompts for _ in range(params.n)], params, streaming=False,
+                        compile=compile))
     return results[0] if single and params.n == 1 else results
 
 
-def _stream(model, prompt: list[int], params: SamplingParams) -> Iterator[str]:
-    for piece in _run(model, [prompt], params, streaming=True):
+def _stream(model, prompt: list[int], params: SamplingParams, compile: bool = False) -> Iterator[str]:
+    for piece in _run(model, [prompt], params, streaming=True, compile=compile):
         if piece:
             yield piece
 
 
-def _run(model, prompts: Sequence[list[int]], params: SamplingParams, streaming: bool):
+def _run(model, prompts: Sequence[list[int]], params: SamplingParams, streaming: bool, compile: bool = False):
     from ..cache import ContiguousKVCache
     cfg = model.config
     B = len(prompts)
@@ -157,17 +160,19 @@ def _run(model, prompts: Sequence[list[int]], params: SamplingParams, streaming:
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     tok = getattr(model, "tokenizer", None)
-    stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos or tok is None
-                                                   else frozenset(getattr(tok, "stop_token_ids", None)
-                                                                  or {tok.eos_token_id}))
+    stop_ids = _stop_ids(tok, params)
     seqs = [_Sequence(p, params, stop_ids, _stream_decoder(tok)) for p in prompts]
     gens = [None] * B
     if params.seed is not None:
         gens = [torch.Generator(device=device).manual_seed(params.seed + i) for i in range(B)]
 
     T0 = max(lengths)
-    cache = ContiguousKVCache(cfg.num_layers, B, cfg.num_kv_heads, T0 + params.max_new_tokens, cfg.head_dim,
-                              dtype=dtype, device=device)
+    slots, step_fn = T0 + params.max_new_tokens, None
+    if compile:
+        from .compiled import compiled_decode_step, static_cache_size
+        slots, step_fn = static_cache_size(slots, limit), compiled_decode_step(model)
+    cache = ContiguousKVCache(cfg.num_layers, B, cfg.num_kv_heads, slots, cfg.head_dim,
+                              dtype=dtype, device=device, static=compile)
     ids = torch.zeros(B, T0, dtype=torch.long, device=device)
     mask = torch.zeros(B, T0, dtype=torch.long, device=device)
     for b, p in enumerate(prompts):
@@ -203,7 +208,11 @@ def _run(model, prompts: Sequence[list[int]], params: SamplingParams, streaming:
                 yield seqs[0].new_text()
             if all(s.finish_reason for s in seqs):
                 break
-            last = model(nxt[:, None], cache=cache)[:, -1]                             # (B, V)
+            if step_fn is None:
+                last = model(nxt[:, None], cache=cache)[:, -1]                         # (B, V)
+            else:
+                cache.book(1)                                   # host bookkeeping, outside the graph
+                last = step_fn(nxt[:, None], cache)
         t_decode = time.perf_counter() - t1
     if streaming:
         yield seqs[0].new_text()
@@ -211,6 +220,14 @@ def _run(model, prompts: Sequence[list[int]], params: SamplingParams, streaming:
     for s in seqs:
         yield GenerationResult(s.text, s.token_ids, s.finish_reason or "length", s.prompt,
                                s.logprobs if params.logprobs is not None else None, t_prefill, t_decode)
+
+
+def _stop_ids(tok, params: SamplingParams) -> frozenset:
+    """Token ids that end a sequence: stop_token_ids, plus the tokenizer's end-of-turn/EOS ids
+    unless ignore_eos (a model without a tokenizer has no EOS here)."""
+    return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos or tok is None
+                                               else frozenset(getattr(tok, "stop_token_ids", None)
+                                                              or {tok.eos_token_id}))
 
 
 def _stream_decoder(tok):
