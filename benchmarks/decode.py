@@ -10,12 +10,11 @@ new tokens, EOS ignored. Contenders:
                     from its own decode_seconds, end-to-end from the wall clock
   hw_loop           (diagnostic) the same steps by hand: model(ids, cache=) + argmax,
                     then 127 x (model(next, cache=) + argmax); no detokenizer, no sampler
-  hw_packed         (prototype, NOT in the library) headwise.generate on a copy of the model
-                    whose nn.Linear layers are swapped, by this script, for oneDNN linears with
-                    weights prepacked once (torch.ops.mkldnn._reorder_linear_weight /
-                    _linear_pointwise, what inductor's freezing does): what that change would give
-  hw_compiled       (--compile, off by default) headwise.generate on torch.compile(model,
-                    dynamic=True); see --compile for why it is off
+  hw_unpacked       (diagnostic) headwise.generate on headwise.load(..., pack=False): plain
+                    nn.Linear instead of the library's default oneDNN-prepacked linears
+  hw_compiled       (--compile, on by default) headwise.generate(..., compile=True): the decode
+                    step as one inductor graph (frozen weights, static cache); its first call
+                    per batch size compiles, timed separately and reported
   hf_<impl>_generate  hf.generate(ids, attention_mask, do_sample=False, max_new_tokens=128,
                     min_new_tokens=128, pad_token_id=0): end-to-end only
   hf_<impl>_loop    out = hf(ids, use_cache=True), argmax, then 127 x hf(next,
@@ -39,7 +38,7 @@ allocate traffic not counted, so the bound is, if anything, optimistic for the
 machine). fraction = bytes a forward must read * forwards / decode time / bandwidth.
 
 Prefill: one 512-token prompt, B=1, one forward returning all 512 x 49152 logits:
-model(ids) vs hf(ids, use_cache=False).logits (and hw_packed, floor, floor_packed as above).
+model(ids) vs hf(ids, use_cache=False).logits (and hw_unpacked, floor, floor_packed as above).
 transformers 5.24 renamed forward's past_key_values to cache (the old name warns); the
 loop passes whichever this version's LlamaForCausalLM.forward takes.
 
@@ -78,6 +77,7 @@ from _common import (Log, busy_and_steal, cpu_ticks, environment, loadavg, summa
                      time_interleaved)
 import headwise  # noqa: E402
 from headwise.cache import ContiguousKVCache  # noqa: E402
+from headwise.models.packing import packing_available  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 PROMPT_LEN = 32
@@ -131,46 +131,11 @@ def model_bytes(model) -> dict:
             "output_layer_bytes": cfg.vocab_size * cfg.d_model * 4, "kv_bytes_per_token": kv_per_token}
 
 
-# ------------------------------------------------------------------ prepacked prototype
-def packed_available() -> str | None:
-    """None if oneDNN prepacked linears run here, else why not."""
-    try:
-        w, x = torch.randn(8, 4), torch.randn(2, 3, 4)
-        p = torch.ops.mkldnn._reorder_linear_weight(w, 1)
-        y = torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-        if (y - F.linear(x, w)).abs().max().item() > 1e-4:
-            return "oneDNN linear gives different results"
-        return None
-    except Exception as e:          # no mkldnn build, or the private ops moved
-        return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-
-
-class PackedLinear(nn.Module):
-    """Inference-only stand-in for nn.Linear: weight reordered once into oneDNN's blocked
-    layout, applied with oneDNN's linear (as inductor does with freezing=True)."""
-
-    def __init__(self, linear: nn.Linear, hint: int = PACK_HINT):
-        super().__init__()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), hint)
-        self.bias = None if linear.bias is None else linear.bias.detach()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-
-    def forward(self, x):
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
-def packed_model():
-    """A fresh headwise model with every linear of the blocks and the output layer packed."""
-    model = headwise.load(MODEL)
-    if next(model.parameters()).dtype != torch.float32:
-        model = model.float()
-    for layer in model.layers:
-        layer.attn.qkv_proj = PackedLinear(layer.attn.qkv_proj)
-        layer.attn.out_proj = PackedLinear(layer.attn.out_proj)
-        layer.mlp.gate_up = PackedLinear(layer.mlp.gate_up)
-        layer.mlp.down = PackedLinear(layer.mlp.down)
-    model.lm_head = PackedLinear(model.lm_head)           # the tied matrix stays as embed.weight too
-    return model
+# ------------------------------------------------------------------ plain linears (diagnostic)
+def unpacked_model():
+    """The same model with plain nn.Linear (headwise.load(..., pack=False)): what packing buys."""
+    model = headwise.load(MODEL, pack=False)
+    return model if next(model.parameters()).dtype == torch.float32 else model.float()
 
 
 def make_prompts(B: int, V: int, T: int = PROMPT_LEN, seed: int = SEED) -> torch.Tensor:
@@ -179,11 +144,11 @@ def make_prompts(B: int, V: int, T: int = PROMPT_LEN, seed: int = SEED) -> torch
 
 
 # ------------------------------------------------------------------ contenders
-def hw_generate(model, ids: torch.Tensor, new: int) -> dict:
+def hw_generate(model, ids: torch.Tensor, new: int, compile: bool = False) -> dict:
     prompts = ids.tolist()
     t0 = time.perf_counter()
     res = headwise.generate(model, prompts[0] if len(prompts) == 1 else prompts, max_new_tokens=new,
-                            temperature=0, ignore_eos=True)
+                            temperature=0, ignore_eos=True, compile=compile)
     wall = time.perf_counter() - t0
     res = [res] if not isinstance(res, list) else res
     return {"prefill_s": res[0].prefill_seconds, "decode_s": res[0].decode_seconds, "wall_s": wall,
@@ -312,7 +277,7 @@ def check_agreement(model, ids: torch.Tensor, outputs: dict[str, list[list[int]]
                 rows.append({"row": b, **explain_divergence(model, ids[b].tolist(), r, o, i, eos)})
         report[name] = {"identical_rows": len(ref) - len(rows), "rows": len(ref), "divergences": rows}
         bad = [d for d in rows if d["kind"] == "DISAGREE"]
-        if bad and name not in ("hw_packed", "hw_compiled"):     # prototypes: reported, never fatal
+        if bad and name != "hw_compiled":     # inductor reorders float sums: reported, never fatal
             sys.exit(f"{name} disagrees with headwise's greedy tokens beyond noise: {bad}; refusing to time")
     parts = [f"{n} {r['identical_rows']}/{r['rows']} identical"
              + "".join(f" (row {d['row']}: step {d['step']} {d['kind']}, gap {d['logit_gap']:.1e})"
@@ -338,46 +303,41 @@ def copy_bandwidth(mib: int = BW_MIB, reps: int = 5) -> list[float]:
 
 
 # ------------------------------------------------------------------ compile
-def try_compile(model, ids: torch.Tensor, new: int, log) -> tuple[object | None, dict]:
-    """torch.compile(model, dynamic=True) used by headwise.generate as is. Returns
-    (compiled or None, info with first-call time and why it was skipped)."""
-    info = {"how": "headwise.generate(torch.compile(model, dynamic=True), ...)"}
+def try_compile(model, B: int, new: int, log) -> dict:
+    """First headwise.generate(compile=True) call at batch B (it compiles) and a second one.
+    Returns info with both times, or why compiling failed here."""
+    info = {"how": "headwise.generate(..., compile=True)", "B": B}
+    ids = make_prompts(B, model.config.vocab_size)
     try:
-        import torch._dynamo
-        torch._dynamo.reset()
-        compiled = torch.compile(model, dynamic=True)
         t0 = time.perf_counter()
-        first = hw_generate(compiled, ids, new)
+        first = hw_generate(model, ids, new, compile=True)
         info["first_call_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        second = hw_generate(compiled, ids, new)
+        second = hw_generate(model, ids, new, compile=True)
         info["second_call_s"] = time.perf_counter() - t0
         info["ids_equal_first_second"] = first["ids"] == second["ids"]
-        from torch._dynamo.utils import counters
-        info["dynamo_unique_graphs"] = counters["stats"].get("unique_graphs")
-        info["dynamo_calls_captured"] = counters["stats"].get("calls_captured")
-        log(f"  compiled: first generate {info['first_call_s']:.1f} s (compile), second "
-            f"{info['second_call_s']:.1f} s; {info['dynamo_unique_graphs']} graphs")
-        return compiled, info
+        log(f"  compiled B={B}: first generate {info['first_call_s']:.1f} s (compiles), second "
+            f"{info['second_call_s']:.1f} s")
     except Exception as e:      # report, never fail the benchmark on it
         info["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
         log(f"  compiled: skipped - {info['skipped']}")
-        return None, info
+    return info
 
 
 # ------------------------------------------------------------------ decode cells
 def run_decode(B: int, args, M: dict, mb, bw: float, log, check: bool) -> dict:
-    """M: the models, {"hw", "hw_packed" (or None), "hw_compiled" (or None), "hf": {impl: model},
-    "floor", "floor_packed" (or None)}."""
+    """M: the models, {"hw", "hw_unpacked", "compile" (bool), "hf": {impl: model}, "floor",
+    "floor_packed" (or None)}."""
     model = M["hw"]
     cfg = model.config
     ids = make_prompts(B, cfg.vocab_size)
     new = args.new_tokens
     calls = {"hw_generate": lambda: hw_generate(model, ids, new),
              "hw_loop": lambda: hw_loop(model, ids, new)}
-    for name in ("hw_packed", "hw_compiled"):
-        if M.get(name) is not None:
-            calls[name] = (lambda m=M[name]: hw_generate(m, ids, new))
+    if M.get("hw_unpacked") is not None:
+        calls["hw_unpacked"] = lambda: hw_generate(M["hw_unpacked"], ids, new)
+    if M.get("compile"):
+        calls["hw_compiled"] = lambda: hw_generate(model, ids, new, compile=True)
     for impl, m in M["hf"].items():
         calls[f"hf_{impl}_generate"] = (lambda m=m: hf_generate(m, ids, new))
         calls[f"hf_{impl}_loop"] = (lambda m=m: hf_loop(m, ids, new))
@@ -469,8 +429,8 @@ def run_prefill(args, M: dict, log) -> dict:
     T = args.prefill_tokens
     ids = make_prompts(1, model.config.vocab_size, T=T, seed=SEED + 99)
     fns = {"hw": lambda: model(ids)}
-    if M.get("hw_packed") is not None:
-        fns["hw_packed"] = lambda: M["hw_packed"](ids)
+    if M.get("hw_unpacked") is not None:
+        fns["hw_unpacked"] = lambda: M["hw_unpacked"](ids)
     for impl, m in M["hf"].items():
         fns[f"hf_{impl}"] = (lambda m=m: m(input_ids=ids, use_cache=False).logits)
     x = torch.randn(1, T, model.config.d_model)
@@ -561,7 +521,7 @@ def run_profiles(M: dict, log) -> list[dict]:
     ids = make_prompts(1, cfg.vocab_size)
     kw = _cache_kwarg()
     out = []
-    for name in ("hw", "hw_packed"):
+    for name in ("hw", "hw_unpacked"):
         model = M.get(name)
         if model is None:
             continue
@@ -614,11 +574,9 @@ def parse_args(argv=None):
     p.add_argument("--prefill-rounds", type=int, default=None,
                    help="prefill rounds (default: as many as fit --prefill-budget, at least 5)")
     p.add_argument("--prefill-budget", type=float, default=40.0, help="seconds of timed prefill rounds (default 40)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                   help="also time headwise.generate on torch.compile(model, dynamic=True) (default off: "
-                        "measured here, the first call compiles for ~5 min on 2 busy cores, dynamo hits its "
-                        "recompile limit on the cache's host lengths (cache.layers[0]._host[0] is guarded "
-                        "every step) and falls back, and steps ran slower than eager)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time headwise.generate(..., compile=True) (default on; its first call per batch "
+                        "size compiles for tens of seconds, reported apart)")
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                    help="profile one decode step of each model at 1 thread (default on)")
     p.add_argument("--quick", action="store_true",
@@ -667,19 +625,18 @@ def verdicts(sections) -> list[dict]:
         for cell in sec["decode"]:
             need = 2.0 if cell["B"] == 1 else 1.5
             s = cell["summary"]["hw_generate"]
-            pk = cell["summary"].get("hw_packed")
+            pk = cell["summary"].get("hw_compiled")
             out.append({"threads": sec["threads"], "what": f"decode B={cell['B']} tok/s >= {need}x hf sdpa",
                         "need": need, "decode_ratio": s["decode_vs_hf_sdpa_loop"],
                         "decode_ratio_paired": s["decode_vs_hf_sdpa_loop_paired"],
                         "e2e_ratio": s["e2e_vs_hf_sdpa_generate"],
-                        "prototype_packed_decode_ratio": pk["decode_vs_hf_sdpa_loop"] if pk else None,
+                        "compiled_decode_ratio": pk["decode_vs_hf_sdpa_loop"] if pk else None,
                         "holds": s["decode_vs_hf_sdpa_loop"] >= need})
         if sec.get("prefill"):
             s = sec["prefill"]["summary"]["hw"]
-            pk = sec["prefill"]["summary"].get("hw_packed")
+            pk = None
             out.append({"threads": sec["threads"], "what": f"prefill T={sec['prefill']['T']} >= 1x hf sdpa",
                         "need": 1.0, "decode_ratio": None, "e2e_ratio": s["vs_hf_sdpa"],
-                        "prototype_packed_ratio": pk["vs_hf_sdpa"] if pk else None,
                         "ratio_paired": s["vs_hf_sdpa_paired"], "holds": s["vs_hf_sdpa"] >= 1.0})
     return out
 
@@ -693,10 +650,9 @@ def main(argv=None):
     model, hf, tf_version = load_models()
     env["transformers"] = tf_version
     mb = model_bytes(model)
-    no_pack = packed_available()
-    M = {"hw": model, "hf": hf, "floor": floor_weights(model), "hw_packed": None, "floor_packed": None}
-    if no_pack is None:
-        M["hw_packed"], M["floor_packed"] = packed_model(), floor_weights(model, packed=True)
+    no_pack = packing_available()
+    M = {"hw": model, "hf": hf, "floor": floor_weights(model), "hw_unpacked": unpacked_model(),
+         "compile": args.compile, "floor_packed": None if no_pack else floor_weights(model, packed=True)}
     log(f"headwise decode benchmark  {env['date']}")
     log(f"torch {env['torch']}  transformers {tf_version}  cpu {env['cpu_model']} ({env['cpu_count']} cores)  "
         f"threads {args.threads}")
@@ -707,20 +663,19 @@ def main(argv=None):
         f"{mb['kv_bytes_per_token'] / 1e3:.1f} kB per cached token")
     log(f"decode: B in {args.batches}, {PROMPT_LEN}-token random prompts + {args.new_tokens} new tokens, greedy, "
         f"{args.rounds} interleaved rounds after 1 warm-up; prefill: T={args.prefill_tokens}, B=1")
-    log("hw_packed / floor_packed: " + ("a prototype of prepacked oneDNN linears made by this script, not library "
-                                        "code" if no_pack is None else f"skipped - {no_pack}"))
+    log("hw_generate/hw_loop: the library default (oneDNN-prepacked linears"
+        + (")" if no_pack is None else f": unavailable here - {no_pack})") + "; hw_unpacked: pack=False")
 
     sections = []
-    compiled, compile_info = None, None
+    compile_info = []
     for i, threads in enumerate(args.threads):
         torch.set_num_threads(threads)
         log(f"threads={threads}:")
         sec = {"threads": threads, "loadavg_before": loadavg()}
         bw = copy_bandwidth()
-        if args.compile and compiled is None and compile_info is None:
-            compiled, compile_info = try_compile(model, make_prompts(1, model.config.vocab_size), args.new_tokens,
-                                                 log)
-            M["hw_compiled"] = compiled
+        if args.compile and i == 0:           # compile once per batch size, outside the timed rounds
+            compile_info = [try_compile(model, B, args.new_tokens, log) for B in args.batches]
+            M["compile"] = all("skipped" not in c for c in compile_info)
         cells = [run_decode(B, args, M, mb, max(bw), log, check=i == 0) for B in args.batches]
         bw += copy_bandwidth()
         sec["copy_bandwidth_gb_s"] = {**summarize(bw), "samples": bw}
@@ -764,14 +719,13 @@ def main(argv=None):
         "e2e: hw_generate / hf_sdpa_generate):")
     for c in claims:
         if c["decode_ratio"] is not None:
-            pk = c["prototype_packed_decode_ratio"]
+            pk = c["compiled_decode_ratio"]
             log(f"  threads={c['threads']} {c['what']}: {c['decode_ratio']:.2f}x (paired {c['decode_ratio_paired']:.2f}x, "
                 f"e2e {c['e2e_ratio']:.2f}x) -> {'HOLDS' if c['holds'] else 'MISSES'}"
-                + (f"   [prototype hw_packed: {pk:.2f}x]" if pk else ""))
+                + (f"   [compile=True: {pk:.2f}x]" if pk else ""))
         else:
-            pk = c["prototype_packed_ratio"]
             log(f"  threads={c['threads']} {c['what']}: {c['e2e_ratio']:.2f}x (paired {c['ratio_paired']:.2f}x) -> "
-                f"{'HOLDS' if c['holds'] else 'MISSES'}" + (f"   [prototype hw_packed: {pk:.2f}x]" if pk else ""))
+                f"{'HOLDS' if c['holds'] else 'MISSES'}")
     steal = f"  cpu busy {env['busy_pct']}% steal {env['steal_pct']}%" if "steal_pct" in env else ""
     log(f"loadavg after {env['loadavg_after']}{steal}")
 

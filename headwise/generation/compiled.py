@@ -20,6 +20,7 @@ import torch
 
 SLOTS_QUANTUM = 256
 _ATTR = "_headwise_compiled_decode"
+_CACHES = "_headwise_static_caches"
 
 
 def static_cache_size(needed: int, max_positions: int) -> int:
@@ -38,6 +39,23 @@ def compiled_decode_step(model):
     return step
 
 
+def static_cache(model, batch_size: int, slots: int, *, dtype, device):
+    """The model's static cache for (batch_size, slots), emptied, made on first use. Reused
+    across calls because dynamo guards on the identity of the cache's Python members: a
+    fresh cache per call would recompile the step every call."""
+    from ..cache import ContiguousKVCache
+    caches = model.__dict__.setdefault(_CACHES, {})
+    key = (batch_size, slots, dtype, str(device))
+    cache = caches.get(key)
+    if cache is None:
+        cfg = model.config
+        cache = caches[key] = ContiguousKVCache(cfg.num_layers, batch_size, cfg.num_kv_heads, slots, cfg.head_dim,
+                                                dtype=dtype, device=device, static=True)
+    cache.reset()
+    return cache
+
+
 def reset_compiled(model) -> None:
-    """Forget the compiled step (after editing weights, which freezing baked in)."""
+    """Forget the compiled step and its caches (after editing weights, which freezing baked in)."""
     model.__dict__.pop(_ATTR, None)
+    model.__dict__.pop(_CACHES, None)

@@ -167,12 +167,15 @@ def _run(model, prompts: Sequence[list[int]], params: SamplingParams, streaming:
         gens = [torch.Generator(device=device).manual_seed(params.seed + i) for i in range(B)]
 
     T0 = max(lengths)
-    slots, step_fn = T0 + params.max_new_tokens, None
     if compile:
-        from .compiled import compiled_decode_step, static_cache_size
-        slots, step_fn = static_cache_size(slots, limit), compiled_decode_step(model)
-    cache = ContiguousKVCache(cfg.num_layers, B, cfg.num_kv_heads, slots, cfg.head_dim,
-                              dtype=dtype, device=device, static=compile)
+        from .compiled import compiled_decode_step, static_cache, static_cache_size
+        step_fn = compiled_decode_step(model)
+        cache = static_cache(model, B, static_cache_size(T0 + params.max_new_tokens, limit), dtype=dtype,
+                             device=device)
+    else:
+        step_fn = None
+        cache = ContiguousKVCache(cfg.num_layers, B, cfg.num_kv_heads, T0 + params.max_new_tokens, cfg.head_dim,
+                                  dtype=dtype, device=device)
     ids = torch.zeros(B, T0, dtype=torch.long, device=device)
     mask = torch.zeros(B, T0, dtype=torch.long, device=device)
     for b, p in enumerate(prompts):
