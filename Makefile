@@ -19,7 +19,14 @@ $(STAMP): $(PY) requirements.txt requirements-dev.txt requirements-models.txt py
 run: $(STAMP)
 	$(VENV)/bin/headwise demo
 
-test: $(STAMP)
+# Debian's chromium drives the head-analysis HTML test (tests/analysis): playwright's own
+# browser download cannot work here. sudo only when not root.
+CHROMIUM := /usr/bin/chromium
+$(CHROMIUM):
+	command -v chromium >/dev/null || ($(if $(filter 0,$(shell id -u)),,sudo) apt-get update -q && \
+		$(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium)
+
+test: $(STAMP) $(CHROMIUM)
 	$(PY) -m pytest tests
 
 bench: $(STAMP)

@@ -83,6 +83,9 @@ class MultiHeadAttention(nn.Module):
         self.register_buffer("kv_map", None, persistent=False)
         self.head_ids = list(range(H))    # original index of each remaining query head
         self.original_num_heads = H
+        # Analysis capture point (headwise.analysis.hooks installs it for one run, then removes
+        # it): sees q, k, v, the LSE and the per-head outputs, may replace the latter. None = no cost.
+        self.hook = None
 
     # ------------------------------------------------------------------ forward
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
@@ -120,9 +123,11 @@ class MultiHeadAttention(nn.Module):
 
         if attn_mask is not None and attn_mask.dim() == 3 and attn_mask.shape[0] == B * H and B * H != 1:
             attn_mask = attn_mask.view(B, H, *attn_mask.shape[1:])    # nn.MultiheadAttention's (B*H, T, S)
+        hook = self.hook
         kwargs = dict(attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
                       alibi_slopes=self.alibi_slopes, dropout_p=self.dropout if self.training else 0.0,
-                      backend="math" if need_weights else self.backend, need_weights=need_weights)
+                      backend="math" if need_weights else self.backend, need_weights=need_weights,
+                      return_lse=hook is not None and hook.wants_lse)
         if cache is not None:
             if not self_attn:
                 raise ValueError("cache= is for self-attention; cross-attention K/V can be computed once")
@@ -147,7 +152,10 @@ class MultiHeadAttention(nn.Module):
             if self.kv_map is not None:         # uneven groups after pruning: give each query head its K/V
                 k, v = k.index_select(1, self.kv_map), v.index_select(1, self.kv_map)
             res = attend(q, k, v, **kwargs)
-        out, weights = (res.out, res.weights) if need_weights else (res, None)   # out: (B, H, T, D)
+        out, weights = (res.out, res.weights) if isinstance(res, tuple) else (res, None)   # out: (B, H, T, D)
+        if hook is not None:    # k, v: what attend() saw; with a cache only the new ones, so not passed
+            out = hook(self, q, *((k, v) if cache is None else (None, None)), out,
+                       res.lse if isinstance(res, tuple) else None, weights, kwargs)
         if head_mask is not None:
             out = out * _head_multiplier(head_mask, B, H).to(out.dtype)
         out = self.out_proj(out.transpose(1, 2).reshape(B, T, H * D))    # (B, T, C)

@@ -1,0 +1,104 @@
+"""`headwise analyze MODEL`: patterns, roles, attribution, importance, ablation, pruning -> report."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .analyze import DEFAULT_TEXT, Settings
+
+
+def _fractions(text: str) -> list[float]:
+    try:
+        values = sorted(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes comma-separated numbers, got {text!r}") from None
+    if not values or values[0] <= 0 or values[-1] >= 1:
+        raise argparse.ArgumentTypeError(f"fractions must lie in (0, 1), got {text!r}")
+    return values
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("analyze", help="head analysis report: patterns, roles, attribution, ablation, pruning",
+                       description="Analyse every attention head of a model and write PNG figures, one "
+                                   "self-contained HTML page and analysis.json. Default sizes take a few "
+                                   "minutes on 2 CPU cores; --fit/--heldout/--seeds do more.")
+    p.add_argument("model", help="builtin name (all-minilm-l6-v2, smollm2-135m-instruct), checkpoint dir or .gguf")
+    p.add_argument("--text", default=DEFAULT_TEXT, help="the text whose patterns are drawn (default: %(default)r)")
+    p.add_argument("--corpus", help="plain-text file, paragraphs separated by blank lines (default: English "
+                                    "prose of Python's pydoc_data.topics)")
+    p.add_argument("--out", default=None, help="output directory (default: analysis-<model>)")
+    p.add_argument("--fit", type=int, help="fit examples: sentences (encoders, default 128) or rows of --seq-len "
+                                           "tokens (decoders, default 4)")
+    p.add_argument("--heldout", type=int, help="held-out examples for the ablation curves (default 192 / 4)")
+    p.add_argument("--seq-len", type=int, default=128, help="decoder row length in tokens (default %(default)s)")
+    p.add_argument("--seeds", type=int, default=3, help="random removal orders (default %(default)s)")
+    p.add_argument("--fractions", type=_fractions, help="fractions of heads removed on the curves, comma-separated")
+    p.add_argument("--prune", type=float, default=0.3, help="fraction pruned for real, 0 to skip (default %(default)s)")
+    p.add_argument("--no-mean-ablation", action="store_true", help="skip the mean-ablation curve")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import torch
+
+    import headwise
+    from .analyze import analyze
+    from .corpus import load_corpus
+    from .report import write
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not 0 <= args.prune < 1:
+        print(f"headwise analyze: --prune must be in [0, 1), got {args.prune}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    try:
+        corpus = load_corpus(args.corpus)
+        model = headwise.load(args.model, dtype="fp32")
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"headwise analyze: {e}", file=sys.stderr)
+        return 2
+    settings = Settings(fit=args.fit, heldout=args.heldout, seq_len=args.seq_len, seeds=args.seeds,
+                        prune=args.prune, mean_ablation=not args.no_mean_ablation)
+    if args.fractions:
+        settings.fractions = args.fractions
+    out = args.out or f"analysis-{str(args.model).rstrip('/').split('/')[-1]}"
+    try:
+        result = analyze(model, corpus, text=args.text, out=out, settings=settings, show_progress=not args.quiet,
+                         name=str(args.model))
+    except ValueError as e:
+        print(f"headwise analyze: {e}", file=sys.stderr)
+        return 2
+    result["timings_s"]["total"] = round(time.perf_counter() - t0, 1)
+    files = write(result, out)
+    print(summary_text(result))
+    print(f"\nwrote {files['html']}, {files['json']} and {len(files['figures'])} figures in {out}/ "
+          f"({result['timings_s']['total']:.0f} s)")
+    return 0
+
+
+def summary_text(result: dict) -> str:
+    lines = [f"{result['model']['name']}: {result['model']['layers']} layers x {max(result['model']['heads'])} heads"]
+    ab = result.get("ablation")
+    if ab:
+        base = ab["baseline"]
+        lines.append("baseline: " + ", ".join(f"{k} {v:.4g}" for k, v in base.items() if isinstance(v, float)))
+        for key, per in ab["removable"].items():
+            for t, row in per.items():
+                parts = [f"{k} {v:.0%}" for k, v in row.items()]
+                lines.append(f"heads removable before {key} > {t}: " + ", ".join(parts))
+    p = result.get("pruning")
+    if p:
+        lat = p["latency"]
+        lines.append(f"pruned {p['heads_removed']} heads ({p['fraction']:.0%}): params {p['params_before']:,} -> "
+                     f"{p['params_after']:,}, latency {lat['full']['median'] * 1e3:.1f} -> "
+                     f"{lat['pruned']['median'] * 1e3:.1f} ms (median of {lat['full']['rounds']}, load "
+                     f"{lat['loadavg'][0]}), quality drop {p['drop_after']:.2%}")
+    hints = result.get("hints")
+    if hints:
+        n = sum(sum(r) for r in hints["flagged"])
+        lines.append(f"heads whose top-attended token is a hint, not an explanation: {n}")
+    return "\n".join(lines)
