@@ -14,10 +14,13 @@ import torch
 from torch import Tensor
 
 
+GREEDY_BELOW = 1e-5     # temperatures under this sample greedily
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 256
-    temperature: float = 1.0          # 0 = greedy (argmax)
+    temperature: float = 1.0          # 0 (or < 1e-5) = greedy (argmax)
     top_k: int = 0                    # keep the k most likely tokens; 0 = off
     top_p: float = 1.0                # keep the smallest set with cumulative probability >= top_p
     min_p: float = 0.0                # keep tokens with p >= min_p * p_max (Nguyen et al. 2024)
@@ -51,7 +54,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # As vLLM: below 1e-5 sampling is argmax anyway, and 1/T would overflow float32.
+        return self.temperature < GREEDY_BELOW
 
 
 def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
@@ -85,11 +89,15 @@ def sample(logits: Tensor, params: SamplingParams, *, seen: Tensor | None = None
            generator: torch.Generator | None = None) -> Tensor:
     """Pick one token per row of logits (B, V) -> (B,) long."""
     logits = logits.float()
-    if seen is not None:
-        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if seen is not None:   # an extreme penalty can overflow: keep every logit finite
+        big = torch.finfo(torch.float32).max
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty).clamp(-big, big)
     if params.greedy:
         return logits.argmax(dim=-1)
-    logits = filter_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p)
+    # Shift the row max to 0 before dividing: a tiny temperature then sends the rest to -inf
+    # (sampling becomes argmax, ties split) instead of overflowing to inf - inf = NaN.
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
+    logits = filter_logits(logits, params.top_k, params.top_p, params.min_p)
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 

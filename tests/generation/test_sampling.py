@@ -94,3 +94,19 @@ def test_bad_sampling_params():
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         SamplingParams(max_new_tokens=0)
     assert SamplingParams(stop="###").stop == ("###",)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1e-300), SamplingParams(temperature=1e-30, top_p=0.5),
+                                    SamplingParams(temperature=1.0, repetition_penalty=1e-193),
+                                    SamplingParams(temperature=1e-300, repetition_penalty=1e30, min_p=0.5)])
+def test_extreme_parameters_never_produce_nan(params):
+    """Overflow-prone settings sample a real token: argmax of the penalized logits (a tiny
+    temperature) or any allowed token, never a multinomial error on NaN/inf."""
+    logits = torch.randn(4, 100) * 5
+    seen = torch.zeros(4, 100, dtype=torch.bool)
+    seen[:, :10] = True
+    got = sample(logits, params, seen=seen, generator=torch.Generator().manual_seed(0))
+    assert got.shape == (4,) and ((0 <= got) & (got < 100)).all()
+    if params.temperature < 1e-20:
+        ref = apply_repetition_penalty(logits, seen, params.repetition_penalty).argmax(-1)
+        assert torch.equal(got, ref)
