@@ -17,7 +17,7 @@ $(STAMP): $(PY) requirements.txt requirements-dev.txt requirements-models.txt py
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/headwise demo
+	$(VENV)/bin/headwise serve --self-check
 
 # Debian's chromium drives the head-analysis HTML test (tests/analysis): playwright's own
 # browser download cannot work here. sudo only when not root.

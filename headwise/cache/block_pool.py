@@ -89,32 +89,67 @@ class BlockPool:
         return [*self._free_plain, *self._free_cached]
 
     # ------------------------------------------------------------------ allocate / share / release
-    def allocate(self, n: int = 1, prefer: int | None = None, what: str = "the request") -> list[int]:
+    def allocate(self, n: int = 1, prefer: int | None = None, what: str = "the request",
+                 spread: bool = False, region: int | None = None) -> list[int]:
         """Take `n` blocks (count 1 each), or raise `CacheFull` having taken none.
 
         prefer: try to continue a run after this block id (prefer+1, prefer+2, ...)
         so that a growing sequence gets consecutive blocks, which the paged read
         can use as one view instead of gathering them.
+        spread: a run that cannot continue (or a new one) starts in the middle of the
+        largest stretch of plain free blocks (at its start if nothing precedes it), not
+        at the first free block: sequences placed so, then growing a block at a time,
+        keep room behind them and stay consecutive while the pool has space.
+        region: a new run (prefer None) starts at block r * region of the lowest-numbered
+        region [r * region, (r + 1) * region) that is wholly plain free, if there is one:
+        sequences then sit at a fixed stride, and a read can see many as one strided view.
         """
         if n > self.num_free:
             raise CacheFull(n, self.num_free, what, self.block_size, self.num_blocks)
         out = []
+        start = self._free_region(region) if region and prefer is None else None
+        if start is not None:
+            prefer = start - 1
         for _ in range(n):
-            b = self._take(None if prefer is None else prefer + 1)
+            b = self._take(None if prefer is None else prefer + 1, spread)
             self._ref[b] = 1
             out.append(b)
             prefer = b
         return out
 
-    def _take(self, want: int | None) -> int:
+    def _take(self, want: int | None, spread: bool = False) -> int:
         if want is not None and want in self._free_plain:
             del self._free_plain[want]
             return want
+        if spread and self._free_plain:
+            b = self._middle_of_largest_gap()
+            del self._free_plain[b]
+            return b
         if self._free_plain:
             return self._free_plain.popitem(last=False)[0]
         b = self._free_cached.popitem(last=False)[0]     # evict the least recently freed prefix
         del self._block_of[self._key_of.pop(b)]
         return b
+
+    def _free_region(self, size: int) -> int | None:
+        """First block of the lowest region of `size` blocks that is wholly plain free. O(num_blocks),
+        once per new sequence."""
+        free = self._free_plain
+        for r in range(self.num_blocks // size):
+            if all(b in free for b in range(r * size, (r + 1) * size)):
+                return r * size
+        return None
+
+    def _middle_of_largest_gap(self) -> int:
+        """O(free log free): called only when a run starts, not per block of a growing run."""
+        free = sorted(self._free_plain)
+        best, best_len, start = free[0], 0, free[0]
+        for prev, cur in zip(free, free[1:] + [None]):
+            if cur != prev + 1:                          # a stretch [start, prev] ends here
+                if prev - start + 1 > best_len:
+                    best, best_len = start, prev - start + 1
+                start = cur
+        return best if best == 0 else best + best_len // 2
 
     def share(self, block: int) -> None:
         """One more block table holds `block` (fork or prefix hit); revives a cached free block."""

@@ -112,11 +112,17 @@ class PagedKVCache:
         dtype: the compute dtype K/V arrive and are read in.
         kv_dtype: None (store `dtype`) or "int8" (int8 + fp32 scale per (token, head)).
         tile_tokens: keys per gathered tile when reading (a multiple of block_size).
+        spread: start each new run of blocks in the middle of the largest free stretch
+            (`BlockPool.allocate`), so that many sequences growing side by side each stay
+            one consecutive run, read as a view (what a serving engine wants).
+        region_blocks: start each new sequence at the start of a free region of this many
+            blocks when there is one (`BlockPool.allocate`); a packed step then reads the
+            decodes of such sequences as one strided view (packed.py).
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int = 16, dtype: torch.dtype = torch.float32, device=None, kv_dtype=None, *,
-                 tile_tokens: int = TILE_TOKENS):
+                 tile_tokens: int = TILE_TOKENS, spread: bool = False, region_blocks: int | None = None):
         for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                           ("num_blocks", num_blocks), ("block_size", block_size), ("tile_tokens", tile_tokens)):
             if not isinstance(val, int) or val < 1:
@@ -129,6 +135,11 @@ class PagedKVCache:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.kv_dtype = "int8" if is_int8(kv_dtype) else None
         self.tile_blocks = max(1, tile_tokens // block_size)
+        self.spread = bool(spread)
+        if region_blocks is not None and (not isinstance(region_blocks, int) or not 1 <= region_blocks <= num_blocks):
+            raise ValueError(f"region_blocks must be None or an int in [1, num_blocks={num_blocks}], "
+                             f"got {region_blocks!r}")
+        self.region_blocks = region_blocks
         self.pool = BlockPool(num_blocks, block_size)
         shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)    # (L, Hkv, NB, bs, D)
 
@@ -263,9 +274,30 @@ class PagedKVCache:
         before these sequences are read again; a step abandoned half way leaves its slots
         unwritten, and its sequences should be freed.
         """
+        seq_ids, tables, starts, counts, pending = self._reserve(seq_ids, num_new, token_ids, "batch")
+        return PagedStep(self, seq_ids, tables, starts, counts, pending)
+
+    def packed(self, seq_ids: Sequence[Hashable], num_new: Sequence[int],
+               token_ids: Sequence[Sequence[int] | None] | None = None, *, defer_prefix: bool = False):
+        """Like `batch`, but the step's tokens are packed on one axis, with no padding: the
+        model gets input_ids (1, N), N = sum(num_new), sequence 0's new tokens first, and
+        each layer k, v (1, Hkv, N, D) (see packed.py). Decodes (1 token) and prefill
+        chunks (many) of different lengths then share every projection and MLP matmul.
+
+        defer_prefix: full blocks become findable by prefix only at `step.commit()`, not
+        from inside the last layer's write, so that a caller (the engine) can keep all
+        pool bookkeeping on one thread while the forward runs on another.
+        """
+        from .packed import PackedStep
+        seq_ids, tables, starts, counts, pending = self._reserve(seq_ids, num_new, token_ids, "packed")
+        return PackedStep(self, seq_ids, tables, starts, counts, pending, defer_prefix=defer_prefix)
+
+    def _reserve(self, seq_ids, num_new, token_ids, what: str):
+        """Check a step, then reserve its slots (all or nothing) and advance the lengths.
+        -> (seq_ids, block tables, starts, counts, pending prefix registrations)."""
         seq_ids = list(seq_ids)
         if not seq_ids:
-            raise ValueError("batch needs at least one sequence id")
+            raise ValueError(f"{what} needs at least one sequence id")
         if len(set(seq_ids)) != len(seq_ids):
             dup = sorted({repr(s) for s in seq_ids if seq_ids.count(s) > 1})
             raise ValueError(f"sequence ids must be distinct within a batch; repeated: {', '.join(dup)}")
@@ -277,6 +309,10 @@ class PagedKVCache:
         counts = [self._count(n, s) for n, s in zip(counts, seq_ids)]
         if max(counts) == 0:
             raise ValueError("num_new is 0 for every sequence: nothing to compute")
+        if what == "packed" and min(counts) == 0:
+            idle = [s for s, n in zip(seq_ids, counts) if n == 0]
+            raise ValueError(f"a packed step computes at least one token per sequence; num_new is 0 for {idle}: "
+                             f"leave those sequences out")
         if token_ids is not None:
             token_ids = list(token_ids)
             if len(token_ids) != B:
@@ -297,14 +333,16 @@ class PagedKVCache:
                 continue
             if seq.length % bs and self.pool.refcount(seq.blocks[-1]) > 1:     # copy-on-write
                 old = seq.blocks[-1]
-                new = self.pool.allocate(1, prefer=seq.blocks[-2] if len(seq.blocks) > 1 else None)[0]
+                new = self.pool.allocate(1, prefer=seq.blocks[-2] if len(seq.blocks) > 1 else None,
+                                         spread=self.spread)[0]
                 for plane in (*self._k, *self._v):
                     plane[:, :, new].copy_(plane[:, :, old])
                 self.pool.release(old)
                 seq.blocks[-1] = new
             grow = -(-(seq.length + n) // bs) - len(seq.blocks)
             if grow > 0:
-                seq.blocks += self.pool.allocate(grow, prefer=seq.blocks[-1] if seq.blocks else None)
+                seq.blocks += self.pool.allocate(grow, prefer=seq.blocks[-1] if seq.blocks else None,
+                                                 spread=self.spread, region=self.region_blocks)
             seq.length += n
             toks = token_ids[b] if token_ids is not None else None
             if toks is None or not seq.hashable:
@@ -317,7 +355,7 @@ class PagedKVCache:
                 pending.append((seq.blocks[i], key))
                 seq.hashes.append(hash(key))
                 seq.partial = seq.partial[bs:]
-        return PagedStep(self, seq_ids, [s.blocks for s in seqs], starts, counts, pending)
+        return seq_ids, [s.blocks for s in seqs], starts, counts, pending
 
     # ------------------------------------------------------------------ storage access
     def _write(self, layer: int, slots: Tensor, src_index: Tensor | None, k: Tensor, v: Tensor) -> None:
@@ -393,7 +431,8 @@ class PagedStep:
     starts[b] + t, of which the first num_new[b] are real (the rest right padding).
     """
 
-    def __init__(self, cache: PagedKVCache, seq_ids, tables, starts, counts, pending):
+    def __init__(self, cache: PagedKVCache, seq_ids, tables, starts, counts, pending, *, write: bool = True):
+        """write=False: a read plan only (a part of a packed step, which writes for it)."""
         dev, bs = cache.device, cache.block_size
         self.cache, self.seq_ids, self.num_new, self.starts = cache, seq_ids, counts, starts
         B, T = len(seq_ids), max(counts)
@@ -401,13 +440,17 @@ class PagedStep:
         self.ends = [L + n for L, n in zip(starts, counts)]                  # keys per sequence after the step
         self.S = max(self.ends)                                              # padded key axis
         self._pending, self._written = pending, set()
-        slots = [t[p // bs] * bs + p % bs for t, L, n in zip(tables, starts, counts) for p in range(L, L + n)]
-        self._slots = torch.tensor(slots, dtype=torch.long, device=dev)
-        ragged = any(n != T for n in counts)
-        self._src_index = (torch.tensor([b * T + t for b, n in enumerate(counts) for t in range(n)],
-                                        dtype=torch.long, device=dev) if ragged else None)
+        if write:
+            slots = [t[p // bs] * bs + p % bs for t, L, n in zip(tables, starts, counts) for p in range(L, L + n)]
+            self._slots = torch.tensor(slots, dtype=torch.long, device=dev)
+            ragged = any(n != T for n in counts)
+            self._src_index = (torch.tensor([b * T + t for b, n in enumerate(counts) for t in range(n)],
+                                            dtype=torch.long, device=dev) if ragged else None)
         self._tables = [list(t) for t in tables]                              # as of this step
         self._groups = self._plan(self._tables)
+        # Tile masks that depend on the step alone (validity, causality), built by the first
+        # layer and reused by the others: (k0, k1, rows, G, causal, dtype) -> (mask, dead rows).
+        self._mask_memo: dict[tuple, tuple[Tensor | None, Tensor | None]] = {}
 
     def _plan(self, tables) -> list[_Group]:
         """Which rows read which tiles: every sequence alone, over exactly its own blocks
@@ -641,12 +684,10 @@ class PagedRead:
             k, v = cache._tile(self.layer, seg, B, q.dtype)       # (B, Hkv, n, D)
             if kv_map is not None:
                 k, v = k.index_select(1, kv_map), v.index_select(1, kv_map)
-            mask = masks.tile(seg.k0, seg.k1, group.rows)         # float (B|1, 1|H, T, n) or None
-            if mask is not None and kv_map is None:
-                mask = _fold(mask, Hkv, G)                        # (B|1, 1|Hkv, G*T, n)
+            mask, dead = self._tile_mask(seg, group.rows, masks, kv_map is None, Hkv, G)
             o, l = _attend_tile(qf, k, v, mask, scale)
-            if mask is not None:                                  # the CPU kernel reports LSE 0 there
-                l = l.masked_fill(torch.isneginf(mask).all(dim=-1).expand_as(l), NEG_INF)
+            if dead is not None:                                  # the CPU kernel reports LSE 0 there
+                l = l.masked_fill(dead.expand_as(l), NEG_INF)
             if acc is None:
                 acc, lse = o.float(), l
                 continue
@@ -659,6 +700,25 @@ class PagedRead:
         # Rows with no visible key are 0 already: both kernels give 0 there, and merging
         # two -inf LSEs weighs both sides by exp(-inf) = 0.
         return acc.reshape(B, H, T, D).to(q.dtype), lse.reshape(B, H, T)
+
+    def _tile_mask(self, seg: _Segment, rows: slice, masks: "_Masks", folded: bool, Hkv: int, G: int):
+        """(mask (B|1, 1|Hkv, G*T, n) or (B|1, 1|H, T, n) or None, rows with no visible key or None).
+        Masks made of validity and causality alone are the same in every layer: memoised per step."""
+        key = ((seg.k0, seg.k1, rows.start, rows.stop, folded, Hkv, G, masks.H, masks.is_causal, masks.dtype)
+               if masks.plain else None)
+        hit = self.step._mask_memo.get(key) if key is not None else None
+        if hit is not None:
+            return hit
+        mask = masks.tile(seg.k0, seg.k1, rows)                   # float (B|1, 1|H, T, n) or None
+        if mask is not None and folded:
+            mask = _fold(mask, Hkv, G)                            # (B|1, 1|Hkv, G*T, n)
+        dead = None
+        if mask is not None:
+            dead = torch.isneginf(mask).all(dim=-1)
+            dead = dead if bool(dead.any()) else None
+        if key is not None:
+            self.step._mask_memo[key] = (mask, dead)
+        return mask, dead
 
     def _dense(self, q, masks, kv_map, scale, dropout_p, need_weights, return_lse):
         """The reference path: gather every sequence into (B, Hkv, S, D), then headwise.attend."""
@@ -705,6 +765,7 @@ class _Masks:
     def __init__(self, step: PagedStep, is_causal, attn_mask, key_padding_mask, alibi_slopes, H, dtype):
         self.step, self.is_causal, self.H = step, bool(is_causal), H
         self.attn_mask, self.kpm, self.alibi = attn_mask, key_padding_mask, alibi_slopes
+        self.plain = attn_mask is None and key_padding_mask is None and alibi_slopes is None
         # Biases (ALiBi, float masks) stay fp32: rounded to fp16/bf16, slope * distance loses
         # ~3 digits. A mask whose dtype differs from q's sends the tile to the fp32 matmul kernel.
         has_bias = alibi_slopes is not None or (attn_mask is not None and attn_mask.dtype != torch.bool)

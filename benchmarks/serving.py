@@ -1,0 +1,424 @@
+"""One claim: `headwise serve` (continuous batching over a paged KV cache) serves many
+clients far faster than one-request-at-a-time generation behind the same API.
+
+Contenders, each a real server process on 127.0.0.1, driven over HTTP by the same client:
+  headwise   `headwise serve --config <smollm2, max_num_seqs=64>` (the engine)
+  baseline   a small FastAPI app in this script (`--baseline-server`): transformers'
+             LlamaForCausalLM built from the very same GGUF tensors (as benchmarks/decode.py
+             does), `generate` with a token streamer, one request at a time behind a lock,
+             the same /v1/completions SSE format
+Both run with OMP_WAIT_POLICY=PASSIVE (what `headwise serve` sets; busy-waiting OpenMP
+workers starve the event loop thread of any server on 2 cores) and torch's default threads.
+
+Workload (vLLM benchmark_serving's random dataset): each request a distinct prompt of
+--input-len random token ids (>= 17: no special tokens), --output-len new tokens with EOS
+ignored, greedy, streamed with usage; all requests sent at once, at most C in flight
+(`--max-concurrency` in vLLM terms), for C in --concurrency.
+Metrics, as benchmark_serving defines them: TTFT (send -> first text chunk), TPOT ((E2E -
+TTFT) / (output tokens - 1)), ITL (gaps between text chunks), E2E latency; request and
+output-token throughput over the level's wall time; mean, median, p99. The baseline
+serves one request at a time, so its throughput does not grow with C and a level takes
+(requests x one request's time): by default it runs 1, 4 and 16 clients only
+(--baseline-concurrency). Levels alternate contenders, the order rotated each round.
+
+    .venv/bin/python benchmarks/serving.py            # full run, ~15 min here; saves results/serving.*
+    .venv/bin/python benchmarks/serving.py --quick    # smoke test (32+32 tokens, 1/4/16 clients), nothing saved
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))           # benchmark this checkout of headwise
+
+from _common import Log, busy_and_steal, cpu_ticks, environment, loadavg, table  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+SEED = 1234
+SERVER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+# ------------------------------------------------------------------ the baseline server
+def baseline_app():
+    """transformers generate, one request at a time, behind /v1/completions (SSE + usage)."""
+    import copy
+    import threading
+
+    import torch
+    import transformers
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from transformers import LlamaForCausalLM
+    from transformers.generation.streamers import BaseStreamer
+
+    from headwise.models.builtin import resolve
+    from headwise.models.gguf import read_gguf
+    from headwise.models.tokenizer import StreamDecoder
+
+    transformers.logging.set_verbosity_error()
+    hf_config, tensors, tok = read_gguf(resolve(MODEL))
+    config = transformers.LlamaConfig(**{k: v for k, v in hf_config.items() if k not in ("gguf", "_name_or_path")})
+    config._attn_implementation = "sdpa"
+    hf = LlamaForCausalLM(copy.deepcopy(config)).eval()
+    res = hf.load_state_dict(tensors, strict=False)
+    assert not res.unexpected_keys and set(res.missing_keys) <= {"lm_head.weight"}, res
+    hf.tie_weights()
+    del tensors
+    one_at_a_time = threading.Lock()
+    app = FastAPI()
+
+    class Tokens(BaseStreamer):
+        """generate() calls put() with the prompt first, then each new token."""
+
+        def __init__(self, loop, queue):
+            self.loop, self.queue, self.prompt_seen = loop, queue, False
+
+        def put(self, value):
+            if not self.prompt_seen:
+                self.prompt_seen = True
+                return
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, int(value.reshape(-1)[0]))
+
+        def end(self):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.post("/v1/completions")
+    async def completions(body: dict):
+        prompt = body["prompt"]
+        ids = prompt if isinstance(prompt, list) else tok.encode(prompt)
+        n = int(body.get("max_tokens", 16))
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        streamer = Tokens(loop, queue)
+
+        def run():
+            with one_at_a_time, torch.inference_mode():
+                x = torch.tensor([ids])
+                hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
+                            min_new_tokens=n, pad_token_id=0, streamer=streamer)
+
+        job = loop.run_in_executor(None, run)
+        head = {"id": "cmpl-baseline", "object": "text_completion", "created": int(time.time()), "model": MODEL}
+        usage = {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
+
+        async def tokens():
+            decoder = StreamDecoder(tok)
+            while (t := await queue.get()) is not None:
+                yield decoder.push(t)
+            await job
+
+        if not body.get("stream"):
+            text = "".join([t async for t in tokens()])
+            return JSONResponse({**head, "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+                                 "usage": usage})
+
+        async def events():
+            async for text in tokens():
+                chunk = {**head, "choices": [{"index": 0, "text": text, "finish_reason": None}]}
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def run_baseline_server(port: int) -> None:
+    import uvicorn
+    uvicorn.run(baseline_app(), host="127.0.0.1", port=port, log_level="warning")
+
+
+# ------------------------------------------------------------------ processes
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, name: str, argv: list[str], port: int, logdir: Path):
+        self.name, self.url = name, f"http://127.0.0.1:{port}"
+        self.log = (logdir / f"{name}.log").open("w")
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **SERVER_ENV}, cwd=ROOT)
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        import httpx
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                sys.exit(f"{self.name} server exited; see {self.log.name}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        sys.exit(f"{self.name} server not ready after {timeout} s; see {self.log.name}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_servers(logdir: Path, max_num_seqs: int) -> dict[str, Server]:
+    config = logdir / "serve.toml"
+    config.write_text(f'[server]\napi_key_env = ""\n[models."{MODEL}"]\nsource = "{MODEL}"\n'
+                      f"max_num_seqs = {max_num_seqs}\n")
+    hw_port, base_port = free_port(), free_port()
+    servers = {
+        "headwise": Server("headwise", [sys.executable, "-m", "headwise.cli", "serve", "--config", str(config),
+                                        "--port", str(hw_port), "--log-level", "warning"], hw_port, logdir),
+        "baseline": Server("baseline", [sys.executable, __file__, "--baseline-server", "--port", str(base_port)],
+                           base_port, logdir),
+    }
+    for s in servers.values():
+        s.wait_ready()
+    return servers
+
+
+# ------------------------------------------------------------------ the client
+async def one_request(client, url: str, prompt: list[int], output_len: int) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    out = {"ok": False, "chunks": [], "output_tokens": 0, "error": None}
+    t0 = time.perf_counter()
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                out["error"] = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return out
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    out["error"] = data["error"]
+                    return out
+                if data.get("choices") and data["choices"][0].get("text"):
+                    out["chunks"].append(time.perf_counter() - t0)
+                if data.get("usage"):
+                    out["output_tokens"] = data["usage"]["completion_tokens"]
+        out["e2e"] = time.perf_counter() - t0
+        out["ok"] = bool(out["chunks"]) and out["output_tokens"] == output_len
+        if not out["ok"]:
+            out["error"] = f"{out['output_tokens']} tokens instead of {output_len}"
+    except Exception as e:           # a lost request is a result here, not a crash
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+async def run_level(url: str, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
+    import httpx
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=limits) as client:
+        async def gated(p):
+            async with gate:
+                return await one_request(client, url, p, output_len)
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(gated(p) for p in prompts))
+        duration = time.perf_counter() - t0
+    return summarize(results, duration)
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+
+
+def stats(xs: list[float]) -> dict:
+    if not xs:
+        return {"mean": float("nan"), "median": float("nan"), "p99": float("nan")}
+    return {"mean": statistics.fmean(xs), "median": statistics.median(xs), "p99": pct(xs, 99)}
+
+
+def summarize(results: list[dict], duration: float) -> dict:
+    ok = [r for r in results if r["ok"]]
+    ttft = [r["chunks"][0] for r in ok]
+    tpot = [(r["e2e"] - r["chunks"][0]) / (r["output_tokens"] - 1) for r in ok if r["output_tokens"] > 1]
+    itl = [b - a for r in ok for a, b in zip(r["chunks"], r["chunks"][1:])]
+    out_tokens = sum(r["output_tokens"] for r in ok)
+    return {"requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
+            "errors": sorted({str(r["error"])[:200] for r in results if not r["ok"]}),
+            "duration_s": duration, "request_throughput": len(ok) / duration,
+            "output_throughput": out_tokens / duration, "output_tokens": out_tokens,
+            "ttft_s": stats(ttft), "tpot_s": stats(tpot), "itl_s": stats(itl),
+            "e2e_s": stats([r["e2e"] for r in ok])}
+
+
+# ------------------------------------------------------------------ report
+def ms(x: float) -> str:
+    return f"{x * 1e3:.0f}"
+
+
+def level_table(rows: list[tuple[str, int, dict]]) -> str:
+    head = ["contender", "clients", "done/sent", "time s", "req/s", "out tok/s",
+            "TTFT ms mean/med/p99", "TPOT ms mean/med/p99", "ITL ms mean/med/p99", "E2E s mean/med/p99"]
+    body = []
+    for name, c, r in rows:
+        def trio(k, f=ms):
+            s = r[k]
+            return "/".join(f(s[q]) for q in ("mean", "median", "p99"))
+        body.append([name, c, f"{r['completed']}/{r['requests']}", f"{r['duration_s']:.1f}",
+                     f"{r['request_throughput']:.2f}", f"{r['output_throughput']:.1f}", trio("ttft_s"),
+                     trio("tpot_s"), trio("itl_s"), trio("e2e_s", lambda x: f"{x:.1f}")])
+    return table(head, body)
+
+
+def verdicts(results: dict, log: Log) -> dict:
+    hw, base = results["headwise"], results["baseline"]
+    out = {}
+
+    def line(name, value, target, ok):
+        out[name] = {"value": value, "target": target, "met": ok}
+        log(f"  {'MET ' if ok else 'MISS'} {name}: {value} (target {target})")
+
+    if 1 in hw and 16 in hw:
+        r = hw[16]["output_throughput"] / hw[1]["output_throughput"]
+        line("headwise 16 clients / 1 client, output tok/s", f"{r:.2f}x", ">= 6x", r >= 6)
+        t = hw[16]["tpot_s"]["median"] / hw[1]["tpot_s"]["median"]
+        line("headwise p50 TPOT 16 clients / 1 client", f"{t:.2f}x", "< 4x", t < 4)
+    if 16 in hw and 16 in base:
+        r = hw[16]["output_throughput"] / base[16]["output_throughput"]
+        line("headwise / baseline at 16 clients, output tok/s", f"{r:.2f}x", ">= 8x", r >= 8)
+    for c in sorted(hw):
+        if c >= 64:
+            lost = hw[c]["failed"]
+            line(f"headwise {c} clients: requests lost or failed", str(lost), "0", lost == 0)
+    return out
+
+
+def parse_args(argv=None):
+    ints = lambda s: [int(x) for x in s.split(",") if x]            # noqa: E731
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", type=ints, default=[1, 4, 16, 64], help="client counts (default 1,4,16,64)")
+    p.add_argument("--baseline-concurrency", type=ints, default=[1, 4, 16],
+                   help="client counts for the one-at-a-time baseline (default 1,4,16)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests per level (default: 3 at 1 client, else 2x clients, at most 64)")
+    p.add_argument("--baseline-requests", type=int, default=None,
+                   help="requests per baseline level (default: 3 at 1 client, else = clients)")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=1, help="rounds over all levels (default 1)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="engine's max_num_seqs (default 64)")
+    p.add_argument("--quick", action="store_true", help="32+32 tokens, 1/4/16 clients, nothing saved")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--baseline-server", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.input_len, args.output_len, args.concurrency = 32, 32, [1, 4, 16]
+        args.baseline_concurrency = [1, 4, 16]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.baseline_server:
+        run_baseline_server(args.port)
+        return 0
+    import headwise
+    log = Log()
+    env = environment()
+    env["loadavg_before"], ticks0 = loadavg(), cpu_ticks()
+    log(f"headwise serving benchmark  {env['date']}")
+    log(f"torch {env['torch']}  cpu {env['cpu_model']} ({env['cpu_count']} cores)  server env {SERVER_ENV}")
+    log(f"loadavg before {env['loadavg_before']}"
+        + ("  ** busy machine (> 1.5): treat numbers with care **" if env["loadavg_before"][0] > 1.5 else ""))
+    log(f"workload: {args.input_len}-token random prompts, {args.output_len} new tokens (EOS ignored), greedy, "
+        f"streamed; clients {args.concurrency} (baseline {args.baseline_concurrency}); rounds {args.rounds}")
+    vocab = headwise.load(MODEL).config.vocab_size
+    rng = random.Random(SEED)
+
+    def prompts(n):
+        return [[rng.randrange(17, vocab) for _ in range(args.input_len)] for _ in range(n)]
+
+    def n_requests(c, base):
+        fixed = args.baseline_requests if base else args.requests
+        if fixed:
+            return fixed
+        return 3 if c == 1 else (c if base else min(64, 2 * c) if c < 64 else c)
+
+    plan = [(name, c) for c in sorted(set(args.concurrency) | set(args.baseline_concurrency))
+            for name in ("headwise", "baseline")
+            if c in (args.baseline_concurrency if name == "baseline" else args.concurrency)]
+    with tempfile.TemporaryDirectory(prefix="hw-serving-") as tmp:
+        servers = start_servers(Path(tmp), args.max_num_seqs)
+        try:
+            for s in servers.values():          # warm-up: one short request each
+                asyncio.run(run_level(s.url, prompts(1), 4, 1))
+            runs: dict[str, dict[int, list]] = {"headwise": {}, "baseline": {}}
+            for rnd in range(args.rounds):
+                for c in sorted({c for _, c in plan}):
+                    names = [n for n, cc in plan if cc == c]
+                    for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+                        la = loadavg()[0]
+                        r = asyncio.run(run_level(servers[name].url, prompts(n_requests(c, name == "baseline")),
+                                                  args.output_len, c))
+                        r["loadavg"] = [la, loadavg()[0]]
+                        runs[name].setdefault(c, []).append(r)
+                        log(f"  round {rnd + 1} {name:8s} {c:3d} clients: {r['completed']}/{r['requests']} done, "
+                            f"{r['output_throughput']:.1f} out tok/s, p50 TPOT {ms(r['tpot_s']['median'])} ms, "
+                            f"load {la} -> {loadavg()[0]}" + (f"  errors {r['errors']}" if r["errors"] else ""))
+        finally:
+            for s in servers.values():
+                s.stop()
+    # the median round per level (by output throughput)
+    results = {name: {c: sorted(rs, key=lambda r: r["output_throughput"])[len(rs) // 2] for c, rs in levels.items()}
+               for name, levels in runs.items()}
+    env["loadavg_after"] = loadavg()
+    env.update(busy_and_steal(ticks0, cpu_ticks()))
+    log("")
+    rows = [(name, c, results[name][c]) for c in sorted({c for _, c in plan}) for name in ("headwise", "baseline")
+            if c in results[name]]
+    log(level_table(rows))
+    log("")
+    hw1 = results["headwise"].get(1)
+    for c in sorted(results["headwise"]):
+        parts = []
+        if hw1:
+            parts.append(f"{results['headwise'][c]['output_throughput'] / hw1['output_throughput']:.2f}x its 1-client "
+                         f"throughput")
+        if c in results["baseline"]:
+            ratio = results["headwise"][c]["output_throughput"] / results["baseline"][c]["output_throughput"]
+            parts.append(f"{ratio:.2f}x the baseline's")
+        log(f"headwise at {c} clients: " + ", ".join(parts))
+    log("targets:")
+    v = verdicts(results, log)
+    steal = f"  cpu busy {env['busy_pct']}% steal {env['steal_pct']}%" if "steal_pct" in env else ""
+    log(f"loadavg after {env['loadavg_after']}{steal}")
+    if not args.quick:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "serving.json").write_text(json.dumps(
+            {"benchmark": "serving", "env": env, "args": {k: str(v) for k, v in vars(args).items()},
+             "runs": runs, "targets": v}, indent=1) + "\n")
+        (args.out / "serving.txt").write_text(log.text())
+        print(f"saved {args.out / 'serving.json'} and serving.txt")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

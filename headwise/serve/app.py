@@ -1,0 +1,145 @@
+"""The FastAPI app: routes (thin: schema -> gateway -> response), lifespan, guards.
+
+    app = create_app(load_config("gateway.toml"))     # or default_config()
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Startup returns at once and models load in a background thread: /health answers 503
+until every local model is ready, then 200. Shutdown (SIGTERM, after uvicorn has let
+in-flight requests finish) stops the engines.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from . import errors
+from .config import ServeConfig
+from .errors import APIError
+from .gateway import Gateway
+from .local import LocalRuntime, Loader, default_loader, load_all
+from .metrics import Metrics
+from .middleware import ApiKeyAuth, BodySizeLimit
+from .schemas import (ERRORS, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion,
+                      CompletionRequest, EmbeddingRequest, EmbeddingResponse, ModelList, sse_docs)
+
+log = logging.getLogger("headwise.serve")
+
+
+class ServeState:
+    """Everything a request needs, hung on app.state.serve."""
+
+    def __init__(self, config: ServeConfig, loader: Loader):
+        self.config = config
+        self.runtimes = {name: LocalRuntime(spec, loader) for name, spec in config.models.items()}
+        self.metrics = Metrics(self.runtimes)
+        self.client: httpx.AsyncClient | None = None
+        self.gateway: Gateway | None = None
+        self.started = int(time.time())
+
+    @property
+    def draining(self) -> bool:
+        return self.gateway is not None and self.gateway.draining
+
+    def begin_drain(self) -> None:
+        """SIGTERM: refuse new work (503), let what runs finish."""
+        if self.gateway is not None:
+            self.gateway.draining = True
+
+
+def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastAPI:
+    state = ServeState(config, loader)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=512, max_keepalive_connections=64))
+        state.gateway = Gateway(config, state.runtimes, state.client, state.metrics)
+        load_all(list(state.runtimes.values()))
+        try:
+            yield
+        finally:
+            state.begin_drain()
+            timeout = config.server.drain_timeout
+            await asyncio.to_thread(lambda: [rt.shutdown(timeout) for rt in state.runtimes.values()])
+            await state.client.aclose()
+
+    app = FastAPI(title="headwise", version=_version(), lifespan=lifespan,
+                  description="OpenAI-compatible API over headwise's engine and upstream providers.")
+    app.state.serve = state
+    errors.install(app)
+
+    @app.get("/health", responses={503: ERRORS[503]})
+    async def health():
+        if state.draining:
+            return errors.error_response(503, "shutting down", code="draining")
+        status = {name: rt.state for name, rt in state.runtimes.items()}
+        if any(s != "ready" for s in status.values()):
+            detail = "; ".join(f"{n}: {rt.error or rt.state}" for n, rt in state.runtimes.items()
+                               if rt.state != "ready")
+            return errors.error_response(503, f"not ready: {detail}", code="loading", retry_after=2)
+        return {"status": "ok", "models": status}
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics():
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models", response_model=ModelList, responses={401: ERRORS[401]})
+    async def list_models():
+        data = [{"id": name, "object": "model", "created": state.started, "owned_by": owner}
+                for name, owner in state.gateway.names()]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def dispatch(endpoint: str, req, request: Request):
+        known = req.model in config.model_names()
+        try:
+            resp = await state.gateway.dispatch(endpoint, req, request)
+        except APIError as e:
+            state.metrics.request(req.model if known else "unknown", endpoint, e.status)
+            raise
+        state.metrics.request(req.model, endpoint, resp.status_code)
+        return resp
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletion,
+              responses={**sse_docs(ChatCompletionChunk), **ERRORS})
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        return await dispatch("chat", req, request)
+
+    @app.post("/v1/completions", response_model=Completion, responses={**sse_docs(Completion), **ERRORS})
+    async def completions(req: CompletionRequest, request: Request):
+        return await dispatch("completions", req, request)
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERRORS)
+    async def create_embeddings(req: EmbeddingRequest, request: Request):
+        return await dispatch("embeddings", req, request)
+
+    def openapi() -> dict:
+        """FastAPI's schema, plus the Bearer scheme on /v1 when keys are required (the auth
+        middleware is invisible to FastAPI)."""
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            if config.server.keys():
+                schema.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http",
+                                                                                     "scheme": "bearer"}}
+                for path, ops in schema["paths"].items():
+                    if path.startswith("/v1/"):
+                        for op in ops.values():
+                            op["security"] = [{"bearer": []}]
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+    # outermost first to run: auth (cheap, before reading any body), then the body limit
+    app.add_middleware(BodySizeLimit, max_bytes=config.server.max_body_bytes)
+    app.add_middleware(ApiKeyAuth, keys=config.server.keys())
+    return app
+
+
+def _version() -> str:
+    from .. import __version__
+    return __version__

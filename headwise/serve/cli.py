@@ -1,0 +1,164 @@
+"""`headwise serve [--config FILE] [--host HOST] [--port PORT]`.
+
+Without a config: smollm2-135m-instruct (chat, completions) and all-minilm-l6-v2
+(embeddings) on 127.0.0.1:8000. API keys: set HEADWISE_API_KEYS (comma-separated)
+or [server] api_key_env / api_keys in the config; with none, the API is open.
+SIGTERM: stop accepting, let in-flight requests finish (up to [server] drain_timeout),
+stop the engines, exit 0.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+
+def add_cli(sub) -> None:
+    import uvicorn  # noqa: F401  (fail here, so `headwise serve` says to install the extra)
+    import argparse
+    p = sub.add_parser("serve", help="serve models behind the OpenAI API (gateway over local engines and "
+                                     "upstream providers)", description=__doc__.split("\n\n", 1)[1],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="gateway TOML (see examples/gateway.toml); default: the two builtin models")
+    p.add_argument("--host", help="bind address (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, help="port (default 8000)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--self-check", action="store_true",
+                   help="once the models are ready, send one chat request (streamed) and one embeddings request "
+                        "through the server's own API and print the answers (what `make run` shows)")
+    p.set_defaults(func=run)
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, plus: a signal first marks the app as draining (/health and new
+        requests on kept-alive connections get 503), and a drained shutdown exits 0 instead
+        of re-raising the signal."""
+
+        def __init__(self, config, state):
+            super().__init__(config)
+            self.state = state
+
+        def handle_exit(self, sig, frame):
+            self.state.begin_drain()
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                self._captured_signals.clear()
+
+    return Server
+
+
+def run(args) -> int:
+    import logging
+
+    import uvicorn
+
+    from .app import create_app
+    from .config import ConfigError, default_config, load_config
+
+    try:
+        config = load_config(args.config, args.host, args.port) if args.config else default_config(args.host,
+                                                                                                    args.port)
+    except ConfigError as e:
+        print(f"headwise serve: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    app = create_app(config)
+    s = config.server
+    uv = uvicorn.Config(app, host=s.host, port=s.port, log_level=args.log_level, lifespan="on",
+                        timeout_graceful_shutdown=s.drain_timeout)
+    server = _server_class()(uv, app.state.serve)
+    base = f"http://{'[' + s.host + ']' if ':' in s.host else s.host}:{s.port}"
+    auth = " (API keys required: Authorization: Bearer <key>)" if s.keys() else ""
+    print(f"headwise serve: {base}/v1 -> models {', '.join(config.model_names())}{auth}; "
+          f"{base}/health turns 200 once they have loaded", flush=True)
+    if args.self_check:
+        import threading
+        threading.Thread(target=_self_check, args=(base, config, s.keys()), daemon=True).start()
+    server.run()
+    return 0
+
+
+def _examples(base: str, chat_model: str | None, embed_model: str | None, key: bool) -> str:
+    auth = ' -H "Authorization: Bearer $HEADWISE_API_KEY"' if key else ""
+    lines = ["", "Try it (paste into another terminal):", ""]
+    if chat_model:
+        body = ('{"model": "%s", "messages": [{"role": "user", "content": "What is multi-head attention?"}], '
+                '"max_tokens": 48, "temperature": 0}' % chat_model)
+        lines += [f"curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\",
+                  f"  -d '{body}'", ""]
+    api_key = "os.environ['HEADWISE_API_KEY']" if key else '"unused"'
+    lines += ["python - <<'EOF'", *(["import os"] if key else []), "from openai import OpenAI",
+              f'client = OpenAI(base_url="{base}/v1", api_key={api_key})']
+    if chat_model:
+        lines += [f'for chunk in client.chat.completions.create(model="{chat_model}", stream=True, max_tokens=48,',
+                  '        messages=[{"role": "user", "content": "Write a haiku about attention heads."}]):',
+                  '    print(chunk.choices[0].delta.content or "", end="", flush=True)', "print()"]
+    if embed_model:
+        lines += [f'e = client.embeddings.create(model="{embed_model}", input=["a cat", "a kitten"]).data',
+                  'print(sum(a * b for a, b in zip(e[0].embedding, e[1].embedding)))   # cosine (normalized)']
+    lines += ["EOF", ""]
+    return "\n".join(lines)
+
+
+def _self_check(base: str, config, keys) -> None:
+    """Wait for /health, then use the API as a client would and print what came back."""
+    import json
+    import time
+
+    import httpx
+
+    headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+    chat_model = embed_model = None
+    with httpx.Client(base_url=base, headers=headers, timeout=120) as client:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                if client.get("/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        else:
+            print("headwise serve --self-check: /health never turned 200", file=sys.stderr, flush=True)
+            return
+        models = [m["id"] for m in client.get("/v1/models").json()["data"]]
+        chat_model = next((m for m in models if "minilm" not in m.lower()), None)
+        embed_model = next((m for m in models if "minilm" in m.lower()), None)
+        if chat_model:
+            question = "What is multi-head attention, in one sentence?"
+            print(f"\n[self-check] POST /v1/chat/completions (stream) model={chat_model}\nuser: {question}\n"
+                  "assistant: ", end="", flush=True)
+            t0, first, n = time.perf_counter(), None, 0
+            body = {"model": chat_model, "messages": [{"role": "user", "content": question}], "max_tokens": 60,
+                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    for choice in chunk.get("choices", []):
+                        piece = choice["delta"].get("content") or ""
+                        if piece:
+                            first = first or time.perf_counter()
+                            print(piece, end="", flush=True)
+                    if chunk.get("usage"):
+                        n = chunk["usage"]["completion_tokens"]
+            if first:
+                rate = n / max(time.perf_counter() - first, 1e-9)
+                print(f"\n[{n} tokens; first after {(first - t0) * 1e3:.0f} ms, then {rate:.1f} tokens/s]", flush=True)
+        if embed_model:
+            texts = ["The bank approved the loan.", "The lender agreed to the credit.", "The river bank flooded."]
+            data = client.post("/v1/embeddings", json={"model": embed_model, "input": texts}).json()["data"]
+            vecs = [d["embedding"] for d in data]
+            print(f"[self-check] POST /v1/embeddings model={embed_model}")
+            for i in (1, 2):
+                cos = sum(a * b for a, b in zip(vecs[0], vecs[i]))
+                print(f"cosine({texts[0]!r}, {texts[i]!r}) = {cos:.3f}")
+    print(_examples(base, chat_model, embed_model, bool(keys)), flush=True)
+    print("Serving; Ctrl-C to stop.", flush=True)

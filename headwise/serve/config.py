@@ -1,0 +1,216 @@
+"""What `headwise serve` serves: local models, upstream providers, routes, server limits.
+
+A TOML file (examples/gateway.toml) or, with none, the two builtin models. Clients name
+a model; the gateway resolves that name to a route (an alias, a local model, or
+`provider/model`) and the route to its targets:
+
+    [models.smollm2]            # a local model: builtin name or checkpoint path
+    source = "smollm2-135m-instruct"
+    cache = "paged"             # paged | int8: the format of the engine's KV block pool
+    [providers.peer]            # an upstream OpenAI-compatible server
+    base_url = "http://10.0.0.2:8000/v1"
+    api_key_env = "PEER_KEY"    # the key itself never sits in the file
+    models = ["smollm2-135m-instruct"]
+    [routes.chat]               # an alias: weighted targets, then fallbacks
+    targets = [{target = "smollm2", weight = 3}, {target = "peer/smollm2-135m-instruct", weight = 1}]
+    fallbacks = ["smollm2"]
+
+Upstream URLs come only from here, never from a request.
+"""
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+CACHE_KINDS = ("paged", "int8")          # the engine's block pool, fp32/model dtype or int8 K/V
+
+
+class ConfigError(ValueError):
+    """The config file is wrong; the message names the table and key."""
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    name: str                           # what clients send as "model"
+    source: str                         # builtin name or checkpoint dir / .gguf path
+    backend: str = "auto"               # attention backend (headwise.attention registry)
+    cache: str = "paged"                # paged | int8 -> the engine's kv_dtype
+    dtype: str | None = None            # None keeps the checkpoint's (the GGUF is dequantized to fp32)
+    num_blocks: int | None = None       # KV blocks in the pool; None = the engine sizes it
+    block_size: int = 16
+    max_num_seqs: int = 64              # sequences decoded together
+    max_num_batched_tokens: int = 512   # tokens per engine step (prefill chunks + decodes)
+    max_waiting_requests: int = 256     # beyond this the engine says QueueFull -> 429
+    max_model_len: int | None = None    # cap the context below the model's own
+
+    def __post_init__(self):
+        where = f"[models.{self.name}]"
+        if self.cache == "contiguous":
+            raise ConfigError(f"{where} cache = 'contiguous' cannot be served: continuous batching needs the "
+                              "paged block pool (a contiguous cache reserves max length per sequence up front; "
+                              "headwise.generate uses it). Choose paged or int8")
+        if self.cache not in CACHE_KINDS:
+            raise ConfigError(f"{where} cache = {self.cache!r}; choose one of {', '.join(CACHE_KINDS)}")
+        for key in ("max_num_seqs", "block_size", "max_num_batched_tokens", "max_waiting_requests"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{where} {key} must be >= 1, got {getattr(self, key)}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"{where} num_blocks must be >= 1, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class Provider:
+    name: str
+    base_url: str                       # ".../v1": endpoints are appended ("/chat/completions")
+    models: tuple[str, ...]
+    api_key_env: str | None = None      # env var holding the upstream key
+    timeout: float = 60.0
+
+    def __post_init__(self):
+        url = urlparse(self.base_url)
+        if url.scheme not in ("http", "https") or not url.netloc:
+            raise ConfigError(f"[providers.{self.name}] base_url = {self.base_url!r} is not an http(s) URL")
+        if not self.models:
+            raise ConfigError(f"[providers.{self.name}] lists no models; add models = [\"...\"]")
+
+    @property
+    def api_key(self) -> str | None:
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+
+@dataclass(frozen=True)
+class Target:
+    target: str                         # a local model name or "provider/model"
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class Route:
+    name: str
+    targets: tuple[Target, ...]
+    fallbacks: tuple[str, ...] = ()     # tried in order once the weighted targets have failed
+    retries: int = 1                    # extra weighted draws after the first target fails
+    timeout: float = 60.0               # seconds to wait for a target's first byte
+    cooldown_failures: int = 3          # consecutive failures that put a target in cooldown
+    cooldown_seconds: float = 30.0      # ... for this long
+
+    def __post_init__(self):
+        where = f"[routes.{self.name}]"
+        if not self.targets:
+            raise ConfigError(f"{where} has no targets")
+        if any(t.weight <= 0 for t in self.targets):
+            raise ConfigError(f"{where} target weights must be > 0")
+        if self.retries < 0 or self.cooldown_failures < 1 or self.timeout <= 0 or self.cooldown_seconds < 0:
+            raise ConfigError(f"{where} needs retries >= 0, cooldown_failures >= 1, timeout > 0, "
+                              "cooldown_seconds >= 0")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"             # loopback unless told otherwise
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()      # prefer api_key_env: keys in a file end up in backups
+    api_key_env: str | None = "HEADWISE_API_KEYS"   # comma-separated keys; unset/empty = no auth
+    max_body_bytes: int = 4 * 2 ** 20   # FastAPI has no limit of its own
+    drain_timeout: float = 30.0         # SIGTERM: seconds in-flight requests get to finish
+
+    def keys(self) -> tuple[str, ...]:
+        env = os.environ.get(self.api_key_env, "") if self.api_key_env else ""
+        return tuple(k for k in (*self.api_keys, *(s.strip() for s in env.split(","))) if k)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    server: ServerSettings = field(default_factory=ServerSettings)
+    models: dict[str, LocalModel] = field(default_factory=dict)
+    providers: dict[str, Provider] = field(default_factory=dict)
+    routes: dict[str, Route] = field(default_factory=dict)
+
+    def __post_init__(self):
+        known = set(self.models) | {f"{p.name}/{m}" for p in self.providers.values() for m in p.models}
+        for route in self.routes.values():
+            for name in [t.target for t in route.targets] + list(route.fallbacks):
+                if name not in known:
+                    raise ConfigError(f"[routes.{route.name}] target {name!r} is neither a local model nor "
+                                      f"provider/model; known: {', '.join(sorted(known)) or 'none'}")
+        clash = set(self.routes) & known
+        if clash:
+            raise ConfigError(f"route names {sorted(clash)} hide models of the same name; rename the routes")
+
+    def model_names(self) -> list[str]:
+        """Every name a client may send, in a stable order."""
+        upstream = [f"{p.name}/{m}" for p in self.providers.values() for m in p.models]
+        return [*self.models, *upstream, *self.routes]
+
+
+def default_config(host: str | None = None, port: int | None = None) -> ServeConfig:
+    """No config file: SmolLM2 for chat and completions, MiniLM for embeddings."""
+    server = ServerSettings(**{k: v for k, v in (("host", host), ("port", port)) if v is not None})
+    models = {n: LocalModel(n, n) for n in ("smollm2-135m-instruct", "all-minilm-l6-v2")}
+    return ServeConfig(server=server, models=models)
+
+
+def _take(table: dict, cls, where: str, **fixed) -> Any:
+    known = set(cls.__dataclass_fields__) - set(fixed)
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    try:
+        return cls(**fixed, **table)
+    except TypeError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def parse_config(data: dict) -> ServeConfig:
+    """A parsed TOML document -> ServeConfig (errors name the table and key)."""
+    unknown = sorted(set(data) - {"server", "models", "providers", "routes"})
+    if unknown:
+        raise ConfigError(f"unknown table(s) {', '.join(unknown)}; known: server, models, providers, routes")
+    server = dict(data.get("server", {}))
+    if "api_keys" in server:
+        server["api_keys"] = tuple(server["api_keys"])
+    models = {}
+    for name, t in data.get("models", {}).items():
+        t = dict(t)
+        t.setdefault("source", name)
+        models[name] = _take(t, LocalModel, f"[models.{name}]", name=name)
+    providers = {}
+    for name, t in data.get("providers", {}).items():
+        t = dict(t)
+        t["models"] = tuple(t.get("models", ()))
+        providers[name] = _take(t, Provider, f"[providers.{name}]", name=name)
+    routes = {}
+    for name, t in data.get("routes", {}).items():
+        t = dict(t)
+        raw = t.get("targets", ())
+        t["targets"] = tuple(Target(x) if isinstance(x, str) else _take(x, Target, f"[routes.{name}] targets")
+                             for x in raw)
+        t["fallbacks"] = tuple(t.get("fallbacks", ()))
+        routes[name] = _take(t, Route, f"[routes.{name}]", name=name)
+    if not models and not providers:
+        raise ConfigError("the config serves nothing: add a [models.NAME] or [providers.NAME] table")
+    return ServeConfig(_take(server, ServerSettings, "[server]"), models, providers, routes)
+
+
+def load_config(path: str | os.PathLike, host: str | None = None, port: int | None = None) -> ServeConfig:
+    """Read a gateway TOML file; --host/--port override its [server] table."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    server = data.setdefault("server", {})
+    if host is not None:
+        server["host"] = host
+    if port is not None:
+        server["port"] = port
+    try:
+        return parse_config(data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None

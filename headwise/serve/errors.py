@@ -1,0 +1,111 @@
+"""One error envelope for every non-2xx answer, as OpenAI sends it:
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": null}}
+
+FastAPI's 422 for a malformed body becomes 400 (a client mistake, named field by
+field); Starlette's 404/405 get the envelope too; anything unexpected is a 500 whose
+message hides the details (they go to the log).
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("headwise.serve")
+
+# status -> OpenAI's error type for it
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 500: "server_error", 502: "upstream_error", 503: "service_unavailable",
+          504: "upstream_error"}
+
+
+class APIError(Exception):
+    """An answer other than 200, raised anywhere below a route.
+
+    retryable: the gateway may try another target (overload, loading, upstream down);
+    a client's own mistake (400) is not retried, it would fail everywhere.
+    """
+
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 type: str | None = None, retry_after: float | None = None, retryable: bool | None = None,
+                 body: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+        self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        self.retry_after = retry_after
+        self.retryable = retryable if retryable is not None else status in (429, 502, 503, 504)
+        self._body = body                       # an upstream's own envelope, passed on unchanged
+
+    def body(self) -> dict:
+        return self._body or {"error": {"message": self.message, "type": self.type, "param": self.param,
+                                        "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after is None:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers())
+
+
+def error_response(status: int, message: str, **kw) -> JSONResponse:
+    return APIError(status, message, **kw).response()
+
+
+def _loc(loc) -> str:
+    """('body', 'messages', 0, 'content') -> 'messages[0].content'."""
+    out = ""
+    for part in loc:
+        if part in ("body", "query", "path"):
+            continue
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    parts, param = [], None
+    for e in errors[:5]:
+        where = _loc(e.get("loc", ()))
+        param = param or where or None
+        msg = e.get("msg", "invalid")
+        if e.get("type") == "json_invalid":
+            msg = "the body is not valid JSON"
+        elif e.get("type") == "extra_forbidden":
+            msg = "unknown field (upstream URLs and keys come only from the server's config)" \
+                if where.split(".")[-1] in ("base_url", "api_base", "api_key", "url", "endpoint", "upstream",
+                                            "provider") else "unknown field"
+        parts.append(f"{where}: {msg}" if where else msg)
+    more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
+    return "; ".join(parts) + more, param
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        message, param = validation_message(exc)
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}; see /docs for the API"
+        return JSONResponse(APIError(exc.status_code, message).body(), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal error ({type(exc).__name__}); the server log has details")

@@ -1,0 +1,165 @@
+"""Local models behind the API: a decoder runs in a headwise.Engine (continuous batching),
+an encoder answers /v1/embeddings through headwise.embed.
+
+Models load in a background thread after the server starts, so /health can say 503
+until they are ready. The engine speaks token ids; tokenization and chat templates
+happen here, at the edge (DESIGN: the engine never sees text).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import AsyncIterator, Callable
+
+from .config import LocalModel
+from .errors import APIError
+
+log = logging.getLogger("headwise.serve")
+
+Loader = Callable[[LocalModel], object]     # LocalModel -> a loaded headwise model
+
+
+def default_loader(spec: LocalModel):
+    import headwise
+    return headwise.load(spec.source, dtype=spec.dtype, backend=spec.backend)
+
+
+class LocalRuntime:
+    """One configured local model: its loading state, and then its engine or encoder."""
+
+    def __init__(self, spec: LocalModel, loader: Loader = default_loader):
+        self.spec, self.loader = spec, loader
+        self.state = "loading"              # loading | ready | failed | stopped
+        self.error: str | None = None
+        self.model = self.tokenizer = self.engine = None
+        self.kind: str | None = None        # "generate" (decoder) | "embed" (encoder), known once loaded
+        self.max_model_len = 0
+        self.loaded_at = time.time()
+        self._embed_lock = threading.Lock()
+        self._restart_lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    # ---- lifecycle (runs in the loader thread) ----------------------------------
+    def load(self) -> None:
+        try:
+            t0 = time.perf_counter()
+            model = self.loader(self.spec)
+            self.model, self.tokenizer = model, getattr(model, "tokenizer", None)
+            if self.tokenizer is None:
+                raise ValueError(f"{self.spec.source} has no tokenizer; the API needs one to read text")
+            if getattr(model.config, "causal", True):
+                self.engine = self._make_engine(model)
+                self.engine.start()
+                self.max_model_len = min(self.engine.max_model_len, self.spec.max_model_len or 1 << 62)
+                self.kind = "generate"
+            else:
+                self.max_model_len = model.config.max_positions
+                self.kind = "embed"
+            self.state = "ready"
+            log.info("model %s ready (%s, %.1f s)", self.name, self.kind, time.perf_counter() - t0)
+        except Exception as e:                      # the server stays up and reports it
+            self.state, self.error = "failed", f"{type(e).__name__}: {e}"
+            log.error("model %s failed to load: %s", self.name, self.error)
+
+    def _make_engine(self, model):
+        from ..engine import Engine
+        s = self.spec
+        kw = dict(max_num_seqs=s.max_num_seqs, num_blocks=s.num_blocks, block_size=s.block_size,
+                  max_num_batched_tokens=s.max_num_batched_tokens, max_waiting_requests=s.max_waiting_requests)
+        if s.cache == "int8":
+            kw["kv_dtype"] = "int8"
+        return Engine(model, **kw)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        if self.engine is not None:
+            self.engine.shutdown(timeout=timeout)
+        self.state = "stopped"
+
+    # ---- serving --------------------------------------------------------------
+    def require(self, kind: str, endpoint: str) -> None:
+        """503 while loading/failed, 400 when the model cannot do this endpoint."""
+        if self.state == "loading":
+            raise APIError(503, f"model {self.name!r} is still loading; retry shortly", code="model_loading",
+                           retry_after=2)
+        if self.state != "ready":
+            raise APIError(503, f"model {self.name!r} is unavailable: {self.error or self.state}",
+                           code="model_unavailable")
+        if self.kind != kind:
+            use = "/v1/embeddings" if self.kind == "embed" else "/v1/chat/completions or /v1/completions"
+            raise APIError(400, f"model {self.name!r} cannot serve {endpoint}; use {use}", param="model",
+                           code="wrong_endpoint")
+
+    async def stream(self, prompt: list[int], sampling, request_id: str) -> AsyncIterator:
+        """The engine's stream, QueueFull -> 429 + Retry-After, ValueError -> 400, a failed
+        engine -> 500 (and a fresh engine for the requests that follow)."""
+        from ..engine import QueueFull
+        engine = self.engine
+        gen = engine.stream(prompt, sampling, request_id=request_id)
+        try:
+            while True:
+                try:
+                    piece = await gen.__anext__()
+                except StopAsyncIteration:
+                    return
+                except QueueFull as e:
+                    raise APIError(429, f"model {self.name!r} is at capacity ({e}); retry after the given time",
+                                   code="queue_full", retry_after=getattr(e, "retry_after", 1.0)) from None
+                except ValueError as e:
+                    raise APIError(400, str(e), code="invalid_request") from None
+                except RuntimeError as e:
+                    self._restart_if_dead(engine, e)
+                    raise APIError(500, f"model {self.name!r} failed on this request ({e.__cause__ or e}); "
+                                        "its engine was restarted", code="engine_error") from None
+                yield piece
+        finally:
+            engine.abort(request_id)                # no-op once finished; frees blocks at once otherwise
+            await gen.aclose()
+
+    def _restart_if_dead(self, engine, error: BaseException) -> None:
+        """An engine whose step raised stops for everyone (Engine._fail); the model itself is
+        fine, so build a new engine instead of leaving the model down until a restart."""
+        with self._restart_lock:
+            if engine is not self.engine:
+                return                                  # another request already replaced it
+            try:
+                engine.start()                          # raises only when the engine has failed
+                return
+            except RuntimeError:
+                pass
+            log.error("model %s: engine failed (%s); starting a new one", self.name, error.__cause__ or error)
+            self.engine = self._make_engine(self.model)
+            self.engine.start()
+            engine.shutdown(timeout=0)
+
+    def abort(self, request_id: str) -> None:
+        if self.engine is not None:
+            self.engine.abort(request_id)
+
+    async def embed(self, texts: list[str]):
+        """(N, C) fp32 vectors, computed off the event loop, one batch at a time."""
+        from ..embeddings import embed
+
+        def run():
+            with self._embed_lock:
+                return embed(self.model, texts)
+        return await asyncio.to_thread(run)
+
+    def stats(self) -> dict:
+        if self.engine is None or self.state != "ready":
+            return {}
+        return self.engine.stats().as_dict()
+
+
+def load_all(runtimes: list[LocalRuntime]) -> threading.Thread:
+    """Load every model, one after the other, in a daemon thread (the server answers meanwhile)."""
+    def run():
+        for rt in runtimes:
+            rt.load()
+    t = threading.Thread(target=run, name="headwise-loader", daemon=True)
+    t.start()
+    return t

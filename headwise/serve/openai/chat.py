@@ -1,0 +1,125 @@
+"""POST /v1/chat/completions on a local model: messages -> the model's chat template ->
+token ids -> the engine; the answer as one JSON or as SSE chunks."""
+from __future__ import annotations
+
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..errors import APIError
+from ..schemas import ChatCompletionRequest
+from .common import (SSE_DONE, Streams, Usage, chat_logprobs, check_context, new_id, reject_unsupported,
+                     sampling_params, sse, stream_error, tokenize,
+                     until_disconnect)
+
+
+def render_prompt(tok, req: ChatCompletionRequest) -> list[int]:
+    from ...models.tokenizer import ChatTemplateError
+    messages = []
+    for m in req.messages:
+        content = m.content if isinstance(m.content, str) or m.content is None else \
+            "\n".join(part.text for part in m.content)
+        # "developer" is OpenAI's newer name for "system"; templates know only the latter
+        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    try:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), param="messages", code="invalid_messages") from None
+    except ValueError as e:         # no template at all
+        raise APIError(400, f"model cannot chat: {e}; use /v1/completions", param="model") from None
+    ids = tokenize(tok, text, special=False)       # the template already wrote BOS/role tokens
+    if not ids:
+        raise APIError(400, "the messages render to an empty prompt", param="messages")
+    return ids
+
+
+def prepare(runtime, req: ChatCompletionRequest):
+    reject_unsupported(req, {
+        "tools": (not req.tools, "tool calling is not supported by headwise's local models"),
+        "tool_choice": (req.tool_choice in (None, "none", "auto"), "tool_choice needs tools, which are not "
+                        "supported here"),
+        "response_format": (req.response_format is None or req.response_format.type == "text",
+                            "only response_format {\"type\": \"text\"} is supported"),
+        "top_logprobs": (req.top_logprobs is None or req.logprobs, "top_logprobs needs logprobs: true"),
+    })
+    prompt = render_prompt(runtime.tokenizer, req)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = check_context([len(prompt)], requested, runtime.max_model_len, "messages")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return prompt, sampling_params(req, max_tokens, logprobs)
+
+
+async def create(runtime, req: ChatCompletionRequest, model: str, request: Request, *, timeout=None,
+                 metrics=None):
+    runtime.require("generate", "/v1/chat/completions")
+    prompt, sampling = prepare(runtime, req)
+    rid, created = new_id("chatcmpl"), int(time.time())
+    streams = Streams(runtime, rid, sampling.n)
+    await streams.start([prompt], sampling, timeout)
+    usage = Usage(prompt_tokens=len(prompt))
+    tok, top = runtime.tokenizer, sampling.logprobs          # None: no logprobs asked for
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(_events(streams, rid, created, model, sampling.n, usage, tok, top, include_usage,
+                                         metrics), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    body = await until_disconnect(_collect(streams, rid, created, model, sampling.n, usage, tok, top, metrics),
+                                  request)
+    return JSONResponse(body)
+
+
+async def _collect(streams, rid, created, model, n, usage, tok, top, metrics):
+    texts, reasons, lps = [""] * n, [None] * n, [[] for _ in range(n)]
+    try:
+        async for i, piece in streams:
+            texts[i] += piece.text
+            if piece.logprobs:
+                lps[i].extend(piece.logprobs)
+            if piece.finish_reason:
+                reasons[i] = piece.finish_reason
+            usage.completion[i] = piece.num_output_tokens
+            if metrics:
+                metrics.token_piece(model, streams, piece)
+    finally:
+        await streams.close()
+    if "abort" in reasons:
+        raise APIError(503, "the request was aborted (server shutting down?)", code="aborted")
+    if metrics:
+        metrics.finished(model, streams)
+    choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
+                "logprobs": chat_logprobs(tok, lps[i], top) if top is not None else None,
+                "finish_reason": reasons[i] or "length"} for i in range(n)]
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+            "usage": usage.as_dict()}
+
+
+async def _events(streams, rid, created, model, n, usage, tok, top, include_usage, metrics):
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    if include_usage:
+        head["usage"] = None
+    try:
+        yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None} for i in range(n)]})
+        async for i, piece in streams:
+            usage.completion[i] = piece.num_output_tokens
+            if metrics:
+                metrics.token_piece(model, streams, piece)
+            if piece.finish_reason == "abort":
+                raise APIError(503, "the request was aborted (server shutting down?)", code="aborted")
+            if not piece.text and not piece.finish_reason and not piece.logprobs:
+                continue
+            choice = {"index": i, "delta": {"content": piece.text} if piece.text else {},
+                      "logprobs": chat_logprobs(tok, piece.logprobs or [], top) if top is not None else None,
+                      "finish_reason": piece.finish_reason}
+            yield sse({**head, "choices": [choice]})
+        if metrics:
+            metrics.finished(model, streams)
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": usage.as_dict()})
+        yield SSE_DONE
+    except Exception as e:
+        yield sse(stream_error(e).body())
+        yield SSE_DONE
+    finally:
+        await streams.close()

@@ -1,0 +1,241 @@
+"""What chat and completions share: OpenAI fields -> SamplingParams, the context-length
+check, running engine streams (several prompts merged), SSE framing, logprobs, usage.
+
+Nothing is sent to the client before the first piece of every stream has arrived,
+so overload (429), bad input (400) and timeouts are still proper HTTP errors that
+the gateway may retry elsewhere; after that, an error travels inside the stream.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from ..errors import APIError
+from ..schemas import SamplingFields
+
+log = logging.getLogger("headwise.serve")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+SAMPLING_EPS = 1e-5
+
+
+def reject_unsupported(req: SamplingFields, extra: dict | None = None) -> None:
+    """Fields we accept only at their neutral value: say so instead of ignoring them."""
+    checks = {
+        "presence_penalty": (req.presence_penalty in (None, 0), "presence_penalty is not supported; "
+                             "use repetition_penalty"),
+        "frequency_penalty": (req.frequency_penalty in (None, 0), "frequency_penalty is not supported; "
+                              "use repetition_penalty"),
+        "logit_bias": (not req.logit_bias, "logit_bias is not supported"),
+        **(extra or {}),
+    }
+    for param, (ok, message) in checks.items():
+        if not ok:
+            raise APIError(400, message, param=param, code="unsupported_parameter")
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None):
+    from ...generation.sampling import SamplingParams
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    temperature = 1.0 if req.temperature is None else req.temperature    # OpenAI's default
+    if temperature < SAMPLING_EPS:
+        temperature = 0.0           # logits / 1e-300 overflow to inf; vLLM treats these as greedy too
+    try:
+        return SamplingParams(
+            max_new_tokens=max_tokens, temperature=temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0, min_p=req.min_p or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            stop=stop, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=bool(req.ignore_eos),
+            seed=req.seed, n=req.n or 1, logprobs=logprobs)
+    except ValueError as e:
+        raise APIError(400, str(e), code="invalid_sampling") from None
+
+
+def check_context(prompt_lens: list[int], max_tokens: int | None, limit: int, what: str = "prompt") -> int:
+    """-> max_tokens (defaulting to what is left of the context); 400 context_length_exceeded
+    when a prompt plus max_tokens does not fit."""
+    longest = max(prompt_lens)
+    if longest >= limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, the {what} "
+                            f"has {longest} tokens, which leaves no room for the completion. Please reduce the "
+                            f"length of the {what}.", param="messages" if what == "messages" else "prompt",
+                       code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = limit - longest
+    if longest + max_tokens > limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                            f"{longest + max_tokens} tokens ({longest} in the {what}, {max_tokens} for the "
+                            f"completion). Please reduce the length of the {what} or of max_tokens.",
+                       param="max_tokens", code="context_length_exceeded")
+    return max_tokens
+
+
+def tokenize(tok, text: str, *, special: bool = True) -> list[int]:
+    try:
+        return tok.encode(text, add_special_tokens=special)
+    except Exception as e:        # lone surrogates and the like: the client's text, not our bug
+        raise APIError(400, f"could not tokenize the input: {type(e).__name__}: {e}", code="invalid_text") from None
+
+
+def check_ids(ids: list[int], vocab: int, param: str) -> list[int]:
+    bad = [t for t in ids if t >= vocab]
+    if bad:
+        raise APIError(400, f"token id {bad[0]} is outside the vocabulary (size {vocab})", param=param)
+    return ids
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion: dict[int, int] = field(default_factory=dict)    # choice index -> tokens generated
+
+    def as_dict(self) -> dict:
+        c = sum(self.completion.values())
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": c, "total_tokens": self.prompt_tokens + c}
+
+
+class Streams:
+    """The engine streams of one API request (one per prompt; each carries n choices).
+
+    `await start(...)` enqueues every prompt and waits for each first piece; then
+    `async for choice, piece in streams` yields pieces as they come, with the global
+    choice index (prompt * n + piece.index). `close()` aborts whatever still runs.
+    """
+
+    def __init__(self, runtime, request_id: str, n: int):
+        self.runtime, self.request_id, self.n = runtime, request_id, n
+        self.gens: list = []
+        self.firsts: list = []
+        self.t_start = time.perf_counter()
+
+    async def start(self, prompts: list[list[int]], sampling, timeout: float | None) -> None:
+        try:
+            async with asyncio.timeout(timeout):
+                for p, ids in enumerate(prompts):
+                    gen = self.runtime.stream(ids, sampling, request_id=f"{self.request_id}-{p}")
+                    self.gens.append(gen)
+                    self.firsts.append(await anext(gen, None))
+        except TimeoutError:
+            await self.close()
+            raise APIError(504, f"model {self.runtime.name!r} sent nothing within {timeout:g} s",
+                           code="timeout") from None
+        except BaseException:
+            await self.close()
+            raise
+
+    async def __aiter__(self):
+        if len(self.gens) == 1:
+            if self.firsts[0] is not None:
+                yield self.firsts[0].index, self.firsts[0]
+                async for piece in self.gens[0]:
+                    yield piece.index, piece
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(p, gen, first):
+            try:
+                if first is not None:
+                    await queue.put((p, first))
+                    async for piece in gen:
+                        await queue.put((p, piece))
+                await queue.put((p, None))
+            except BaseException as e:          # hand errors to the consumer
+                await queue.put((p, e))
+
+        tasks = [asyncio.create_task(pump(p, g, f)) for p, (g, f) in enumerate(zip(self.gens, self.firsts))]
+        try:
+            live = len(tasks)
+            while live:
+                p, item = await queue.get()
+                if item is None:
+                    live -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield p * self.n + item.index, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def close(self) -> None:
+        for p in range(len(self.gens)):
+            self.runtime.abort(f"{self.request_id}-{p}")     # synchronous: runs even while being cancelled
+        for gen in self.gens:
+            try:
+                await gen.aclose()
+            except (RuntimeError, asyncio.CancelledError):   # already running in a cancelled pump task
+                pass
+
+
+def stream_error(e: Exception) -> APIError:
+    """An error after the first byte: it can only travel inside the stream."""
+    if isinstance(e, APIError):
+        return e
+    log.exception("error while streaming")
+    return APIError(500, f"internal error while streaming ({type(e).__name__}); the server log has details")
+
+
+async def until_disconnect(coro, request):
+    """Run a non-streaming handler; if the client hangs up first, cancel it (which aborts
+    its engine requests) instead of computing an answer nobody reads."""
+    task = asyncio.ensure_future(coro)
+
+    async def watch():
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    raise APIError(499, "client closed the request", code="client_closed")
+
+
+# ---------------------------------------------------------------- logprobs
+def _token_text(tok, token_id: int) -> str:
+    return tok.decode([token_id])
+
+
+def chat_logprobs(tok, items, top: int) -> dict:
+    def entry(tid, lp):
+        text = _token_text(tok, tid)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "replace"))}
+    return {"content": [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top[:top]]}
+                        for t in items]}
+
+
+def completion_logprobs(tok, items, offset: int) -> dict:
+    tokens, lps, tops, offsets = [], [], [], []
+    for t in items:
+        text = _token_text(tok, t.token_id)
+        tokens.append(text)
+        lps.append(t.logprob)
+        tops.append({_token_text(tok, i): lp for i, lp in t.top})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}

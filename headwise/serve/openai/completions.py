@@ -1,0 +1,117 @@
+"""POST /v1/completions on a local model: text or token-id prompts (one or a list) -> the
+engine; choice index = prompt index * n + choice within the prompt, as OpenAI numbers them."""
+from __future__ import annotations
+
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..errors import APIError
+from ..schemas import CompletionRequest
+from .common import (SSE_DONE, Streams, Usage, check_context, check_ids, completion_logprobs, new_id,
+                     reject_unsupported, sampling_params, sse, stream_error, tokenize, until_disconnect)
+
+DEFAULT_MAX_TOKENS = 16         # OpenAI's default for completions
+
+
+def prompts_of(runtime, req: CompletionRequest) -> list[list[int]]:
+    p = req.prompt
+    if isinstance(p, str):
+        items = [p]
+    elif isinstance(p[0], int):
+        items = [p]
+    else:
+        items = list(p)
+    vocab = runtime.model.config.vocab_size
+    out = []
+    for i, item in enumerate(items):
+        ids = tokenize(runtime.tokenizer, item) if isinstance(item, str) else check_ids(list(item), vocab, "prompt")
+        if not ids:
+            raise APIError(400, f"prompt {i} is empty (0 tokens)", param="prompt")
+        out.append(ids)
+    return out
+
+
+def prepare(runtime, req: CompletionRequest):
+    n = req.n or 1
+    reject_unsupported(req, {
+        "echo": (not req.echo, "echo is not supported"),
+        "suffix": (req.suffix is None, "suffix (fill-in-the-middle) is not supported"),
+        "best_of": (req.best_of in (None, n), "best_of must equal n (no server-side ranking here)"),
+    })
+    prompts = prompts_of(runtime, req)
+    max_tokens = check_context([len(p) for p in prompts], req.max_tokens or DEFAULT_MAX_TOKENS,
+                               runtime.max_model_len)
+    return prompts, sampling_params(req, max_tokens, req.logprobs)
+
+
+async def create(runtime, req: CompletionRequest, model: str, request: Request, *, timeout=None, metrics=None):
+    runtime.require("generate", "/v1/completions")
+    prompts, sampling = prepare(runtime, req)
+    rid, created = new_id("cmpl"), int(time.time())
+    streams = Streams(runtime, rid, sampling.n)
+    await streams.start(prompts, sampling, timeout)
+    usage = Usage(prompt_tokens=sum(len(p) for p in prompts))
+    total = len(prompts) * sampling.n
+    ctx = (streams, rid, created, model, total, usage, runtime.tokenizer, sampling.logprobs, metrics)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(_events(*ctx, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return JSONResponse(await until_disconnect(_collect(*ctx), request))
+
+
+async def _collect(streams, rid, created, model, total, usage, tok, logprobs, metrics):
+    texts, reasons, lps = [""] * total, [None] * total, [[] for _ in range(total)]
+    try:
+        async for i, piece in streams:
+            texts[i] += piece.text
+            lps[i].extend(piece.logprobs or [])
+            reasons[i] = piece.finish_reason or reasons[i]
+            usage.completion[i] = piece.num_output_tokens
+            if metrics:
+                metrics.token_piece(model, streams, piece)
+    finally:
+        await streams.close()
+    if "abort" in reasons:
+        raise APIError(503, "the request was aborted (server shutting down?)", code="aborted")
+    if metrics:
+        metrics.finished(model, streams)
+    choices = [{"index": i, "text": texts[i], "finish_reason": reasons[i] or "length",
+                "logprobs": completion_logprobs(tok, lps[i], 0) if logprobs is not None else None}
+               for i in range(total)]
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+            "usage": usage.as_dict()}
+
+
+async def _events(streams, rid, created, model, total, usage, tok, logprobs, metrics, include_usage):
+    head = {"id": rid, "object": "text_completion", "created": created, "model": model}
+    if include_usage:
+        head["usage"] = None
+    offsets = [0] * total
+    try:
+        async for i, piece in streams:
+            usage.completion[i] = piece.num_output_tokens
+            if metrics:
+                metrics.token_piece(model, streams, piece)
+            if piece.finish_reason == "abort":
+                raise APIError(503, "the request was aborted (server shutting down?)", code="aborted")
+            if not piece.text and not piece.finish_reason and not piece.logprobs:
+                continue
+            lp = None
+            if logprobs is not None:
+                lp = completion_logprobs(tok, piece.logprobs or [], offsets[i])
+            offsets[i] += len(piece.text)
+            yield sse({**head, "choices": [{"index": i, "text": piece.text, "logprobs": lp,
+                                            "finish_reason": piece.finish_reason}]})
+        if metrics:
+            metrics.finished(model, streams)
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": usage.as_dict()})
+        yield SSE_DONE
+    except Exception as e:
+        yield sse(stream_error(e).body())
+        yield SSE_DONE
+    finally:
+        await streams.close()

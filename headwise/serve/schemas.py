@@ -1,0 +1,240 @@
+"""The OpenAI API's request and response bodies (the subset headwise serves), as pydantic models.
+
+Requests forbid unknown fields: a typo ("max_token") or a field that tries to point
+the server elsewhere ("base_url") is a 400 naming it, not silently ignored. Bounds
+live in the fields, so /openapi.json states them and FastAPI enforces them. Fields
+that are accepted but cannot change the answer here (tools, penalties, logit_bias,
+json response formats) are rejected with a message when set to anything but their
+neutral value; bookkeeping fields (user, metadata, store) are accepted and ignored.
+Responses are declared for the docs and schema checks; handlers build plain dicts.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+NonEmpty = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0, le=2 ** 31 - 1)]
+Stop = Union[NonEmpty, Annotated[list[NonEmpty], Field(max_length=16)], None]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(Strict):
+    include_usage: Optional[bool] = None        # a last chunk with usage and no choices
+
+
+class SamplingFields(Strict):
+    """Fields chat and completions share; the vLLM extensions (top_k, min_p,
+    repetition_penalty, ignore_eos, stop_token_ids) map onto headwise.SamplingParams."""
+    model: NonEmpty
+    max_tokens: Optional[Annotated[int, Field(ge=1)]] = None
+    temperature: Optional[Annotated[float, Field(ge=0, le=2)]] = None    # below 1e-5: greedy, as vLLM
+    top_p: Optional[Annotated[float, Field(gt=0, le=1)]] = None
+    n: Optional[Annotated[int, Field(ge=1, le=16)]] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Stop = None
+    seed: Optional[Annotated[int, Field(ge=0, le=2 ** 63 - 1)]] = None
+    presence_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None    # only 0 is served
+    frequency_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None   # only 0 is served
+    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None   # only {} is served
+    user: Optional[str] = None
+    # vLLM-style extensions
+    top_k: Optional[Annotated[int, Field(ge=0)]] = None
+    min_p: Optional[Annotated[float, Field(ge=0, le=1)]] = None
+    repetition_penalty: Optional[Annotated[float, Field(ge=0.01, le=10)]] = None   # tinier: logits overflow
+    ignore_eos: Optional[bool] = None
+    stop_token_ids: Optional[Annotated[list[TokenId], Field(max_length=64)]] = None
+
+
+# ---------------------------------------------------------------- chat
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+    tool_call_id: Optional[str] = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[dict] = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Optional[Annotated[int, Field(ge=1)]] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[dict]] = None                          # only [] is served: no tool calling here
+    tool_choice: Optional[Union[Literal["none", "auto"], dict]] = None
+    parallel_tool_calls: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+
+
+# ---------------------------------------------------------------- completions
+Prompt = Union[str, Annotated[list[str], Field(min_length=1, max_length=64)],
+               Annotated[list[TokenId], Field(min_length=1)],
+               Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=64)]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt
+    logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
+    echo: Optional[bool] = None                                 # only false is served
+    suffix: Optional[str] = None                                # only null is served
+    best_of: Optional[Annotated[int, Field(ge=1, le=16)]] = None   # only == n is served
+
+
+# ---------------------------------------------------------------- embeddings
+class EmbeddingRequest(Strict):
+    model: NonEmpty
+    input: Union[str, Annotated[list[str], Field(min_length=1, max_length=2048)],
+                 Annotated[list[TokenId], Field(min_length=1)],
+                 Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]]
+    encoding_format: Literal["float", "base64"] = "float"      # the openai client asks for base64
+    dimensions: Optional[Annotated[int, Field(ge=1)]] = None   # only the model's own width
+    user: Optional[str] = None
+
+
+# ---------------------------------------------------------------- responses
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: Optional[list[TokenLogprob]] = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: Optional[str] = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Optional[Usage] = None
+
+
+class ChatDelta(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One SSE event of a chat stream (`data: {...}`); the stream ends with `data: [DONE]`."""
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[Usage] = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[Optional[float]]
+    top_logprobs: Optional[list[Optional[dict[str, float]]]] = None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: Union[list[float], str]         # str: base64 of little-endian float32
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 500, 502, 503, 504)}
+
+
+def sse_docs(chunk: type[BaseModel]) -> dict:
+    """The 200 answer of a streaming-capable endpoint: JSON, or SSE events of `chunk`."""
+    return {200: {"content": {"text/event-stream": {"schema": {"type": "string", "description":
+                  f"stream=true: `data: <{chunk.__name__}>` events, then `data: [DONE]`"}}}}}

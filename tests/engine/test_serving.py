@@ -1,0 +1,175 @@
+"""The engine as a server uses it: the background thread, async streams, aborts, the queue
+limit, shutdown and failure. Outputs are held to headwise.generate one prompt at a time."""
+import asyncio
+import time
+
+import pytest
+
+from headwise import Engine, QueueFull, SamplingParams
+from headwise.engine import StreamPiece
+
+from .conftest import all_blocks_free, ragged_prompts, reference
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0)
+LONG = SamplingParams(max_new_tokens=60, temperature=0)
+
+
+async def collect(agen, stop_after: int | None = None) -> list[StreamPiece]:
+    pieces = []
+    async for piece in agen:
+        pieces.append(piece)
+        if stop_after is not None and len(pieces) == stop_after:
+            await agen.aclose()
+            break
+    return pieces
+
+
+def test_concurrent_streams_equal_generate(tiny):
+    prompts = ragged_prompts(tiny.config.vocab_size, seed=7)
+    params = [GREEDY, SamplingParams(max_new_tokens=9, temperature=0.9, top_k=30, seed=3, n=2)] * 6
+
+    async def main(engine):
+        return await asyncio.gather(*(collect(engine.stream(p, sp)) for p, sp in zip(prompts, params)))
+
+    with Engine(tiny, num_blocks=96, block_size=4, max_num_batched_tokens=32, max_num_seqs=8) as engine:
+        streams = asyncio.run(main(engine))
+        assert engine.stats().steps < sum(sp.max_new_tokens * sp.n for sp in params)   # they shared steps
+    for p, sp, pieces in zip(prompts, params, streams):
+        refs = reference(tiny, p, sp)
+        for j, ref in enumerate(refs):
+            mine = [x for x in pieces if x.index == j]
+            assert [t for x in mine for t in x.token_ids] == ref.token_ids
+            assert [x.finish_reason for x in mine] == [None] * (len(mine) - 1) + [ref.finish_reason]
+            assert [x.num_output_tokens for x in mine] == list(range(1, len(ref.token_ids) + 1))
+            assert all(x.num_prompt_tokens == len(p) for x in mine)
+    assert all_blocks_free(engine)
+
+
+def test_closing_a_stream_aborts_it_and_frees_its_blocks_at_once(tiny_gpt2):
+    """A client that goes away (the async generator closed after 3 pieces) while another
+    request keeps running: its sequence leaves the cache before aclose() returns."""
+    prompts = ragged_prompts(96, seed=8)
+    seen = {}
+
+    async def main(engine):
+        async def leaver():
+            agen = engine.stream(prompts[9], LONG, request_id="leaver")
+            pieces = await collect(agen, stop_after=3)
+            seen["in_cache"] = ("leaver", 0) in engine.cache
+            seen["aborted"] = engine.stats().requests_aborted
+            return pieces
+        return await asyncio.gather(leaver(), collect(engine.stream(prompts[10], LONG)))
+
+    with Engine(tiny_gpt2, num_blocks=96, block_size=4) as engine:
+        left, stayed = asyncio.run(main(engine))
+        assert len(left) == 3 and seen == {"in_cache": False, "aborted": 1}
+        assert engine.abort("leaver") is False                        # already gone
+    assert [t for x in stayed for t in x.token_ids] == reference(tiny_gpt2, prompts[10], LONG)[0].token_ids
+    assert left[0].token_ids + left[1].token_ids + left[2].token_ids == \
+        reference(tiny_gpt2, prompts[9], LONG)[0].token_ids[:3]
+    assert all_blocks_free(engine)
+
+
+def test_abort_frees_blocks_at_once_and_leaves_others_alone(tiny_llama):
+    """Stepped by hand: after abort() returns, the request's blocks are free and the pool's
+    counts add up; the other requests finish exactly as they would alone."""
+    prompts = ragged_prompts(128, seed=9)[6:9]
+    engine = Engine(tiny_llama, num_blocks=64, block_size=4, max_num_seqs=4)
+    ids = [engine.add_request(p, LONG) for p in prompts]
+    for _ in range(5):
+        engine.step()
+    victim = (ids[1], 0)
+    own = len(engine.cache.block_table(victim))
+    used = engine.stats().kv_blocks_used
+    assert engine.abort(ids[1]) is True
+    assert victim not in engine.cache and engine.stats().kv_blocks_used == used - own
+    assert engine.stats().running == 2 and engine.stats().requests_aborted == 1
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.result(ids[1]).finish_reason == "abort"
+    assert engine.result(ids[1]).token_ids == reference(tiny_llama, prompts[1], LONG)[0].token_ids[:5]
+    for i in (0, 2):
+        assert engine.result(ids[i]).token_ids == reference(tiny_llama, prompts[i], LONG)[0].token_ids
+    assert all_blocks_free(engine)
+
+
+def test_abort_while_a_step_runs_on_the_thread(tiny_gpt2):
+    """Aborts from another thread land between or during forwards; each frees at once."""
+    prompts = ragged_prompts(96, seed=10)
+    got: dict[str, list] = {}
+    with Engine(tiny_gpt2, num_blocks=128, block_size=4, max_num_seqs=12) as engine:
+        ids = [engine.add_request(p, LONG, on_piece=lambda x, i=i: got.setdefault(i, []).append(x))
+               for i, p in enumerate(prompts)]
+        while engine.stats().output_tokens < 40:
+            time.sleep(0.001)
+        for rid in ids[::3]:
+            assert engine.abort(rid)
+            assert (rid, 0) not in engine.cache
+        outs = [engine.result(rid, timeout=60) for rid in ids]
+    for i, (p, out) in enumerate(zip(prompts, outs)):
+        ref = reference(tiny_gpt2, p, LONG)[0].token_ids
+        if i % 3 == 0:
+            assert out.finish_reason == "abort" and out.token_ids == ref[:len(out.token_ids)]
+        else:
+            assert out.token_ids == ref
+        assert got[i][-1].finish_reason == out.finish_reason
+        assert [t for x in got[i] for t in x.token_ids] == out.token_ids
+    assert all_blocks_free(engine)
+
+
+def test_queue_full_refuses_and_changes_nothing(tiny_gpt2):
+    prompts = ragged_prompts(96, seed=11)
+    engine = Engine(tiny_gpt2, num_blocks=64, block_size=4, max_waiting_requests=2, max_waiting_tokens=40)
+    a = engine.add_request(prompts[4], GREEDY)                # 16 tokens
+    b = engine.add_request(prompts[5], GREEDY)                # 17 tokens
+    before = engine.stats()
+    with pytest.raises(QueueFull, match=r"2 requests are waiting \(max_waiting_requests=2\)") as e:
+        engine.add_request(prompts[0], GREEDY)
+    assert isinstance(e.value, RuntimeError) and e.value.retry_after >= 1.0
+    assert engine.stats() == before
+
+    async def refused():
+        agen = engine.stream(prompts[0], GREEDY)              # nothing happens until the first __anext__
+        with pytest.raises(QueueFull):
+            await agen.__anext__()
+    asyncio.run(refused())
+    assert engine.stats() == before
+    engine.step()                                             # both admitted: the queue is empty again
+    assert engine.stats().waiting == 0
+    engine.add_request(prompts[6], GREEDY)                    # 34 tokens: fits 40
+    with pytest.raises(QueueFull, match="34 prompt tokens are waiting and this request adds 9"):
+        engine.add_request(prompts[3], GREEDY)
+    with pytest.raises(ValueError, match="more than the waiting queue ever holds"):
+        engine.add_request(prompts[11], GREEDY)               # 64 tokens: never
+    with engine:
+        assert engine.result(a, timeout=60).token_ids == reference(tiny_gpt2, prompts[4], GREEDY)[0].token_ids
+        assert engine.result(b, timeout=60).token_ids == reference(tiny_gpt2, prompts[5], GREEDY)[0].token_ids
+
+
+def test_shutdown_aborts_what_is_left(tiny_gpt2):
+    engine = Engine(tiny_gpt2, num_blocks=32, block_size=4)
+    pieces = []
+    rid = engine.add_request([1, 2, 3], GREEDY, on_piece=pieces.append)
+    engine.step()
+    engine.shutdown()
+    assert pieces[-1].finish_reason == "abort" and engine.result(rid).finish_reason == "abort"
+    assert all_blocks_free(engine)
+
+
+def test_a_failing_forward_reaches_every_waiter(tiny_gpt2, monkeypatch):
+    engine = Engine(tiny_gpt2, num_blocks=32, block_size=4)
+
+    def broken(*args):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(engine, "_forward", broken)
+
+    async def main():
+        with pytest.raises(RuntimeError, match="engine failed") as e:
+            await collect(engine.stream([1, 2, 3], GREEDY))
+        assert "boom" in repr(e.value.__cause__)
+    asyncio.run(main())
+    with pytest.raises(RuntimeError, match="stopped after an error: RuntimeError\\('boom'\\)"):
+        engine.add_request([1], GREEDY)
+    assert all_blocks_free(engine)
+    engine._thread.join(timeout=10)
+    assert not engine._thread.is_alive()                      # the loop ended; it does not spin

@@ -1,0 +1,262 @@
+"""Live servers for the serve tests, on random 127.0.0.1 ports.
+
+`main` and `peer` run as `headwise serve --config FILE` processes, as users run them.
+`main`: SmolLM2 (chat, completions), MiniLM (embeddings), two random tiny Llamas (fast
+fuzzing; a 1-sequence engine whose queue fills at once), an API key, a 64 KiB body
+limit, and a gateway over `peer` — a second headwise server serving the same tiny
+model behind its own key — and `down`, a provider whose port has nothing listening.
+Their output, and every log record of this process (for the in-thread servers of
+`LiveServer`), is kept to check that no key is ever logged.
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+import headwise
+
+pytest.importorskip("fastapi", reason="needs the [serve] extra")
+import openai  # noqa: E402
+import uvicorn  # noqa: E402
+
+from headwise.serve import parse_config  # noqa: E402
+
+MAIN_KEY = "sk-main-" + secrets.token_hex(12)
+PEER_KEY = "sk-peer-" + secrets.token_hex(12)
+PEER_KEY_ENV = "HEADWISE_TEST_PEER_KEY"
+LOG = io.StringIO()
+
+
+@pytest.fixture(scope="package", autouse=True)
+def captured_logs():
+    """Every record from every logger of this process while these tests run (uvicorn's access
+    log included), formatted with its args."""
+    handler = logging.StreamHandler(LOG)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s %(message)s"))
+    names = ("", "uvicorn", "uvicorn.error", "uvicorn.access", "headwise", "httpx")
+    levels = {n: logging.getLogger(n).level for n in names}
+    logging.getLogger().addHandler(handler)
+    for n in names:
+        logging.getLogger(n).setLevel(logging.DEBUG)
+    yield LOG
+    logging.getLogger().removeHandler(handler)
+    for n, level in levels.items():
+        logging.getLogger(n).setLevel(level)
+
+
+@pytest.fixture(scope="package")
+def smol():
+    return headwise.load("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="package")
+def minilm():
+    return headwise.load("all-minilm-l6-v2")
+
+
+@pytest.fixture(scope="package")
+def tiny_dir(tmp_path_factory, smol):
+    """A random 2-layer GQA Llama with SmolLM2's tokenizer and chat template, saved offline."""
+    import transformers as tf
+    torch.manual_seed(0)
+    tok = smol.tokenizer
+    cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=smol.config.vocab_size, max_position_embeddings=256,
+                         initializer_range=0.2, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tf.LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    tok.save(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """uvicorn.Server on a socket we bound first (so the port is known and ours)."""
+
+    def __init__(self, app):
+        self.app = app
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="on", timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def start(self, ready_timeout: float = 120) -> "LiveServer":
+        self.thread.start()
+        deadline = time.time() + ready_timeout
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server on {self.url} not ready: {httpx.get(self.url + '/health').text}")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+
+
+def to_toml(data: dict) -> str:
+    """Enough TOML for these configs: [table] / [table.name] of scalars, lists, inline tables."""
+    def value(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return "{" + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + "}"
+
+    lines = []
+    for table, body in data.items():
+        nested = all(isinstance(x, dict) for x in body.values()) and table != "server"
+        for name, entries in (body.items() if nested else [(None, body)]):
+            lines.append(f"[{table}.{json.dumps(name)}]" if name else f"[{table}]")
+            lines += [f"{k} = {value(v)}" for k, v in entries.items()]
+    return "\n".join(lines) + "\n"
+
+
+class ServeProcess:
+    """`headwise serve --config FILE` as a real process (as users run it), output to a file."""
+
+    def __init__(self, config: dict, workdir, name: str, env: dict | None = None):
+        self.config = parse_config(config)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        path = workdir / f"{name}.toml"
+        path.write_text(to_toml(config))
+        self.log_path = workdir / f"{name}.log"
+        self.proc = subprocess.Popen([sys.executable, "-m", "headwise.cli", "serve", "--config", str(path),
+                                      "--port", str(self.port)], stdout=self.log_path.open("w"),
+                                     stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+
+    def wait_ready(self, timeout: float = 240) -> "ServeProcess":
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            assert self.proc.poll() is None, f"server exited:\n{self.log()}"
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server on {self.url} not ready after {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="package")
+def servers_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("servers")
+
+
+@pytest.fixture(scope="package")
+def peer(tiny_dir, servers_dir):
+    """The upstream provider: another headwise server, its own key."""
+    server = ServeProcess({"server": {"api_keys": [PEER_KEY], "api_key_env": ""},
+                           "models": {"tiny": {"source": str(tiny_dir)}}}, servers_dir, "peer")
+    yield server
+    server.stop()
+
+
+DOWN_PORT = free_port()      # nothing listens here
+
+
+@pytest.fixture(scope="package")
+def main(peer, tiny_dir, servers_dir):
+    server = ServeProcess({
+        "server": {"api_keys": [MAIN_KEY], "api_key_env": "", "max_body_bytes": 64 * 1024},
+        "models": {
+            "smollm2": {"source": "smollm2-135m-instruct", "max_num_seqs": 16},
+            "minilm": {"source": "all-minilm-l6-v2"},
+            "tiny": {"source": str(tiny_dir), "max_model_len": 96},
+            "tiny-1seq": {"source": str(tiny_dir), "max_num_seqs": 1, "max_waiting_requests": 1},
+        },
+        "providers": {
+            "peer": {"base_url": peer.url + "/v1", "api_key_env": PEER_KEY_ENV, "models": ["tiny"], "timeout": 30},
+            "down": {"base_url": f"http://127.0.0.1:{DOWN_PORT}/v1", "models": ["tiny"], "timeout": 5},
+        },
+        "routes": {
+            "spread": {"targets": [{"target": "tiny", "weight": 1}, {"target": "peer/tiny", "weight": 1}],
+                       "retries": 0},
+            "with-fallback": {"targets": ["down/tiny"], "fallbacks": ["tiny"], "retries": 0,
+                              "cooldown_failures": 2, "cooldown_seconds": 600},
+        },
+    }, servers_dir, "main", env={PEER_KEY_ENV: PEER_KEY})
+    peer.wait_ready()
+    server.wait_ready()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="package")
+def client(main):
+    """The official OpenAI client; no retries, so each status shows as its own exception."""
+    return openai.OpenAI(base_url=main.url + "/v1", api_key=MAIN_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def aclient(main):
+    """Async client factory: one per asyncio.run, since a client's connections belong to its loop."""
+    return lambda: openai.AsyncOpenAI(base_url=main.url + "/v1", api_key=MAIN_KEY, max_retries=0, timeout=300)
+
+
+def metrics_values(url: str, name: str) -> dict[tuple, float]:
+    """{labels tuple: value} of one metric family from /metrics (parsed by prometheus_client)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in family.samples:
+            if s.name == name:
+                out[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def auth(key: str = MAIN_KEY) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture(scope="package", autouse=True)
+def _one_torch_thread():
+    """The references (headwise.generate / embed) run in this process next to the servers:
+    one thread each, so OpenMP workers of this process do not spin against the servers'."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -1,0 +1,40 @@
+"""Schema fuzzing with schemathesis against the live server's /openapi.json: chat,
+completions and embeddings get generated valid and invalid bodies; no answer may be a
+5xx, and every answer must match the schema (status, content type, headers, body).
+
+Valid bodies are pointed at models that exist (the random tiny Llama, capped at 96
+tokens, and MiniLM) so they reach the handlers instead of stopping at 404.
+`positive_data_acceptance` is left out: schema-valid requests may still be refused by
+design (unknown model, a prompt over the context, unsupported penalties).
+"""
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+
+schemathesis = pytest.importorskip("schemathesis")
+from schemathesis.specs.openapi.checks import positive_data_acceptance  # noqa: E402
+
+from .conftest import auth  # noqa: E402
+
+# the filter goes on the lazy schema: it replaces any filter set on the fixture's schema
+schema = schemathesis.pytest.from_fixture("api_schema").include(
+    path_regex=r"^/v1/(chat/completions|completions|embeddings)$")
+
+
+@pytest.fixture
+def api_schema(main):
+    # the key is ours to send (auth has its own tests); fuzzed headers would only meet uvicorn's
+    # HTTP parser, which answers malformed ones in plain text before any app sees them
+    config = schemathesis.Config.from_dict({"generation": {"with-security-parameters": False}})
+    return schemathesis.openapi.from_url(main.url + "/openapi.json", config=config)
+
+
+@schema.parametrize()
+# Phase.generate only (+ shrink on failure): with Phase.explicit, schemathesis adds its coverage
+# phase, ~700 boundary cases that take two minutes here
+@settings(max_examples=40, deadline=None, derandomize=True, phases=[Phase.generate, Phase.shrink],
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large,
+                                 HealthCheck.function_scoped_fixture])
+def test_no_server_errors_and_responses_match_the_schema(case):
+    if case.meta.generation.mode.is_positive and isinstance(case.body, dict):
+        case.body["model"] = "minilm" if case.path.endswith("embeddings") else "tiny"
+    case.call_and_validate(headers=auth(), excluded_checks=[positive_data_acceptance], timeout=60)
