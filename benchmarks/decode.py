@@ -10,8 +10,12 @@ new tokens, EOS ignored. Contenders:
                     from its own decode_seconds, end-to-end from the wall clock
   hw_loop           (diagnostic) the same steps by hand: model(ids, cache=) + argmax,
                     then 127 x (model(next, cache=) + argmax); no detokenizer, no sampler
-  hw_unpacked       (diagnostic) headwise.generate on headwise.load(..., pack=False): plain
-                    nn.Linear instead of the library's default oneDNN-prepacked linears
+  hw_general        (diagnostic) headwise.generate with the one-token fast path switched off
+                    (models/fast_decode.py): the general Llama forward, same linears
+  hw_no_kernel      (diagnostic) headwise.generate with the small-row C kernel switched off
+                    (headwise/kernels): the fast path's matmuls through oneDNN-prepacked weights
+  hw_unpacked       (diagnostic, prefill only) headwise.load(..., pack=False): plain nn.Linear
+                    instead of the library's default oneDNN-prepacked linears
   hw_compiled       (--compile, on by default) headwise.generate(..., compile=True): the decode
                     step as one inductor graph (frozen weights, static cache); its first call
                     per batch size compiles, timed separately and reported
@@ -23,6 +27,7 @@ new tokens, EOS ignored. Contenders:
                     layer + the output layer), no norms, RoPE, attention, cache or Python
                     model code; hf / floor bounds any speed-up a faster model could show
   floor_packed      not a contender: the same matmuls through prepacked oneDNN weights
+  floor_kernel      not a contender: the same matmuls through headwise.kernels.small_linear (B <= 8)
 Decode span (for every contender that has one): from after prefill's logits to the
 128th token, i.e. 128 argmaxes and 127 one-token forwards, exactly what
 generate() times; decode tok/s = B * 128 / that time. The claim compares decode
@@ -76,6 +81,8 @@ sys.path.insert(0, str(ROOT))           # benchmark this checkout of headwise
 from _common import (Log, busy_and_steal, cpu_ticks, environment, loadavg, summarize, table,  # noqa: E402
                      time_interleaved)
 import headwise  # noqa: E402
+import headwise.models.llama as llama_mod  # noqa: E402
+from headwise import kernels  # noqa: E402
 from headwise.cache import ContiguousKVCache  # noqa: E402
 from headwise.models.packing import packing_available  # noqa: E402
 
@@ -144,11 +151,26 @@ def make_prompts(B: int, V: int, T: int = PROMPT_LEN, seed: int = SEED) -> torch
 
 
 # ------------------------------------------------------------------ contenders
-def hw_generate(model, ids: torch.Tensor, new: int, compile: bool = False) -> dict:
+@contextlib.contextmanager
+def switched_off(part: str | None):
+    """part: "fast_path" (models/fast_decode.py) or "kernel" (headwise.kernels), off for the block."""
+    saved = llama_mod.fast_decode_applies, kernels.kernels_unavailable
+    if part == "fast_path":
+        llama_mod.fast_decode_applies = lambda *a: False
+    elif part == "kernel":
+        kernels.kernels_unavailable = lambda: "switched off by the benchmark"
+    try:
+        yield
+    finally:
+        llama_mod.fast_decode_applies, kernels.kernels_unavailable = saved
+
+
+def hw_generate(model, ids: torch.Tensor, new: int, compile: bool = False, off: str | None = None) -> dict:
     prompts = ids.tolist()
     t0 = time.perf_counter()
-    res = headwise.generate(model, prompts[0] if len(prompts) == 1 else prompts, max_new_tokens=new,
-                            temperature=0, ignore_eos=True, compile=compile)
+    with switched_off(off):
+        res = headwise.generate(model, prompts[0] if len(prompts) == 1 else prompts, max_new_tokens=new,
+                                temperature=0, ignore_eos=True, compile=compile)
     wall = time.perf_counter() - t0
     res = [res] if not isinstance(res, list) else res
     return {"prefill_s": res[0].prefill_seconds, "decode_s": res[0].decode_seconds, "wall_s": wall,
@@ -209,9 +231,12 @@ def hf_loop(hf, ids: torch.Tensor, new: int) -> dict:
             "ids": torch.stack(toks, 1).tolist()}
 
 
-def floor_weights(model, packed: bool = False):
+def floor_weights(model, packed: bool = False, kernel: bool = False):
     """[(linear fn, out features) x 4 per layer], output layer: the model's matmuls, bare."""
     def fn(lin):
+        if kernel:
+            w = lin.weight.detach()
+            return lambda x: kernels.small_linear(x, w)
         if packed:
             p = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), PACK_HINT)
             return lambda x: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
@@ -327,22 +352,23 @@ def try_compile(model, B: int, new: int, log) -> dict:
 # ------------------------------------------------------------------ decode cells
 def run_decode(B: int, args, M: dict, mb, bw: float, log, check: bool) -> dict:
     """M: the models, {"hw", "hw_unpacked", "compile" (bool), "hf": {impl: model}, "floor",
-    "floor_packed" (or None)}."""
+    "floor_packed", "floor_kernel" (or None)}."""
     model = M["hw"]
     cfg = model.config
     ids = make_prompts(B, cfg.vocab_size)
     new = args.new_tokens
     calls = {"hw_generate": lambda: hw_generate(model, ids, new),
              "hw_loop": lambda: hw_loop(model, ids, new)}
-    if M.get("hw_unpacked") is not None:
-        calls["hw_unpacked"] = lambda: hw_generate(M["hw_unpacked"], ids, new)
+    calls["hw_general"] = lambda: hw_generate(model, ids, new, off="fast_path")
+    if kernels.kernels_unavailable() is None:
+        calls["hw_no_kernel"] = lambda: hw_generate(model, ids, new, off="kernel")
     if M.get("compile"):
         calls["hw_compiled"] = lambda: hw_generate(model, ids, new, compile=True)
     for impl, m in M["hf"].items():
         calls[f"hf_{impl}_generate"] = (lambda m=m: hf_generate(m, ids, new))
         calls[f"hf_{impl}_loop"] = (lambda m=m: hf_loop(m, ids, new))
-    for name in ("floor", "floor_packed"):
-        if M.get(name) is not None:
+    for name in ("floor", "floor_packed", "floor_kernel"):
+        if M.get(name) is not None and (name != "floor_kernel" or B <= kernels.MAX_ROWS):
             calls[name] = (lambda w=M[name]: floor_steps(w, B, cfg.d_model, new - 1))
 
     agreement = None
@@ -521,7 +547,7 @@ def run_profiles(M: dict, log) -> list[dict]:
     ids = make_prompts(1, cfg.vocab_size)
     kw = _cache_kwarg()
     out = []
-    for name in ("hw", "hw_unpacked"):
+    for name in ("hw",):
         model = M.get(name)
         if model is None:
             continue
@@ -534,7 +560,7 @@ def run_profiles(M: dict, log) -> list[dict]:
         def hw_step(st, model=model):
             st["nxt"] = model(st["nxt"][:, None], cache=st["cache"])[:, -1].argmax(-1)
 
-        out.append(profile_step("headwise" if name == "hw" else "headwise packed (prototype)", hw_setup, hw_step))
+        out.append(profile_step("headwise", hw_setup, hw_step))
     for impl, m in M["hf"].items():
         def hf_setup(m=m):
             o = m(input_ids=ids, use_cache=True)
@@ -652,7 +678,8 @@ def main(argv=None):
     mb = model_bytes(model)
     no_pack = packing_available()
     M = {"hw": model, "hf": hf, "floor": floor_weights(model), "hw_unpacked": unpacked_model(),
-         "compile": args.compile, "floor_packed": None if no_pack else floor_weights(model, packed=True)}
+         "compile": args.compile, "floor_packed": None if no_pack else floor_weights(model, packed=True),
+         "floor_kernel": None if kernels.kernels_unavailable() else floor_weights(model, kernel=True)}
     log(f"headwise decode benchmark  {env['date']}")
     log(f"torch {env['torch']}  transformers {tf_version}  cpu {env['cpu_model']} ({env['cpu_count']} cores)  "
         f"threads {args.threads}")
@@ -663,8 +690,10 @@ def main(argv=None):
         f"{mb['kv_bytes_per_token'] / 1e3:.1f} kB per cached token")
     log(f"decode: B in {args.batches}, {PROMPT_LEN}-token random prompts + {args.new_tokens} new tokens, greedy, "
         f"{args.rounds} interleaved rounds after 1 warm-up; prefill: T={args.prefill_tokens}, B=1")
-    log("hw_generate/hw_loop: the library default (oneDNN-prepacked linears"
-        + (")" if no_pack is None else f": unavailable here - {no_pack})") + "; hw_unpacked: pack=False")
+    log("hw_generate/hw_loop: the library default: the one-token fast path, its matmuls through the small-row "
+        "kernel (" + (kernels.kernels_unavailable() or "available") + "), larger ones through oneDNN-prepacked "
+        "weights (" + (no_pack or "available") + "); hw_general: fast path off; hw_no_kernel: kernel off; "
+        "hw_unpacked (prefill): pack=False")
 
     sections = []
     compile_info = []

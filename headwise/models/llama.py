@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from ..attention import RotaryEmbedding
 from ..config import ModelConfig, RopeScaling
 from .blocks import DecoderBlock, RMSNorm, check_input_ids, padding_mask
+from .fast_decode import decode_step, fast_decode_applies
 from .loading import CheckpointError, To, hf_activation, hf_eos, need
 
 # ---------------------------------------------------------------------------- RoPE
@@ -159,6 +160,8 @@ class Llama(nn.Module):
         0s mark right padding of a ragged step, which the cache does not keep.
         """
         B, T = check_input_ids(input_ids)
+        if fast_decode_applies(self, input_ids, cache, attention_mask):
+            return decode_step(self, input_ids, cache)                  # the same numbers, ~10 calls a layer
         positions = (torch.arange(T, device=input_ids.device) if cache is None
                      else cache.layer(0).positions(T))                  # (T,) or (B, T)
         cos_sin = self.rope.cos_sin(positions)                          # once, for every layer

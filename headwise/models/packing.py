@@ -11,7 +11,9 @@ when it freezes a compiled graph; this gets it without compiling.
 its forward changes, and only when nothing needs gradients. The packed copy is made on
 first use and remade whenever the weight changes (in-place edits bump the tensor's version
 counter; pruning swaps the module). Cost: a second copy of each packed weight (+1x weight
-memory), which `unpack_linears` gives back.
+memory), which `unpack_linears` gives back. Forwards of at most `kernels.MAX_ROWS` rows (a
+decode step of a small batch) go to `headwise.kernels.small_linear` instead where it runs: it
+reads the plain weight, faster than oneDNN for so few rows.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .. import kernels
 
 PACKED_DTYPES = (torch.float32,)     # bf16 without native bf16 units is slower than fp32 here anyway
 
@@ -46,7 +50,9 @@ class PackedLinear(nn.Linear):
 
     def _key(self) -> tuple:
         w = self.weight
-        return (w.data_ptr(), w._version, w.dtype, tuple(w.shape))
+        # Weights made under inference_mode keep no version counter (they can only be edited
+        # inside inference_mode): for them a new tensor, not an in-place edit, is what repacks.
+        return (w.data_ptr(), None if w.is_inference() else w._version, w.dtype, tuple(w.shape))
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
@@ -54,6 +60,9 @@ class PackedLinear(nn.Linear):
                 or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
                 or torch.compiler.is_compiling()):              # inductor packs on its own when freezing
             return F.linear(x, w, self.bias)
+        if (x.numel() <= kernels.MAX_ROWS * x.shape[-1] and x.is_contiguous() and w.is_contiguous()
+                and kernels.kernels_unavailable() is None):        # a few rows (decoding): rows read once
+            return kernels.small_linear(x, w, self.bias)
         key = self._key()
         if key != self._packed_key:
             with torch.no_grad():

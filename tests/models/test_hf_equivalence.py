@@ -8,6 +8,8 @@ import torch
 
 import headwise
 
+from .conftest import hf_checkpoints
+
 import transformers as tf  # noqa: E402  (the independent reference)
 tf.logging.set_verbosity_error()
 
@@ -47,18 +49,7 @@ CACHED = [n for n in DECODERS if n != "llama-rope-dynamic"]   # dynamic NTK re-s
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """name -> (HF model, checkpoint dir), built once per module."""
-    made = {}
-
-    def get(name):
-        if name not in made:
-            torch.manual_seed(1234)
-            config, cls = DECODERS[name]()
-            hf = cls(config).eval()
-            path = tmp_path_factory.mktemp(name)
-            hf.save_pretrained(path, safe_serialization=True)
-            made[name] = hf, path
-        return made[name]
-    return get
+    return hf_checkpoints(tmp_path_factory, DECODERS, seed=1234)
 
 
 def _ids(B, T, seed=0):

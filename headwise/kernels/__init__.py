@@ -1,0 +1,142 @@
+"""CPU kernels PyTorch lacks for small-batch decoding, built on first use with the system C compiler.
+
+`small_linear(x, weight, ...)` is `F.linear` for a few rows of x (a decode step): it
+streams each weight row from memory once, ~20% faster than oneDNN's prepacked matrix-vector
+product on this machine (benchmarks/decode.py), and can fold in the op before it (RMSNorm or
+SwiGLU) and a residual add after it, which saves a PyTorch call each. Only fp32 on x86-64
+with AVX2 + FMA.
+
+The C source (small_linear.c) is compiled once into <cache>/kernels/ ($HEADWISE_CACHE or
+~/.cache/headwise; ~1 s) and loaded with ctypes. Where that cannot work (no compiler, another
+CPU, torch not on OpenMP, or HEADWISE_KERNELS=0), `kernels_unavailable()` says why and callers
+keep PyTorch's ops.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_SOURCE = Path(__file__).with_name("small_linear.c")
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
+PRO_NONE, PRO_RMSNORM, PRO_SWIGLU = 0, 1, 2
+MAX_ROWS = 8          # above this, oneDNN's blocked matmul wins (measured: benchmarks/decode.py)
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("HEADWISE_CACHE") or Path.home() / ".cache" / "headwise") / "kernels"
+
+
+def _build() -> Path:
+    """Compile small_linear.c into the cache (once per source and flags); returns the .so."""
+    src = _SOURCE.read_bytes()
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    key = hashlib.sha256(src + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"small_linear-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_so = Path(tmp) / out.name
+        proc = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", str(tmp_so), "-lm"],
+                              capture_output=True, text=True, timeout=120)
+        if proc.returncode:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:300]}")
+        os.replace(tmp_so, out)          # atomic: a concurrent reader sees all of it or none
+    return out
+
+
+def _omp_libraries() -> set[str]:
+    """Paths of the OpenMP runtimes mapped into this process (Linux)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return set()
+    return {line.split()[-1] for line in maps.splitlines() if "libgomp" in line or "libiomp" in line}
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    if os.environ.get("HEADWISE_KERNELS", "1") == "0":
+        return None, "disabled by HEADWISE_KERNELS=0"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"x86-64 only (this is {platform.machine()})"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None, f"needs AVX2 (PyTorch reports {torch.backends.cpu.get_cpu_capability()})"
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return None, "PyTorch is not built with OpenMP; the kernel would bring a second thread pool"
+    try:
+        before = _omp_libraries()
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return None, f"could not build or load the kernel: {e}"
+    if len(_omp_libraries()) > max(1, len(before)):     # ours did not bind to torch's libgomp
+        return None, f"the kernel loaded a second OpenMP runtime ({sorted(_omp_libraries())})"
+    fn = lib.hw_small_linear_f32
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_float]
+    fn.restype = ctypes.c_int
+    return lib, _self_check(fn)
+
+
+def _self_check(fn) -> str | None:
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*s, generator=g) for s in ((3, 37), (13, 37), (13,)))
+    y = torch.empty(3, 13)
+    fn(w.data_ptr(), x.data_ptr(), b.data_ptr(), None, y.data_ptr(), 3, 13, 37, PRO_NONE, None, 0.0)
+    if not torch.allclose(y, F.linear(x, w, b), atol=1e-4):
+        return "the compiled kernel disagrees with F.linear"
+    return None
+
+
+def kernels_unavailable() -> str | None:
+    """None when small_linear runs here, else why it does not."""
+    return _load()[1]
+
+
+def small_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, residual: Tensor | None = None,
+                 prologue: int = PRO_NONE, norm_weight: Tensor | None = None, eps: float = 0.0) -> Tensor:
+    """prologue(x) @ weight.T + bias + residual for fp32 CPU tensors and at most MAX_ROWS rows.
+
+    x (..., I), or (..., 2I) = [gate | up] with PRO_SWIGLU; weight (O, I); residual (..., O).
+    PRO_RMSNORM applies x / sqrt(mean(x^2) + eps) * norm_weight first. No autograd: callers
+    use it under no_grad / inference_mode. Check `kernels_unavailable()` first.
+    """
+    lib, why = _load()
+    if why is not None:
+        raise RuntimeError(f"small_linear is unavailable: {why}")
+    O, I = weight.shape
+    M = x.numel() // x.shape[-1]
+    if x.shape[-1] != (2 * I if prologue == PRO_SWIGLU else I) or M > MAX_ROWS:
+        raise ValueError(f"small_linear: x {tuple(x.shape)} does not fit weight {tuple(weight.shape)} "
+                         f"(prologue {prologue}) or has more than {MAX_ROWS} rows")
+    if not (_ok(x) and _ok(weight) and (bias is None or _ok(bias) and bias.numel() == O)
+            and (residual is None or _ok(residual) and residual.numel() == M * O)
+            and (norm_weight is None or _ok(norm_weight) and norm_weight.numel() == I)):
+        raise ValueError("small_linear needs contiguous fp32 CPU tensors: x (M, I), weight (O, I), bias (O,), "
+                         "residual (M, O), norm_weight (I,); got " + ", ".join(
+                             f"{n} {t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ' strided'} on {t.device}"
+                             for n, t in (("x", x), ("weight", weight), ("bias", bias), ("residual", residual),
+                                          ("norm_weight", norm_weight)) if t is not None))
+    y = torch.empty(*x.shape[:-1], O)
+    rc = lib.hw_small_linear_f32(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                                 None if residual is None else residual.data_ptr(), y.data_ptr(), M, O, I,
+                                 prologue, None if norm_weight is None else norm_weight.data_ptr(), eps)
+    if rc:
+        raise MemoryError("small_linear: could not allocate the prologue buffer")
+    return y
+
+
+def _ok(t: Tensor) -> bool:
+    return t.dtype is torch.float32 and t.is_cpu and t.is_contiguous()

@@ -1,0 +1,103 @@
+"""headwise.kernels.small_linear against PyTorch's own ops (F.linear, F.rms_norm, F.silu)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from headwise import kernels
+
+
+
+def assert_close_to(got, x, w, b=None, r=None):
+    """got against x @ w.T + b + r in float64, to within fp32's rounding of a dot product of
+    that length (summation order differs from PyTorch's, so bits may differ)."""
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    size = F.linear(x.double().abs(), w.double().abs())              # sum_j |x_j w_ij|
+    if r is not None:
+        want, size = want + r.double(), size + r.double().abs()
+    err = (got.double() - want).abs()
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert (err <= 1e-5 * size + 1e-6).all(), f"max error {err.max():.3g}"
+
+
+def test_kernel_builds_and_runs_here():
+    assert kernels.kernels_unavailable() is None        # x86-64 + AVX2 + gcc: this machine has all three
+    assert len(kernels._omp_libraries()) == 1           # it joined torch's OpenMP pool, no second runtime
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 8])
+@pytest.mark.parametrize("O,I", [(1, 1), (3, 7), (4, 8), (5, 9), (33, 64), (130, 100), (64, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_equals_f_linear(M, O, I, bias):
+    x, w = torch.randn(M, I), torch.randn(O, I)
+    b = torch.randn(O) if bias else None
+    assert_close_to(kernels.small_linear(x, w, b), x, w, b)
+
+
+@pytest.mark.parametrize("M", [1, 5])
+def test_residual_and_leading_dims(M):
+    x, w, b, r = torch.randn(M, 1, 48), torch.randn(20, 48), torch.randn(20), torch.randn(M, 1, 20)
+    got = kernels.small_linear(x, w, b, residual=r)
+    assert got.shape == (M, 1, 20)
+    assert_close_to(got, x, w, b, r)
+
+
+@pytest.mark.parametrize("M,I", [(1, 576), (3, 37), (8, 64)])
+def test_rmsnorm_prologue_equals_torch(M, I):
+    x, w, nw = torch.randn(M, I) * 3, torch.randn(50, I), torch.rand(I) + 0.5
+    got = kernels.small_linear(x, w, prologue=kernels.PRO_RMSNORM, norm_weight=nw, eps=1e-5)
+    normed = x.double() * torch.rsqrt(x.double().square().mean(-1, keepdim=True) + 1e-5) * nw.double()
+    assert_close_to(got, normed, w)
+    torch.testing.assert_close(got, F.linear(F.rms_norm(x, (I,), nw, eps=1e-5), w), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("M,I", [(1, 96), (4, 13), (8, 1536)])
+def test_swiglu_prologue_equals_torch(M, I):
+    gu, w, r = torch.randn(M, 2 * I) * 4, torch.randn(30, I), torch.randn(M, 30)
+    gate, up = gu.chunk(2, dim=-1)
+    got = kernels.small_linear(gu, w, residual=r, prologue=kernels.PRO_SWIGLU)
+    assert_close_to(got, F.silu(gate.double()) * up.double(), w, r=r)
+
+
+def test_same_bits_at_any_thread_count():
+    """Each output row is one thread's dot product: the thread count cannot change a bit."""
+    x, w = torch.randn(2, 576), torch.randn(3000, 576)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.small_linear(x, w)
+        torch.set_num_threads(2)
+        two = kernels.small_linear(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: (torch.randn(1, 8).half(), torch.randn(4, 8)), "fp32"),
+    (lambda: (torch.randn(1, 8), torch.randn(8, 4).t()), "strided"),
+    (lambda: (torch.randn(1, 9), torch.randn(4, 8)), "does not fit"),
+    (lambda: (torch.randn(kernels.MAX_ROWS + 1, 8), torch.randn(4, 8)), "more than"),
+])
+def test_bad_input_is_refused(make, match):
+    x, w = make()
+    with pytest.raises(ValueError, match=match):
+        kernels.small_linear(x, w)
+
+
+def test_bad_residual_and_norm_weight_are_refused():
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="residual"):
+        kernels.small_linear(x, w, residual=torch.randn(2, 3))
+    with pytest.raises(ValueError, match="norm_weight"):
+        kernels.small_linear(x, w, prologue=kernels.PRO_RMSNORM, norm_weight=torch.randn(7))
+
+
+def test_switched_off_by_environment():
+    code = "from headwise import kernels; print(kernels.kernels_unavailable())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "HEADWISE_KERNELS": "0"},
+                         capture_output=True, text=True, check=True).stdout
+    assert "HEADWISE_KERNELS=0" in out
