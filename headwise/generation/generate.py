@@ -86,8 +86,13 @@ def _is_chat(x) -> bool:
 
 
 def _normalize_prompts(model, prompt) -> tuple[list[list[int]], bool]:
-    """-> (list of token-id prompts, single?) from str / ids / chat messages, or a list of them."""
+    """-> (list of token-id prompts, single?) from str / ids / chat messages, or a list of them.
+    A tensor of ids is one prompt when 1-D (T,) and a batch when 2-D (B, T)."""
+    if isinstance(prompt, torch.Tensor) and (prompt.dim() not in (1, 2) or prompt.is_floating_point()):
+        raise ValueError(f"a tensor prompt must hold integer token ids, (T,) or (B, T); got {prompt.dtype} "
+                         f"{tuple(prompt.shape)}")
     single = isinstance(prompt, str) or _is_chat(prompt) or (
+        isinstance(prompt, torch.Tensor) and prompt.dim() == 1) or (
         isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], int))
     items = [prompt] if single else list(prompt)
     if not items:

@@ -1,10 +1,11 @@
 """CPU kernels PyTorch lacks for small-batch decoding, built on first use with the system C compiler.
 
-`small_linear(x, weight, ...)` is `F.linear` for a few rows of x (a decode step): it
-streams each weight row from memory once, ~20% faster than oneDNN's prepacked matrix-vector
-product on this machine (benchmarks/decode.py), and can fold in the op before it (RMSNorm or
-SwiGLU) and a residual add after it, which saves a PyTorch call each. Only fp32 on x86-64
-with AVX2 + FMA.
+`small_linear(x, block_weight(w), ...)` is `F.linear` for a few rows of x (a decode step):
+it streams the weight from memory once, in a blocked layout that reads as one run per 8
+output rows, faster than oneDNN's prepacked matrix-vector product on this machine
+(benchmarks/decode.py: floor_kernel vs floor_packed), and folds in the op before it (RMSNorm
+or SwiGLU) and a residual add after it, which saves a PyTorch call each. Only fp32 on x86-64
+with AVX2 + FMA. PackedLinear keeps the blocked copy of its weight (models/packing.py).
 
 The C source (small_linear.c) is compiled once into <cache>/kernels/ ($HEADWISE_CACHE or
 ~/.cache/headwise; ~1 s) and loaded with ctypes. Where that cannot work (no compiler, another
@@ -30,7 +31,7 @@ from torch import Tensor
 _SOURCE = Path(__file__).with_name("small_linear.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 PRO_NONE, PRO_RMSNORM, PRO_SWIGLU = 0, 1, 2
-MAX_ROWS = 8          # above this, oneDNN's blocked matmul wins (measured: benchmarks/decode.py)
+MAX_ROWS = 4          # above this oneDNN's packed matmul is as fast or faster (8 rows: 27 vs 37 ms a step)
 
 
 def _cache_dir() -> Path:
@@ -93,8 +94,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
 def _self_check(fn) -> str | None:
     g = torch.Generator().manual_seed(0)
     x, w, b = (torch.randn(*s, generator=g) for s in ((3, 37), (13, 37), (13,)))
-    y = torch.empty(3, 13)
-    fn(w.data_ptr(), x.data_ptr(), b.data_ptr(), None, y.data_ptr(), 3, 13, 37, PRO_NONE, None, 0.0)
+    y, blocked = torch.empty(3, 13), block_weight(w)
+    fn(blocked.data_ptr(), x.data_ptr(), b.data_ptr(), None, y.data_ptr(), 3, 13, 37, PRO_NONE, None, 0.0)
     if not torch.allclose(y, F.linear(x, w, b), atol=1e-4):
         return "the compiled kernel disagrees with F.linear"
     return None
@@ -105,32 +106,47 @@ def kernels_unavailable() -> str | None:
     return _load()[1]
 
 
-def small_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, residual: Tensor | None = None,
-                 prologue: int = PRO_NONE, norm_weight: Tensor | None = None, eps: float = 0.0) -> Tensor:
-    """prologue(x) @ weight.T + bias + residual for fp32 CPU tensors and at most MAX_ROWS rows.
+def block_weight(weight: Tensor) -> Tensor:
+    """weight (O, I) -> the layout small_linear reads, (ceil(O/8), I, 8): block b holds rows
+    8b..8b+7 interleaved, so each block streams from memory as one run (rows past O are 0)."""
+    O, I = weight.shape
+    w = weight.detach().float()
+    if O % 8:
+        w = F.pad(w, (0, 0, 0, 8 - O % 8))
+    return w.reshape(-1, 8, I).transpose(1, 2).contiguous()
 
-    x (..., I), or (..., 2I) = [gate | up] with PRO_SWIGLU; weight (O, I); residual (..., O).
+
+def small_linear(x: Tensor, blocked: Tensor, out_features: int, bias: Tensor | None = None, *,
+                 residual: Tensor | None = None, prologue: int = PRO_NONE, norm_weight: Tensor | None = None,
+                 eps: float = 0.0) -> Tensor:
+    """prologue(x) @ W.T + bias + residual for fp32 CPU tensors and at most MAX_ROWS rows of x,
+    with W given as `block_weight(W)` (made once per weight; W is (out_features, I)).
+
+    x (..., I), or (..., 2I) = [gate | up] with PRO_SWIGLU; residual (..., out_features).
     PRO_RMSNORM applies x / sqrt(mean(x^2) + eps) * norm_weight first. No autograd: callers
     use it under no_grad / inference_mode. Check `kernels_unavailable()` first.
     """
     lib, why = _load()
     if why is not None:
         raise RuntimeError(f"small_linear is unavailable: {why}")
-    O, I = weight.shape
-    M = x.numel() // x.shape[-1]
+    O, M = out_features, x.numel() // x.shape[-1]
+    nblk, I, eight = blocked.shape if blocked.dim() == 3 else (0, 0, 0)
+    if eight != 8 or nblk != -(-O // 8) or blocked.data_ptr() % 32:
+        raise ValueError(f"small_linear: blocked weight {tuple(blocked.shape)} is not block_weight() of an "
+                         f"({O}, I) weight (or not 32-byte aligned)")
     if x.shape[-1] != (2 * I if prologue == PRO_SWIGLU else I) or M > MAX_ROWS:
-        raise ValueError(f"small_linear: x {tuple(x.shape)} does not fit weight {tuple(weight.shape)} "
+        raise ValueError(f"small_linear: x {tuple(x.shape)} does not fit a ({O}, {I}) weight "
                          f"(prologue {prologue}) or has more than {MAX_ROWS} rows")
-    if not (_ok(x) and _ok(weight) and (bias is None or _ok(bias) and bias.numel() == O)
+    if not (_ok(x) and _ok(blocked) and (bias is None or _ok(bias) and bias.numel() == O)
             and (residual is None or _ok(residual) and residual.numel() == M * O)
             and (norm_weight is None or _ok(norm_weight) and norm_weight.numel() == I)):
-        raise ValueError("small_linear needs contiguous fp32 CPU tensors: x (M, I), weight (O, I), bias (O,), "
-                         "residual (M, O), norm_weight (I,); got " + ", ".join(
+        raise ValueError("small_linear needs contiguous fp32 CPU tensors: x (M, I), bias (O,), residual (M, O), "
+                         "norm_weight (I,); got " + ", ".join(
                              f"{n} {t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ' strided'} on {t.device}"
-                             for n, t in (("x", x), ("weight", weight), ("bias", bias), ("residual", residual),
+                             for n, t in (("x", x), ("bias", bias), ("residual", residual),
                                           ("norm_weight", norm_weight)) if t is not None))
     y = torch.empty(*x.shape[:-1], O)
-    rc = lib.hw_small_linear_f32(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+    rc = lib.hw_small_linear_f32(blocked.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
                                  None if residual is None else residual.data_ptr(), y.data_ptr(), M, O, I,
                                  prologue, None if norm_weight is None else norm_weight.data_ptr(), eps)
     if rc:

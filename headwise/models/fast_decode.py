@@ -15,9 +15,10 @@ norms, RoPE, cache bookkeeping, residual adds). This path computes the same func
     x   = linear(o) + x                 residual folded into the kernel
     x   = swiglu_linear(rmsnorm_linear(x)) + x
 
-The matmuls go through `headwise.kernels.small_linear` (rows read once, prologue and residual
-folded in) where it is available and B <= its row limit, else through the modules
-(PackedLinear's oneDNN path) with the norm, SwiGLU and residual as PyTorch ops.
+The matmuls go through `headwise.kernels.small_linear` (a PackedLinear's blocked weight,
+prologue and residual folded in) where it runs and B <= its row limit, else through the
+modules (oneDNN, or plain nn.Linear with pack=False) with the norm, SwiGLU and residual as
+PyTorch ops.
 
 It runs only where it is exactly the general forward: inference (no grad), fp32 on CPU,
 one new token per sequence with no padding mask, a ContiguousKVCache that is not static,
@@ -35,6 +36,7 @@ from .. import kernels
 from ..attention import RotaryEmbedding
 from ..cache import ContiguousKVCache
 from .blocks import DecoderBlock, GatedMLP, RMSNorm
+from .packing import PackedLinear
 
 _ATTR = "_headwise_fast_decode"
 
@@ -45,8 +47,9 @@ def fast_decode_applies(model, input_ids: Tensor, cache, attention_mask) -> bool
             or attention_mask is not None or input_ids.shape[1] != 1 or torch.is_grad_enabled()
             or model.training or torch.compiler.is_compiling() or cache.dtype != torch.float32):
         return False
-    first = cache.layers[0]
-    if not first._uniform or first._host[0] != cache.layers[-1]._host[0] or input_ids.device.type != "cpu":
+    first, w = cache.layers[0], model.embed.weight
+    if (not first._uniform or first._host[0] != cache.layers[-1]._host[0] or input_ids.device.type != "cpu"
+            or w.dtype != torch.float32 or w.device.type != "cpu"):     # after model.to(...): checked per call
         return False
     if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
         return False
@@ -78,15 +81,13 @@ def forget(model) -> None:
 
 
 def _structure_ok(model) -> bool:
-    w = model.embed.weight
-    if w.dtype != torch.float32 or w.device.type != "cpu" or type(model.norm) is not RMSNorm:
-        return False
-    if not isinstance(model.rope, RotaryEmbedding) or model.rope.interleaved or model.rope.dim != model.config.head_dim:
+    D, rope = model.config.head_dim, model.rope
+    if type(model.norm) is not RMSNorm or not isinstance(rope, RotaryEmbedding) or rope.interleaved or rope.dim != D:
         return False
     for layer in model.layers:
         attn = layer.attn
-        if (type(layer) is not DecoderBlock or attn.kv_map is not None or not attn.fused or attn.rope is not model.rope or attn.head_dim != model.config.head_dim
-                or attn.alibi_slopes is not None or type(layer.attn_norm) is not RMSNorm
+        if (type(layer) is not DecoderBlock or attn.kv_map is not None or not attn.fused or attn.rope is not rope
+                or attn.head_dim != D or attn.alibi_slopes is not None or type(layer.attn_norm) is not RMSNorm
                 or type(layer.mlp_norm) is not RMSNorm or type(layer.mlp) is not GatedMLP
                 or attn.num_heads % attn.num_kv_heads):
             return False
@@ -106,13 +107,14 @@ def _rotation(rope: RotaryEmbedding, position: int, D: int) -> Tensor:
     return R
 
 
-def _linear(module, x: Tensor, *, fast: bool, residual: Tensor | None = None, norm: RMSNorm | None = None,
+def _linear(module, x: Tensor, *, residual: Tensor | None = None, norm: RMSNorm | None = None,
             swiglu: bool = False) -> Tensor:
-    """module(prologue(x)) + residual, through the kernel when `fast`, else PyTorch ops."""
-    if fast:
+    """module(prologue(x)) + residual: one small-row kernel call where the module is a
+    PackedLinear that takes x, else the module and PyTorch ops."""
+    if type(module) is PackedLinear and module.small_rows_ok(x):
         prologue = kernels.PRO_RMSNORM if norm is not None else kernels.PRO_SWIGLU if swiglu else kernels.PRO_NONE
-        return kernels.small_linear(x, module.weight, module.bias, residual=residual, prologue=prologue,
-                                    norm_weight=None if norm is None else norm.weight,
+        return kernels.small_linear(x, module.blocked_weight(), module.out_features, module.bias, residual=residual,
+                                    prologue=prologue, norm_weight=None if norm is None else norm.weight,
                                     eps=0.0 if norm is None else norm.eps)
     if norm is not None:
         x = norm(x)
@@ -131,7 +133,6 @@ def decode_step(model, input_ids: Tensor, cache: ContiguousKVCache) -> Tensor:
     L = cache.layers[0]._host[0]
     for layer_cache in cache.layers:                   # checks room in every layer before writing any
         layer_cache._book(1, None)
-    fast = kernels.kernels_unavailable() is None and B <= kernels.MAX_ROWS
     R = _rotation(model.rope, L, D)
     x = F.embedding(input_ids.reshape(B), model.embed.weight)         # (B, C)
     for layer, lc in zip(model.layers, cache.layers):
@@ -139,20 +140,20 @@ def decode_step(model, input_ids: Tensor, cache: ContiguousKVCache) -> Tensor:
         H, Hkv = attn.num_heads, attn.num_kv_heads            # per layer: pruning may change them
         G = H // Hkv
         silu = mlp.activation == "silu"
-        qkv = _linear(attn.qkv_proj, x, fast=fast, norm=layer.attn_norm)           # (B, (H + 2 Hkv) D)
+        qkv = _linear(attn.qkv_proj, x, norm=layer.attn_norm)           # (B, (H + 2 Hkv) D)
         qk = torch.matmul(qkv[:, :(H + Hkv) * D].view(B, H + Hkv, D), R)           # (B, H + Hkv, D) rotated
         k_buf, v_buf = lc.store.k[0], lc.store.v[0]                                # (B, Hkv, N, D)
         k_buf[:, :, L].copy_(qk[:, H:])
         v_buf[:, :, L].copy_(qkv[:, (H + Hkv) * D:].view(B, Hkv, D))
         q = qk[:, :H].view(B, Hkv, G, D)
         o = F.scaled_dot_product_attention(q, k_buf[:, :, :L + 1], v_buf[:, :, :L + 1])   # (B, Hkv, G, D)
-        x = _linear(attn.out_proj, o.reshape(B, H * D), fast=fast, residual=x)     # (B, C)
+        x = _linear(attn.out_proj, o.reshape(B, H * D), residual=x)     # (B, C)
         if silu:
-            gu = _linear(mlp.gate_up, x, fast=fast, norm=layer.mlp_norm)           # (B, 2F)
-            x = _linear(mlp.down, gu, fast=fast, residual=x, swiglu=True)
+            gu = _linear(mlp.gate_up, x, norm=layer.mlp_norm)           # (B, 2F)
+            x = _linear(mlp.down, gu, residual=x, swiglu=True)
         else:
             x = x + mlp(layer.mlp_norm(x))
     for layer_cache in cache.layers:
         layer_cache._len += 1
-    logits = _linear(model.lm_head, x, fast=fast, norm=model.norm)                # (B, V)
+    logits = _linear(model.lm_head, x, norm=model.norm)                # (B, V)
     return logits.view(B, 1, -1)

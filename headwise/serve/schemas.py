@@ -134,20 +134,29 @@ class AssistantMessage(BaseModel):
     content: Optional[str] = None
 
 
-class ChatChoice(BaseModel):
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class _ChatChoiceBase(BaseModel):
     index: int
-    message: AssistantMessage
     logprobs: Optional[ChoiceLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+    finish_reason: Optional[FinishReason] = None
 
 
-class ChatCompletion(BaseModel):
+class _ResponseBase(BaseModel):
     id: str
-    object: Literal["chat.completion"]
     created: int
     model: str
-    choices: list[ChatChoice]
     usage: Optional[Usage] = None
+
+
+class ChatChoice(_ChatChoiceBase):
+    message: AssistantMessage
+
+
+class ChatCompletion(_ResponseBase):
+    object: Literal["chat.completion"]
+    choices: list[ChatChoice]
 
 
 class ChatDelta(BaseModel):
@@ -155,21 +164,14 @@ class ChatDelta(BaseModel):
     content: Optional[str] = None
 
 
-class ChatChunkChoice(BaseModel):
-    index: int
+class ChatChunkChoice(_ChatChoiceBase):
     delta: ChatDelta
-    logprobs: Optional[ChoiceLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_ResponseBase):
     """One SSE event of a chat stream (`data: {...}`); the stream ends with `data: [DONE]`."""
-    id: str
     object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Optional[Usage] = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -183,16 +185,12 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+    finish_reason: Optional[FinishReason] = None
 
 
-class Completion(BaseModel):
-    id: str
+class Completion(_ResponseBase):
     object: Literal["text_completion"]
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Optional[Usage] = None
 
 
 class Embedding(BaseModel):

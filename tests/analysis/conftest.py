@@ -8,6 +8,8 @@ import torch
 import headwise
 
 import transformers as tf  # noqa: E402  (the independent reference)
+
+from ..helpers import save_hf, tiny_llama_config
 tf.logging.set_verbosity_error()
 
 SENTENCES = ["The bank approved the loan after the river bank flooded.",
@@ -35,12 +37,9 @@ def minilm_hf(minilm_dir):
 def tiny_llama(tmp_path_factory):
     """A random Llama with GQA 6:2 (G = 3, SmolLM2's ratio), saved like tests/models do."""
     torch.manual_seed(1234)
-    config = tf.LlamaConfig(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
-                            num_key_value_heads=2, vocab_size=96, max_position_embeddings=64,
-                            initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    hf = tf.LlamaForCausalLM(config).eval()
-    path = tmp_path_factory.mktemp("tiny-llama")
-    hf.save_pretrained(path, safe_serialization=True)
+    config = tiny_llama_config(hidden_size=48, intermediate_size=64, num_attention_heads=6, vocab_size=96,
+                               max_position_embeddings=64, initializer_range=0.2)
+    path = save_hf(tmp_path_factory, "tiny-llama", tf.LlamaForCausalLM(config).eval())
     return tf.LlamaForCausalLM.from_pretrained(path, attn_implementation="eager").eval(), path
 
 
@@ -51,8 +50,7 @@ def tiny_bert_dir(tmp_path_factory, minilm_dir):
     torch.manual_seed(4321)
     config = tf.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                            intermediate_size=64, max_position_embeddings=128)
-    path = tmp_path_factory.mktemp("tiny-bert")
-    tf.BertModel(config).eval().save_pretrained(path, safe_serialization=True)
+    path = save_hf(tmp_path_factory, "tiny-bert", tf.BertModel(config).eval())
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
         shutil.copy(minilm_dir / name, path / name)
     return path
@@ -74,11 +72,9 @@ def tiny_llama_tok_dir(tmp_path_factory, minilm_dir):
     """A random GQA Llama (6:2) with a 30522-token vocabulary and MiniLM's tokenizer files:
     a fast decoder subject for the whole pipeline (the tokenizer only has to turn text into ids)."""
     torch.manual_seed(99)
-    config = tf.LlamaConfig(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
-                            num_key_value_heads=2, vocab_size=30522, max_position_embeddings=256,
-                            tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    path = tmp_path_factory.mktemp("tiny-llama-tok")
-    tf.LlamaForCausalLM(config).eval().save_pretrained(path, safe_serialization=True)
+    config = tiny_llama_config(hidden_size=48, intermediate_size=64, num_attention_heads=6, vocab_size=30522,
+                               tie_word_embeddings=True, initializer_range=0.02)
+    path = save_hf(tmp_path_factory, "tiny-llama-tok", tf.LlamaForCausalLM(config).eval())
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
         shutil.copy(minilm_dir / name, path / name)
     return path

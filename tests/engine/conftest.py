@@ -7,6 +7,8 @@ import torch
 import headwise
 import transformers as tf
 
+from ..helpers import save_hf, tiny_llama_config
+
 tf.logging.set_verbosity_error()
 
 _REFS: dict = {}
@@ -22,9 +24,7 @@ def reference(model, prompt, params):
 
 
 def _saved(tmp_path_factory, name, hf_model):
-    path = tmp_path_factory.mktemp(name)
-    hf_model.save_pretrained(path)
-    return headwise.load(path)
+    return headwise.load(save_hf(tmp_path_factory, name, hf_model))
 
 
 @pytest.fixture(scope="session")
@@ -45,10 +45,7 @@ def tiny_gpt2(gpt2_pair):
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     torch.manual_seed(1)
-    cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=256,
-                         initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    return _saved(tmp_path_factory, "llama", tf.LlamaForCausalLM(cfg).eval())
+    return _saved(tmp_path_factory, "llama", tf.LlamaForCausalLM(tiny_llama_config()).eval())
 
 
 @pytest.fixture(params=["gpt2", "llama"])

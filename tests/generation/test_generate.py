@@ -9,6 +9,8 @@ import transformers as tf  # the independent reference
 from headwise.models.builtin import resolve
 from headwise.models.gguf import read_gguf
 
+from ..helpers import save_hf, tiny_llama_config
+
 tf.logging.set_verbosity_error()
 
 
@@ -16,13 +18,8 @@ tf.logging.set_verbosity_error()
 def tiny(tmp_path_factory):
     """A random GQA Llama saved offline, loaded by both libraries."""
     torch.manual_seed(0)
-    cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=256,
-                         initializer_range=0.1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    hf = tf.LlamaForCausalLM(cfg).eval()
-    path = tmp_path_factory.mktemp("tiny")
-    hf.save_pretrained(path)
-    return hf, headwise.load(path)
+    hf = tf.LlamaForCausalLM(tiny_llama_config()).eval()
+    return hf, headwise.load(save_hf(tmp_path_factory, "tiny", hf))
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +131,18 @@ def test_bad_input(tiny):
         headwise.generate(model, "text", max_new_tokens=4)
     with pytest.raises(TypeError, match="unknown sampling field"):
         headwise.generate(model, [1, 2], max_tokens=4)
+
+
+def test_tensor_prompts_one_or_a_batch(tiny):
+    """A 1-D tensor is one prompt (as the same ids in a list); a 2-D tensor is a batch of rows."""
+    hf, model = tiny
+    ids = torch.arange(3, 15)
+    one = headwise.generate(model, ids, max_new_tokens=8, temperature=0)
+    assert one.token_ids == _hf_greedy(hf, ids.tolist(), 8)
+    rows = headwise.generate(model, torch.stack([ids, ids + 20]), max_new_tokens=8, temperature=0)
+    assert [r.token_ids for r in rows] == [_hf_greedy(hf, p, 8) for p in (ids.tolist(), (ids + 20).tolist())]
+    with pytest.raises(ValueError, match="integer token ids"):
+        headwise.generate(model, torch.rand(4), max_new_tokens=2)
 
 
 def test_compiled_decode_matches_transformers_and_eager(tiny):

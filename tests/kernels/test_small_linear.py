@@ -11,6 +11,11 @@ from headwise import kernels
 
 
 
+def lin(x, w, b=None, **kw):
+    """small_linear with W given as its blocked copy, as PackedLinear passes it."""
+    return kernels.small_linear(x, kernels.block_weight(w), w.shape[0], b, **kw)
+
+
 def assert_close_to(got, x, w, b=None, r=None):
     """got against x @ w.T + b + r in float64, to within fp32's rounding of a dot product of
     that length (summation order differs from PyTorch's, so bits may differ)."""
@@ -28,37 +33,37 @@ def test_kernel_builds_and_runs_here():
     assert len(kernels._omp_libraries()) == 1           # it joined torch's OpenMP pool, no second runtime
 
 
-@pytest.mark.parametrize("M", [1, 2, 3, 8])
+@pytest.mark.parametrize("M", [1, 2, 3, kernels.MAX_ROWS])
 @pytest.mark.parametrize("O,I", [(1, 1), (3, 7), (4, 8), (5, 9), (33, 64), (130, 100), (64, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_equals_f_linear(M, O, I, bias):
     x, w = torch.randn(M, I), torch.randn(O, I)
     b = torch.randn(O) if bias else None
-    assert_close_to(kernels.small_linear(x, w, b), x, w, b)
+    assert_close_to(lin(x, w, b), x, w, b)
 
 
-@pytest.mark.parametrize("M", [1, 5])
+@pytest.mark.parametrize("M", [1, 3])
 def test_residual_and_leading_dims(M):
     x, w, b, r = torch.randn(M, 1, 48), torch.randn(20, 48), torch.randn(20), torch.randn(M, 1, 20)
-    got = kernels.small_linear(x, w, b, residual=r)
+    got = lin(x, w, b, residual=r)
     assert got.shape == (M, 1, 20)
     assert_close_to(got, x, w, b, r)
 
 
-@pytest.mark.parametrize("M,I", [(1, 576), (3, 37), (8, 64)])
+@pytest.mark.parametrize("M,I", [(1, 576), (3, 37), (4, 64)])
 def test_rmsnorm_prologue_equals_torch(M, I):
     x, w, nw = torch.randn(M, I) * 3, torch.randn(50, I), torch.rand(I) + 0.5
-    got = kernels.small_linear(x, w, prologue=kernels.PRO_RMSNORM, norm_weight=nw, eps=1e-5)
+    got = lin(x, w, prologue=kernels.PRO_RMSNORM, norm_weight=nw, eps=1e-5)
     normed = x.double() * torch.rsqrt(x.double().square().mean(-1, keepdim=True) + 1e-5) * nw.double()
     assert_close_to(got, normed, w)
     torch.testing.assert_close(got, F.linear(F.rms_norm(x, (I,), nw, eps=1e-5), w), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("M,I", [(1, 96), (4, 13), (8, 1536)])
+@pytest.mark.parametrize("M,I", [(1, 96), (2, 13), (4, 1536)])
 def test_swiglu_prologue_equals_torch(M, I):
     gu, w, r = torch.randn(M, 2 * I) * 4, torch.randn(30, I), torch.randn(M, 30)
     gate, up = gu.chunk(2, dim=-1)
-    got = kernels.small_linear(gu, w, residual=r, prologue=kernels.PRO_SWIGLU)
+    got = lin(gu, w, residual=r, prologue=kernels.PRO_SWIGLU)
     assert_close_to(got, F.silu(gate.double()) * up.double(), w, r=r)
 
 
@@ -68,9 +73,9 @@ def test_same_bits_at_any_thread_count():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = kernels.small_linear(x, w)
+        one = lin(x, w)
         torch.set_num_threads(2)
-        two = kernels.small_linear(x, w)
+        two = lin(x, w)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
@@ -78,22 +83,34 @@ def test_same_bits_at_any_thread_count():
 
 @pytest.mark.parametrize("make,match", [
     (lambda: (torch.randn(1, 8).half(), torch.randn(4, 8)), "fp32"),
-    (lambda: (torch.randn(1, 8), torch.randn(8, 4).t()), "strided"),
+    (lambda: (torch.randn(8, 3).t(), torch.randn(4, 8)), "strided"),
     (lambda: (torch.randn(1, 9), torch.randn(4, 8)), "does not fit"),
     (lambda: (torch.randn(kernels.MAX_ROWS + 1, 8), torch.randn(4, 8)), "more than"),
 ])
 def test_bad_input_is_refused(make, match):
     x, w = make()
     with pytest.raises(ValueError, match=match):
-        kernels.small_linear(x, w)
+        lin(x, w)
 
 
-def test_bad_residual_and_norm_weight_are_refused():
+def test_bad_residual_blocked_weight_and_norm_weight_are_refused():
     x, w = torch.randn(2, 8), torch.randn(4, 8)
     with pytest.raises(ValueError, match="residual"):
-        kernels.small_linear(x, w, residual=torch.randn(2, 3))
+        lin(x, w, residual=torch.randn(2, 3))
     with pytest.raises(ValueError, match="norm_weight"):
-        kernels.small_linear(x, w, prologue=kernels.PRO_RMSNORM, norm_weight=torch.randn(7))
+        lin(x, w, prologue=kernels.PRO_RMSNORM, norm_weight=torch.randn(7))
+    with pytest.raises(ValueError, match="block_weight"):
+        kernels.small_linear(x, w, 4)                                  # the plain weight, not its blocked copy
+    with pytest.raises(ValueError, match="block_weight"):
+        kernels.small_linear(x, kernels.block_weight(w), 12)          # blocks for 4 rows, asked for 12
+
+
+def test_block_layout():
+    w = torch.arange(10 * 3, dtype=torch.float32).reshape(10, 3)
+    blocked = kernels.block_weight(w)
+    assert blocked.shape == (2, 3, 8)
+    assert torch.equal(blocked[1, 2, :2], w[8:, 2]) and not blocked[1, :, 2:].any()   # rows past 10 are 0
+    assert torch.equal(blocked[0].t(), w[:8])
 
 
 def test_switched_off_by_environment():

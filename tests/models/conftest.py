@@ -1,6 +1,8 @@
 """Shared by the model tests: tiny Hugging Face checkpoints made offline, saved once per module."""
 import torch
 
+from ..helpers import save_hf
+
 
 def hf_checkpoints(tmp_path_factory, configs: dict, seed: int):
     """get(name) -> (HF model in eval mode, its save_pretrained dir); configs[name]() gives
@@ -12,8 +14,6 @@ def hf_checkpoints(tmp_path_factory, configs: dict, seed: int):
             torch.manual_seed(seed)
             config, cls = configs[name]()
             hf = cls(config).eval()
-            path = tmp_path_factory.mktemp(name)
-            hf.save_pretrained(path, safe_serialization=True)
-            made[name] = hf, path
+            made[name] = hf, save_hf(tmp_path_factory, name, hf)
         return made[name]
     return get

@@ -164,6 +164,10 @@ def test_cases_left_to_the_general_path(saved):
         handle.remove()
         assert _applies(model, one, c)
     assert not _applies(model, one, cache())                                   # gradients wanted
+    c = cache()
+    model.to(torch.bfloat16)                                                   # modules unchanged, weights not
+    with torch.inference_mode():
+        assert not _applies(model, one, c)
 
 
 @torch.inference_mode()

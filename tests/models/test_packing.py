@@ -47,6 +47,18 @@ def test_weight_edit_repacks():
     assert packed._packed is not first
 
 
+def test_weight_edit_reblocks_for_few_rows():
+    """The small-row kernel's blocked copy follows in-place edits too."""
+    ref, packed = _pair(False)
+    x = torch.randn(1, 96)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x), ref(x), atol=1e-5, rtol=1e-5)
+        for m in (ref, packed):
+            m.weight.add_(1.0)
+        torch.testing.assert_close(packed(x), ref(x), atol=1e-4, rtol=1e-5)
+    assert (packed._blocked is not None) == (kernels.kernels_unavailable() is None)
+
+
 def test_gradients_use_the_plain_weight():
     ref, packed = _pair(True)
     x = torch.randn(5, 96, requires_grad=True)

@@ -104,20 +104,30 @@ class LiveServer:
 
     def start(self, ready_timeout: float = 120) -> "LiveServer":
         self.thread.start()
-        deadline = time.time() + ready_timeout
-        while time.time() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"server on {self.url} not ready: {httpx.get(self.url + '/health').text}")
+        if not wait_healthy(self.url, ready_timeout):
+            raise RuntimeError(f"server on {self.url} not ready: {httpx.get(self.url + '/health').text}")
+        return self
 
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
         self.sock.close()
+
+
+def wait_healthy(url: str, timeout: float, check=None) -> bool:
+    """Poll GET /health until it answers 200 (True) or `timeout` seconds pass (False);
+    `check()` runs before each try (to fail fast when the server died)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if check:
+            check()
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    return False
 
 
 def to_toml(data: dict) -> str:
@@ -157,16 +167,11 @@ class ServeProcess:
                                      stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
     def wait_ready(self, timeout: float = 240) -> "ServeProcess":
-        deadline = time.time() + timeout
-        while time.time() < deadline:
+        def alive():
             assert self.proc.poll() is None, f"server exited:\n{self.log()}"
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"server on {self.url} not ready after {timeout} s:\n{self.log()}")
+        if not wait_healthy(self.url, timeout, alive):
+            raise RuntimeError(f"server on {self.url} not ready after {timeout} s:\n{self.log()}")
+        return self
 
     def log(self) -> str:
         return self.log_path.read_text()

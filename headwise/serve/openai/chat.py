@@ -9,9 +9,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..errors import APIError
 from ..schemas import ChatCompletionRequest
-from .common import (SSE_DONE, Streams, Usage, chat_logprobs, check_context, new_id, reject_unsupported,
-                     sampling_params, sse, stream_error, tokenize,
-                     until_disconnect)
+from .common import (Streams, Usage, chat_logprobs, check_context, collect, new_id, reject_unsupported,
+                     sampling_params, sse_events, tokenize, until_disconnect)
 
 
 def render_prompt(tok, req: ChatCompletionRequest) -> list[int]:
@@ -70,23 +69,7 @@ async def create(runtime, req: ChatCompletionRequest, model: str, request: Reque
 
 
 async def _collect(streams, rid, created, model, n, usage, tok, top, metrics):
-    texts, reasons, lps = [""] * n, [None] * n, [[] for _ in range(n)]
-    try:
-        async for i, piece in streams:
-            texts[i] += piece.text
-            if piece.logprobs:
-                lps[i].extend(piece.logprobs)
-            if piece.finish_reason:
-                reasons[i] = piece.finish_reason
-            usage.completion[i] = piece.num_output_tokens
-            if metrics:
-                metrics.token_piece(model, streams, piece)
-    finally:
-        await streams.close()
-    if "abort" in reasons:
-        raise APIError(503, "the request was aborted (server shutting down?)", code="aborted")
-    if metrics:
-        metrics.finished(model, streams)
+    texts, reasons, lps = await collect(streams, n, usage, metrics, model)
     choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
                 "logprobs": chat_logprobs(tok, lps[i], top) if top is not None else None,
                 "finish_reason": reasons[i] or "length"} for i in range(n)]
@@ -94,32 +77,13 @@ async def _collect(streams, rid, created, model, n, usage, tok, top, metrics):
             "usage": usage.as_dict()}
 
 
-async def _events(streams, rid, created, model, n, usage, tok, top, include_usage, metrics):
+def _events(streams, rid, created, model, n, usage, tok, top, include_usage, metrics):
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-    if include_usage:
-        head["usage"] = None
-    try:
-        yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None} for i in range(n)]})
-        async for i, piece in streams:
-            usage.completion[i] = piece.num_output_tokens
-            if metrics:
-                metrics.token_piece(model, streams, piece)
-            if piece.finish_reason == "abort":
-                raise APIError(503, "the request was aborted (server shutting down?)", code="aborted")
-            if not piece.text and not piece.finish_reason and not piece.logprobs:
-                continue
-            choice = {"index": i, "delta": {"content": piece.text} if piece.text else {},
-                      "logprobs": chat_logprobs(tok, piece.logprobs or [], top) if top is not None else None,
-                      "finish_reason": piece.finish_reason}
-            yield sse({**head, "choices": [choice]})
-        if metrics:
-            metrics.finished(model, streams)
-        if include_usage:
-            yield sse({**head, "choices": [], "usage": usage.as_dict()})
-        yield SSE_DONE
-    except Exception as e:
-        yield sse(stream_error(e).body())
-        yield SSE_DONE
-    finally:
-        await streams.close()
+
+    def choice(i, piece):
+        return {"index": i, "delta": {"content": piece.text} if piece.text else {},
+                "logprobs": chat_logprobs(tok, piece.logprobs or [], top) if top is not None else None,
+                "finish_reason": piece.finish_reason}
+    roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+             for i in range(n)]
+    return sse_events(streams, head, usage, metrics, model, include_usage, choice, first=roles)

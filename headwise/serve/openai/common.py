@@ -191,6 +191,60 @@ def stream_error(e: Exception) -> APIError:
     return APIError(500, f"internal error while streaming ({type(e).__name__}); the server log has details")
 
 
+ABORTED = "the request was aborted (server shutting down?)"
+
+
+async def collect(streams, total: int, usage, metrics, model: str):
+    """Run every stream to its end (a non-streamed answer): per choice, its text, finish
+    reason (None = ran out of tokens) and token logprobs."""
+    texts, reasons, lps = [""] * total, [None] * total, [[] for _ in range(total)]
+    try:
+        async for i, piece in streams:
+            texts[i] += piece.text
+            lps[i].extend(piece.logprobs or [])
+            reasons[i] = piece.finish_reason or reasons[i]
+            usage.completion[i] = piece.num_output_tokens
+            if metrics:
+                metrics.token_piece(model, streams, piece)
+    finally:
+        await streams.close()
+    if "abort" in reasons:
+        raise APIError(503, ABORTED, code="aborted")
+    if metrics:
+        metrics.finished(model, streams)
+    return texts, reasons, lps
+
+
+async def sse_events(streams, head: dict, usage, metrics, model: str, include_usage: bool, choice, first=None):
+    """A streamed answer as SSE chunks: `first` (a list of choices, sent before any piece),
+    then `choice(i, piece)` for each piece that carries text, logprobs or a finish reason,
+    then the usage chunk (if asked for) and [DONE]. An error after the start travels as an
+    error event."""
+    if include_usage:
+        head = {**head, "usage": None}
+    try:
+        if first:
+            yield sse({**head, "choices": first})
+        async for i, piece in streams:
+            usage.completion[i] = piece.num_output_tokens
+            if metrics:
+                metrics.token_piece(model, streams, piece)
+            if piece.finish_reason == "abort":
+                raise APIError(503, ABORTED, code="aborted")
+            if piece.text or piece.finish_reason or piece.logprobs:
+                yield sse({**head, "choices": [choice(i, piece)]})
+        if metrics:
+            metrics.finished(model, streams)
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": usage.as_dict()})
+        yield SSE_DONE
+    except Exception as e:
+        yield sse(stream_error(e).body())
+        yield SSE_DONE
+    finally:
+        await streams.close()
+
+
 async def until_disconnect(coro, request):
     """Run a non-streaming handler; if the client hangs up first, cancel it (which aborts
     its engine requests) instead of computing an answer nobody reads."""

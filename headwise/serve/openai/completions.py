@@ -9,8 +9,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..errors import APIError
 from ..schemas import CompletionRequest
-from .common import (SSE_DONE, Streams, Usage, check_context, check_ids, completion_logprobs, new_id,
-                     reject_unsupported, sampling_params, sse, stream_error, tokenize, until_disconnect)
+from .common import (Streams, Usage, check_context, check_ids, collect, completion_logprobs, new_id,
+                     reject_unsupported, sampling_params, sse_events, tokenize, until_disconnect)
 
 DEFAULT_MAX_TOKENS = 16         # OpenAI's default for completions
 
@@ -63,21 +63,7 @@ async def create(runtime, req: CompletionRequest, model: str, request: Request, 
 
 
 async def _collect(streams, rid, created, model, total, usage, tok, logprobs, metrics):
-    texts, reasons, lps = [""] * total, [None] * total, [[] for _ in range(total)]
-    try:
-        async for i, piece in streams:
-            texts[i] += piece.text
-            lps[i].extend(piece.logprobs or [])
-            reasons[i] = piece.finish_reason or reasons[i]
-            usage.completion[i] = piece.num_output_tokens
-            if metrics:
-                metrics.token_piece(model, streams, piece)
-    finally:
-        await streams.close()
-    if "abort" in reasons:
-        raise APIError(503, "the request was aborted (server shutting down?)", code="aborted")
-    if metrics:
-        metrics.finished(model, streams)
+    texts, reasons, lps = await collect(streams, total, usage, metrics, model)
     choices = [{"index": i, "text": texts[i], "finish_reason": reasons[i] or "length",
                 "logprobs": completion_logprobs(tok, lps[i], 0) if logprobs is not None else None}
                for i in range(total)]
@@ -85,33 +71,12 @@ async def _collect(streams, rid, created, model, total, usage, tok, logprobs, me
             "usage": usage.as_dict()}
 
 
-async def _events(streams, rid, created, model, total, usage, tok, logprobs, metrics, include_usage):
+def _events(streams, rid, created, model, total, usage, tok, logprobs, metrics, include_usage):
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
-    if include_usage:
-        head["usage"] = None
-    offsets = [0] * total
-    try:
-        async for i, piece in streams:
-            usage.completion[i] = piece.num_output_tokens
-            if metrics:
-                metrics.token_piece(model, streams, piece)
-            if piece.finish_reason == "abort":
-                raise APIError(503, "the request was aborted (server shutting down?)", code="aborted")
-            if not piece.text and not piece.finish_reason and not piece.logprobs:
-                continue
-            lp = None
-            if logprobs is not None:
-                lp = completion_logprobs(tok, piece.logprobs or [], offsets[i])
-            offsets[i] += len(piece.text)
-            yield sse({**head, "choices": [{"index": i, "text": piece.text, "logprobs": lp,
-                                            "finish_reason": piece.finish_reason}]})
-        if metrics:
-            metrics.finished(model, streams)
-        if include_usage:
-            yield sse({**head, "choices": [], "usage": usage.as_dict()})
-        yield SSE_DONE
-    except Exception as e:
-        yield sse(stream_error(e).body())
-        yield SSE_DONE
-    finally:
-        await streams.close()
+    offsets = [0] * total                    # characters streamed so far per choice (text_offset)
+
+    def choice(i, piece):
+        lp = completion_logprobs(tok, piece.logprobs or [], offsets[i]) if logprobs is not None else None
+        offsets[i] += len(piece.text)
+        return {"index": i, "text": piece.text, "logprobs": lp, "finish_reason": piece.finish_reason}
+    return sse_events(streams, head, usage, metrics, model, include_usage, choice)
