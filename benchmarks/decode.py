@@ -27,7 +27,8 @@ new tokens, EOS ignored. Contenders:
                     layer + the output layer), no norms, RoPE, attention, cache or Python
                     model code; hf / floor bounds any speed-up a faster model could show
   floor_packed      not a contender: the same matmuls through prepacked oneDNN weights
-  floor_kernel      not a contender: the same matmuls through headwise.kernels.small_linear (B <= 8)
+  floor_kernel      not a contender: the same matmuls through headwise.kernels.small_linear on
+                    blocked weights (only for B <= kernels.MAX_ROWS)
 Decode span (for every contender that has one): from after prefill's logits to the
 128th token, i.e. 128 argmaxes and 127 one-token forwards, exactly what
 generate() times; decode tok/s = B * 128 / that time. The claim compares decode
@@ -83,6 +84,7 @@ from _common import (Log, busy_and_steal, cpu_ticks, environment, loadavg, summa
 import headwise  # noqa: E402
 import headwise.models.llama as llama_mod  # noqa: E402
 from headwise import kernels  # noqa: E402
+from headwise.models.packing import PACK_HINT  # noqa: E402  (the library's oneDNN batch-size hint)
 from headwise.cache import ContiguousKVCache  # noqa: E402
 from headwise.models.packing import packing_available  # noqa: E402
 
@@ -94,7 +96,6 @@ PREFILL_ATOL = 1e-3     # max |logits difference| headwise vs HF at prefill
 BW_MIB = 512
 MIB = 2 ** 20
 SEED = 1234
-PACK_HINT = 8           # batch-size hint for oneDNN weight packing (the packed weight serves any M)
 
 
 # ------------------------------------------------------------------ models
@@ -235,8 +236,8 @@ def floor_weights(model, packed: bool = False, kernel: bool = False):
     """[(linear fn, out features) x 4 per layer], output layer: the model's matmuls, bare."""
     def fn(lin):
         if kernel:
-            w = lin.weight.detach()
-            return lambda x: kernels.small_linear(x, w)
+            blocked, out = kernels.block_weight(lin.weight), lin.out_features
+            return lambda x: kernels.small_linear(x, blocked, out)
         if packed:
             p = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), PACK_HINT)
             return lambda x: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
