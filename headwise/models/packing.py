@@ -87,13 +87,17 @@ class PackedLinear(nn.Linear):
             return F.linear(x, w, self.bias)
         if self.small_rows_ok(x):
             return kernels.small_linear(x, self.blocked_weight(), self.out_features, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
+
+    def packed_weight(self) -> Tensor:
+        """oneDNN's reordered copy of the weight, made on first use and after any change."""
         key = self._key()
         if key != self._packed_key:
             with torch.no_grad():
                 # PACK_HINT: the batch-size hint; the packed weight serves any number of rows.
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_HINT)
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_HINT)
             self._packed_key = key
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        return self._packed
 
 
 def pack_linears(model: nn.Module) -> int:
@@ -105,6 +109,20 @@ def pack_linears(model: nn.Module) -> int:
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = PackedLinear
+            n += 1
+    return n
+
+
+def prepack(model: nn.Module) -> int:
+    """Make every PackedLinear's copies now (oneDNN's, and the small-row kernel's where it
+    runs) instead of in the first forwards that need them, e.g. before a server says ready.
+    Returns how many linears were prepacked."""
+    n = 0
+    for module in model.modules():
+        if type(module) is PackedLinear and module.weight.dtype in PACKED_DTYPES and module.weight.is_cpu:
+            module.packed_weight()
+            if kernels.kernels_unavailable() is None:
+                module.blocked_weight()
             n += 1
     return n
 

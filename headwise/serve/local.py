@@ -52,6 +52,8 @@ class LocalRuntime:
             self.model, self.tokenizer = model, getattr(model, "tokenizer", None)
             if self.tokenizer is None:
                 raise ValueError(f"{self.spec.source} has no tokenizer; the API needs one to read text")
+            from ..models.packing import prepack
+            prepack(model)                  # the first request should not pay for reordering weights
             if getattr(model.config, "causal", True):
                 self.engine = self._make_engine(model)
                 self.engine.start()

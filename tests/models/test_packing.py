@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from headwise import kernels
-from headwise.models.packing import PackedLinear, pack_linears, packing_available, unpack_linears
+from headwise.models.packing import PackedLinear, pack_linears, packing_available, prepack, unpack_linears
 
 
 
@@ -78,3 +78,17 @@ def test_state_dict_and_unpack():
     assert unpack_linears(packed) == 1
     assert type(packed) is nn.Linear and "_packed" not in packed.__dict__
     torch.testing.assert_close(packed(torch.ones(1, 96)), ref(torch.ones(1, 96)))
+
+
+def test_prepack_makes_the_copies_up_front():
+    ref, packed = _pair(True)
+    assert packed._packed is None and packed._blocked is None
+    assert prepack(packed) == 1
+    assert packed._packed is not None
+    assert (packed._blocked is not None) == (kernels.kernels_unavailable() is None)
+    first = packed._packed
+    with torch.inference_mode():
+        for rows in (1, 64):                                   # both paths, no repacking
+            x = torch.randn(rows, 96)
+            torch.testing.assert_close(packed(x), ref(x), atol=1e-5, rtol=1e-5)
+    assert packed._packed is first
