@@ -28,14 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..paths import default_cache_dir
+
 _SOURCE = Path(__file__).with_name("small_linear.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 PRO_NONE, PRO_RMSNORM, PRO_SWIGLU = 0, 1, 2
 MAX_ROWS = 4          # above this oneDNN's packed matmul is as fast or faster (8 rows: 27 vs 37 ms a step)
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("HEADWISE_CACHE") or Path.home() / ".cache" / "headwise") / "kernels"
 
 
 def _build() -> Path:
@@ -45,7 +43,7 @@ def _build() -> Path:
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     key = hashlib.sha256(src + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"small_linear-{key}.so"
+    out = default_cache_dir() / "kernels" / f"small_linear-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

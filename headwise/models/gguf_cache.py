@@ -22,14 +22,11 @@ from pathlib import Path
 
 from torch import Tensor
 
+from ..paths import default_cache_dir
 from .tokenizer import Tokenizer
 
 CACHE_VERSION = 1     # bump when the conversion changes, so old entries are not reused
 _MANIFEST = "manifest.json"
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("HEADWISE_CACHE") or Path.home() / ".cache" / "headwise")
 
 
 def cache_entry(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:

@@ -62,13 +62,23 @@ class PackedLinear(nn.Linear):
         # inside inference_mode): for them a new tensor, not an in-place edit, is what repacks.
         return (w.data_ptr(), None if w.is_inference() else w._version, w.dtype, tuple(w.shape))
 
+    def _prepacked_ok(self, x: Tensor) -> bool:
+        """Whether a prepacked copy may serve x: a CPU forward in a packed dtype, no gradient
+        wanted, not being traced by torch.compile (inductor packs on its own when freezing)."""
+        w = self.weight
+        return (x.is_cpu and x.dtype == w.dtype and w.dtype in PACKED_DTYPES
+                and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+                and not torch.compiler.is_compiling())
+
+    def _few_rows(self, x: Tensor) -> bool:
+        """Whether x (already past _prepacked_ok) goes to the small-row kernel."""
+        return (x.dtype is torch.float32 and x.is_contiguous() and x.numel() <= kernels.MAX_ROWS * x.shape[-1]
+                and kernels.kernels_unavailable() is None)
+
     def small_rows_ok(self, x: Tensor) -> bool:
         """Whether `x` goes to the small-row kernel: fp32 CPU, contiguous, at most
         kernels.MAX_ROWS rows, no gradient wanted, and the kernel runs here."""
-        w = self.weight
-        return (x.dtype is torch.float32 is w.dtype and x.is_cpu and w.is_cpu and x.is_contiguous()
-                and x.numel() <= kernels.MAX_ROWS * x.shape[-1] and not torch.is_grad_enabled()
-                and not torch.compiler.is_compiling() and kernels.kernels_unavailable() is None)
+        return self._prepacked_ok(x) and self._few_rows(x)
 
     def blocked_weight(self) -> Tensor:
         """The weight in kernels.block_weight's layout, made on first use and after any change."""
@@ -80,12 +90,9 @@ class PackedLinear(nn.Linear):
         return self._blocked
 
     def forward(self, x: Tensor) -> Tensor:
-        w = self.weight
-        if (x.device.type != "cpu" or x.dtype != w.dtype or w.dtype not in PACKED_DTYPES
-                or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-                or torch.compiler.is_compiling()):              # inductor packs on its own when freezing
-            return F.linear(x, w, self.bias)
-        if self.small_rows_ok(x):
+        if not self._prepacked_ok(x):
+            return F.linear(x, self.weight, self.bias)
+        if self._few_rows(x):
             return kernels.small_linear(x, self.blocked_weight(), self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
 
