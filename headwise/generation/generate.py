@@ -33,6 +33,60 @@ class GenerationResult:
         return len(self.token_ids) / self.decode_seconds if self.decode_seconds else float("nan")
 
 
+class _StopScan:
+    """Where the text stands against each stop string, updated one new character at a time
+    (Knuth, Morris & Pratt 1977): state[j] is the length of the longest prefix of stop j that
+    the text ends with. A push then costs O(new characters) per stop (amortized), however long
+    the text or the stops are; a full rescan per token was O(text) per stop, O(text^2) per
+    sequence. state also says how much of the tail could still become a stop (held back when
+    streaming). `compared` counts character comparisons: the work, for tests."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.fail = [_failure(s) for s in stops]
+        self.state = [0] * len(stops)
+        self.compared = 0
+
+    def feed(self, text: str, start: int) -> int | None:
+        """Scan text[start:] (the new piece); -> where the earliest stop found in it begins, or None."""
+        piece = text[start:]
+        best = None
+        for j, s in enumerate(self.stops):
+            k, fail, n = self.state[j], self.fail[j], len(s)
+            if k == 0 and s[0] not in piece:          # the common case, at C speed
+                self.compared += len(piece)
+                continue
+            for i, c in enumerate(piece):
+                while k and s[k] != c:
+                    k = fail[k - 1]
+                    self.compared += 1
+                self.compared += 1
+                if s[k] == c:
+                    k += 1
+                if k == n:                            # earliest end is the earliest start for this stop
+                    begin = start + i + 1 - n
+                    best = begin if best is None else min(best, begin)
+                    break
+            self.state[j] = k
+        return best
+
+    def held(self) -> int:
+        """Characters at the end of the text that are a proper prefix of some stop."""
+        return max(self.state, default=0)
+
+
+def _failure(s: str) -> list[int]:
+    """KMP failure table: f[i] = length of the longest proper prefix of s[:i+1] that is also its suffix."""
+    f, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = f[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        f[i] = k
+    return f
+
+
 @dataclass
 class _Sequence:
     """Per-sequence state while decoding: tokens, text, stop detection."""
@@ -45,6 +99,10 @@ class _Sequence:
     emitted: int = 0                          # chars of text already streamed
     finish_reason: str | None = None
     logprobs: list = field(default_factory=list)
+    stops: _StopScan | None = None
+
+    def __post_init__(self):
+        self.stops = _StopScan(self.params.stop)
 
     def push(self, token: int) -> None:
         self.token_ids.append(token)
@@ -54,11 +112,9 @@ class _Sequence:
         if self.decoder is not None:
             before = len(self.text)
             self.text += self.decoder.push(token)
-            longest = max((len(s) for s in self.params.stop), default=0)
-            start = max(0, before - longest + 1)
-            hits = [i for i in (self.text.find(s, start) for s in self.params.stop) if i >= 0]
-            if hits:
-                self.text = self.text[: min(hits)]
+            hit = self.stops.feed(self.text, before) if self.params.stop else None
+            if hit is not None:
+                self.text = self.text[:hit]
                 self.finish_reason = "stop"
                 return
         if len(self.token_ids) >= self.params.max_new_tokens:
@@ -71,11 +127,7 @@ class _Sequence:
         that could still grow into a stop string."""
         end = len(self.text)
         if self.finish_reason is None:
-            for s in self.params.stop:
-                for k in range(min(len(s) - 1, end), 0, -1):
-                    if self.text.endswith(s[:k]):
-                        end = min(end, len(self.text) - k)
-                        break
+            end -= self.stops.held()
         piece = self.text[self.emitted:end]
         self.emitted = max(self.emitted, end)
         return piece

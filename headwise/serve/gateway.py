@@ -7,27 +7,28 @@ reaches the client: every target hands back a response whose first piece has alr
 arrived. A target that fails `cooldown_failures` times in a row is skipped for
 `cooldown_seconds` (a circuit breaker); when every target of a route is cooling down,
 the one whose cooldown ends first is probed rather than failing outright.
+An upstream's answer that turns out broken (not JSON, a stream cut short: upstream.py)
+counts as a failure too, even when found mid-stream; such a stream's target is settled
+when the stream ends, not when it starts.
 A plain model name is a route of one target with no retries and no cooldown.
 Upstream URLs and keys come only from the config.
 """
 from __future__ import annotations
 
-import asyncio
-import json
+import functools
 import random
 import time
 from dataclasses import dataclass
 
 import httpx
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
-from .config import Provider, Route, ServeConfig, Target
+from .config import Route, ServeConfig, Target
 from .errors import APIError
 from .openai import chat, completions, embeddings
-from .openai.common import SSE_DONE, sse
+from .upstream import UpstreamTarget
 
-PATHS = {"chat": "/chat/completions", "completions": "/completions", "embeddings": "/embeddings"}
 HANDLERS = {"chat": chat.create, "completions": completions.create, "embeddings": embeddings.create}
 
 
@@ -37,80 +38,9 @@ class LocalTarget:
     def __init__(self, name: str, runtime):
         self.name, self.runtime = name, runtime
 
-    async def handle(self, endpoint: str, req, body: dict, request: Request, model: str, timeout, metrics):
+    async def handle(self, endpoint: str, req, body: dict, request: Request, model: str, timeout, metrics,
+                     settle=None):
         return await HANDLERS[endpoint](self.runtime, req, model, request, timeout=timeout, metrics=metrics)
-
-
-class UpstreamTarget:
-    """An OpenAI-compatible server; requests are forwarded with `model` renamed, answers
-    (and streams, event for event) passed back. The timeout covers the wait for the first
-    byte: for a non-streamed answer, the whole answer."""
-
-    def __init__(self, name: str, provider: Provider, model: str, client: httpx.AsyncClient):
-        self.name, self.provider, self.model, self.client = name, provider, model, client
-        self.owner = provider.name
-
-    def _error(self, status: int, content: bytes, headers) -> APIError:
-        try:
-            body = json.loads(content)
-            message = body["error"]["message"] if isinstance(body.get("error"), dict) else str(body)[:300]
-        except (ValueError, KeyError, TypeError, AttributeError):
-            body, message = None, content[:300].decode("utf-8", "replace")
-        where = f"upstream {self.provider.name}"
-        if status in (400, 413, 422):               # the client's request: the same anywhere, not retried
-            envelope = body if isinstance(body, dict) and isinstance(body.get("error"), dict) else None
-            return APIError(400 if status == 422 else status, f"{where}: {message}", body=envelope)
-        if status == 429:
-            retry = headers.get("retry-after")
-            return APIError(429, f"{where} is rate limiting: {message}", code="upstream_rate_limited",
-                            retry_after=float(retry) if retry and retry.isdigit() else None)
-        if status in (401, 403):                    # our configured key, not the client's
-            return APIError(502, f"{where} refused the configured key ({status}); check {self.provider.api_key_env}",
-                            code="upstream_auth")
-        return APIError(502, f"{where} answered {status}: {message}", code="upstream_error")
-
-    async def handle(self, endpoint: str, req, body: dict, request: Request, model: str, timeout, metrics):
-        url = self.provider.base_url.rstrip("/") + PATHS[endpoint]
-        headers = {"Authorization": f"Bearer {self.provider.api_key}"} if self.provider.api_key else {}
-        limit = timeout or self.provider.timeout
-        upstream = self.client.build_request("POST", url, json={**body, "model": self.model}, headers=headers,
-                                             timeout=httpx.Timeout(self.provider.timeout, connect=limit))
-        resp, streaming = None, False
-        try:
-            async with asyncio.timeout(limit):      # until the first byte
-                resp = await self.client.send(upstream, stream=True)
-                if resp.status_code != 200:
-                    raise self._error(resp.status_code, await resp.aread(), resp.headers)
-                if not body.get("stream"):
-                    content = await resp.aread()
-                    return Response(content, media_type=resp.headers.get("content-type", "application/json"))
-                chunks = resp.aiter_bytes()         # decoded: the upstream may gzip, our answer does not
-                first = await anext(chunks, b"")
-                streaming = True
-        except TimeoutError:
-            raise APIError(504, f"upstream {self.provider.name} sent nothing within {limit:g} s",
-                           code="upstream_timeout") from None
-        except httpx.HTTPError as e:
-            raise APIError(502, f"upstream {self.provider.name} is unreachable ({type(e).__name__})",
-                           code="upstream_unreachable") from None
-        finally:
-            if resp is not None and not streaming:
-                await resp.aclose()
-
-        async def passthrough():
-            try:
-                if first:
-                    yield first
-                async for chunk in chunks:
-                    yield chunk
-            except httpx.HTTPError as e:
-                yield sse(APIError(502, f"upstream {self.provider.name} broke off the stream "
-                                        f"({type(e).__name__})", code="upstream_error").body())
-                yield SSE_DONE
-            finally:
-                await resp.aclose()                 # a client that hangs up closes the upstream stream too
-        return StreamingResponse(passthrough(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
 
 
 @dataclass
@@ -161,19 +91,22 @@ class Gateway:
             order = [min(everyone, key=lambda n: self.health[n].cooled_until)]
         return order
 
-    def _outcome(self, route: Route, target: str, ok: bool) -> None:
+    def _attempt(self, route: Route, target: str, outcome: str) -> None:
         if self.metrics:
-            self.metrics.attempt(route.name, target, "ok" if ok else "error")
+            self.metrics.attempt(route.name, target, outcome)
+
+    def _health(self, route: Route, target: str, ok: bool) -> None:
+        """The circuit breaker: a success resets the target's failures; enough in a row cool it down."""
         if route.name not in self.config.routes:
             return                                  # plain model names have no circuit breaker
         h = self.health[target]
         if ok:
             h.failures, h.cooled_until = 0, 0.0
-            return
-        h.failures += 1
-        if h.failures >= route.cooldown_failures:
-            h.cooled_until = time.monotonic() + route.cooldown_seconds
-            h.failures = 0
+        else:
+            h.failures += 1
+            if h.failures >= route.cooldown_failures:
+                h.cooled_until = time.monotonic() + route.cooldown_seconds
+                h.failures = 0
         if self.metrics:
             self.metrics.cooldown(target, h.cooled_until > time.monotonic())
 
@@ -186,20 +119,22 @@ class Gateway:
         body = req.model_dump(mode="json", exclude_unset=True)     # what the client set, validated
         last: APIError | None = None
         for name in self.plan(route):
+            target = self.targets[name]
+            later = isinstance(target, UpstreamTarget) and bool(body.get("stream"))   # settles when it ends
             try:
-                resp = await self.targets[name].handle(endpoint, req, body, request, req.model, timeout,
-                                                       self.metrics)
+                resp = await target.handle(endpoint, req, body, request, req.model, timeout, self.metrics,
+                                           settle=functools.partial(self._health, route, name))
             except APIError as e:
                 if not e.retryable:                 # the client's mistake: says nothing about the target
-                    if self.metrics:
-                        self.metrics.attempt(route.name, name, "client_error")
+                    self._attempt(route, name, "client_error")
                     raise
-                self._outcome(route, name, ok=False)
+                self._attempt(route, name, "error")
+                self._health(route, name, ok=False)
                 last = e
                 continue
-            self._outcome(route, name, ok=True)
-            if self.metrics:
-                self.metrics.cooldown(name, False)
+            self._attempt(route, name, "ok")
+            if not later:
+                self._health(route, name, ok=True)
             resp.headers["x-headwise-target"] = name
             return resp
         assert last is not None

@@ -63,6 +63,9 @@ class Metrics:
                                 ["route", "target", "outcome"], registry=r)
         self.cooling = Gauge("headwise_gateway_target_cooling_down", "1 while a target is skipped after failures",
                              ["target"], registry=r)
+        self.faults = Counter("headwise_gateway_upstream_faults", "broken upstream answers by target and kind "
+                              "(invalid_json, bad_shape, truncated, error_event, broken, oversized)",
+                              ["target", "kind"], registry=r)
         r.register(EngineCollector(runtimes))
 
     def token_piece(self, model: str, streams, piece) -> None:
@@ -87,6 +90,9 @@ class Metrics:
 
     def cooldown(self, target: str, cooling: bool) -> None:
         self.cooling.labels(target).set(1.0 if cooling else 0.0)
+
+    def fault(self, target: str, kind: str) -> None:
+        self.faults.labels(target, kind).inc()
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -10,6 +10,7 @@ Their output, and every log record of this process (for the in-thread servers of
 """
 from __future__ import annotations
 
+import collections
 import io
 import json
 import logging
@@ -265,3 +266,142 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# --- a fake upstream provider that misbehaves on request (the gateway's fault and leak tests) ---
+
+FAKE_KEY = "sk-fake-" + secrets.token_hex(12)
+FAKE_KEY_ENV = "HEADWISE_TEST_FAKE_KEY"
+
+
+def _fake_upstream_app():
+    """An OpenAI-compatible server whose behaviour is chosen by the request's `model`:
+    `ok` answers properly (streamed or not); `echo-400` / `echo-500` / `echo-429` put the
+    request's headers (Authorization included) into their error bodies and headers;
+    `notjson`, `badshape`, `truncated`, `badevent`, `badfirst`, `errevent`, `empty` are
+    broken answers. `/_hits` says how many requests each model got."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    hits = collections.Counter()
+
+    def chunk(text, endpoint):
+        if endpoint == "chat":
+            return {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "fake",
+                    "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+        return {"id": "c1", "object": "text_completion", "created": 1, "model": "fake",
+                "choices": [{"index": 0, "text": text, "finish_reason": None, "logprobs": None}]}
+
+    def answer(endpoint):
+        if endpoint == "embeddings":
+            return {"object": "list", "model": "fake", "data": [{"object": "embedding", "index": 0,
+                                                                 "embedding": [0.6, 0.8]}],
+                    "usage": {"prompt_tokens": 1, "total_tokens": 1}}
+        usage = {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
+        if endpoint == "chat":
+            return {"id": "c1", "object": "chat.completion", "created": 1, "model": "fake", "usage": usage,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello there"},
+                                 "finish_reason": "stop", "logprobs": None}]}
+        return {"id": "c1", "object": "text_completion", "created": 1, "model": "fake", "usage": usage,
+                "choices": [{"index": 0, "text": "hello there", "finish_reason": "stop", "logprobs": None}]}
+
+    def stream(events):
+        async def gen():
+            for e in events:
+                yield e
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    def handler(endpoint):
+        async def handle(request: Request):
+            body = await request.json()
+            model = body.get("model")
+            hits[model] += 1
+            echo = json.dumps(dict(request.headers))
+            echo_headers = {"x-echo": request.headers.get("authorization", "")}
+            if model == "echo-400":
+                return JSONResponse({"error": {"message": f"bad request; you sent {echo}",
+                                               "type": "invalid_request_error", "param": "max_tokens",
+                                               "code": request.headers.get("authorization")}},
+                                    status_code=400, headers=echo_headers)
+            if model == "echo-400-plain":
+                return JSONResponse({"error": {"message": f"too long; you sent {echo}", "type": "invalid_request_error",
+                                               "param": "messages[0].content", "code": "context_length_exceeded"}},
+                                    status_code=400, headers=echo_headers)
+            if model == "echo-500":
+                return PlainTextResponse(f"Internal error while handling {echo}", status_code=500,
+                                         headers=echo_headers)
+            if model == "echo-429":
+                return JSONResponse({"error": {"message": f"slow down {echo}", "code": "rate_limit_exceeded"}},
+                                    status_code=429, headers={**echo_headers, "retry-after": "3"})
+            if model == "notjson":
+                return Response(b"{not json", media_type="application/json")
+            if model == "badshape":
+                return JSONResponse({"unexpected": True})
+            if not body.get("stream"):
+                return JSONResponse(answer(endpoint))
+            good = [b"data: " + json.dumps(chunk(t, endpoint)).encode() + b"\n\n" for t in ("hel", "lo")]
+            if model == "ok":
+                return stream([*good, b"data: [DONE]\n\n"])
+            if model == "truncated":
+                return stream(good)
+            if model == "badevent":
+                return stream([good[0], b"data: {not json\n\n", good[1], b"data: [DONE]\n\n"])
+            if model == "badfirst":
+                return stream([b"data: {not json\n\n", *good, b"data: [DONE]\n\n"])
+            if model == "errevent":
+                return stream([good[0], b"data: " + json.dumps({"error": {"message": f"died: {echo}",
+                                                                          "code": "engine_dead"}}).encode()
+                               + b"\n\n"])
+            if model == "empty":
+                return stream([])
+            return JSONResponse({"error": {"message": f"unknown model {model}"}}, status_code=404)
+        return handle
+
+    async def health(request):
+        return JSONResponse({"status": "ok"})
+
+    async def get_hits(request):
+        return JSONResponse(dict(hits))
+
+    routes = [Route("/v1/chat/completions", handler("chat"), methods=["POST"]),
+              Route("/v1/completions", handler("completions"), methods=["POST"]),
+              Route("/v1/embeddings", handler("embeddings"), methods=["POST"]),
+              Route("/health", health), Route("/_hits", get_hits)]
+    return Starlette(routes=routes)
+
+
+FAKE_MODELS = ["ok", "echo-400", "echo-400-plain", "echo-500", "echo-429", "notjson", "badshape", "truncated",
+               "badevent", "badfirst", "errevent", "empty"]
+
+
+@pytest.fixture(scope="package")
+def fake_upstream():
+    """The misbehaving upstream, in this process; its key is in FAKE_KEY_ENV while it runs."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(FAKE_KEY_ENV, FAKE_KEY)
+        server = LiveServer(_fake_upstream_app()).start()
+        yield server
+        server.stop()
+
+
+@pytest.fixture(scope="package")
+def gateway_factory(fake_upstream):
+    """gateway_factory(server={...}, routes={...}) -> a started LiveServer of create_app over the
+    fake upstream (provider `fake`, every FAKE_MODELS name), no local models; stopped at the end."""
+    from headwise.serve import create_app
+    started = []
+
+    def make(server: dict | None = None, routes: dict | None = None) -> LiveServer:
+        config = {"server": {"api_key_env": "", **(server or {})},
+                  "providers": {"fake": {"base_url": fake_upstream.url + "/v1", "api_key_env": FAKE_KEY_ENV,
+                                         "models": FAKE_MODELS, "timeout": 10}},
+                  "routes": routes or {}}
+        live = LiveServer(create_app(parse_config(config))).start()
+        started.append(live)
+        return live
+
+    yield make
+    for live in started:
+        live.stop()
