@@ -43,7 +43,27 @@ from .scheduler import QueueFull, Scheduler
 # a quarter of the memory available when the engine is built.
 DEFAULT_KV_BUDGET = 1 << 30
 SAMPLES = 4096              # latency samples kept (ttft, inter-token): the most recent ones
-KEEP_OUTPUTS = 1024         # finished outputs kept for `result()`
+KEEP_OUTPUTS = 1024         # finished outputs kept for `result()` (streams keep none)
+
+
+class Samples(list):
+    """Recent latency samples in seconds (a plain list), shown as percentiles: printing
+    4,096 floats says nothing. `summary()` -> {"count", "p50", "p90", "p99"} (None when empty)."""
+
+    def summary(self) -> dict:
+        xs = sorted(self)
+        if not xs:
+            return {"count": 0, "p50": None, "p90": None, "p99": None}
+
+        def pct(q):                                 # nearest rank
+            return xs[min(len(xs) - 1, max(0, -(-len(xs) * q // 100) - 1))]
+        return {"count": len(xs), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
+
+    def __repr__(self) -> str:
+        d = self.summary()
+        if not d["count"]:
+            return "Samples(count=0)"
+        return f"Samples(count={d['count']}, " + ", ".join(f"{k}={d[k] * 1e3:.1f}ms" for k in ("p50", "p90", "p99")) + ")"
 
 
 @dataclass
@@ -58,17 +78,23 @@ class EngineStats:
     prefix_cache_queries: int       # prompt tokens looked up in the prefix table on admission
     prefix_cache_hits: int          # of those, found: their K/V was shared, not recomputed
     prompt_tokens: int              # accepted requests' prompt tokens
+    prefill_tokens: int             # prompt (and recomputed) tokens run through the model: an aborted
+                                    # request that never got scheduled adds none
     output_tokens: int              # generated tokens
     requests_finished: int          # stop or length
     requests_aborted: int
     steps: int
     step_seconds: dict[str, float]  # time spent per part of all steps: schedule (+ building the packed
                                     # step), forward, output (sampling, detokenizing, bookkeeping)
-    ttft_s: list[float]             # recent time-to-first-token samples, seconds
-    itl_s: list[float]              # recent inter-token latency samples, seconds
+    ttft_s: Samples                 # recent time-to-first-token samples, seconds (repr: percentiles)
+    itl_s: Samples                  # recent inter-token latency samples, seconds
+    decode_tokens_per_second: float | None   # tokens after each request's first / the time they took,
+                                             # over finished/aborted requests; None before any had 2 tokens
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """Plain numbers: the latency samples as {"count", "p50", "p90", "p99"}."""
+        d = {k: v for k, v in asdict(self).items() if k not in ("ttft_s", "itl_s")}
+        return {**d, "ttft_s": self.ttft_s.summary(), "itl_s": self.itl_s.summary()}
 
 
 class Engine:
@@ -135,7 +161,9 @@ class Engine:
         self._error: BaseException | None = None
         self._ttft = collections.deque(maxlen=SAMPLES)
         self._itl = collections.deque(maxlen=SAMPLES)
-        self._counts = collections.Counter()        # prompt_tokens, output_tokens, finished, aborted, steps
+        self._counts = collections.Counter()        # prompt_tokens, prefill_tokens, output_tokens, finished,
+                                                    # aborted, steps, decode_tokens (after each first token)
+        self._decode_seconds = 0.0                  # first token to last, summed over finished requests
         self._rate = 0.0                            # tokens computed per second, smoothed (for retry_after)
         self._seconds = {"schedule": 0.0, "forward": 0.0, "output": 0.0}
 
@@ -252,10 +280,17 @@ class Engine:
         return True
 
     def _close(self, group: RequestGroup) -> None:
+        """Forget a finished or aborted request. Its output is kept for `result()` only when
+        it was not streamed (a stream has handed every piece to its reader already)."""
         self._groups.pop(group.request_id, None)
-        self._outputs[group.request_id] = group.output()
-        while len(self._outputs) > KEEP_OUTPUTS:
-            self._outputs.popitem(last=False)
+        if group.keep_output:
+            self._outputs[group.request_id] = group.output()
+            while len(self._outputs) > KEEP_OUTPUTS:
+                self._outputs.popitem(last=False)
+        for r in group.children:
+            if r.first_token_at is not None and r.num_output_tokens > 1:
+                self._counts["decode_tokens"] += r.num_output_tokens - 1
+                self._decode_seconds += r.last_token_at - r.first_token_at
         group.done.set()
 
     def result(self, request_id: str, timeout: float | None = None) -> RequestOutput:
@@ -326,6 +361,7 @@ class Engine:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
         group = self._add(self._one_prompt(prompt), sampling, request_id, sink, limits=True)
+        group.keep_output = False           # its reader has every piece: nothing to keep for result()
         done = False
         try:
             self.start()
@@ -394,6 +430,8 @@ class Engine:
             self._rate = 0.8 * self._rate + 0.2 * (plan.num_tokens / dt) if self._rate else plan.num_tokens / dt
             self._counts["steps"] += 1
             for c in chunks:
+                if not (c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens):
+                    self._counts["prefill_tokens"] += c.num_tokens      # not a decode: prompt/recompute
                 if c.request.status is Status.RUNNING:
                     c.request.num_computed_tokens = c.start + c.num_tokens
             picked = [(i, c.request) for i, c in enumerate(c for c in chunks if c.sample)
@@ -408,7 +446,7 @@ class Engine:
                     if r.status is Status.FINISHED and r.group.finished:
                         self._counts["finished"] += 1
                         self._close(r.group)
-                        finished.append(self._outputs[r.group.request_id])
+                        finished.append(r.group.output())
             self._seconds["schedule"] += t1 - t0
             self._seconds["forward"] += dt
             self._seconds["output"] += time.perf_counter() - t2
@@ -525,8 +563,11 @@ class Engine:
                 kv_blocks_total=self.cache.num_blocks, kv_block_size=self.block_size,
                 preemptions=self.scheduler.num_preemptions, prefix_cache_queries=self.scheduler.prefix_queries,
                 prefix_cache_hits=self.scheduler.prefix_hits, prompt_tokens=c["prompt_tokens"],
-                output_tokens=c["output_tokens"], requests_finished=c["finished"], requests_aborted=c["aborted"],
-                steps=c["steps"], step_seconds=dict(self._seconds), ttft_s=list(self._ttft), itl_s=list(self._itl))
+                prefill_tokens=c["prefill_tokens"], output_tokens=c["output_tokens"],
+                requests_finished=c["finished"], requests_aborted=c["aborted"], steps=c["steps"],
+                step_seconds=dict(self._seconds), ttft_s=Samples(self._ttft), itl_s=Samples(self._itl),
+                decode_tokens_per_second=(c["decode_tokens"] / self._decode_seconds
+                                          if c["decode_tokens"] and self._decode_seconds > 0 else None))
 
     def __repr__(self) -> str:
         return (f"Engine({type(self.model).__name__}, max_num_seqs={self.max_num_seqs}, "

@@ -78,6 +78,7 @@ class RequestGroup:
         self.children: list[Request] = []
         self.done = threading.Event()         # set when every completion has finished
         self.error: BaseException | None = None   # set if the engine failed while this ran
+        self.keep_output = True               # kept for Engine.result() once finished (streams: no)
 
     @property
     def finished(self) -> bool:
