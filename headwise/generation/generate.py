@@ -29,8 +29,11 @@ class GenerationResult:
     decode_seconds: float = 0.0
 
     @property
-    def tokens_per_second(self) -> float:
-        return len(self.token_ids) / self.decode_seconds if self.decode_seconds else float("nan")
+    def tokens_per_second(self) -> float | None:
+        """Decode rate: the tokens after the first (which comes from the prefill) over the
+        decode time; None when fewer than 2 tokens were generated."""
+        n = len(self.token_ids) - 1
+        return n / self.decode_seconds if n >= 1 and self.decode_seconds > 0 else None
 
 
 class _StopScan:
