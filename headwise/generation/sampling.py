@@ -15,6 +15,10 @@ from torch import Tensor
 
 
 GREEDY_BELOW = 1e-5     # temperatures under this sample greedily
+# OpenAI allows 4 stop strings; vLLM any number. 16 of up to 1,000 characters keeps the
+# per-token stop check (on the engine thread, for every sequence) small.
+MAX_STOPS = 16
+MAX_STOP_CHARS = 1000
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,9 @@ class SamplingParams:
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
             (all(s for s in self.stop), "stop strings must be non-empty"),
+            (len(self.stop) <= MAX_STOPS, f"at most {MAX_STOPS} stop strings are allowed, got {len(self.stop)}"),
+            (all(len(s) <= MAX_STOP_CHARS for s in self.stop), f"stop strings may have at most {MAX_STOP_CHARS} "
+             f"characters, got one of {max(map(len, self.stop), default=0)}"),
         ]
         for ok, msg in checks:
             if not ok:
