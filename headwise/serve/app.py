@@ -4,7 +4,9 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 Startup returns at once and models load in a background thread: /health answers 503
-until every local model is ready, then 200. Shutdown (SIGTERM, after uvicorn has let
+until every local model has loaded or failed, then 200 ("degraded", with each failed
+model's reason, when some failed). If every local model fails, the server stops and
+`headwise serve` exits 1 with the reasons. Shutdown (SIGTERM, after uvicorn has let
 in-flight requests finish) stops the engines.
 """
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 
 import httpx
@@ -24,7 +27,7 @@ from .errors import APIError
 from .gateway import Gateway
 from .local import LocalRuntime, Loader, default_loader, load_all
 from .metrics import Metrics
-from .middleware import ApiKeyAuth, BodySizeLimit
+from .middleware import ApiKeyAuth, BodySizeLimit, install_log_filters
 from .schemas import (ERRORS, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion,
                       CompletionRequest, EmbeddingRequest, EmbeddingResponse, ModelList, sse_docs)
 
@@ -41,34 +44,64 @@ class ServeState:
         self.client: httpx.AsyncClient | None = None
         self.gateway: Gateway | None = None
         self.started = int(time.time())
+        self.fatal: str | None = None                   # why the server gave up (every model failed)
+        self.stop_server = None                         # set by `headwise serve`: ends uvicorn's loop
+        self._drain_timer: threading.Timer | None = None
+
+    def loaded(self, runtimes) -> None:
+        """The loader thread is done: with local models and none of them ready, give up."""
+        if runtimes and all(rt.state == "failed" for rt in runtimes):
+            self.fatal = "no model could be loaded: " + "; ".join(f"{rt.name}: {rt.error}" for rt in runtimes)
+            log.error("%s; stopping the server", self.fatal)
+            if self.stop_server is not None:
+                self.stop_server()
 
     @property
     def draining(self) -> bool:
         return self.gateway is not None and self.gateway.draining
 
     def begin_drain(self) -> None:
-        """SIGTERM: refuse new work (503), let what runs finish."""
+        """SIGTERM: refuse new work (503), let what runs finish; shortly before the drain
+        timeout (when uvicorn would cancel them, a traceback each) end the local requests
+        still running, so each stream closes with an error event and [DONE]."""
         if self.gateway is not None:
             self.gateway.draining = True
+        if self._drain_timer is None:
+            timeout = self.config.server.drain_timeout
+            self._drain_timer = threading.Timer(max(0.0, timeout - min(1.0, 0.25 * timeout)), self.cut_streams)
+            self._drain_timer.daemon = True
+            self._drain_timer.start()
+
+    def cut_streams(self) -> None:
+        n = sum(rt.abort_all() for rt in self.runtimes.values())
+        if n:
+            log.warning("drain timeout (%g s): ended %d request(s) still running", self.config.server.drain_timeout, n)
 
 
 def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastAPI:
+    protect_metrics = config.server.metrics_need_key()     # a ConfigError before anything starts
+    install_log_filters()
     state = ServeState(config, loader)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         state.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=512, max_keepalive_connections=64))
         state.gateway = Gateway(config, state.runtimes, state.client, state.metrics)
-        load_all(list(state.runtimes.values()))
+        load_all(list(state.runtimes.values()), on_done=state.loaded)
         try:
             yield
         finally:
-            state.begin_drain()
+            if state.gateway is not None:
+                state.gateway.draining = True
+            if state._drain_timer is not None:
+                state._drain_timer.cancel()             # uvicorn is done waiting: nothing left to cut
             timeout = config.server.drain_timeout
             await asyncio.to_thread(lambda: [rt.shutdown(timeout) for rt in state.runtimes.values()])
             await state.client.aclose()
 
-    app = FastAPI(title="headwise", version=_version(), lifespan=lifespan,
+    # redirect_slashes=False: "POST /v1/chat/completions/" is a 404 with the envelope, not a 307
+    # that clients follow as a GET or not at all
+    app = FastAPI(title="headwise", version=_version(), lifespan=lifespan, redirect_slashes=False,
                   description="OpenAI-compatible API over headwise's engine and upstream providers.")
     app.state.serve = state
     errors.install(app)
@@ -78,10 +111,14 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
         if state.draining:
             return errors.error_response(503, "shutting down", code="draining")
         status = {name: rt.state for name, rt in state.runtimes.items()}
+        failed = {n: rt.error for n, rt in state.runtimes.items() if rt.state == "failed"}
+        detail = "; ".join(f"{n}: {rt.error or rt.state}" for n, rt in state.runtimes.items() if rt.state != "ready")
+        if state.fatal or (failed and len(failed) == len(status)):
+            return errors.error_response(503, f"no model could be loaded: {detail}", code="model_failed")
         if any(s != "ready" for s in status.values()):
-            detail = "; ".join(f"{n}: {rt.error or rt.state}" for n, rt in state.runtimes.items()
-                               if rt.state != "ready")
             return errors.error_response(503, f"not ready: {detail}", code="loading", retry_after=2)
+        if failed:                                      # the others serve
+            return {"status": "degraded", "models": status, "errors": failed}
         return {"status": "ok", "models": status}
 
     @app.get("/metrics", response_class=Response)
@@ -91,8 +128,15 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
 
     @app.get("/v1/models", response_model=ModelList, responses={401: ERRORS[401]})
     async def list_models():
-        data = [{"id": name, "object": "model", "created": state.started, "owned_by": owner}
-                for name, owner in state.gateway.names()]
+        data = []
+        for name, owner in state.gateway.names():
+            entry = {"id": name, "object": "model", "created": state.started, "owned_by": owner}
+            rt = state.runtimes.get(name)
+            if rt is not None:                          # local: loading | ready | failed (+ why)
+                entry["status"] = rt.state
+                if rt.state == "failed":
+                    entry["error"] = rt.error
+            data.append(entry)
         return JSONResponse({"object": "list", "data": data})
 
     async def dispatch(endpoint: str, req, request: Request):
@@ -127,7 +171,7 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
                 schema.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http",
                                                                                      "scheme": "bearer"}}
                 for path, ops in schema["paths"].items():
-                    if path.startswith("/v1/"):
+                    if path.startswith("/v1/") or (protect_metrics and path == "/metrics"):
                         for op in ops.values():
                             op["security"] = [{"bearer": []}]
         return app.openapi_schema
@@ -136,7 +180,7 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
 
     # outermost first to run: auth (cheap, before reading any body), then the body limit
     app.add_middleware(BodySizeLimit, max_bytes=config.server.max_body_bytes)
-    app.add_middleware(ApiKeyAuth, keys=config.server.keys())
+    app.add_middleware(ApiKeyAuth, keys=config.server.keys(), protect_metrics=protect_metrics)
     return app
 
 

@@ -68,11 +68,16 @@ def run(args) -> int:
         print(f"headwise serve: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    app = create_app(config)
+    try:
+        app = create_app(config)
+    except ConfigError as e:
+        print(f"headwise serve: {e}", file=sys.stderr)
+        return 2
     s = config.server
     uv = uvicorn.Config(app, host=s.host, port=s.port, log_level=args.log_level, lifespan="on",
                         timeout_graceful_shutdown=s.drain_timeout)
     server = _server_class()(uv, app.state.serve)
+    app.state.serve.stop_server = lambda: setattr(server, "should_exit", True)    # every model failed
     base = f"http://{'[' + s.host + ']' if ':' in s.host else s.host}:{s.port}"
     auth = " (API keys required: Authorization: Bearer <key>)" if s.keys() else ""
     print(f"headwise serve: {base}/v1 -> models {', '.join(config.model_names())}{auth}; "
@@ -81,6 +86,9 @@ def run(args) -> int:
         import threading
         threading.Thread(target=_self_check, args=(base, config, s.keys()), daemon=True).start()
     server.run()
+    if app.state.serve.fatal:
+        print(f"headwise serve: {app.state.serve.fatal}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
@@ -119,22 +127,29 @@ def _self_check(base: str, config, keys) -> None:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             try:
-                if client.get("/health").status_code == 200:
+                r = client.get("/health")
+                if r.status_code == 200:
                     break
+                if r.status_code == 503 and r.json().get("error", {}).get("code") in ("model_failed", "draining"):
+                    print(f"headwise serve --self-check: {r.json()['error']['message']}", file=sys.stderr,
+                          flush=True)
+                    return                                  # it will not get better: stop waiting
             except httpx.TransportError:
+                pass
+            except ValueError:                              # not JSON: keep polling
                 pass
             time.sleep(0.5)
         else:
             print("headwise serve --self-check: /health never turned 200", file=sys.stderr, flush=True)
             return
-        models = [m["id"] for m in client.get("/v1/models").json()["data"]]
+        models = [m["id"] for m in client.get("/v1/models").json()["data"] if m.get("status") != "failed"]
         chat_model = next((m for m in models if "minilm" not in m.lower()), None)
         embed_model = next((m for m in models if "minilm" in m.lower()), None)
         if chat_model:
             question = "What is multi-head attention, in one sentence?"
             print(f"\n[self-check] POST /v1/chat/completions (stream) model={chat_model}\nuser: {question}\n"
                   "assistant: ", end="", flush=True)
-            t0, first, n = time.perf_counter(), None, 0
+            t0, first, last, n = time.perf_counter(), None, None, 0
             body = {"model": chat_model, "messages": [{"role": "user", "content": question}], "max_tokens": 60,
                     "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
             with client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -145,13 +160,15 @@ def _self_check(base: str, config, keys) -> None:
                     for choice in chunk.get("choices", []):
                         piece = choice["delta"].get("content") or ""
                         if piece:
-                            first = first or time.perf_counter()
+                            last = time.perf_counter()
+                            first = first or last
                             print(piece, end="", flush=True)
                     if chunk.get("usage"):
                         n = chunk["usage"]["completion_tokens"]
             if first:
-                rate = n / max(time.perf_counter() - first, 1e-9)
-                print(f"\n[{n} tokens; first after {(first - t0) * 1e3:.0f} ms, then {rate:.1f} tokens/s]", flush=True)
+                # decode rate over the tokens after the first; none to speak of for a 1-token reply
+                rate = (f", then {(n - 1) / (last - first):.1f} tokens/s" if n >= 2 and last > first else "")
+                print(f"\n[{n} tokens; first after {(first - t0) * 1e3:.0f} ms{rate}]", flush=True)
         if embed_model:
             texts = ["The bank approved the loan.", "The lender agreed to the credit.", "The river bank flooded."]
             data = client.post("/v1/embeddings", json={"model": embed_model, "input": texts}).json()["data"]

@@ -19,6 +19,7 @@ Upstream URLs come only from here, never from a request.
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 CACHE_KINDS = ("paged", "int8")          # the engine's block pool, fp32/model dtype or int8 K/V
+METRICS_AUTH = ("auto", "always", "never")
 
 
 class ConfigError(ValueError):
@@ -117,10 +119,34 @@ class ServerSettings:
     api_key_env: str | None = "HEADWISE_API_KEYS"   # comma-separated keys; unset/empty = no auth
     max_body_bytes: int = 4 * 2 ** 20   # FastAPI has no limit of its own
     drain_timeout: float = 30.0         # SIGTERM: seconds in-flight requests get to finish
+    metrics_auth: str = "auto"          # /metrics needs a key: auto (with keys, beyond loopback) | always | never
+
+    def __post_init__(self):
+        if self.metrics_auth not in METRICS_AUTH:
+            raise ConfigError(f"[server] metrics_auth = {self.metrics_auth!r}; choose one of {', '.join(METRICS_AUTH)}")
 
     def keys(self) -> tuple[str, ...]:
         env = os.environ.get(self.api_key_env, "") if self.api_key_env else ""
         return tuple(k for k in (*self.api_keys, *(s.strip() for s in env.split(","))) if k)
+
+    def metrics_need_key(self) -> bool:
+        """/metrics names every model, route and target: behind the API keys when they are set
+        and the server is reachable beyond this machine (or always / never, if told)."""
+        if self.metrics_auth == "never":
+            return False
+        if not self.keys():
+            if self.metrics_auth == "always":
+                raise ConfigError("[server] metrics_auth = 'always' but no API keys are set: set "
+                                  f"{self.api_key_env or 'api_key_env'} or api_keys, or use metrics_auth = 'auto'")
+            return False
+        return self.metrics_auth == "always" or not _loopback(self.host)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 @dataclass(frozen=True)

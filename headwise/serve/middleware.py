@@ -1,4 +1,5 @@
-"""Two pure-ASGI guards in front of the routes: body size and API keys.
+"""Two pure-ASGI guards in front of the routes: body size and API keys; and the log filters
+that keep secrets out of the log.
 
 Pure ASGI (not BaseHTTPMiddleware) so streaming responses and client-disconnect
 messages pass through untouched.
@@ -7,10 +8,58 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
+import re
 
 from .errors import APIError
 
 OPEN_PATHS = ("/health", "/metrics", "/docs", "/redoc", "/openapi.json")
+SECRET_PARAM = re.compile(r"key|token|secret|passw|pwd|auth|credential|signature", re.IGNORECASE)
+_QUERY = re.compile(r"\?([^\s\"'#]*)")
+
+
+def redact_query(text: str) -> str:
+    """'/v1/models?api_key=sk-1&limit=3' -> '/v1/models?api_key=[redacted]&limit=3': the value of
+    every query parameter whose name looks like a credential (key, token, secret, password, ...)."""
+    def params(m: re.Match) -> str:
+        parts = []
+        for part in m.group(1).split("&"):
+            name, eq, _ = part.partition("=")
+            parts.append(f"{name}=[redacted]" if eq and SECRET_PARAM.search(name) else part)
+        return "?" + "&".join(parts)
+    return _QUERY.sub(params, text) if "?" in text else text
+
+
+class RedactQuery(logging.Filter):
+    """On uvicorn's access log (and httpx's request log): secrets in query strings never reach
+    a handler. The access line's args are (client, method, path?query, http version, status)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(redact_query(a) if isinstance(a, str) else
+                                redact_query(str(a)) if type(a).__name__ == "URL" else a for a in record.args)
+        elif not record.args and isinstance(record.msg, str):
+            record.msg = redact_query(record.msg)
+        return True
+
+
+class HideResponseHeaders(logging.Filter):
+    """httpcore's DEBUG trace prints upstream response headers verbatim, and an upstream may echo
+    our Authorization header back: keep the trace, drop the headers."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith("receive_response_headers.complete"):
+            record.msg, record.args = "receive_response_headers.complete (headers not logged)", ()
+        return True
+
+
+def install_log_filters() -> None:
+    """Once per process (create_app calls it; uvicorn's logging setup keeps logger filters)."""
+    for name, cls in (("uvicorn.access", RedactQuery), ("httpx", RedactQuery),
+                      ("httpcore.http11", HideResponseHeaders), ("httpcore.http2", HideResponseHeaders)):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, cls) for f in logger.filters):
+            logger.addFilter(cls())
 
 
 async def _send_error(send, err: APIError, extra_headers: list | None = None) -> None:
@@ -73,9 +122,10 @@ class ApiKeyAuth:
     so timing reveals neither a key nor which one matched). Keys are never logged:
     the error says only that the key is missing or wrong."""
 
-    def __init__(self, app, keys: tuple[str, ...]):
+    def __init__(self, app, keys: tuple[str, ...], protect_metrics: bool = False):
         self.app = app
         self.keys = [k.encode() for k in keys]
+        self.open_paths = tuple(p for p in OPEN_PATHS if not (protect_metrics and p == "/metrics"))
 
     def _ok(self, given: bytes) -> bool:
         match = False
@@ -84,7 +134,7 @@ class ApiKeyAuth:
         return match
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not self.keys or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or not self.keys or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
         auth = dict(scope.get("headers") or []).get(b"authorization", b"")
         scheme, _, token = auth.partition(b" ")
