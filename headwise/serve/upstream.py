@@ -120,7 +120,8 @@ class UpstreamTarget:
         if status in (400, 413, 422):               # the client's request: the same anywhere, not retried
             named = f" ({fields['param']})" if "param" in fields else ""
             hint = "the request is too large for it" if status == 413 else f"check the request's fields{named}"
-            return APIError(400 if status == 422 else status, f"{where} rejected the request ({status}): {hint}",
+            said = f", {fields['code']}" if "code" in fields else ""
+            return APIError(400 if status == 422 else status, f"{where} rejected the request ({status}{said}): {hint}",
                             code=fields.get("code"), param=fields.get("param"), type=fields.get("type"))
         if status == 429:
             retry = headers.get("retry-after")
@@ -172,7 +173,7 @@ class UpstreamTarget:
                 while head[-1] == b":\n\n":
                     head.append(await events.next())
                 if head[-1] is None:
-                    raise Fault("truncated", "ended the stream before its first event", code="upstream_invalid_response")
+                    raise Fault("truncated", "ended the stream before its first event")
                 streaming = True
         except Fault as f:
             raise self._fault(f, metrics) from None
