@@ -356,6 +356,9 @@ def _fake_upstream_app():
                                + b"\n\n"])
             if model == "empty":
                 return stream([])
+            if model == "crlf":                 # legal SSE, awkwardly cut: CRLF, a comment, split events
+                text = b": ping\r\n\r\n" + b"".join(g.replace(b"\n\n", b"\r\n\r\n") for g in good) + b"data: [DONE]"
+                return stream([text[i:i + 7] for i in range(0, len(text), 7)])
             return JSONResponse({"error": {"message": f"unknown model {model}"}}, status_code=404)
         return handle
 
@@ -373,7 +376,7 @@ def _fake_upstream_app():
 
 
 FAKE_MODELS = ["ok", "echo-400", "echo-400-plain", "echo-500", "echo-429", "notjson", "badshape", "truncated",
-               "badevent", "badfirst", "errevent", "empty"]
+               "badevent", "badfirst", "errevent", "empty", "crlf"]
 
 
 @pytest.fixture(scope="package")

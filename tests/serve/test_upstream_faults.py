@@ -53,6 +53,15 @@ def test_a_proper_upstream_still_passes(client):
     assert client.embeddings.create(model="fake/ok", input="hi").data[0].embedding == [0.6, 0.8]
 
 
+def test_legal_but_awkward_sse_passes(gw, client):
+    """CRLF line ends, a comment, events cut across reads, a last event without its blank line."""
+    status, lines = events(gw, "fake/crlf")
+    assert status == 200 and lines[-1] == "data: [DONE]"
+    assert [json.loads(x[6:])["choices"][0]["text"] for x in lines if x.startswith("data: {")] == ["hel", "lo"]
+    chunks = list(client.completions.create(model="fake/crlf", prompt="hi", stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == "hello"
+
+
 @pytest.mark.parametrize("model", ["notjson", "badshape"])
 @pytest.mark.parametrize("endpoint", ["completions", "chat", "embeddings"])
 def test_a_non_json_or_misshapen_answer_is_502(client, model, endpoint):
