@@ -1,10 +1,15 @@
 """headwise: multi-head attention from the layer to the API.
 
-Torch-backed names load on first use, so `headwise plan` starts without torch.
+Torch-backed names load on first use, so `headwise plan` starts without torch, and so that
+OpenMP's threads are set to wait passively before torch loads them (headwise/threads.py).
 """
 from __future__ import annotations
 
 import importlib
+
+from .threads import configure_wait_policy
+
+configure_wait_policy()
 
 __version__ = "0.1.0"
 
@@ -31,3 +36,7 @@ def __getattr__(name: str):
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'headwise' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -92,12 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if (sys.argv[1:] if argv is None else argv)[:1] == ["serve"]:
-        # Before torch loads OpenMP (build_parser imports it): a server steps engines on their own
-        # threads next to the event loop, and busy-waiting OpenMP workers starve them (measured:
-        # ~1 vs ~10 tok/s for one SmolLM2 stream on 2 cores). Set OMP_WAIT_POLICY to override.
-        import os
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Before build_parser imports torch: OpenMP threads wait passively for every subcommand, not only
+    # serve (`import headwise` did it already; this says so where the CLI starts). headwise/threads.py
+    from .threads import configure_wait_policy
+    configure_wait_policy()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

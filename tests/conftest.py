@@ -2,6 +2,8 @@ import os
 import tempfile
 
 import pytest
+
+import headwise  # noqa: F401  before torch: OpenMP threads wait passively (headwise/threads.py)
 import torch
 from hypothesis import HealthCheck, settings
 
