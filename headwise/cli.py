@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from . import __version__, compare, plan
+from .argtypes import Formatter, Parser, positive_int
 
 SEED_TABLE = ["bert-base", "gpt2", "gpt3-175b", "llama-2-7b", "llama-2-70b"]
 
@@ -71,10 +72,9 @@ def add_optional_cli(sub, module: str, name: str, help: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="headwise", description="Multi-head attention from the layer to the API.")
+    parser = Parser(prog="headwise", description="Multi-head attention from the layer to the API.")
     parser.add_argument("--version", action="version", version=f"headwise {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     plan.add_cli(sub)
     compare.add_cli(sub)
     from .generation import cli as generation_cli
@@ -83,10 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_optional_cli(sub, "headwise.analysis.cli", "analyze", "head analysis report: patterns, roles, attribution, "
                                                                "ablation, pruning")
     demo = sub.add_parser("demo", help="chat with SmolLM2, embed with MiniLM, plan the seed's models, compare "
-                                       "attention backends (what `make run` shows)")
-    demo.add_argument("--max-new-tokens", type=int, default=60)
-    demo.add_argument("--tokens", type=int, default=1024, help="sequence length for the backend comparison")
-    demo.add_argument("--rounds", type=int, default=5)
+                                       "attention backends",
+                          description="A tour of the embedded real models: SmolLM2 answers one question "
+                                      "(streamed), MiniLM embeds three sentences, the seed's table of models is "
+                                      "planned, and the attention backends are timed side by side.",
+                          formatter_class=Formatter)
+    demo.add_argument("--max-new-tokens", type=positive_int, default=60, help="length of SmolLM2's answer")
+    demo.add_argument("--tokens", type=positive_int, default=1024, help="sequence length for the backend comparison")
+    demo.add_argument("--rounds", type=positive_int, default=5, help="timing rounds per backend")
     demo.set_defaults(func=run_demo)
     return parser
 
@@ -101,7 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:             # Ctrl-C while loading or computing: no traceback
+        print(f"\nheadwise {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

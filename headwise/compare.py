@@ -68,25 +68,35 @@ def format_comparison(rows: list[dict], title: str) -> str:
 
 
 def add_cli(subparsers) -> argparse.ArgumentParser:
+    from .argtypes import Formatter, positive_int
     p = subparsers.add_parser(
         "backends", help="compare attention backends on one shape (choice, accuracy, speed)",
         description="Run every attention backend that can serve the given shape on the same inputs, "
-                    "check it against the math reference, and time them interleaved round by round.")
+                    "check it against the math reference, and time them interleaved round by round. "
+                    "The backend marked '<- auto' is the one attend(backend=\"auto\") picks for it.",
+        epilog="example: headwise backends -B 4 -H 32 --kv-heads 8 -T 2048 --dtype bf16   # GQA 32:8",
+        formatter_class=Formatter)
     arg = p.add_argument
-    arg("--batch", "-B", type=int, default=1)
-    arg("--heads", "-H", type=int, default=12, help="query heads")
-    arg("--kv-heads", type=int, default=None, help="key/value heads (default: --heads; fewer = GQA/MQA)")
-    arg("--tokens", "-T", type=int, default=512, help="query length T")
-    arg("--keys", "-S", type=int, default=None, help="key length S (default: T)")
-    arg("--head-dim", "-D", type=int, default=64)
+    arg("--batch", "-B", type=positive_int, default=1, help="batch size B")
+    arg("--heads", "-H", type=positive_int, default=12, help="query heads H")
+    arg("--kv-heads", type=positive_int, default=None, help="key/value heads Hkv, dividing H (None: H; fewer = "
+                                                             "GQA/MQA)")
+    arg("--tokens", "-T", type=positive_int, default=512, help="query length T")
+    arg("--keys", "-S", type=positive_int, default=None, help="key length S (None: T)")
+    arg("--head-dim", "-D", type=positive_int, default=64, help="head dim D")
     arg("--no-causal", action="store_true", help="bidirectional instead of causal")
-    arg("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    arg("--rounds", type=int, default=5)
+    arg("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="dtype of q, k, v")
+    arg("--rounds", type=positive_int, default=5, help="timed calls per backend, interleaved")
     p.set_defaults(func=run_backends)
     return p
 
 
 def run_backends(args) -> int:
+    if args.kv_heads and args.heads % args.kv_heads:
+        from .argtypes import fail
+        return fail("headwise backends", f"--heads {args.heads} is not divisible by --kv-heads {args.kv_heads}: "
+                                         f"key/value heads must divide the query heads (e.g. --kv-heads "
+                                         f"{next(d for d in range(args.kv_heads, 0, -1) if args.heads % d == 0)})")
     rows = compare_backends(args.batch, args.heads, args.kv_heads, args.tokens, args.keys, args.head_dim,
                             not args.no_causal, args.dtype, args.rounds)
     title = (f"attention B={args.batch} H={args.heads} Hkv={args.kv_heads or args.heads} T={args.tokens} "

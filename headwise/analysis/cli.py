@@ -5,6 +5,7 @@ import argparse
 import sys
 import time
 
+from ..argtypes import check_model, positive_int
 from .analyze import DEFAULT_TEXT, Settings
 
 
@@ -28,15 +29,16 @@ def add_cli(sub) -> None:
     p.add_argument("--corpus", help="plain-text file, paragraphs separated by blank lines (default: English "
                                     "prose of Python's pydoc_data.topics)")
     p.add_argument("--out", default=None, help="output directory (default: analysis-<model>)")
-    p.add_argument("--fit", type=int, help="fit examples: sentences (encoders, default 128) or rows of --seq-len "
-                                           "tokens (decoders, default 4)")
-    p.add_argument("--heldout", type=int, help="held-out examples for the ablation curves (default 192 / 4)")
-    p.add_argument("--seq-len", type=int, default=128, help="decoder row length in tokens (default %(default)s)")
-    p.add_argument("--seeds", type=int, default=3, help="random removal orders (default %(default)s)")
+    p.add_argument("--fit", type=positive_int, help="fit examples: sentences (encoders, default 128) or rows of "
+                                                    "--seq-len tokens (decoders, default 4)")
+    p.add_argument("--heldout", type=positive_int, help="held-out examples for the ablation curves (default 192 / 4)")
+    p.add_argument("--seq-len", type=positive_int, default=128,
+                   help="decoder row length in tokens (default %(default)s)")
+    p.add_argument("--seeds", type=positive_int, default=3, help="random removal orders (default %(default)s)")
     p.add_argument("--fractions", type=_fractions, help="fractions of heads removed on the curves, comma-separated")
     p.add_argument("--prune", type=float, default=0.3, help="fraction pruned for real, 0 to skip (default %(default)s)")
     p.add_argument("--no-mean-ablation", action="store_true", help="skip the mean-ablation curve")
-    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--threads", type=positive_int, help="torch CPU threads")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
@@ -56,6 +58,7 @@ def run(args) -> int:
         return 2
     t0 = time.perf_counter()
     try:
+        check_model(args.model)                 # a typo is reported before the corpus and model load
         corpus = load_corpus(args.corpus)
         model = headwise.load(args.model, dtype="fp32")
     except (ValueError, FileNotFoundError, KeyError) as e:

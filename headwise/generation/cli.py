@@ -1,17 +1,41 @@
-"""`headwise generate | chat | embed`: the models from the command line."""
+"""`headwise generate | chat | embed`: the models from the command line.
+
+Arguments are checked before a model loads (a bad one is one line on stderr, exit 2).
+A chat model's prompt goes through its chat template unless --raw; each reply ends with
+a line on stderr saying why it stopped. In `chat`, Ctrl-C stops the reply and keeps the
+conversation; Ctrl-C or Ctrl-D at the prompt quits.
+"""
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
+from ..argtypes import (Formatter, backend_name, fail, model_for, nonneg_float, nonneg_int, positive_float,
+                        positive_int, probability, unit_interval)
+
 SAMPLING_HELP = "sampling: --temperature 0 is greedy (the default here, reproducible)"
+_WHY = {"stop": "the model ended its turn, or a --stop string", "length": "reached --max-new-tokens",
+        "interrupted": "Ctrl-C"}
 
 
-def _load(args):
+def _load(args, task: str):
+    """The model, or None after printing why it cannot serve this command."""
     from ..models.loading import load
+    prog = f"headwise {args.command}"
     t0 = time.perf_counter()
-    model = load(args.model, dtype=None, backend=args.backend)
+    try:
+        model = load(args.model, dtype=None, backend=args.backend)
+    except (OSError, ValueError, LookupError) as e:     # missing files, bad checkpoints, uninstalled builtins
+        fail(prog, e)
+        return None
+    if getattr(model, "tokenizer", None) is None:
+        fail(prog, f"{args.model} has no tokenizer (tokenizer.json or vocab.txt); the CLI needs one to read text")
+        return None
+    if bool(getattr(model.config, "causal", False)) != (task == "chat"):
+        what = "a decoder; use `headwise generate` or `headwise chat`" if task == "embed" else \
+            "an encoder (an embedding model); use `headwise embed`"
+        fail(prog, f"{args.model} is {what}")
+        return None
     print(f"[loaded {args.model} in {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
     return model
 
@@ -23,53 +47,86 @@ def _sampling(args):
                           stop=tuple(args.stop or ()), seed=args.seed)
 
 
-def _stream_reply(model, prompt, params) -> str:
+def _prompt_ids(model, prompt) -> list[int]:
+    """Token ids as generate() makes them: chat messages through the template, text as is."""
+    tok = model.tokenizer
+    if isinstance(prompt, str):
+        return tok.encode(prompt)
+    return tok.encode(tok.apply_chat_template(prompt, add_generation_prompt=True), add_special_tokens=False)
+
+
+def _stream_reply(model, prompt, params) -> tuple[str, str]:
+    """Stream one reply to stdout -> (its text, finish reason). Ctrl-C ends it early ("interrupted")."""
     from .generate import generate
+    ids = _prompt_ids(model, prompt)
     t0 = time.perf_counter()
-    pieces = []
-    first = None
-    for piece in generate(model, prompt, params, stream=True):
-        first = first or time.perf_counter()
-        pieces.append(piece)
-        print(piece, end="", flush=True)
+    pieces, first, reason = [], None, "interrupted"
+    run = generate(model, ids, params, stream=True)
+    try:
+        while True:
+            try:
+                piece = next(run)
+            except StopIteration as done:
+                reason = done.value or "length"
+                break
+            first = first or time.perf_counter()
+            pieces.append(piece)
+            print(piece, end="", flush=True)
+    except KeyboardInterrupt:
+        run.close()
     text = "".join(pieces)
     n = len(model.tokenizer.encode(text, add_special_tokens=False)) if text else 0
     dt = time.perf_counter() - (first or t0)
-    print(f"\n[{n} tokens, {n / dt if dt > 0 else float('nan'):.1f} tokens/s, "
-          f"first token after {(first or t0) - t0:.2f} s]", file=sys.stderr)
-    return text
+    rate = f"{n / dt:.1f}" if n and dt > 0 else "-"
+    print(flush=True)
+    print(f"[finish_reason: {reason} ({_WHY[reason]}); prompt {len(ids)} tokens, {n} generated, {rate} tokens/s, "
+          f"first token after {(first or t0) - t0:.2f} s]", file=sys.stderr, flush=True)
+    return text, reason
 
 
 def run_generate(args) -> int:
-    model = _load(args)
-    prompt = [{"role": "user", "content": args.prompt}] if args.chat_template else args.prompt
+    model = _load(args, "chat")
+    if model is None:
+        return 2
+    chat = not args.raw and model.tokenizer.chat_template is not None
+    prompt = [{"role": "user", "content": args.prompt}] if chat else args.prompt
     _stream_reply(model, prompt, _sampling(args))
     return 0
 
 
 def run_chat(args) -> int:
-    model = _load(args)
-    history = [{"role": "system", "content": args.system}] if args.system else []
-    print("chat with", args.model, "- empty line or Ctrl-D to quit, /reset to clear history", file=sys.stderr)
+    model = _load(args, "chat")
+    if model is None:
+        return 2
+    if model.tokenizer.chat_template is None:
+        return fail("headwise chat", f"{args.model} has no chat template; use `headwise generate --raw` for "
+                                     "plain continuation")
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(system)
+    print(f"chat with {args.model}: Ctrl-C stops a reply (the conversation stays), /reset clears it; "
+          "an empty line, Ctrl-C or Ctrl-D at the prompt quits", file=sys.stderr)
     while True:
         try:
             line = input("you> ").strip()
-        except EOFError:
-            break
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
         if not line:
-            break
+            return 0
         if line == "/reset":
-            history = history[:1] if args.system else []
+            history = list(system)
             continue
         history.append({"role": "user", "content": line})
         print("bot> ", end="", flush=True)
-        history.append({"role": "assistant", "content": _stream_reply(model, history, _sampling(args))})
-    return 0
+        text, _ = _stream_reply(model, history, _sampling(args))
+        history.append({"role": "assistant", "content": text})   # an interrupted reply stays, as it was shown
 
 
 def run_embed(args) -> int:
     from ..embeddings import embed
-    model = _load(args)
+    model = _load(args, "embed")
+    if model is None:
+        return 2
     t0 = time.perf_counter()
     vecs = embed(model, args.text)
     dt = time.perf_counter() - t0
@@ -84,42 +141,48 @@ def run_embed(args) -> int:
     return 0
 
 
-def _common(p, default_model):
-    p.add_argument("model", nargs="?", default=default_model,
-                   help=f"builtin name, checkpoint directory or .gguf file (default: {default_model})")
-    p.add_argument("--backend", default="auto", help="attention backend (see `headwise backends`)")
+def _common(p, default_model: str, task: str):
+    p.add_argument("model", nargs="?", default=default_model, type=model_for(task),
+                   help="builtin name (see `headwise models`), checkpoint directory or .gguf file")
+    p.add_argument("--backend", default="auto", type=backend_name, help="attention backend (see `headwise backends`)")
 
 
 def _sampling_args(p):
     g = p.add_argument_group(SAMPLING_HELP)
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--max-new-tokens", type=positive_int, default=128, help="most tokens in a reply")
+    g.add_argument("--temperature", type=nonneg_float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=nonneg_int, default=0, help="keep the k most likely tokens; 0 = off")
+    g.add_argument("--top-p", type=probability, default=1.0, help="nucleus: smallest set with this probability")
+    g.add_argument("--min-p", type=unit_interval, default=0.0, help="drop tokens below min_p * p_max")
+    g.add_argument("--repetition-penalty", type=positive_float, default=1.0, help="1 = off")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None, help="sampling seed")
 
 
 def add_cli(sub) -> None:
     p = sub.add_parser("generate", help="stream a completion from a decoder model, then print tokens/s",
-                       description="Generate text with a decoder model; streams as it goes.")
-    _common(p, "smollm2-135m-instruct")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--chat-template", action="store_true", help="wrap the prompt as one user message")
+                       description="Generate text with a decoder model; streams as it goes. A chat model's "
+                                   "prompt goes through its chat template (one user message) unless --raw.",
+                       formatter_class=Formatter)
+    _common(p, "smollm2-135m-instruct", "chat")
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--raw", action="store_true", help="plain continuation of the prompt, no chat template")
+    p.add_argument("--chat-template", action="store_true", help="(the default now; kept for old scripts)")
     _sampling_args(p)
     p.set_defaults(func=run_generate)
 
     p = sub.add_parser("chat", help="interactive streaming chat that keeps history",
-                       description="Chat in the terminal through the model's chat template.")
-    _common(p, "smollm2-135m-instruct")
+                       description="Chat in the terminal through the model's chat template. Ctrl-C stops a "
+                                   "reply and keeps the conversation; Ctrl-C or Ctrl-D at the prompt quits.",
+                       formatter_class=Formatter)
+    _common(p, "smollm2-135m-instruct", "chat")
     p.add_argument("--system", default=None, help="system prompt")
     _sampling_args(p)
     p.set_defaults(func=run_chat)
 
     p = sub.add_parser("embed", help="sentence embeddings and their cosine similarities",
-                       description="Embed texts with an encoder (mean pooling + L2 normalize).")
-    _common(p, "all-minilm-l6-v2")
+                       description="Embed texts with an encoder (mean pooling + L2 normalize).",
+                       formatter_class=Formatter)
+    _common(p, "all-minilm-l6-v2", "embed")
     p.add_argument("--text", action="append", required=True, help="a text to embed (repeatable)")
     p.set_defaults(func=run_embed)

@@ -202,7 +202,13 @@ def generate(model, prompt, sampling: SamplingParams | None = None, *, stream: b
 
 
 def _stream(model, prompt: list[int], params: SamplingParams, compile: bool = False) -> Iterator[str]:
-    for piece in _run(model, [prompt], params, streaming=True, compile=compile):
+    """Text pieces; the generator's return value (StopIteration.value) is the finish reason."""
+    run = _run(model, [prompt], params, streaming=True, compile=compile)
+    while True:
+        try:
+            piece = next(run)
+        except StopIteration as done:
+            return done.value
         if piece:
             yield piece
 
@@ -279,7 +285,7 @@ def _run(model, prompts: Sequence[list[int]], params: SamplingParams, streaming:
         t_decode = time.perf_counter() - t1
     if streaming:
         yield seqs[0].new_text()
-        return
+        return seqs[0].finish_reason or "length"
     for s in seqs:
         yield GenerationResult(s.text, s.token_ids, s.finish_reason or "length", s.prompt,
                                s.logprobs if params.logprobs is not None else None, t_prefill, t_decode)
