@@ -153,6 +153,21 @@ def _multiplier(mask: Tensor, B: int, H: int, index: int) -> Tensor:
                      f"got {tuple(mask.shape)}")
 
 
+def _check_per_layer(name: str, seq, what: str, num_layers: int) -> None:
+    """`seq` must hold one Tensor-or-None per attention layer (a str is not a list of layers)."""
+    if seq is None:
+        return
+    if not isinstance(seq, (list, tuple, Tensor)):
+        raise TypeError(f"{name} must be a list with one entry per attention layer ({num_layers} here), each "
+                        f"{what} or None; got {type(seq).__name__} {seq!r:.60}")
+    if len(seq) != num_layers:
+        raise ValueError(f"{name} has {len(seq)} entries but the model has {num_layers} attention layers")
+    bad = [(i, type(t).__name__) for i, t in enumerate(seq) if t is not None and not isinstance(t, Tensor)]
+    if bad:
+        raise TypeError(f"{name} entries must be {what} or None; entries {[i for i, _ in bad]} are "
+                        f"{sorted({t for _, t in bad})}")
+
+
 class Run:
     """The state `attached` shares with the layer hooks: capture, per-layer mask and replace."""
 
@@ -169,9 +184,9 @@ def attached(model: nn.Module, *, capture: Capture | None = None, mask: Sequence
     replace: one entry per layer, (H, D) or None (ablated heads become zero).
     """
     layers = attention_layers(model)
-    for name, seq in (("mask", mask), ("replace", replace)):
-        if seq is not None and len(seq) != len(layers):
-            raise ValueError(f"{name} has {len(seq)} entries but the model has {len(layers)} attention layers")
+    for name, seq, what in (("mask", mask, "a (H,) or (B, H) multiplier"),
+                            ("replace", replace, "an (H, D) tensor, e.g. from mean_outputs(model, batches)")):
+        _check_per_layer(name, seq, what, len(layers))
     if replace is not None:
         for i, (r, layer) in enumerate(zip(replace, layers)):
             if r is not None and tuple(r.shape) != (layer.num_heads, layer.head_dim):
