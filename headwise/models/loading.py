@@ -305,28 +305,31 @@ def load(path_or_name: str | os.PathLike, *, dtype=None, backend: str = "auto", 
     pack: gradient-free CPU forwards use oneDNN-prepacked weights (see packing.py; ~1.5x
     faster decoding, one more copy of each weight once used); False for plain nn.Linear.
     """
-    path = Path(path_or_name)
+    path, name = Path(path_or_name), str(path_or_name)
     if not path.exists():
         try:
             from .builtin import resolve
         except ImportError:
-            raise FileNotFoundError(f"{str(path_or_name)!r}: no such checkpoint directory or .gguf file") from None
+            raise FileNotFoundError(f"{name!r}: no such checkpoint directory or .gguf file") from None
         try:
-            resolved = resolve(str(path_or_name))
+            path = resolve(name)
         except (LookupError, ValueError) as e:
-            raise FileNotFoundError(f"{str(path_or_name)!r} is neither a checkpoint directory, a .gguf file nor "
+            raise FileNotFoundError(f"{name!r} is neither a checkpoint directory, a .gguf file nor "
                                     f"a builtin model name: {e}") from None
-        return load(resolved, dtype=dtype, backend=backend, pack=pack)
+    # config.name (what errors and reports say) is the name as typed, not the GGUF's general.name
+    # ("SmolLM2 135M Instruct") or the config.json's _name_or_path
     if path.is_file() and path.suffix == ".gguf":
         from .gguf import read_gguf
         hf_config, tensors, tokenizer = read_gguf(path)
-        model = _build(hf_config, tensors, dtype=dtype, backend=backend, source=str(path), pack=pack)
+        model = _build({**hf_config, "_name_or_path": name}, tensors, dtype=dtype, backend=backend,
+                       source=name if name == str(path) else f"{name} ({path})", pack=pack)
         model.tokenizer = tokenizer
         return model
     if not path.is_dir():
         raise ValueError(f"{path} is a file; pass its checkpoint directory (config.json + weights) or a .gguf file")
     hf_config, tensors, source = read_checkpoint(path)
-    model = _build(hf_config, tensors, dtype=dtype, backend=backend, source=source, pack=pack)
+    model = _build({**hf_config, "_name_or_path": name}, tensors, dtype=dtype, backend=backend, source=source,
+                   pack=pack)
     model.tokenizer = _tokenizer_for(path)
     st_config = path / "sentence_bert_config.json"     # sentence-transformers truncates to this length
     if st_config.is_file():
