@@ -279,6 +279,12 @@ class Engine:
         self._deliver(pieces)
         return True
 
+    def abort_all(self) -> int:
+        """Abort every unfinished request (a server's drain deadline); -> how many."""
+        with self._lock:
+            rids = list(self._groups)
+        return sum(self.abort(rid) for rid in rids)
+
     def _close(self, group: RequestGroup) -> None:
         """Forget a finished or aborted request. Its output is kept for `result()` only when
         it was not streamed (a stream has handed every piece to its reader already)."""
@@ -539,8 +545,7 @@ class Engine:
             self._wake.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
-        for rid in list(self._groups):
-            self.abort(rid)
+        self.abort_all()
 
     def __enter__(self) -> "Engine":
         return self.start()

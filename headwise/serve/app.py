@@ -115,7 +115,7 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
         detail = "; ".join(f"{n}: {rt.error or rt.state}" for n, rt in state.runtimes.items() if rt.state != "ready")
         if state.fatal or (failed and len(failed) == len(status)):
             return errors.error_response(503, f"no model could be loaded: {detail}", code="model_failed")
-        if any(s != "ready" for s in status.values()):
+        if any(s == "loading" for s in status.values()):
             return errors.error_response(503, f"not ready: {detail}", code="loading", retry_after=2)
         if failed:                                      # the others serve
             return {"status": "degraded", "models": status, "errors": failed}

@@ -27,6 +27,7 @@ from fastapi.responses import Response
 from .config import Route, ServeConfig, Target
 from .errors import APIError
 from .openai import chat, completions, embeddings
+from .openai.common import until_disconnect
 from .upstream import UpstreamTarget
 
 HANDLERS = {"chat": chat.create, "completions": completions.create, "embeddings": embeddings.create}
@@ -40,7 +41,10 @@ class LocalTarget:
 
     async def handle(self, endpoint: str, req, body: dict, request: Request, model: str, timeout, metrics,
                      settle=None):
-        return await HANDLERS[endpoint](self.runtime, req, model, request, timeout=timeout, metrics=metrics)
+        # A stream's response starts only with its first piece: until then, a client that hangs up
+        # must abort its queued requests at once, not after their prefill.
+        return await until_disconnect(HANDLERS[endpoint](self.runtime, req, model, request, timeout=timeout,
+                                                         metrics=metrics), request)
 
 
 @dataclass

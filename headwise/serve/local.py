@@ -2,7 +2,10 @@
 an encoder answers /v1/embeddings through headwise.embed.
 
 Models load in a background thread after the server starts, so /health can say 503
-until they are ready. The engine speaks token ids; tokenization and chat templates
+until they are ready. Variants of one checkpoint (same source, dtype and attention backend;
+say an fp32 and an int8 KV cache) share one loaded model: one set of weights, one engine
+each. A model that fails to load is marked failed with its reason; when every one fails,
+the server stops (`load_all`'s on_done). The engine speaks token ids; tokenization and chat templates
 happen here, at the edge (DESIGN: the engine never sees text).
 """
 from __future__ import annotations
@@ -19,6 +22,11 @@ from .errors import APIError
 log = logging.getLogger("headwise.serve")
 
 Loader = Callable[[LocalModel], object]     # LocalModel -> a loaded headwise model
+
+
+def weights_key(spec: LocalModel) -> tuple:
+    """Specs with the same key load the same weights: they share one model object."""
+    return (spec.source, spec.dtype, spec.backend)
 
 
 def default_loader(spec: LocalModel):
@@ -45,15 +53,24 @@ class LocalRuntime:
         return self.spec.name
 
     # ---- lifecycle (runs in the loader thread) ----------------------------------
-    def load(self) -> None:
+    def load(self, shared: dict | None = None) -> None:
+        """Load the model (or take it from `shared`, {weights_key: model} of the models loaded
+        so far) and start its engine; on failure state = "failed" and error says why."""
         try:
             t0 = time.perf_counter()
-            model = self.loader(self.spec)
+            key = weights_key(self.spec)
+            model = shared.get(key) if shared is not None else None
+            reused = model is not None
+            if not reused:
+                model = self.loader(self.spec)
             self.model, self.tokenizer = model, getattr(model, "tokenizer", None)
             if self.tokenizer is None:
                 raise ValueError(f"{self.spec.source} has no tokenizer; the API needs one to read text")
-            from ..models.packing import prepack
-            prepack(model)                  # the first request should not pay for reordering weights
+            if not reused:
+                from ..models.packing import prepack
+                prepack(model)              # the first request should not pay for reordering weights
+                if shared is not None:
+                    shared[key] = model
             if getattr(model.config, "causal", True):
                 self.engine = self._make_engine(model)
                 self.engine.start()
@@ -63,7 +80,8 @@ class LocalRuntime:
                 self.max_model_len = model.config.max_positions
                 self.kind = "embed"
             self.state = "ready"
-            log.info("model %s ready (%s, %.1f s)", self.name, self.kind, time.perf_counter() - t0)
+            log.info("model %s ready (%s, %.1f s%s)", self.name, self.kind, time.perf_counter() - t0,
+                     "; weights shared with an earlier variant" if reused else "")
         except Exception as e:                      # the server stays up and reports it
             self.state, self.error = "failed", f"{type(e).__name__}: {e}"
             log.error("model %s failed to load: %s", self.name, self.error)
@@ -142,6 +160,11 @@ class LocalRuntime:
         if self.engine is not None:
             self.engine.abort(request_id)
 
+    def abort_all(self) -> int:
+        """End every request of this model now: each stream gets its abort piece (the API
+        turns it into an error event and [DONE]); -> how many."""
+        return self.engine.abort_all() if self.engine is not None else 0
+
     async def embed(self, texts: list[str]):
         """(N, C) fp32 vectors, computed off the event loop, one batch at a time."""
         from ..embeddings import embed
@@ -157,11 +180,16 @@ class LocalRuntime:
         return self.engine.stats().as_dict()
 
 
-def load_all(runtimes: list[LocalRuntime]) -> threading.Thread:
-    """Load every model, one after the other, in a daemon thread (the server answers meanwhile)."""
+def load_all(runtimes: list[LocalRuntime],
+             on_done: Callable[[list[LocalRuntime]], None] | None = None) -> threading.Thread:
+    """Load every model, one after the other, in a daemon thread (the server answers meanwhile);
+    variants of the same weights share one model. Then on_done(runtimes)."""
     def run():
+        shared: dict = {}
         for rt in runtimes:
-            rt.load()
+            rt.load(shared)
+        if on_done is not None:
+            on_done(runtimes)
     t = threading.Thread(target=run, name="headwise-loader", daemon=True)
     t.start()
     return t
