@@ -19,8 +19,17 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}{usage}\n")
 
 
-class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows "(default: ...)" after every option that has one and keeps descriptions as written."""
+class Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: ...)" after every option that has a value by default."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "%(default)" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class RawFormatter(Formatter, argparse.RawDescriptionHelpFormatter):
+    """Formatter that keeps the description's line breaks as written."""
 
 
 def _number(kind, ok, want: str):

@@ -1,4 +1,4 @@
-"""`headwise` command line: plan | backends | demo."""
+"""`headwise` command line: plan | backends | generate | chat | embed | models | cache | serve | analyze | demo."""
 from __future__ import annotations
 
 import argparse
@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_cli(sub)
     from .generation import cli as generation_cli
     generation_cli.add_cli(sub)
+    from .models import cli as models_cli
+    models_cli.add_cli(sub)
     add_optional_cli(sub, "headwise.serve.cli", "serve", "serve models behind the OpenAI API (needs headwise[serve])")
     add_optional_cli(sub, "headwise.analysis.cli", "analyze", "head analysis report: patterns, roles, attribution, "
                                                                "ablation, pruning")

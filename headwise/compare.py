@@ -74,15 +74,15 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
         description="Run every attention backend that can serve the given shape on the same inputs, "
                     "check it against the math reference, and time them interleaved round by round. "
                     "The backend marked '<- auto' is the one attend(backend=\"auto\") picks for it.",
-        epilog="example: headwise backends -B 4 -H 32 --kv-heads 8 -T 2048 --dtype bf16   # GQA 32:8",
+        epilog="example (GQA 32:8, bf16): headwise backends -H 32 --kv-heads 8 --dtype bf16",
         formatter_class=Formatter)
     arg = p.add_argument
     arg("--batch", "-B", type=positive_int, default=1, help="batch size B")
     arg("--heads", "-H", type=positive_int, default=12, help="query heads H")
-    arg("--kv-heads", type=positive_int, default=None, help="key/value heads Hkv, dividing H (None: H; fewer = "
-                                                             "GQA/MQA)")
+    arg("--kv-heads", type=positive_int, default=None, help="key/value heads Hkv, dividing H (default: --heads; "
+                                                             "fewer = GQA/MQA)")
     arg("--tokens", "-T", type=positive_int, default=512, help="query length T")
-    arg("--keys", "-S", type=positive_int, default=None, help="key length S (None: T)")
+    arg("--keys", "-S", type=positive_int, default=None, help="key length S (default: --tokens)")
     arg("--head-dim", "-D", type=positive_int, default=64, help="head dim D")
     arg("--no-causal", action="store_true", help="bidirectional instead of causal")
     arg("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="dtype of q, k, v")

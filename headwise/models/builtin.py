@@ -42,6 +42,11 @@ class BuiltinNotInstalled(ModuleNotFoundError):
     """The package carrying a builtin model is missing; the message has the pip command."""
 
 
+def aliases(name: str) -> list[str]:
+    """The other names that load builtin `name`."""
+    return [a for a, target in _ALIASES.items() if target == name]
+
+
 def is_builtin(name: str) -> bool:
     return _canonical(name) in BUILTIN
 

@@ -1,14 +1,17 @@
-"""The converted-GGUF cache: one directory per source file.
+"""The converted-GGUF cache: one directory per source file's content.
 
     <cache>/gguf/<file stem>-<key>/  config.json model.safetensors
                                      tokenizer.json tokenizer_config.json manifest.json
 
-<cache> is $HEADWISE_CACHE or ~/.cache/headwise; <key> hashes the file's path,
-size, mtime and CACHE_VERSION, so a changed file gets a fresh entry. An entry is
-written to a temp dir and renamed into place, so a reader never sees half of one;
-manifest.json (written last) records every file's size. An entry that fails those
-checks or fails to parse is reported and rebuilt. Weights are stored fp32 (the
-exact dequantized values) and come back memory-mapped by safetensors.
+<cache> is $HEADWISE_CACHE or ~/.cache/headwise; <key> hashes CACHE_VERSION and the
+file's bytes (SHA-256), never its path, so the same model installed in several
+virtualenvs or clones shares one entry, and a changed file gets a fresh one. The hash
+is remembered per (path, size, mtime, inode) under <cache>/gguf-sources/, so only a
+new or changed file is read through. An entry is written to a temp dir and renamed
+into place, so a reader never sees half of one; manifest.json (written last) records
+every file's size. An entry that fails those checks or fails to parse is reported and
+rebuilt. Weights are stored fp32 (the exact dequantized values) and come back
+memory-mapped by safetensors. `headwise cache` lists the entries; --clean removes them.
 """
 from __future__ import annotations
 
@@ -29,12 +32,35 @@ CACHE_VERSION = 1     # bump when the conversion changes, so old entries are not
 _MANIFEST = "manifest.json"
 
 
-def cache_entry(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
-    """Where the converted copy of `path` lives. A changed file (size or mtime) gets a new entry."""
-    path = Path(path).resolve()
+def content_key(path: Path, cache_dir: Path) -> str:
+    """SHA-256 of the file's bytes (hex), memoized under cache_dir/gguf-sources by path, size, mtime and inode."""
     st = path.stat()
-    key = hashlib.sha256(f"{CACHE_VERSION}|{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    memo = cache_dir / "gguf-sources" / hashlib.sha256(
+        f"{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}".encode()).hexdigest()[:32]
+    try:
+        return memo.read_text().strip()
+    except OSError:
+        pass
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    key = h.hexdigest()
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
+        tmp.write_text(key)
+        os.replace(tmp, memo)                    # atomic: a reader sees the whole key or none
+    except OSError:
+        pass                                     # an unwritable cache only costs a re-hash next time
+    return key
+
+
+def cache_entry(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where the converted copy of `path` lives: named by the file's content, not its location."""
+    path = Path(path).resolve()
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    key = hashlib.sha256(f"{CACHE_VERSION}|{content_key(path, root)}".encode()).hexdigest()[:16]
     return root / "gguf" / f"{path.stem}-{key}"
 
 
