@@ -16,8 +16,9 @@ $(STAMP): $(PY) requirements.txt requirements-dev.txt requirements-models.txt py
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+# make run PORT=8080 HOST=0.0.0.0 MODELS="smollm2 path/to/model.gguf": the server on that port, address and models
 run: $(STAMP)
-	$(VENV)/bin/headwise serve --self-check
+	$(VENV)/bin/headwise serve --self-check $(MODELS) $(if $(PORT),--port $(PORT)) $(if $(HOST),--host $(HOST))
 
 # Debian's chromium drives the head-analysis HTML test (tests/analysis): playwright's own
 # browser download cannot work here. sudo only when not root.

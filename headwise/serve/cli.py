@@ -1,13 +1,18 @@
-"""`headwise serve [--config FILE] [--host HOST] [--port PORT]`.
+"""`headwise serve [MODEL ...] [--config FILE] [--host HOST] [--port PORT]`.
 
-Without a config: smollm2-135m-instruct (chat, completions) and all-minilm-l6-v2
-(embeddings) on 127.0.0.1:8000. API keys: set HEADWISE_API_KEYS (comma-separated)
+MODEL: builtin names (`headwise models`), .gguf files or checkpoint directories, each
+served under its own name; a chat model (decoder) answers /v1/chat/completions and
+/v1/completions, an encoder /v1/embeddings. With neither MODEL nor --config:
+smollm2-135m-instruct (chat, completions) and all-minilm-l6-v2 (embeddings) on
+127.0.0.1:8000. --config FILE: a gateway TOML (examples/gateway.toml) for routes,
+upstream providers and per-model limits. API keys: set HEADWISE_API_KEYS (comma-separated)
 or [server] api_key_env / api_keys in the config; with none, the API is open.
 SIGTERM: stop accepting, let in-flight requests finish (up to [server] drain_timeout),
 stop the engines, exit 0.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import sys
 
@@ -15,17 +20,27 @@ import sys
 def add_cli(sub) -> None:
     import uvicorn  # noqa: F401  (fail here, so `headwise serve` says to install the extra)
     import argparse
+
+    from ..argtypes import model_for
     p = sub.add_parser("serve", help="serve models behind the OpenAI API (gateway over local engines and "
                                      "upstream providers)", description=__doc__.split("\n\n", 1)[1],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="gateway TOML (see examples/gateway.toml); default: the two builtin models")
+    p.add_argument("models", nargs="*", metavar="MODEL", type=model_for(None),
+                   help="builtin name, .gguf file or checkpoint directory (default: the two builtin models)")
+    p.add_argument("--config", help="gateway TOML (see examples/gateway.toml), instead of MODEL arguments")
     p.add_argument("--host", help="bind address (default 127.0.0.1: loopback only)")
-    p.add_argument("--port", type=int, help="port (default 8000)")
+    p.add_argument("--port", type=_port, help="port (default 8000)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--self-check", action="store_true",
                    help="once the models are ready, send one chat request (streamed) and one embeddings request "
                         "through the server's own API and print the answers (what `make run` shows)")
     p.set_defaults(func=run)
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 1 to 65535, got {text}")
+    return int(text)
 
 
 def _server_class():
@@ -59,11 +74,19 @@ def run(args) -> int:
     import uvicorn
 
     from .app import create_app
-    from .config import ConfigError, default_config, load_config
+    from .config import ConfigError, default_config, load_config, models_config
 
+    if args.config and args.models:
+        print(f"headwise serve: error: give MODEL arguments ({' '.join(args.models)}) or --config {args.config}, "
+              "not both; list the models in the config's [models] tables instead", file=sys.stderr)
+        return 2
     try:
-        config = load_config(args.config, args.host, args.port) if args.config else default_config(args.host,
-                                                                                                    args.port)
+        if args.config:
+            config = load_config(args.config, args.host, args.port)
+        elif args.models:
+            config = models_config(args.models, args.host, args.port)
+        else:
+            config = default_config(args.host, args.port)
     except ConfigError as e:
         print(f"headwise serve: {e}", file=sys.stderr)
         return 2
@@ -84,7 +107,9 @@ def run(args) -> int:
           f"{base}/health turns 200 once they have loaded", flush=True)
     if args.self_check:
         import threading
-        threading.Thread(target=_self_check, args=(base, config, s.keys()), daemon=True).start()
+        logging.getLogger("httpx").addFilter(lambda record: record.threadName != "self-check")   # its own requests
+        threading.Thread(target=_self_check, args=(base, config, s.keys(), app.state.serve), daemon=True,
+                         name="self-check").start()
     server.run()
     if app.state.serve.fatal:
         print(f"headwise serve: {app.state.serve.fatal}", file=sys.stderr, flush=True)
@@ -93,6 +118,8 @@ def run(args) -> int:
 
 
 def _examples(base: str, chat_model: str | None, embed_model: str | None, key: bool) -> str:
+    import importlib.util
+    import shlex
     auth = ' -H "Authorization: Bearer $HEADWISE_API_KEY"' if key else ""
     lines = ["", "Try it (paste into another terminal):", ""]
     if chat_model:
@@ -101,7 +128,10 @@ def _examples(base: str, chat_model: str | None, embed_model: str | None, key: b
         lines += [f"curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\",
                   f"  -d '{body}'", ""]
     api_key = "os.environ['HEADWISE_API_KEY']" if key else '"unused"'
-    lines += ["python - <<'EOF'", *(["import os"] if key else []), "from openai import OpenAI",
+    # this interpreter, not whatever `python` another terminal finds: it has headwise's environment
+    if importlib.util.find_spec("openai") is None:
+        lines += [f"{shlex.quote(sys.executable)} -m pip install openai    # the client the snippet below uses"]
+    lines += [f"{shlex.quote(sys.executable)} - <<'EOF'", *(["import os"] if key else []), "from openai import OpenAI",
               f'client = OpenAI(base_url="{base}/v1", api_key={api_key})']
     if chat_model:
         lines += [f'for chunk in client.chat.completions.create(model="{chat_model}", stream=True, max_tokens=48,',
@@ -114,13 +144,31 @@ def _examples(base: str, chat_model: str | None, embed_model: str | None, key: b
     return "\n".join(lines)
 
 
-def _self_check(base: str, config, keys) -> None:
-    """Wait for /health, then use the API as a client would and print what came back."""
+def _wait_loaded(state) -> None:
+    """Wait in-process until no local model is loading: polling /health would put one access-log
+    line per poll between the banner and the answers."""
+    import time
+    while not state.fatal and not state.draining and any(rt.state == "loading" for rt in state.runtimes.values()):
+        time.sleep(0.2)
+
+
+def _task(config, name: str) -> str | None:
+    """"chat" or "embed" for a local model whose kind shows without loading it; None otherwise."""
+    from ..argtypes import model_task
+    model = config.models.get(name)
+    return model_task(model.source) if model else None
+
+
+def _self_check(base: str, config, keys, state=None) -> None:
+    """Wait for /health (for `state`'s models in-process first), then use the API as a client would and
+    print what came back."""
     import json
     import time
 
     import httpx
 
+    if state is not None:
+        _wait_loaded(state)
     headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
     chat_model = embed_model = None
     with httpx.Client(base_url=base, headers=headers, timeout=120) as client:
@@ -143,12 +191,13 @@ def _self_check(base: str, config, keys) -> None:
             print("headwise serve --self-check: /health never turned 200", file=sys.stderr, flush=True)
             return
         models = [m["id"] for m in client.get("/v1/models").json()["data"] if m.get("status") != "failed"]
-        chat_model = next((m for m in models if "minilm" not in m.lower()), None)
-        embed_model = next((m for m in models if "minilm" in m.lower()), None)
+        kinds = {m: _task(config, m) or ("embed" if "minilm" in m.lower() else "chat") for m in models}
+        chat_model = next((m for m in models if kinds[m] == "chat"), None)
+        embed_model = next((m for m in models if kinds[m] == "embed"), None)
         if chat_model:
             question = "What is multi-head attention, in one sentence?"
-            print(f"\n[self-check] POST /v1/chat/completions (stream) model={chat_model}\nuser: {question}\n"
-                  "assistant: ", end="", flush=True)
+            header = f"\n[self-check] POST /v1/chat/completions (stream) model={chat_model}\nuser: {question}\n" \
+                     "assistant: "                  # printed with the first piece: after the access-log line
             t0, first, last, n = time.perf_counter(), None, None, 0
             body = {"model": chat_model, "messages": [{"role": "user", "content": question}], "max_tokens": 60,
                     "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
@@ -161,7 +210,9 @@ def _self_check(base: str, config, keys) -> None:
                         piece = choice["delta"].get("content") or ""
                         if piece:
                             last = time.perf_counter()
-                            first = first or last
+                            if first is None:
+                                first = last
+                                print(header, end="")
                             print(piece, end="", flush=True)
                     if chunk.get("usage"):
                         n = chunk["usage"]["completion_tokens"]

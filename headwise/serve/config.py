@@ -180,6 +180,24 @@ def default_config(host: str | None = None, port: int | None = None) -> ServeCon
     return ServeConfig(server=server, models=models)
 
 
+def models_config(sources: list[str], host: str | None = None, port: int | None = None) -> ServeConfig:
+    """`headwise serve MODEL...`: each builtin name, .gguf file or checkpoint directory served under
+    its own name (the builtin's name, else the file or folder name; a repeat gets -2, -3, ...)."""
+    from ..models.builtin import BUILTIN, _canonical
+    server = ServerSettings(**{k: v for k, v in (("host", host), ("port", port)) if v is not None})
+    models: dict[str, LocalModel] = {}
+    for source in sources:
+        path = Path(source).expanduser()
+        base = _canonical(source) if _canonical(source) in BUILTIN and not path.exists() else \
+            (path.stem if path.suffix == ".gguf" else path.resolve().name)
+        name, n = base, 1
+        while name in models:
+            n += 1
+            name = f"{base}-{n}"
+        models[name] = LocalModel(name, str(path) if path.exists() else source)
+    return ServeConfig(server=server, models=models)
+
+
 def _take(table: dict, cls, where: str, **fixed) -> Any:
     known = set(cls.__dataclass_fields__) - set(fixed)
     unknown = sorted(set(table) - known)

@@ -25,6 +25,10 @@ CASES = {
     "analyze unknown model": (["analyze", "nope"], ["unknown model 'nope'"]),
     "analyze prune 1": (["analyze", "all-minilm-l6-v2", "--prune", "1"], ["--prune must be in [0, 1)"]),
     "plan unknown preset": (["plan", "gpt5"], ["gpt5"]),
+    "serve unknown model": (["serve", "nope"], ["unknown model 'nope'"]),
+    "serve missing gguf": (["serve", "smollm2", "/tmp/does-not-exist.gguf"], ["no such file"]),
+    "serve models and config": (["serve", "smollm2", "--config", "examples/gateway.toml"], ["not both"]),
+    "serve bad port": (["serve", "--port", "70000"], ["--port", "1 to 65535"]),
 }
 
 
