@@ -97,8 +97,9 @@ def run(args) -> int:
         print(f"headwise serve: {e}", file=sys.stderr)
         return 2
     s = config.server
+    from .timeouts import timed_h11
     uv = uvicorn.Config(app, host=s.host, port=s.port, log_level=args.log_level, lifespan="on",
-                        timeout_graceful_shutdown=s.drain_timeout)
+                        timeout_graceful_shutdown=s.drain_timeout, http=timed_h11(s.header_timeout, s.body_timeout))
     server = _server_class()(uv, app.state.serve)
     app.state.serve.stop_server = lambda: setattr(server, "should_exit", True)    # every model failed
     base = f"http://{'[' + s.host + ']' if ':' in s.host else s.host}:{s.port}"

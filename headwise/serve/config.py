@@ -48,6 +48,9 @@ class LocalModel:
     max_num_batched_tokens: int = 512   # tokens per engine step (prefill chunks + decodes)
     max_waiting_requests: int = 256     # beyond this the engine says QueueFull -> 429
     max_model_len: int | None = None    # cap the context below the model's own
+    # per request, checked before any tokenizing (which costs ~1 s per MB, on a worker thread)
+    max_input_chars: int = 2_000_000    # characters of text over all messages / prompts / inputs
+    max_embedding_tokens: int = 300_000     # tokens over all inputs of one embeddings request (OpenAI's)
 
     def __post_init__(self):
         where = f"[models.{self.name}]"
@@ -57,7 +60,8 @@ class LocalModel:
                               "headwise.generate uses it). Choose paged or int8")
         if self.cache not in CACHE_KINDS:
             raise ConfigError(f"{where} cache = {self.cache!r}; choose one of {', '.join(CACHE_KINDS)}")
-        for key in ("max_num_seqs", "block_size", "max_num_batched_tokens", "max_waiting_requests"):
+        for key in ("max_num_seqs", "block_size", "max_num_batched_tokens", "max_waiting_requests",
+                    "max_input_chars", "max_embedding_tokens"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{where} {key} must be >= 1, got {getattr(self, key)}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -119,9 +123,16 @@ class ServerSettings:
     api_key_env: str | None = "HEADWISE_API_KEYS"   # comma-separated keys; unset/empty = no auth
     max_body_bytes: int = 4 * 2 ** 20   # FastAPI has no limit of its own
     drain_timeout: float = 30.0         # SIGTERM: seconds in-flight requests get to finish
+    # a client that sends part of a request and goes silent (slowloris) gets 408 and a closed
+    # connection: headers must arrive within header_timeout s, the body within body_timeout s
+    header_timeout: float = 30.0
+    body_timeout: float = 60.0
     metrics_auth: str = "auto"          # /metrics needs a key: auto (with keys, beyond loopback) | always | never
 
     def __post_init__(self):
+        for key in ("header_timeout", "body_timeout"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"[server] {key} must be > 0 seconds, got {getattr(self, key)}")
         if self.metrics_auth not in METRICS_AUTH:
             raise ConfigError(f"[server] metrics_auth = {self.metrics_auth!r}; choose one of {', '.join(METRICS_AUTH)}")
 

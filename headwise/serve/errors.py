@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -59,21 +60,37 @@ def error_response(status: int, message: str, **kw) -> JSONResponse:
     return APIError(status, message, **kw).response()
 
 
+# pydantic names the member of a union it tried in the location: ('stop', 'constrained-str'),
+# ('input', 'list[constrained-int]', 0), ('content', 'list[TextPart]', 0, 'type'). Field names
+# here are snake_case, so a part with brackets, a dash, a capital or a bare type name is a tag.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list|dict|.*[\[\-].*|[A-Z]\w*)$")
+
+
 def _loc(loc) -> str:
-    """('body', 'messages', 0, 'content') -> 'messages[0].content'."""
+    """('body', 'messages', 0, 'content', 'str') -> 'messages[0].content'."""
     out = ""
     for part in loc:
-        if part in ("body", "query", "path"):
+        if part in ("body", "query", "path") or (isinstance(part, str) and _UNION_TAG.match(part)):
             continue
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
 
 
+def _relevant(errors: list[dict]) -> list[tuple[str, dict]]:
+    """A union reports every member's complaint. Where one member got past the type check
+    (a list of 17 stops: too long), the members whose type did not even match ("should be a
+    valid string", and the same for each item of the list) only bury it: drop those."""
+    located = [(_loc(e.get("loc", ())), e) for e in errors]
+    specific = {w for w, e in located if not e.get("type", "").endswith("_type")}
+    return [(w, e) for w, e in located
+            if not e.get("type", "").endswith("_type")
+            or not any(w == s or w.startswith(s + "[") or w.startswith(s + ".") for s in specific)]
+
+
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
+    errors = _relevant(exc.errors())
     parts, param = [], None
-    for e in errors[:5]:
-        where = _loc(e.get("loc", ()))
+    for where, e in errors[:5]:
         param = param or where or None
         msg = e.get("msg", "invalid")
         if e.get("type") == "json_invalid":
@@ -101,7 +118,9 @@ def install(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException):
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404:
-            message = f"no route {request.method} {request.url.path}; see /docs for the API"
+            path = request.url.path
+            hint = f" (did you mean {path.rstrip('/')}?)" if path.endswith("/") and len(path) > 1 else ""
+            message = f"no route {request.method} {path}{hint}; see /docs for the API"
         return JSONResponse(APIError(exc.status_code, message).body(), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 

@@ -6,7 +6,9 @@ live in the fields, so /openapi.json states them and FastAPI enforces them. Fiel
 that are accepted but cannot change the answer here (tools, penalties, logit_bias,
 json response formats) are rejected with a message when set to anything but their
 neutral value; bookkeeping fields (user, metadata, store) are accepted and ignored.
-Responses are declared for the docs and schema checks; handlers build plain dicts.
+Types are strict, as OpenAI's are: `"logprobs": "yes"` or `"max_tokens": "5"` is a 400 naming
+the field, not coerced (a number field still takes an integer: 1 for 1.0). Responses are
+declared for the docs and schema checks; handlers build plain dicts.
 """
 from __future__ import annotations
 
@@ -14,13 +16,17 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..generation.sampling import MAX_STOP_CHARS, MAX_STOPS
+
 NonEmpty = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0, le=2 ** 31 - 1)]
-Stop = Union[NonEmpty, Annotated[list[NonEmpty], Field(max_length=16)], None]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Stop = Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOPS)], None]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: no "yes" -> True, no "5" -> 5 (pydantic's lax mode would); ints still pass as floats
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(Strict):

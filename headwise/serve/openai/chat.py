@@ -9,8 +9,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..errors import APIError
 from ..schemas import ChatCompletionRequest
-from .common import (Streams, Usage, chat_logprobs, check_context, collect, new_id, reject_unsupported,
-                     sampling_params, sse_events, tokenize, until_disconnect)
+from .common import (Streams, Usage, chat_logprobs, check_chars, check_context, collect, new_id, off_loop,
+                     reject_unsupported, sampling_params, sse_events, tokenize, until_disconnect)
 
 
 def render_prompt(tok, req: ChatCompletionRequest) -> list[int]:
@@ -33,7 +33,16 @@ def render_prompt(tok, req: ChatCompletionRequest) -> list[int]:
     return ids
 
 
+def message_texts(req: ChatCompletionRequest):
+    for m in req.messages:
+        if isinstance(m.content, str):
+            yield m.content
+        elif m.content:
+            yield from (part.text for part in m.content)
+
+
 def prepare(runtime, req: ChatCompletionRequest):
+    """-> (prompt ids, SamplingParams). CPU work (template, tokenizer): call it off the loop."""
     reject_unsupported(req, {
         "tools": (not req.tools, "tool calling is not supported by headwise's local models"),
         "tool_choice": (req.tool_choice in (None, "none", "auto"), "tool_choice needs tools, which are not "
@@ -52,7 +61,8 @@ def prepare(runtime, req: ChatCompletionRequest):
 async def create(runtime, req: ChatCompletionRequest, model: str, request: Request, *, timeout=None,
                  metrics=None):
     runtime.require("generate", "/v1/chat/completions")
-    prompt, sampling = prepare(runtime, req)
+    check_chars(message_texts(req), runtime.spec.max_input_chars, "messages")
+    prompt, sampling = await off_loop(prepare, runtime, req)
     rid, created = new_id("chatcmpl"), int(time.time())
     streams = Streams(runtime, rid, sampling.n)
     await streams.start([prompt], sampling, timeout)
@@ -70,8 +80,10 @@ async def create(runtime, req: ChatCompletionRequest, model: str, request: Reque
 
 async def _collect(streams, rid, created, model, n, usage, tok, top, metrics):
     texts, reasons, lps = await collect(streams, n, usage, metrics, model)
-    choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
-                "logprobs": chat_logprobs(tok, lps[i], top) if top is not None else None,
+    # thousands of tokens x 21 alternatives to detokenize: off the loop
+    logprobs = await off_loop(lambda: [chat_logprobs(tok, lps[i], top) for i in range(n)]) if top is not None \
+        else [None] * n
+    choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": logprobs[i],
                 "finish_reason": reasons[i] or "length"} for i in range(n)]
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": usage.as_dict()}

@@ -8,6 +8,8 @@ the gateway may retry elsewhere; after that, an error travels inside the stream.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import json
 import logging
 import time
@@ -18,6 +20,26 @@ from ..errors import APIError
 from ..schemas import SamplingFields
 
 log = logging.getLogger("headwise.serve")
+
+
+# CPU work of a request (chat templates, tokenizing, detokenizing logprobs) runs here, not on
+# the event loop: a 4 MiB prompt takes seconds to tokenize, and on the loop every other request
+# and stream (and /health) waited for it. A pool of its own, so that huge requests queue here
+# rather than in the loop's default executor.
+_CPU = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="headwise-cpu")
+
+
+async def off_loop(fn, *args, **kwargs):
+    """fn(*args, **kwargs) on a worker thread; its exceptions (APIError included) re-raised here."""
+    return await asyncio.get_running_loop().run_in_executor(_CPU, functools.partial(fn, *args, **kwargs))
+
+
+def check_chars(texts, limit: int, param: str) -> None:
+    """400 before tokenizing when the text of a request is over the model's max_input_chars."""
+    n = sum(len(t) for t in texts)
+    if n > limit:
+        raise APIError(400, f"the {param} has {n:,} characters, over this model's limit of {limit:,} per request "
+                            f"([models.NAME] max_input_chars); send less text", param=param, code="input_too_long")
 
 
 def new_id(prefix: str) -> str:
@@ -88,9 +110,18 @@ def check_context(prompt_lens: list[int], max_tokens: int | None, limit: int, wh
 
 def tokenize(tok, text: str, *, special: bool = True) -> list[int]:
     try:
-        return tok.encode(text, add_special_tokens=special)
+        # encode_batch, not encode: HF tokenizers' encode holds the GIL while it works (4 MiB:
+        # seconds in which no other thread, the event loop included, runs); encode_batch lets go
+        return tok.encode_batch([text], add_special_tokens=special)[0]
     except Exception as e:        # lone surrogates and the like: the client's text, not our bug
         raise APIError(400, f"could not tokenize the input: {type(e).__name__}: {e}", code="invalid_text") from None
+
+
+def tokenize_many(tok, texts: list[str], *, special: bool = True) -> list[list[int]]:
+    try:
+        return tok.encode_batch(texts, add_special_tokens=special)
+    except Exception:              # find the text that fails, for the message
+        return [tokenize(tok, t, special=special) for t in texts]
 
 
 def check_ids(ids: list[int], vocab: int, param: str) -> list[int]:

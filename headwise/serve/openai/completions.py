@@ -9,8 +9,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..errors import APIError
 from ..schemas import CompletionRequest
-from .common import (Streams, Usage, check_context, check_ids, collect, completion_logprobs, new_id,
-                     reject_unsupported, sampling_params, sse_events, tokenize, until_disconnect)
+from .common import (Streams, Usage, check_chars, check_context, check_ids, collect, completion_logprobs, new_id,
+                     off_loop, reject_unsupported, sampling_params, sse_events, tokenize, until_disconnect)
 
 DEFAULT_MAX_TOKENS = 16         # OpenAI's default for completions
 
@@ -34,6 +34,7 @@ def prompts_of(runtime, req: CompletionRequest) -> list[list[int]]:
 
 
 def prepare(runtime, req: CompletionRequest):
+    """-> (prompts as ids, SamplingParams). CPU work (the tokenizer): call it off the loop."""
     n = req.n or 1
     reject_unsupported(req, {
         "echo": (not req.echo, "echo is not supported"),
@@ -48,7 +49,10 @@ def prepare(runtime, req: CompletionRequest):
 
 async def create(runtime, req: CompletionRequest, model: str, request: Request, *, timeout=None, metrics=None):
     runtime.require("generate", "/v1/completions")
-    prompts, sampling = prepare(runtime, req)
+    p = req.prompt
+    check_chars([p] if isinstance(p, str) else [t for t in p if isinstance(t, str)], runtime.spec.max_input_chars,
+                "prompt")
+    prompts, sampling = await off_loop(prepare, runtime, req)
     rid, created = new_id("cmpl"), int(time.time())
     streams = Streams(runtime, rid, sampling.n)
     await streams.start(prompts, sampling, timeout)
@@ -64,8 +68,10 @@ async def create(runtime, req: CompletionRequest, model: str, request: Request, 
 
 async def _collect(streams, rid, created, model, total, usage, tok, logprobs, metrics):
     texts, reasons, lps = await collect(streams, total, usage, metrics, model)
-    choices = [{"index": i, "text": texts[i], "finish_reason": reasons[i] or "length",
-                "logprobs": completion_logprobs(tok, lps[i], 0) if logprobs is not None else None}
+    # thousands of tokens x 21 alternatives to detokenize: off the loop
+    lp = await off_loop(lambda: [completion_logprobs(tok, lps[i], 0) for i in range(total)]) \
+        if logprobs is not None else [None] * total
+    choices = [{"index": i, "text": texts[i], "finish_reason": reasons[i] or "length", "logprobs": lp[i]}
                for i in range(total)]
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
             "usage": usage.as_dict()}
