@@ -50,8 +50,8 @@ def run_demo(args) -> int:
     print()
     rows = compare.compare_backends(B=1, H=12, T=args.tokens, D=64, causal=True, rounds=args.rounds)
     print(compare.format_comparison(rows, f"== attention backends: B=1 H=12 T=S={args.tokens} D=64 causal fp32 =="))
-    print("\nMore: `headwise chat`, `headwise generate --help`, `headwise plan --help`, `headwise backends --help`, "
-          "`make bench`.")
+    print("\nMore: `headwise models`, `headwise chat`, `headwise generate --help`, `headwise plan --help`, "
+          "`headwise backends --help`, `make bench`.")
     return 0
 
 
