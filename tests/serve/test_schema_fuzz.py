@@ -6,7 +6,13 @@ Valid bodies are pointed at models that exist (the random tiny Llama, capped at 
 tokens, and MiniLM) so they reach the handlers instead of stopping at 404.
 `positive_data_acceptance` is left out: schema-valid requests may still be refused by
 design (unknown model, a prompt over the context, unsupported penalties).
+
+HEADWISE_FUZZ_EXAMPLES sets the examples per operation (40 by default, for `make test`):
+
+    HEADWISE_FUZZ_EXAMPLES=300 .venv/bin/python -m pytest tests/serve/test_schema_fuzz.py -q
 """
+import os
+
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
@@ -31,7 +37,8 @@ def api_schema(main):
 @schema.parametrize()
 # Phase.generate only (+ shrink on failure): with Phase.explicit, schemathesis adds its coverage
 # phase, ~700 boundary cases that take two minutes here
-@settings(max_examples=40, deadline=None, derandomize=True, phases=[Phase.generate, Phase.shrink],
+@settings(max_examples=int(os.environ.get("HEADWISE_FUZZ_EXAMPLES", "40")), deadline=None, derandomize=True,
+          phases=[Phase.generate, Phase.shrink],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large,
                                  HealthCheck.function_scoped_fixture])
 def test_no_server_errors_and_responses_match_the_schema(case):
