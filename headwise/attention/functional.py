@@ -1,4 +1,5 @@
-"""`attend()`: the one functional entry point, and `explain()`: why it chose a backend."""
+"""`attend()`: the one functional entry point (`attend_kv()` for K/V a paged cache describes),
+and `explain()`: why it chose a backend."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,6 +9,7 @@ import torch
 from torch import Tensor
 
 from .backends import backends, get_backend
+from .kv import LayerKV
 from .masks import tile_masks
 from .spec import AttentionOutput, AttentionSpec, make_spec
 
@@ -68,14 +70,24 @@ class Explanation:
         return "\n".join(lines)
 
 
-def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Explanation:
-    """Which backend `attend(q, k, v, **kwargs)` would use, and every rejection with reasons."""
+def explain(q: Tensor, k, v: Tensor | None = None, **kwargs) -> Explanation:
+    """Which backend `attend(q, k, v, **kwargs)` would use, and every rejection with reasons.
+    k may be a cache's description of its K/V (`kv.LayerKV`, e.g. `read.kv` of a paged
+    read), v then omitted: the answer for `attend_kv(q, k, **kwargs)`."""
     backend = kwargs.pop("backend", "auto")
-    spec = make_spec(q, k, v, **kwargs)
+    if isinstance(k, LayerKV):
+        from .backends.paged import paged_spec
+        spec = paged_spec(q, k, **kwargs)
+    else:
+        spec = make_spec(q, k, v, **kwargs)
+    return _explain(q, k, v, spec, backend)
+
+
+def _explain(q, k, v, spec: AttentionSpec, backend: str) -> Explanation:
     names = backends() if backend == "auto" else [get_backend(backend).name]
     exp = Explanation(chosen=None)
     for name in names:
-        reasons = get_backend(name).check(q, k, v, spec)
+        reasons = _reasons(get_backend(name), q, k, v, spec)
         if not reasons and exp.chosen is None:
             exp.chosen = name
         elif reasons:
@@ -83,18 +95,55 @@ def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Explanation:
     return exp
 
 
+def _reasons(b, q, k, v, spec: AttentionSpec) -> list[str]:
+    """Why backend b cannot serve the request; a backend never sees K/V in a form it does not read."""
+    reads = "blocks" if isinstance(k, LayerKV) else "tensors"
+    if b.reads != reads:
+        return ["reads K/V in a paged cache's blocks (through a cache read), not k/v tensors"
+                if b.reads == "blocks" else "needs k/v tensors; these K/V live in a paged cache's blocks"]
+    return b.check(q, k, v, spec)
+
+
 def _select(q, k, v, spec: AttentionSpec, backend: str):
     if backend != "auto":
         b = get_backend(backend)
-        reasons = b.check(q, k, v, spec)
+        reasons = _reasons(b, q, k, v, spec)
         if reasons:
             raise ValueError(f"backend {backend!r} cannot serve this request: {'; '.join(reasons)}")
         return b.fn
     for name in backends():
         b = get_backend(name)
-        if not b.check(q, k, v, spec):
+        if not _reasons(b, q, k, v, spec):
             return b.fn
-    raise ValueError("no attention backend can serve this request:\n" + str(explain(q, k, v)))
+    raise ValueError("no attention backend can serve this request:\n" + str(_explain(q, k, v, spec, "auto")))
+
+
+def attend_kv(q: Tensor, kv: LayerKV, *, attn_mask: Tensor | None = None,
+              key_padding_mask: Tensor | None = None, is_causal: bool = False, kv_map: Tensor | None = None,
+              alibi_slopes: Tensor | None = None, scale: float | None = None, dropout_p: float = 0.0,
+              backend: str = "auto", need_weights: bool = False, return_lse: bool = False, window=None):
+    """`attend` over K/V that a cache describes instead of holding as tensors (a paged cache's
+    step: `kv.LayerKV`), through the registry's backends that read blocks (`paged`).
+
+    backend="math" gathers the sequences into one tensor and runs the reference (weights,
+    dropout); "auto", "paged" and every other registered name read the blocks in place
+    (a layer's choice of a tensor backend does not apply to blocks). Masks are over the
+    padded key axis S = the longest sequence after this step; kv_map (H,) maps each query
+    head to its KV head (uneven groups after pruning). Returns as `attend`.
+    """
+    from .backends.paged import paged_reference, paged_spec
+    spec = paged_spec(q, kv, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
+                      kv_map=kv_map, alibi_slopes=alibi_slopes, scale=scale, dropout_p=dropout_p,
+                      need_weights=need_weights, return_lse=return_lse, window=window)
+    name = get_backend(backend).name if backend != "auto" else "auto"   # an unknown name lists the valid ones
+    if name == "math":
+        res = paged_reference(q, kv, spec)
+    else:
+        named = name != "auto" and get_backend(name).reads == "blocks"
+        res = _select(q, kv, None, spec, name if named else "auto")(q, kv, None, spec)
+    if need_weights or return_lse:
+        return res
+    return res.out
 
 
 def weights_from_lse(q: Tensor, k: Tensor, lse: Tensor, *, heads: Sequence[int] | Tensor | None = None,

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..cache.protocol import LayerKVCache
 from .functional import attend
+from .kv import LayerKVCache
 from .masks import alibi_slopes as make_alibi_slopes
 from .rope import RotaryEmbedding
 

@@ -44,6 +44,7 @@ class AttentionSpec:
     dropout_p: float = 0.0
     need_weights: bool = False
     return_lse: bool = False
+    kv_map: Tensor | None = None             # (H,) KV head of each query head (uneven groups); paged reads only
 
     @property
     def G(self) -> int:

@@ -8,7 +8,8 @@ instead lays the step's tokens end to end, as FlashAttention's varlen API and vL
     logits = model(input_ids, cache=step)          # input_ids (1, 202): a's, b's, then c's tokens
 
 Each layer projects (1, N, C) in one matmul, then `step.layer(i)` writes every token's
-K/V to its own slot and attends per part of the pack:
+K/V to its own slot. The step is also the description (`PackedReads`) that the `paged`
+attention backend (attention/backends/paged.py) reads, part by part:
 - decodes (one new token) of sequences that each start a region of the pool and fit in
   it (`region_blocks`): all at once, one fused-kernel call on one strided view ("regions");
 - other decodes whose sequence's blocks are one consecutive run: in place, one call per
@@ -27,55 +28,26 @@ at 64 sequences a step reads more K/V than weights.
 """
 from __future__ import annotations
 
-import math
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
-from ..attention.spec import AttentionOutput
-from .paged import _CPU_FLASH, PagedKVCache, PagedRead, PagedStep
+from ..attention.backends.paged import in_place_ok
+from ..attention.functional import attend_kv
+from ..attention.kv import LayerKV, PackedPart, PackedReads, RegionGrid
 
 # The in-place read of decodes needs PyTorch's CPU flash kernel (it takes strided K/V views).
-RUNS_OK = _CPU_FLASH is not None
+RUNS_OK = in_place_ok()
 
 
-class _Part(NamedTuple):
-    """Pack rows [start, stop) (or the `index` rows) and how they are read:
-    "chunk": one sequence's T = stop - start query rows, through `step` (a PagedStep read plan);
-    "decodes": one row per sequence, through `step`, a batched read plan (tiles, gathers);
-    "runs": one row per sequence whose keys are one consecutive run of blocks: `spans` holds
-        each one's (first slot, number of keys), read in place as views (see `_attend_runs`);
-    "regions": one row per sequence that starts a region of the pool (`region_blocks`) and
-        fits in it: all read by one kernel call on one strided view (see `_attend_regions`)."""
-    kind: str
-    start: int
-    stop: int
-    index: Tensor | None          # rows that are not contiguous in the pack: their (n,) positions
-    step: PagedStep | None
-    spans: list[tuple[int, int]] | None
-    grid: "_Grid | None" = None
-
-
-class _Grid(NamedTuple):
-    """Regions r0 .. r0 + count - 1 seen as a batch of `count` sequences of `width` keys;
-    row j of the part is region r0 + slot[j], with lengths[j] keys."""
-    r0: int
-    count: int
-    width: int
-    slot: list[int]
-    lengths: list[int]
-    gather: Tensor | None         # (rows,) region slot of each row; None when row j is slot j
-
-
-class PackedStep:
-    """One model step over sequences packed along a single token axis (batch of one).
+class PackedStep(PackedReads):
+    """One model step over sequences packed along a single token axis (batch of one). As a
+    `PackedReads` it is the description of the step's K/V that the `paged` backend reads.
 
     Sequence b contributes num_new[b] tokens at pack offsets [offsets[b], offsets[b+1]),
     at positions starts[b] .. starts[b] + num_new[b] - 1. Built by `PagedKVCache.packed`.
     """
 
-    def __init__(self, cache: PagedKVCache, seq_ids, tables, starts, counts, pending, *,
+    def __init__(self, cache, seq_ids, tables, starts, counts, pending, *,
                  defer_prefix: bool = False):
         dev, bs = cache.device, cache.block_size
         self.cache, self.seq_ids, self.num_new, self.starts = cache, list(seq_ids), list(counts), list(starts)
@@ -88,12 +60,13 @@ class PackedStep:
         self._positions = torch.tensor(positions, dtype=torch.long, device=dev)[None]    # (1, N)
         self._slots = torch.tensor(slots, dtype=torch.long, device=dev)                  # (N,)
         self._pending, self._written, self.defer_prefix = pending, set(), defer_prefix
+        self.num_kv_heads, self.head_dim, self.dtype, self.device = cache.num_kv_heads, cache.head_dim, cache.dtype, dev
         self._tables = [list(t) for t in tables]                      # as of this step
-        self._parts = self._plan(self._tables)
+        self.parts = self._plan(self._tables)
         self._views: dict[int, list[tuple[Tensor, Tensor]]] = {}
-        self._masks: dict[tuple, Tensor] = {}
+        self.mask_memo: dict[tuple, Tensor] = {}
 
-    def _plan(self, tables) -> list[_Part]:
+    def _plan(self, tables) -> list[PackedPart]:
         cache, bs, R = self.cache, self.cache.block_size, self.cache.region_blocks
         parts, dec, runs, grid = [], [], [], []
         for b, n in enumerate(self.num_new):
@@ -114,7 +87,7 @@ class PackedStep:
                 slot = [r - r0 for _, r, _ in grid]
                 dense = slot == list(range(len(grid))) and r1 - r0 + 1 == len(grid)
                 gather = None if dense else torch.tensor(slot, dtype=torch.long, device=cache.device)
-                g = _Grid(r0, r1 - r0 + 1, max(S for _, _, S in grid), slot, [S for _, _, S in grid], gather)
+                g = RegionGrid(r0, r1 - r0 + 1, max(S for _, _, S in grid), slot, [S for _, _, S in grid], gather)
                 parts.append(self._rows_part("regions", [b for b, _, _ in grid], None, None)._replace(grid=g))
             else:
                 runs += [(b, (r * R * bs, S)) for b, r, S in grid]
@@ -122,22 +95,22 @@ class PackedStep:
         if runs:
             parts.append(self._rows_part("runs", [b for b, _ in runs], None, [span for _, span in runs]))
         if dec:
-            sub = PagedStep(cache, [self.seq_ids[b] for b in dec], [tables[b] for b in dec],
-                            [self.starts[b] for b in dec], [1] * len(dec), [], write=False)
+            sub = cache._read_plan([self.seq_ids[b] for b in dec], [tables[b] for b in dec],
+                                   [self.starts[b] for b in dec], [1] * len(dec))
             parts.append(self._rows_part("decodes", dec, sub, None))
         for b, n in enumerate(self.num_new):
             if n > 1:
-                sub = PagedStep(cache, [self.seq_ids[b]], [tables[b]], [self.starts[b]], [n], [], write=False)
-                parts.append(_Part("chunk", self.offsets[b], self.offsets[b + 1], None, sub, None))
+                sub = cache._read_plan([self.seq_ids[b]], [tables[b]], [self.starts[b]], [n])
+                parts.append(PackedPart("chunk", self.offsets[b], self.offsets[b + 1], None, sub, None))
         return parts
 
-    def _rows_part(self, kind, seqs, sub, spans) -> _Part:
+    def _rows_part(self, kind, seqs, sub, spans) -> PackedPart:
         rows = [self.offsets[b] for b in seqs]
         contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
         index = None if contiguous else torch.tensor(rows, dtype=torch.long, device=self.cache.device)
-        return _Part(kind, rows[0], rows[-1] + 1, index, sub, spans)
+        return PackedPart(kind, rows[0], rows[-1] + 1, index, sub, spans)
 
-    def _run_views(self, i: int) -> list[tuple[Tensor, Tensor]]:
+    def run_views(self, i: int) -> list[tuple[Tensor, Tensor]]:
         """Per sequence of "runs" part i: K and V of its keys in every layer, (L, 1, Hkv, n, D)
         views of the pool, made once per step so that a layer only indexes them."""
         views = self._views.get(i)
@@ -147,34 +120,33 @@ class PackedStep:
             K = cache._k[0].view(L, 1, Hkv, -1, D)                       # (L, 1, Hkv, NB * bs, D)
             V = cache._v[0].view(L, 1, Hkv, -1, D)
             views = self._views[i] = [(K[:, :, :, s0:s0 + n], V[:, :, :, s0:s0 + n])
-                                      for s0, n in self._parts[i].spans]
+                                      for s0, n in self.parts[i].spans]
         return views
 
-    def _grid_mask(self, i: int, G: int, dtype) -> Tensor:
-        """(count, 1, G, width) additive mask of regions part i: each sequence sees its own keys;
-        region slots without a sequence see everything (finite garbage, dropped), not nothing."""
-        key = (i, G, dtype)
-        mask = self._masks.get(key)
-        if mask is None:
-            grid = self._parts[i].grid
-            mask = torch.zeros(grid.count, 1, G, grid.width, dtype=dtype, device=self.cache.device)
-            for j, S in zip(grid.slot, grid.lengths):
-                mask[j, :, :, S:] = float("-inf")
-            self._masks[key] = mask
-        return mask
+    def region_views(self, layer: int, i: int) -> tuple[Tensor, Tensor]:
+        """K and V of "regions" part i in `layer`: region r's keys are slots [r * R * bs, r * R * bs
+        + width) of the pool, a fixed stride apart, so one as_strided view (count, Hkv, width, D)
+        of each plane holds them all."""
+        cache, grid = self.cache, self.parts[i].grid
+        Hkv, bs, R, NB, D = cache.num_kv_heads, cache.block_size, cache.region_blocks, cache.num_blocks, cache.head_dim
+        size, stride = (grid.count, Hkv, grid.width, D), (R * bs * D, NB * bs * D, D, 1)
+        kv = []
+        for planes in (cache._k, cache._v):
+            plane = planes[0][layer]                                               # (Hkv, NB, bs, D)
+            kv.append(plane.as_strided(size, stride, plane.storage_offset() + grid.r0 * R * bs * D))
+        return kv[0], kv[1]
 
-    def _fallback(self, i: int) -> PagedStep:
+    def fallback(self, i: int):
         """A PagedStep read plan for a "runs" or "regions" part, when a layer's call cannot take
         the in-place path."""
-        part = self._parts[i]
-        if part.step is None:
+        part = self.parts[i]
+        if part.reads is None:
             rows = part.index.tolist() if part.index is not None else list(range(part.start, part.stop))
             seqs = [self.offsets.index(r) for r in rows]
-            sub = PagedStep(self.cache, [self.seq_ids[b] for b in seqs],
-                            [self._tables[b] for b in seqs],
-                            [self.starts[b] for b in seqs], [1] * len(seqs), [], write=False)
-            part = self._parts[i] = part._replace(step=sub)
-        return part.step
+            sub = self.cache._read_plan([self.seq_ids[b] for b in seqs], [self._tables[b] for b in seqs],
+                                        [self.starts[b] for b in seqs], [1] * len(seqs))
+            part = self.parts[i] = part._replace(reads=sub)
+        return part.reads
 
     # ------------------------------------------------------------------ layers
     def layer(self, i: int) -> "PackedLayerStep":
@@ -246,10 +218,15 @@ class PackedLayerStep:
 
 
 class PackedRead:
-    """Attention of a packed step's queries over their own sequences' blocks, read in place."""
+    """One layer's read of a packed step: hands the `paged` backend where the K/V live."""
 
     def __init__(self, step: PackedStep, layer: int):
         self.step, self.layer = step, layer
+
+    @property
+    def kv(self) -> LayerKV:
+        """This read's K/V as the backends see them (`headwise.attention.explain(q, read.kv)`)."""
+        return LayerKV(self.step, self.layer)
 
     def attend(self, q: Tensor, *, attn_mask: Tensor | None = None, key_padding_mask: Tensor | None = None,
                is_causal: bool = False, kv_map: Tensor | None = None, alibi_slopes: Tensor | None = None,
@@ -262,95 +239,6 @@ class PackedRead:
         (backend="math" runs the gathering reference per part). Masks over the packed axis
         are not supported: a per-sequence mask belongs to a padded `PagedKVCache.batch` step.
         """
-        step = self.step
-        N, D = step.N, step.cache.head_dim
-        if not isinstance(q, Tensor) or q.dim() != 4 or q.shape[0] != 1 or q.shape[2] != N or q.shape[3] != D:
-            got = tuple(q.shape) if isinstance(q, Tensor) else type(q).__name__
-            raise ValueError(f"q must be (1, H, N, D) = (1, H, {N}, {D}) for this packed step, got {got}")
-        if attn_mask is not None or key_padding_mask is not None:
-            raise ValueError("a packed step takes no attn_mask or key_padding_mask: each token already sees "
-                             "only its own sequence; use PagedKVCache.batch for custom masks")
-        if need_weights:
-            raise ValueError("a packed read returns no weights; use PagedKVCache.batch with backend='math'")
-        kw = dict(is_causal=is_causal, kv_map=kv_map, alibi_slopes=alibi_slopes, scale=scale, dropout_p=dropout_p,
-                  backend=backend, return_lse=True, window=window)
-        H = q.shape[1]
-        if len(step._parts) == 1 and step._parts[0].kind == "chunk":     # one prefill chunk: no copies
-            res = PagedRead(step._parts[0].step, self.layer).attend(q, **kw)
-            return res if return_lse else res.out
-        in_place = (kv_map is None and alibi_slopes is None and dropout_p == 0 and backend != "math"
-                    and window is None and H % step.cache.num_kv_heads == 0 and q.dtype == step.cache.dtype
-                    and q.device.type == "cpu")
-        out = torch.empty_like(q)
-        lse = torch.empty(1, H, N, device=q.device) if return_lse else None
-        for i, part in enumerate(step._parts):
-            if part.kind == "chunk":
-                res = PagedRead(part.step, self.layer).attend(q[:, :, part.start:part.stop], **kw)
-                out[:, :, part.start:part.stop] = res.out
-                if lse is not None:
-                    lse[:, :, part.start:part.stop] = res.lse
-                continue
-            rows = q[0, :, part.start:part.stop] if part.index is None else q[0].index_select(1, part.index)
-            rows = rows.transpose(0, 1)                                                        # (Bd, H, D)
-            if part.kind in ("runs", "regions") and in_place:
-                attend_part = self._attend_runs if part.kind == "runs" else self._attend_regions
-                o, l = attend_part(rows, i, scale, return_lse)
-                if len(step._parts) == 1 and not return_lse:      # a pure decode step: no copy back
-                    return o.transpose(0, 1)[None]                # (1, H, N, D), memory order (N, H, D)
-            else:
-                sub = part.step if part.kind == "decodes" else step._fallback(i)
-                res = PagedRead(sub, self.layer).attend(rows[:, :, None], **kw)               # (Bd, H, 1, D)
-                o, l = res.out[:, :, 0], res.lse[:, :, 0]
-            o = o.transpose(0, 1)                                                             # (H, Bd, D)
-            if part.index is None:
-                out[0, :, part.start:part.stop] = o
-                if lse is not None:
-                    lse[0, :, part.start:part.stop] = l.transpose(0, 1)
-            else:
-                out[0].index_copy_(1, part.index, o)
-                if lse is not None:
-                    lse[0].index_copy_(1, part.index, l.transpose(0, 1).to(lse.dtype))
-        return AttentionOutput(out, lse, None) if return_lse else out
-
-    def _attend_regions(self, rows: Tensor, i: int, scale: float | None, want_lse: bool):
-        """Decode rows (Bd, H, D) of sequences that each start a region of R blocks and fit in it:
-        region r's keys are slots [r * R * bs, r * R * bs + width) of the pool, a fixed stride
-        apart, so one as_strided view (count, Hkv, width, D) of the pool holds them all, and
-        one kernel call with a length mask reads them: no gather, one call per layer instead
-        of one per sequence. -> (out (Bd, H, D), lse (Bd, H) or None)."""
-        step, grid = self.step, self.step._parts[i].grid
-        cache = step.cache
-        Bd, H, D = rows.shape
-        Hkv, bs, R, NB = cache.num_kv_heads, cache.block_size, cache.region_blocks, cache.num_blocks
-        G = H // Hkv
-        scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-        q = rows.reshape(Bd, Hkv, G, D)
-        if grid.gather is not None:
-            q = q.new_zeros(grid.count, Hkv, G, D).index_copy_(0, grid.gather, q)
-        size, stride = (grid.count, Hkv, grid.width, D), (R * bs * D, NB * bs * D, D, 1)
-        kv = []
-        for planes in (cache._k, cache._v):
-            plane = planes[0][self.layer]                                          # (Hkv, NB, bs, D)
-            kv.append(plane.as_strided(size, stride, plane.storage_offset() + grid.r0 * R * bs * D))
-        o, lse = _CPU_FLASH(q, kv[0], kv[1], 0.0, False, attn_mask=step._grid_mask(i, G, q.dtype), scale=scale)[:2]
-        if grid.gather is not None:
-            o, lse = o.index_select(0, grid.gather), lse.index_select(0, grid.gather)
-        return o.reshape(Bd, H, D), (lse.reshape(Bd, H).float() if want_lse else None)
-
-    def _attend_runs(self, rows: Tensor, i: int, scale: float | None, want_lse: bool):
-        """Decode rows (Bd, H, D), each over its sequence's keys, which lie in consecutive slots
-        [s0, s0 + n) of the pool: one fused-kernel call per sequence on a view of the pool,
-        nothing gathered, no mask (a decode token sees every key of its sequence), no
-        log-sum-exp merging; the G query heads of a KV group are G rows (GQA, no K/V copy).
-        Copying a 256-token sequence's K/V out and reading it back costs more than the
-        ~20 us of dispatch per call. -> (out (Bd, H, D), lse (Bd, H) or None)."""
-        Bd, H, D = rows.shape
-        Hkv = self.step.cache.num_kv_heads
-        scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-        views = self.step._run_views(i)                                  # Bd x (K, V) (L, 1, Hkv, n, D)
-        layer = self.layer
-        qs = rows.reshape(Bd, Hkv, H // Hkv, D).split(1)                # Bd x (1, Hkv, G, D)
-        res = [_CPU_FLASH(qb, k[layer], v[layer], 0.0, False, scale=scale) for qb, (k, v) in zip(qs, views)]
-        o = torch.cat([r[0] for r in res]).view(Bd, H, D)
-        lse = torch.cat([r[1] for r in res]).view(Bd, H).float() if want_lse else None
-        return o, lse
+        return attend_kv(q, self.kv, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
+                         kv_map=kv_map, alibi_slopes=alibi_slopes, scale=scale, dropout_p=dropout_p,
+                         backend=backend, need_weights=need_weights, return_lse=return_lse, window=window)

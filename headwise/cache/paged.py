@@ -42,17 +42,17 @@ int8 (`kv_dtype="int8"`): int8 K/V plus an fp32 scale per (token, head)
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
-from typing import Hashable, NamedTuple, Sequence
+from typing import Hashable, Sequence
 
 import torch
 from torch import Tensor
 
-from ..attention.backends import get_backend
-from ..attention.spec import AttentionOutput, _check_attn_mask
+from ..attention.functional import attend_kv
+from ..attention.kv import BlockReads, LayerKV, Tile, TileGroup
 from .block_pool import BlockPool, CacheFull, prefix_key
+from .packed import PackedStep
 from .quantized import SCALE_DTYPE, dequantize_int8, is_int8, quantize_int8
 
 # Keys per gathered tile. A K tile is Hkv * TILE_TOKENS * D * 4 bytes: 3 MiB at Hkv=12,
@@ -65,9 +65,6 @@ MIN_VIEW_BLOCKS = 8
 # more keys: ~40 us against ~0.4 us per key at Hkv * D = 768 (measured here, B=64 x 20-60
 # tokens: 6.6 ms read together vs 18.7 ms one by one; B=16 x 50-500: 7.3 vs 4.6 ms).
 CALL_COST_KEYS = 100
-
-_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-NEG_INF = float("-inf")
 
 
 class UnknownSequence(KeyError):
@@ -87,22 +84,6 @@ class _Seq:
 
     def copy(self) -> "_Seq":
         return _Seq(list(self.blocks), self.length, list(self.hashes), list(self.partial), self.hashable)
-
-
-class _Segment(NamedTuple):
-    """A tile of the key axis: positions [k0, k1), from blocks [first, first + count) of
-    the pool (a view; batch of one) or gathered by `index` ((B * count,) block ids)."""
-    k0: int
-    k1: int
-    first: int
-    count: int
-    index: Tensor | None
-
-
-class _Group(NamedTuple):
-    """Batch rows that read the same tiles (all of them, or one sequence)."""
-    rows: slice
-    segments: list[_Segment]
 
 
 class PagedKVCache:
@@ -288,7 +269,6 @@ class PagedKVCache:
         from inside the last layer's write, so that a caller (the engine) can keep all
         pool bookkeeping on one thread while the forward runs on another.
         """
-        from .packed import PackedStep
         seq_ids, tables, starts, counts, pending = self._reserve(seq_ids, num_new, token_ids, "packed")
         return PackedStep(self, seq_ids, tables, starts, counts, pending, defer_prefix=defer_prefix)
 
@@ -370,7 +350,7 @@ class PagedKVCache:
                 dst = plane[layer].view(Hkv, -1, plane.shape[-1])                   # (Hkv, NB*bs, D|1)
                 dst.index_copy_(1, slots, src.to(plane.dtype))
 
-    def _tile(self, layer: int, seg: _Segment, B: int, dtype: torch.dtype,
+    def _tile(self, layer: int, seg: Tile, B: int, dtype: torch.dtype,
               scratch: bool = True) -> tuple[Tensor, Tensor]:
         """K and V of one segment, (B, Hkv, k1 - k0, D): a view, or one gather per plane.
 
@@ -396,6 +376,10 @@ class PagedKVCache:
             out.append(x.transpose(0, 1)[:, :, :n])
         return out[0], out[1]
 
+    def _read_plan(self, seq_ids, tables, starts, counts) -> "PagedStep":
+        """A read plan only (no writes): for the parts of a packed step, which writes for them."""
+        return PagedStep(self, seq_ids, tables, starts, counts, [], write=False)
+
     def _scratch_for(self, key, shape, dtype) -> Tensor:
         numel = math.prod(shape)
         buf = self._scratch.get(key)
@@ -413,7 +397,7 @@ class PagedKVCache:
             empty = torch.zeros(self.num_kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
             return empty, empty.clone()
         idx = torch.tensor(seq.blocks, device=self.device)
-        k, v = self._tile(layer, _Segment(0, seq.length, 0, len(seq.blocks), idx), 1, self.dtype, scratch=False)
+        k, v = self._tile(layer, Tile(0, seq.length, 0, len(seq.blocks), idx), 1, self.dtype, scratch=False)
         return k[0], v[0]
 
     def __repr__(self) -> str:
@@ -423,9 +407,10 @@ class PagedKVCache:
                 f"free_blocks={self.num_free_blocks})")
 
 
-class PagedStep:
+class PagedStep(BlockReads):
     """One model step over a batch of sequences: positions, slots and read tiles, shared by
-    every layer. `step.layer(i)` is what attention layer i gets as its cache.
+    every layer. `step.layer(i)` is what attention layer i gets as its cache. As a
+    `BlockReads` it is the description of the step's K/V that the `paged` backend reads.
 
     Row b of the batch is seq_ids[b]; its T = max(num_new) query rows are positions
     starts[b] + t, of which the first num_new[b] are real (the rest right padding).
@@ -446,13 +431,15 @@ class PagedStep:
             ragged = any(n != T for n in counts)
             self._src_index = (torch.tensor([b * T + t for b, n in enumerate(counts) for t in range(n)],
                                             dtype=torch.long, device=dev) if ragged else None)
-        self._tables = [list(t) for t in tables]                              # as of this step
-        self._groups = self._plan(self._tables)
+        self.block_size, self.num_kv_heads, self.head_dim = bs, cache.num_kv_heads, cache.head_dim
+        self.dtype, self.device, self.kv_dtype = cache.dtype, dev, cache.kv_dtype
+        self.tables = [list(t) for t in tables]                               # as of this step
+        self.groups = self._plan(self.tables)
         # Tile masks that depend on the step alone (validity, causality), built by the first
         # layer and reused by the others: (k0, k1, rows, G, causal, dtype) -> (mask, dead rows).
-        self._mask_memo: dict[tuple, tuple[Tensor | None, Tensor | None]] = {}
+        self.mask_memo: dict[tuple, tuple[Tensor | None, Tensor | None]] = {}
 
-    def _plan(self, tables) -> list[_Group]:
+    def _plan(self, tables) -> list[TileGroup]:
         """Which rows read which tiles: every sequence alone, over exactly its own blocks
         (views where they are consecutive, no padding, no validity mask), or, for a batch
         of short sequences, all rows at once from padded gathers of ~tile_tokens keys in
@@ -464,10 +451,10 @@ class PagedStep:
             together = self.B * self.S + -(-nb // width) * CALL_COST_KEYS
             alone = sum(self.ends) + self.B * CALL_COST_KEYS
             if together <= alone:
-                return [_Group(slice(0, self.B), self._gathers(tables, 0, nb, self.S, width))]
-        return [_Group(slice(b, b + 1), self._one(t, S)) for b, (t, S) in enumerate(zip(tables, self.ends))]
+                return [TileGroup(slice(0, self.B), self._gathers(tables, 0, nb, self.S, width))]
+        return [TileGroup(slice(b, b + 1), self._one(t, S)) for b, (t, S) in enumerate(zip(tables, self.ends))]
 
-    def _gathers(self, tables, i: int, j: int, S: int, width: int | None = None) -> list[_Segment]:
+    def _gathers(self, tables, i: int, j: int, S: int, width: int | None = None) -> list[Tile]:
         """Tiles of `width` blocks over blocks [i, j) of every table (right-padded with block 0,
         masked), keys < S."""
         cache, bs = self.cache, self.cache.block_size
@@ -477,17 +464,17 @@ class PagedStep:
             b = min(a + tile, j)
             rows = [(t[a:b] + [0] * (b - a))[: b - a] for t in tables]
             idx = torch.tensor([x for r in rows for x in r], dtype=torch.long, device=cache.device)
-            segs.append(_Segment(a * bs, min(b * bs, S), 0, b - a, idx))
+            segs.append(Tile(a * bs, min(b * bs, S), 0, b - a, idx))
         return segs
 
-    def _one(self, table: list[int], S: int) -> list[_Segment]:
+    def _one(self, table: list[int], S: int) -> list[Tile]:
         """Tiles of one sequence of S keys: runs of >= MIN_VIEW_BLOCKS consecutive blocks are
         views (for a decode step of a float cache, one kernel call over the whole run); the
         scattered blocks between them are gathered tile_blocks at a time."""
         cache, bs, tile = self.cache, self.cache.block_size, self.cache.tile_blocks
         nb = -(-S // bs)
         cap = nb if self.T == 1 and not cache.kv_dtype else tile
-        segs: list[_Segment] = []
+        segs: list[Tile] = []
         pend, i = None, 0                     # pend: first of the scattered blocks not yet emitted
         while i < nb:
             j = i + 1
@@ -499,7 +486,7 @@ class PagedStep:
                     pend = None
                 for a in range(i, j, cap):
                     c = min(cap, j - a)
-                    segs.append(_Segment(a * bs, min((a + c) * bs, S), table[a], c, None))
+                    segs.append(Tile(a * bs, min((a + c) * bs, S), table[a], c, None))
             elif pend is None:
                 pend = i
             i = j
@@ -507,15 +494,9 @@ class PagedStep:
             segs += self._gathers([table], pend, nb, S)
         return segs
 
-    @functools.cached_property
-    def _positions(self) -> Tensor:
-        """(B, T) long: position of each query row (rope, causal masks); built on first use."""
-        dev = self.cache.device
-        return torch.tensor(self.starts, device=dev)[:, None] + torch.arange(self.T, device=dev)
-
-    @functools.cached_property
-    def _ends_t(self) -> Tensor:
-        return torch.tensor(self.ends, device=self.cache.device)      # (B,) keys per sequence
+    def read_tile(self, layer: int, tile: Tile, B: int, dtype: torch.dtype,
+                  scratch: bool = True) -> tuple[Tensor, Tensor]:
+        return self.cache._tile(layer, tile, B, dtype, scratch)
 
     # ------------------------------------------------------------------ layers
     def layer(self, i: int) -> "PagedLayerStep":
@@ -556,7 +537,7 @@ class PagedLayerStep:
         if num_new != self.step.T:
             raise ValueError(f"positions({num_new}) but this step holds T={self.step.T} tokens per sequence "
                              f"(max of num_new={self.step.num_new})")
-        return self.step._positions
+        return self.step.query_positions
 
     def update(self, k: Tensor, v: Tensor, num_new: Tensor | None = None) -> "PagedRead":
         """Write this step's k, v (B, Hkv, T, D) into their reserved slots; return the read."""
@@ -590,10 +571,15 @@ class PagedLayerStep:
 
 
 class PagedRead:
-    """Attention over one layer's blocks for a step, read in place (see `attend`)."""
+    """One layer's read of a step: hands the `paged` backend where the K/V live (see `attend`)."""
 
     def __init__(self, step: PagedStep, layer: int):
         self.step, self.layer = step, layer
+
+    @property
+    def kv(self) -> LayerKV:
+        """This read's K/V as the backends see them (`headwise.attention.explain(q, read.kv)`)."""
+        return LayerKV(self.step, self.layer)
 
     def attend(self, q: Tensor, *, attn_mask: Tensor | None = None, key_padding_mask: Tensor | None = None,
                is_causal: bool = False, kv_map: Tensor | None = None, alibi_slopes: Tensor | None = None,
@@ -610,200 +596,6 @@ class PagedRead:
         reference (weights, dropout); "auto", "paged" and every other registered name run
         the in-place tiled read (a layer's backend choice does not apply to blocks).
         """
-        step, cache = self.step, self.step.cache
-        B, T, S, Hkv = step.B, step.T, step.S, cache.num_kv_heads
-        if not isinstance(q, Tensor) or q.dim() != 4 or q.shape[0] != B or q.shape[2] != T \
-                or q.shape[3] != cache.head_dim:
-            got = tuple(q.shape) if isinstance(q, Tensor) else type(q).__name__
-            raise ValueError(f"q must be (B, H, T, D) = ({B}, H, {T}, {cache.head_dim}), got {got}")
-        H = q.shape[1]
-        if kv_map is None and H % Hkv:
-            raise ValueError(f"num_heads={H} (q) is not divisible by num_kv_heads={Hkv} (cache)")
-        if kv_map is not None:
-            kv_map = kv_map.to(q.device)
-            if tuple(kv_map.shape) != (H,) or int(kv_map.min()) < 0 or int(kv_map.max()) >= Hkv:
-                raise ValueError(f"kv_map must be (H,) = ({H},) KV head indices in [0, {Hkv}), "
-                                 f"got {tuple(kv_map.shape)} {kv_map.tolist()}")
-        if q.dtype != cache.dtype:
-            raise TypeError(f"q has dtype {q.dtype} but this cache holds {cache.dtype}")
-        if window is not None:
-            raise ValueError("a paged read has no sliding window; use SlidingWindowCache for windowed layers")
-        if attn_mask is not None:
-            attn_mask = _check_attn_mask(attn_mask, B, H, T, S, q)
-        if key_padding_mask is not None and (tuple(key_padding_mask.shape) != (B, S)
-                                             or key_padding_mask.dtype != torch.bool):
-            raise ValueError(f"key_padding_mask must be bool (B, S) = ({B}, {S}) over the padded key axis "
-                             f"(S = longest sequence after this step), got {tuple(key_padding_mask.shape)} "
-                             f"{key_padding_mask.dtype}")
-        if alibi_slopes is not None:
-            alibi_slopes = alibi_slopes.to(device=q.device, dtype=torch.float32)
-            alibi_slopes = alibi_slopes[None] if alibi_slopes.dim() == 1 else alibi_slopes
-            if alibi_slopes.dim() != 2 or alibi_slopes.shape[0] not in (1, B) or alibi_slopes.shape[1] != H:
-                raise ValueError(f"alibi_slopes must be (H,) or (B, H) = ({B}, {H}), "
-                                 f"got {tuple(alibi_slopes.shape)}")
-        scale = 1.0 / math.sqrt(cache.head_dim) if scale is None else float(scale)
-        masks = _Masks(step, is_causal, attn_mask, key_padding_mask, alibi_slopes, H, q.dtype)
-        if backend not in ("auto", "paged"):
-            get_backend(backend)                 # an unknown name raises, listing the valid ones
-        if backend == "math":
-            return self._dense(q, masks, kv_map, scale, dropout_p, need_weights, return_lse)
-        if need_weights:
-            raise ValueError("a paged read returns no weights: pass backend='math' (copies the sequences into "
-                             "one tensor and runs the reference), or return_lse=True and rebuild chosen rows "
-                             "with headwise.attention.weights_from_lse")
-        if dropout_p > 0:
-            raise ValueError(f"a paged read has no dropout (got dropout_p={dropout_p}); caches are for "
-                             f"inference: call model.eval(), or pass backend='math'")
-        out, lse = self._tiled(q, masks, kv_map, scale)
-        return AttentionOutput(out, lse, None) if return_lse else out
-
-    # ------------------------------------------------------------------ the in-place read
-    def _tiled(self, q: Tensor, masks: "_Masks", kv_map: Tensor | None, scale: float):
-        step, cache = self.step, self.step.cache
-        B, H, T, D = q.shape
-        Hkv = cache.num_kv_heads
-        folded = kv_map is None               # GQA without copying K/V: a group's G query heads
-        G = H // Hkv if folded else 1         # become G*T rows against their one KV head
-        qf = q.reshape(B, Hkv, G * T, D) if folded else q         # (B, Hkv, G*T, D) | (B, H, T, D)
-        if len(step._groups) == 1:
-            return self._read_group(qf, step._groups[0], masks, kv_map, scale, q)
-        out = torch.empty_like(q)
-        lse = torch.empty(B, H, T, device=q.device)
-        for g in step._groups:                                    # one sequence each
-            out[g.rows], lse[g.rows] = self._read_group(qf[g.rows], g, masks, kv_map, scale, q[g.rows])
-        return out, lse
-
-    def _read_group(self, qf: Tensor, group: _Group, masks: "_Masks", kv_map, scale: float, q: Tensor):
-        """Online softmax over the group's tiles, merged by log-sum-exp; (out, lse) as q's rows."""
-        cache = self.step.cache
-        B, H, T, D = q.shape
-        Hkv = cache.num_kv_heads
-        G = H // Hkv if kv_map is None else 1
-        acc = lse = None
-        for seg in group.segments:
-            k, v = cache._tile(self.layer, seg, B, q.dtype)       # (B, Hkv, n, D)
-            if kv_map is not None:
-                k, v = k.index_select(1, kv_map), v.index_select(1, kv_map)
-            mask, dead = self._tile_mask(seg, group.rows, masks, kv_map is None, Hkv, G)
-            o, l = _attend_tile(qf, k, v, mask, scale)
-            if dead is not None:                                  # the CPU kernel reports LSE 0 there
-                l = l.masked_fill(dead.expand_as(l), NEG_INF)
-            if acc is None:
-                acc, lse = o.float(), l
-                continue
-            new = torch.logaddexp(lse, l)                         # merge tiles by log-sum-exp
-            ref = new.masked_fill(torch.isneginf(new), 0.0)
-            acc = acc * (lse - ref).exp_()[..., None] + o.float() * (l - ref).exp_()[..., None]
-            lse = new
-        if acc is None:                                           # no keys at all
-            return torch.zeros_like(q), torch.full((B, H, T), NEG_INF, device=q.device)
-        # Rows with no visible key are 0 already: both kernels give 0 there, and merging
-        # two -inf LSEs weighs both sides by exp(-inf) = 0.
-        return acc.reshape(B, H, T, D).to(q.dtype), lse.reshape(B, H, T)
-
-    def _tile_mask(self, seg: _Segment, rows: slice, masks: "_Masks", folded: bool, Hkv: int, G: int):
-        """(mask (B|1, 1|Hkv, G*T, n) or (B|1, 1|H, T, n) or None, rows with no visible key or None).
-        Masks made of validity and causality alone are the same in every layer: memoised per step."""
-        key = ((seg.k0, seg.k1, rows.start, rows.stop, folded, Hkv, G, masks.H, masks.is_causal, masks.dtype)
-               if masks.plain else None)
-        hit = self.step._mask_memo.get(key) if key is not None else None
-        if hit is not None:
-            return hit
-        mask = masks.tile(seg.k0, seg.k1, rows)                   # float (B|1, 1|H, T, n) or None
-        if mask is not None and folded:
-            mask = _fold(mask, Hkv, G)                            # (B|1, 1|Hkv, G*T, n)
-        dead = None
-        if mask is not None:
-            dead = torch.isneginf(mask).all(dim=-1)
-            dead = dead if bool(dead.any()) else None
-        if key is not None:
-            self.step._mask_memo[key] = (mask, dead)
-        return mask, dead
-
-    def _dense(self, q, masks, kv_map, scale, dropout_p, need_weights, return_lse):
-        """The reference path: gather every sequence into (B, Hkv, S, D), then headwise.attend."""
-        from ..attention.functional import attend
-        step, cache = self.step, self.step.cache
-        bs, nb = cache.block_size, -(-step.S // cache.block_size)
-        idx = torch.tensor([b for t in step._tables for b in (t + [0] * nb)[:nb]], dtype=torch.long, device=q.device)
-        k, v = cache._tile(self.layer, _Segment(0, step.S, 0, nb, idx), step.B, q.dtype, scratch=False)
-        if kv_map is not None:
-            k, v = k.index_select(1, kv_map), v.index_select(1, kv_map)
-        mask = masks.tile(0, step.S)
-        res = attend(q, k.contiguous(), v.contiguous(), attn_mask=mask, scale=scale, dropout_p=dropout_p,
-                     backend="math", need_weights=need_weights, return_lse=return_lse)
-        return res
-
-
-def _attend_tile(qf: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
-    """Attention of qf (B, h, R, D) over one tile k, v (B, h, n, D): (out (B, h, R, D), fp32 lse (B, h, R)).
-    On CPU, PyTorch's flash kernel (which returns LSE); elsewhere, or for an fp32 bias on
-    low-precision q, the same in fp32 matmuls."""
-    if _CPU_FLASH is not None and qf.device.type == "cpu" and (mask is None or mask.dtype == qf.dtype):
-        o, lse = _CPU_FLASH(qf, k, v, 0.0, False, attn_mask=mask, scale=scale)
-        return o, lse.float()
-    s = (qf.float() @ k.float().transpose(-2, -1)) * scale        # (B, h, R, n)
-    if mask is not None:
-        s = s + mask.float()
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0.0)[..., None])
-    return p @ v.float(), lse
-
-
-def _fold(m: Tensor, Hkv: int, G: int) -> Tensor:
-    """A (B|1, 1|H, T, n) mask -> (B|1, 1|Hkv, G*T, n), rows in the order of q.reshape(B, Hkv, G*T, D)."""
-    Bm, Hm, T, n = m.shape
-    if Hm == 1:
-        return m if G == 1 else m[:, :, None].expand(Bm, 1, G, T, n).reshape(Bm, 1, G * T, n)
-    return m.reshape(Bm, Hkv, G * T, n)
-
-
-class _Masks:
-    """Builds the additive mask of any key tile [k0, k1) for some batch rows, or None when
-    each of those query rows sees every key of the tile (a decode step over past keys)."""
-
-    def __init__(self, step: PagedStep, is_causal, attn_mask, key_padding_mask, alibi_slopes, H, dtype):
-        self.step, self.is_causal, self.H = step, bool(is_causal), H
-        self.attn_mask, self.kpm, self.alibi = attn_mask, key_padding_mask, alibi_slopes
-        self.plain = attn_mask is None and key_padding_mask is None and alibi_slopes is None
-        # Biases (ALiBi, float masks) stay fp32: rounded to fp16/bf16, slope * distance loses
-        # ~3 digits. A mask whose dtype differs from q's sends the tile to the fp32 matmul kernel.
-        has_bias = alibi_slopes is not None or (attn_mask is not None and attn_mask.dtype != torch.bool)
-        self.dtype = torch.float32 if has_bias and dtype in (torch.float16, torch.bfloat16) else dtype
-
-    def tile(self, k0: int, k1: int, rows: slice = slice(None)) -> Tensor | None:
-        step, dev = self.step, self.step.cache.device
-        need_valid = k1 > min(step.ends[rows])                  # keys past a sequence's end are padding
-        need_causal = self.is_causal and k1 - 1 > min(step.starts[rows])
-        if not (need_valid or need_causal or self.attn_mask is not None or self.kpm is not None
-                or self.alibi is not None):
-            return None
-        kpos = torch.arange(k0, k1, device=dev)
-        pos = step._positions[rows]                                                       # (b, T)
-        allowed, bias = None, None
-        if need_valid:
-            allowed = (kpos < step._ends_t[rows, None])[:, None, None, :]                 # (b, 1, 1, n)
-        if need_causal:
-            c = (kpos <= pos[:, :, None])[:, None]                                         # (b, 1, T, n)
-            allowed = c if allowed is None else allowed & c
-        if self.kpm is not None:
-            keep = ~self.kpm[rows, None, None, k0:k1]
-            allowed = keep if allowed is None else allowed & keep
-        if self.attn_mask is not None:
-            m = self.attn_mask[..., k0:k1]
-            m = m[rows] if m.shape[0] > 1 else m
-            if m.dtype == torch.bool:
-                allowed = m if allowed is None else allowed & m
-            else:
-                bias = m.float()
-        if self.alibi is not None:       # ALiBi (Press et al. 2022): -slope * |i - j| at true positions
-            slopes = self.alibi[rows] if self.alibi.shape[0] > 1 else self.alibi
-            a = -slopes[:, :, None, None] * (pos[:, None, :, None] - kpos).abs().float()   # (b, H, T, n)
-            bias = a if bias is None else bias + a
-        parts = [p.shape for p in (allowed, bias) if p is not None]
-        shape = torch.broadcast_shapes(*parts, (1, 1, step.T, k1 - k0))         # (b|1, 1|H, T, n)
-        mask = (torch.zeros(shape, dtype=self.dtype, device=dev) if bias is None
-                else bias.to(self.dtype).expand(shape).contiguous())
-        if allowed is not None:
-            mask.masked_fill_(~allowed, NEG_INF)
-        return mask
+        return attend_kv(q, self.kv, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
+                         kv_map=kv_map, alibi_slopes=alibi_slopes, scale=scale, dropout_p=dropout_p,
+                         backend=backend, need_weights=need_weights, return_lse=return_lse, window=window)

@@ -11,14 +11,21 @@ attends through what `update` returns:
 Caches keep the seed's layout, (B, Hkv, S, D), and decide how they store it
 (contiguous, paged, quantized). A cache whose keys live in one tensor returns a
 `CacheRead` (attention runs through `headwise.attend`); a paged cache returns its
-own read object with the same `attend` method, so blocks are read in place.
+own read object with the same `attend` method, which hands the `paged` backend a
+description of where the step's K/V live (`headwise.attention.kv`), so blocks are
+read in place. The protocol itself is `headwise.attention.kv.LayerKVCache`.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from ..attention.functional import attend
+from ..attention.kv import LayerKVCache  # the protocol lives with attention; re-exported here
+
+__all__ = ["CacheRead", "LayerKVCache", "merge_padding", "merge_visibility"]
 
 
 class CacheRead(NamedTuple):
@@ -36,7 +43,6 @@ class CacheRead(NamedTuple):
         attn_mask here is over (T, S) of the cached sequence; key_padding_mask (B, S).
         kv_map: (H,) KV head of each query head, for layers pruned into uneven groups.
         """
-        from ..attention.functional import attend
         k, v = self.k, self.v
         if kv_map is not None:
             k, v = k.index_select(1, kv_map), v.index_select(1, kv_map)
@@ -45,21 +51,6 @@ class CacheRead(NamedTuple):
             attn_mask = merge_visibility(attn_mask, self.attn_mask)
             is_causal = False
         return attend(q, k, v, attn_mask=attn_mask, key_padding_mask=kpm, is_causal=is_causal, **kwargs)
-
-
-@runtime_checkable
-class LayerKVCache(Protocol):
-    def positions(self, num_new: int) -> Tensor:
-        """Absolute positions, (B, T) long, that the next `num_new` tokens get."""
-        ...
-
-    def update(self, k: Tensor, v: Tensor, num_new: Tensor | None = None):
-        """Append new keys/values (B, Hkv, T, D) and return a read with `.attend(q, ...)`.
-
-        num_new: (B,) long, how many of the T tokens are real per sequence (the rest
-        are right padding and are not kept); None = all T.
-        """
-        ...
 
 
 def merge_padding(a: Tensor | None, b: Tensor | None) -> Tensor | None:

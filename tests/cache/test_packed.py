@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from headwise import MultiHeadAttention
+from headwise.attention.backends import paged as paged_backend
 from headwise.cache import packed, paged
 from headwise.cache.paged import PagedKVCache
 
@@ -39,7 +40,7 @@ def run_schedule(m, xs, schedule, num_blocks=64, backend=None, spread=False, kin
             x = torch.cat([xs[s][:, done[s]:done[s] + n] for s, n in zip(ids, counts)], dim=1)   # (1, N, C)
             step = cache.packed(ids, counts)
             if kinds is not None:
-                kinds.update(p.kind for p in step._parts)
+                kinds.update(p.kind for p in step.parts)
             y = m(x, is_causal=True, cache=step)
             off = 0
             for s, n in zip(ids, counts):
@@ -62,7 +63,7 @@ def check(m, xs, outs, tol=1e-5):
 @pytest.mark.parametrize("kernel", ["flash", "matmul"])
 def test_decodes_and_prefill_chunks_in_one_step_match_full_passes(H, Hkv, kernel, monkeypatch):
     if kernel == "matmul":
-        monkeypatch.setattr(paged, "_CPU_FLASH", None)
+        monkeypatch.setattr(paged_backend, "_CPU_FLASH", None)
         monkeypatch.setattr(packed, "RUNS_OK", False)
     m = layer(H, Hkv)
     xs = {s: torch.randn(1, T, C) for s, T in (("a", 21), ("b", 9), ("c", 30), ("d", 2))}

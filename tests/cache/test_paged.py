@@ -12,6 +12,7 @@ from torch import nn
 
 from headwise import MultiHeadAttention
 from headwise.attention.functional import attend
+from headwise.attention.backends import paged as paged_backend
 from headwise.cache import paged
 from headwise.cache.block_pool import CacheFull
 from headwise.cache.protocol import LayerKVCache
@@ -67,7 +68,7 @@ def read_path(request, monkeypatch):
     if request.param == "views":
         monkeypatch.setattr(paged, "MIN_VIEW_BLOCKS", 2)
     if request.param == "matmul":
-        monkeypatch.setattr(paged, "_CPU_FLASH", None)
+        monkeypatch.setattr(paged_backend, "_CPU_FLASH", None)
     return request.param
 
 
@@ -84,7 +85,7 @@ def test_token_by_token_decode_matches_full_pass(H, Hkv, rope, read_path):
         cache.add_sequence(frag := "other")
     out = feed(m, cache, "s", x, [1] * 23, fragment=frag)
     assert err(out, full(m, x)) <= 1e-5
-    segs = cache.batch(["s"])._groups[0].segments
+    segs = cache.batch(["s"]).groups[0].segments
     if read_path == "views":                              # consecutive blocks: one view, no copy
         assert [s.index for s in segs] == [None]
     else:                                                 # scattered blocks: tiles of TILE keys
@@ -315,7 +316,7 @@ def test_return_lse_scale_masks_and_reference_path(tile):
     step = cache.batch([0, 1], [3, 5])
     k, v = torch.randn(2, 2, Hkv, 5, D).unbind(0)
     read = step.update(k, v, torch.tensor([3, 5]))
-    assert len(step._groups) == (2 if tile == TILE else 1)
+    assert len(step.groups) == (2 if tile == TILE else 1)
     q = torch.randn(2, H, 5, D)
     S = 12                                                     # sequence 0 after the step; 1 has 5
     user = torch.rand(2, 1, 5, S) > 0.3

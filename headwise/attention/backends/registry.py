@@ -22,15 +22,19 @@ class Backend:
     fn: BackendFn
     check: CheckFn
     description: str = ""
+    reads: str = "tensors"   # what K/V it takes: "tensors" (k, v) or "blocks" (a paged cache's description)
 
 
 _REGISTRY: dict[str, Backend] = {}   # insertion order is the "auto" order
 
 
 def register_backend(name: str, fn: BackendFn, check: CheckFn | None = None, *,
-                     description: str = "", before: str | None = None) -> Backend:
-    """Add (or replace) a backend. `before` places it ahead of another in the auto order."""
-    backend = Backend(name, fn, check or (lambda q, k, v, spec: []), description)
+                     description: str = "", before: str | None = None, reads: str = "tensors") -> Backend:
+    """Add (or replace) a backend. `before` places it ahead of another in the auto order.
+    reads="blocks": it takes a paged cache's description (`headwise.attention.kv.LayerKV`) as k."""
+    if reads not in ("tensors", "blocks"):
+        raise ValueError(f"reads must be 'tensors' or 'blocks', got {reads!r}")
+    backend = Backend(name, fn, check or (lambda q, k, v, spec: []), description, reads)
     _REGISTRY.pop(name, None)
     if before is None:
         _REGISTRY[name] = backend
