@@ -34,6 +34,7 @@ from torch import Tensor
 
 from .. import kernels
 from ..attention import RotaryEmbedding
+from ..attention.kv import fold_heads
 from ..cache import ContiguousKVCache
 from .blocks import DecoderBlock, GatedMLP, RMSNorm
 from .packing import PackedLinear
@@ -138,14 +139,13 @@ def decode_step(model, input_ids: Tensor, cache: ContiguousKVCache) -> Tensor:
     for layer, lc in zip(model.layers, cache.layers):
         attn, mlp = layer.attn, layer.mlp
         H, Hkv = attn.num_heads, attn.num_kv_heads            # per layer: pruning may change them
-        G = H // Hkv
         silu = mlp.activation == "silu"
         qkv = _linear(attn.qkv_proj, x, norm=layer.attn_norm)           # (B, (H + 2 Hkv) D)
         qk = torch.matmul(qkv[:, :(H + Hkv) * D].view(B, H + Hkv, D), R)           # (B, H + Hkv, D) rotated
         k_buf, v_buf = lc.store.k[0], lc.store.v[0]                                # (B, Hkv, N, D)
         k_buf[:, :, L].copy_(qk[:, H:])
         v_buf[:, :, L].copy_(qkv[:, (H + Hkv) * D:].view(B, Hkv, D))
-        q = qk[:, :H].view(B, Hkv, G, D)
+        q = fold_heads(qk[:, :H, None], Hkv)                                      # (B, Hkv, G, D)
         o = F.scaled_dot_product_attention(q, k_buf[:, :, :L + 1], v_buf[:, :, :L + 1])   # (B, Hkv, G, D)
         x = _linear(attn.out_proj, o.reshape(B, H * D), residual=x)     # (B, C)
         if silu:

@@ -1,9 +1,10 @@
 """FlashAttention in pure PyTorch: online softmax over key tiles.
 
 Forward (Milakov & Gimelshein 2018; Dao et al. 2022): for each block of queries,
-walk the key tiles keeping a running max m, running sum l and an unnormalized
-accumulator, so the (T, S) score matrix never exists; extra memory is
-O(T*D + block_q*block_k) and the log-sum-exp per row comes out for free.
+walk the key tiles, each giving its own softmax output and log-sum-exp, merged into
+the running result by `merge_lse` (the one merge, shared with the `paged` backend),
+so the (T, S) score matrix never exists; extra memory is O(T*D + block_q*block_k)
+and the log-sum-exp per row comes out for free.
 Backward recomputes each tile's probabilities from the saved LSE (FlashAttention-2,
 Dao 2023), so training needs no O(T*S) memory either.
 
@@ -14,8 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from ..kv import fold_heads, unfold_heads
 from ..masks import tile_is_empty, tile_masks
 from ..spec import AttentionOutput, AttentionSpec
+from .merge import merge_lse
 
 # Tile sizes measured here (B=4, H=12, D=64, T=512 and 2048): 128x256 and 256x256 ran
 # 1.2-1.9x faster than 256x512, whose 25 MiB score tiles spill out of cache.
@@ -28,8 +31,7 @@ NEG_INF = float("-inf")
 def _scores(spec, qb, kb, q0, q1, k0, k1):
     """Masked scores of one tile in fp32. qb: (B, Hkv, G*tq, D), already scaled; kb: (B, Hkv, tk, D).
     Runs without autograd (forward and the recomputing backward), so it works in place."""
-    B, H = spec.B, spec.H
-    s = (qb @ kb.transpose(-2, -1)).view(B, H, q1 - q0, k1 - k0)   # (B, H, tq, tk)
+    s = unfold_heads(qb @ kb.transpose(-2, -1), spec.H)             # (B, H, tq, tk)
     allowed, bias = tile_masks(spec, q0, q1, k0, k1, qb.device)
     if bias is not None:
         s += bias
@@ -40,38 +42,34 @@ def _scores(spec, qb, kb, q0, q1, k0, k1):
 
 def _group(t, spec, q0, q1, scale=1.0):
     """(B, H, T, X) rows [q0, q1) -> fp32 (B, Hkv, G*tq, X): a GQA group shares one K/V head."""
-    B, Hkv, G = spec.B, spec.Hkv, spec.G
     rows = t[:, :, q0:q1].float()
     rows = rows * scale if scale != 1.0 else rows
-    return rows.reshape(B, Hkv, G * (q1 - q0), t.shape[-1])
+    return fold_heads(rows, spec.Hkv)
 
 
 def _forward(q, k, v, spec, block_q, block_k):
-    B, H, T, S, Hkv, G, Dv = spec.B, spec.H, spec.T, spec.S, spec.Hkv, spec.G, v.shape[-1]
+    B, H, T, S, Dv = spec.B, spec.H, spec.T, spec.S, v.shape[-1]
     out = torch.empty(B, H, T, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     for q0 in range(0, T, block_q):
         q1 = min(q0 + block_q, T)
-        tq = q1 - q0
         qb = _group(q, spec, q0, q1, spec.scale)                    # scale once per block, not per tile
-        m = torch.full((B, H, tq), NEG_INF, device=q.device)       # running max
-        l = torch.zeros(B, H, tq, device=q.device)                 # running sum of exp
-        acc = torch.zeros(B, H, tq, Dv, device=q.device)           # running unnormalized output
+        acc = run = None                                            # merged (out, lse) of the tiles so far
         for k0 in range(0, S, block_k):
             k1 = min(k0 + block_k, S)
             if tile_is_empty(spec, q0, q1, k0, k1):
                 continue
-            s = _scores(spec, qb, k[:, :, k0:k1].float(), q0, q1, k0, k1)
-            m_new = torch.maximum(m, s.amax(dim=-1))
-            m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # rows with nothing visible yet
-            p = s.sub_(m_safe[..., None]).exp_()                    # (B, H, tq, tk), in place
-            alpha = torch.exp(m - m_safe)                           # rescale what came before
-            l = l * alpha + p.sum(dim=-1)
-            pv = p.view(B, Hkv, G * tq, k1 - k0) @ v[:, :, k0:k1].float()
-            acc = acc * alpha[..., None] + pv.view(B, H, tq, Dv)
-            m = m_new
-        out[:, :, q0:q1] = (acc / l.clamp_min(1e-30)[..., None]).masked_fill((l == 0)[..., None], 0.0)
-        lse[:, :, q0:q1] = m + torch.log(l)                         # -inf where nothing was visible
+            s = _scores(spec, qb, k[:, :, k0:k1].float(), q0, q1, k0, k1)   # (B, H, tq, tk)
+            m = s.amax(dim=-1)
+            p = s.sub_(m.masked_fill(torch.isneginf(m), 0.0)[..., None]).exp_()   # in place; 0 where masked
+            l = p.sum(dim=-1)                                       # (B, H, tq)
+            pv = unfold_heads(fold_heads(p, spec.Hkv) @ v[:, :, k0:k1].float(), H)   # (B, H, tq, Dv)
+            o = pv / l.clamp_min(1e-30)[..., None]                  # this tile's softmax; 0 on dead rows
+            acc, run = merge_lse(acc, run, o, m + torch.log(l))     # lse -inf where nothing was visible
+        if acc is None:                                             # every tile masked out
+            out[:, :, q0:q1], lse[:, :, q0:q1] = 0.0, NEG_INF
+        else:
+            out[:, :, q0:q1], lse[:, :, q0:q1] = acc, run
     return out, lse
 
 
@@ -97,13 +95,13 @@ def _backward(q, k, v, out, lse, dout, dlse, spec, block_q, block_k):
             kb, vb = k[:, :, k0:k1].float(), v[:, :, k0:k1].float()
             s = _scores(spec, qs, kb, q0, q1, k0, k1)
             p = s.sub_(lse_safe[:, :, q0:q1, None]).exp_()         # (B, H, tq, tk), recomputed
-            pg = p.view(B, Hkv, G * tq, k1 - k0)
+            pg = fold_heads(p, Hkv)                                # (B, Hkv, G*tq, tk)
             dv[:, :, k0:k1] += pg.transpose(-2, -1) @ dob          # sums over the group
-            dp = (dob @ vb.transpose(-2, -1)).view(B, H, tq, k1 - k0)
-            ds = (p * (dp - delta[:, :, q0:q1, None])).view(B, Hkv, G * tq, k1 - k0)
+            dp = unfold_heads(dob @ vb.transpose(-2, -1), H)       # (B, H, tq, tk)
+            ds = fold_heads(p * (dp - delta[:, :, q0:q1, None]), Hkv)
             dqb += ds @ kb
             dk[:, :, k0:k1] += ds.transpose(-2, -1) @ qs           # scaled q: the scale is already in
-        dq[:, :, q0:q1] = dqb.view(B, H, tq, D)
+        dq[:, :, q0:q1] = unfold_heads(dqb, H)
     return (dq * spec.scale).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -9,20 +9,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kv import fold_heads, unfold_heads
 from ..masks import tile_masks
 from ..spec import AttentionOutput, AttentionSpec
 
 
 def math_attention(q, k, v, spec: AttentionSpec) -> AttentionOutput:
     B, H, T, D = q.shape
-    Hkv, S, Dv, G = spec.Hkv, spec.S, v.shape[-1], spec.G
+    Hkv, S = spec.Hkv, spec.S
     dtype = q.dtype
     q, k, v = q.float(), k.float(), v.float()
 
     # GQA without copying K/V: query heads of one group share a KV head, so fold the
     # group into the row dim: (B, Hkv, G*T, D) @ (B, Hkv, D, S). Head h = kv * G + g.
-    scores = (q * spec.scale).reshape(B, Hkv, G * T, D) @ k.transpose(-2, -1)   # (B, Hkv, G*T, S)
-    scores = scores.view(B, H, T, S)                                # (B, H, T, S)
+    scores = fold_heads(q * spec.scale, Hkv) @ k.transpose(-2, -1)   # (B, Hkv, G*T, S)
+    scores = unfold_heads(scores, H)                                # (B, H, T, S)
     allowed, bias = tile_masks(spec, 0, T, 0, S, q.device)
     if bias is not None:
         scores = scores + bias
@@ -36,8 +37,8 @@ def math_attention(q, k, v, spec: AttentionSpec) -> AttentionOutput:
         weights = weights.masked_fill(dead[..., None], 0.0)
     if spec.dropout_p > 0:
         weights = F.dropout(weights, spec.dropout_p)
-    out = weights.view(B, Hkv, G * T, S) @ v                        # (B, Hkv, G*T, Dv)
-    out = out.view(B, H, T, Dv).to(dtype)
+    out = fold_heads(weights, Hkv) @ v                              # (B, Hkv, G*T, Dv)
+    out = unfold_heads(out, H).to(dtype)                            # (B, H, T, Dv)
     return AttentionOutput(out, lse,
                            weights.to(dtype) if spec.need_weights else None)
 
