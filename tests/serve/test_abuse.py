@@ -209,3 +209,14 @@ def test_trailing_slash_is_404_with_the_envelope_not_a_redirect(srv, method, pat
     assert r.status_code == 404, (r.status_code, r.headers)
     e = envelope(r)
     assert e["type"] == "not_found_error" and path.rstrip("/") in e["message"]
+
+
+def test_limits_are_validated_in_the_config():
+    from headwise.serve import parse_config
+    from headwise.serve.config import ConfigError
+    with pytest.raises(ConfigError, match=r"\[server\] header_timeout must be > 0"):
+        parse_config({"server": {"header_timeout": 0}, "models": {"m": {"source": "x"}}})
+    with pytest.raises(ConfigError, match=r"\[models.m\] max_embedding_tokens must be >= 1"):
+        parse_config({"models": {"m": {"source": "x", "max_embedding_tokens": 0}}})
+    config = parse_config({"server": {"body_timeout": 5}, "models": {"m": {"source": "x"}}})
+    assert config.server.body_timeout == 5
