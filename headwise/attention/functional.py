@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from .backends import backends, get_backend
+from .backends.paged import paged_reference, paged_spec
 from .kv import LayerKV
 from .masks import tile_masks
 from .spec import AttentionOutput, AttentionSpec, make_spec
@@ -76,7 +77,6 @@ def explain(q: Tensor, k, v: Tensor | None = None, **kwargs) -> Explanation:
     read), v then omitted: the answer for `attend_kv(q, k, **kwargs)`."""
     backend = kwargs.pop("backend", "auto")
     if isinstance(k, LayerKV):
-        from .backends.paged import paged_spec
         spec = paged_spec(q, k, **kwargs)
     else:
         spec = make_spec(q, k, v, **kwargs)
@@ -131,7 +131,6 @@ def attend_kv(q: Tensor, kv: LayerKV, *, attn_mask: Tensor | None = None,
     padded key axis S = the longest sequence after this step; kv_map (H,) maps each query
     head to its KV head (uneven groups after pruning). Returns as `attend`.
     """
-    from .backends.paged import paged_reference, paged_spec
     spec = paged_spec(q, kv, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
                       kv_map=kv_map, alibi_slopes=alibi_slopes, scale=scale, dropout_p=dropout_p,
                       need_weights=need_weights, return_lse=return_lse, window=window)

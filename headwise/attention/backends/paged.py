@@ -27,8 +27,9 @@ import torch
 from torch import Tensor
 
 from ..kv import BlockReads, LayerKV, PackedReads, Tile, TileGroup, fold_heads, fold_mask, unfold_heads
-from ..spec import AttentionOutput, AttentionSpec, _check_attn_mask
+from ..spec import AttentionOutput, AttentionSpec, _check_attn_mask, make_spec
 from .merge import merge_lse
+from .registry import get_backend
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 NEG_INF = float("-inf")
@@ -135,7 +136,7 @@ def paged_reference(q: Tensor, kv: LayerKV, spec: AttentionSpec) -> AttentionOut
 def _sub_spec(q: Tensor, reads: BlockReads, spec: AttentionSpec) -> AttentionSpec:
     """A packed part's spec against its own read plan (checks kv_map, dtype, ALiBi, window)."""
     return paged_spec(q, LayerKV(reads, 0), is_causal=spec.is_causal, kv_map=spec.kv_map,
-                      alibi_slopes=spec.alibi_slopes, scale=spec.scale if spec.scale is not None else None,
+                      alibi_slopes=spec.alibi_slopes, scale=spec.scale,
                       dropout_p=spec.dropout_p, return_lse=True, window=spec.window)
 
 
@@ -226,15 +227,16 @@ def _attend_tile(qf: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: f
 
 def _dense(q: Tensor, reads: BlockReads, layer: int, spec: AttentionSpec) -> AttentionOutput:
     """The reference path: gather every sequence into (B, Hkv, S, D), then the math backend."""
-    from ..functional import attend
-    bs, nb = reads.block_size, -(-reads.S // reads.block_size)
+    nb = -(-reads.S // reads.block_size)                        # blocks per padded row
     idx = torch.tensor([b for t in reads.tables for b in (t + [0] * nb)[:nb]], dtype=torch.long, device=q.device)
     k, v = reads.read_tile(layer, Tile(0, reads.S, 0, nb, idx), reads.B, q.dtype, scratch=False)
     if spec.kv_map is not None:
         k, v = k.index_select(1, spec.kv_map), v.index_select(1, spec.kv_map)
     mask = _Masks.of(reads, spec, q.dtype).tile(0, reads.S)
-    res = attend(q, k.contiguous(), v.contiguous(), attn_mask=mask, scale=spec.scale, dropout_p=spec.dropout_p,
-                 backend="math", need_weights=spec.need_weights, return_lse=True)
+    k, v = k.contiguous(), v.contiguous()
+    dense = make_spec(q, k, v, attn_mask=mask, scale=spec.scale, dropout_p=spec.dropout_p,
+                      need_weights=spec.need_weights, return_lse=True)
+    res = get_backend("math").fn(q, k, v, dense)
     return AttentionOutput(res.out, res.lse if spec.return_lse else None, res.weights)
 
 
