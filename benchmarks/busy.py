@@ -153,7 +153,7 @@ def main() -> int:
     def cell(s: list[float]) -> str:
         return f"{statistics.median(s):6.2f} ({min(s):.1f}-{max(s):.1f})" if s else "-"
 
-    header = (f"{'variant':9s}  {'libgomp took':34s}  {'idle tok/s (min-max)':>22s}  {'busy tok/s (min-max)':>22s}"
+    header = (f"{'variant':9s}  {'libgomp took':46s}  {'idle tok/s (min-max)':>22s}  {'busy tok/s (min-max)':>22s}"
               f"  slowdown")
     log(header)
     log("-" * len(header))
@@ -161,7 +161,7 @@ def main() -> int:
         idle, busy = samples.get(("idle", var), []), samples.get(("busy", var), [])
         slow = f"{statistics.median(idle) / statistics.median(busy):7.2f}x" if idle and busy else "-"
         took = seen.get(("idle", var)) or seen.get(("busy", var))
-        log(f"{var:9s}  {took:34s}  {cell(idle):>22s}  {cell(busy):>22s}  {slow:>8s}")
+        log(f"{var:9s}  {took:46s}  {cell(idle):>22s}  {cell(busy):>22s}  {slow:>8s}")
     log()
     n = os.cpu_count() or 1
     log(f"slowdown = idle median / busy median. One extra busy process takes one of the {n} cores, so its "
