@@ -164,8 +164,8 @@ class PackedReads:
         N                       tokens in the pack
         parts                   list[PackedPart]
         num_kv_heads, head_dim, dtype, device: the pool's geometry
-        in_place_ok             False when the pool cannot be read as views (int8)
         mask_memo               dict the backend fills with per-step masks
+    (int8 pools plan no "runs"/"regions": their tiles must be dequantized, not viewed)
     """
     N: int
     parts: list[PackedPart]
