@@ -87,7 +87,7 @@ def _explain(q, k, v, spec: AttentionSpec, backend: str) -> Explanation:
     names = backends() if backend == "auto" else [get_backend(backend).name]
     exp = Explanation(chosen=None)
     for name in names:
-        reasons = _reasons(get_backend(name), q, k, v, spec)
+        reasons = _reasons(get_backend(name), q, k, v, spec, named=backend != "auto")
         if not reasons and exp.chosen is None:
             exp.chosen = name
         elif reasons:
@@ -95,12 +95,17 @@ def _explain(q, k, v, spec: AttentionSpec, backend: str) -> Explanation:
     return exp
 
 
-def _reasons(b, q, k, v, spec: AttentionSpec) -> list[str]:
-    """Why backend b cannot serve the request; a backend never sees K/V in a form it does not read."""
+def _reasons(b, q, k, v, spec: AttentionSpec, named: bool = False) -> list[str]:
+    """Why backend b cannot serve the request; a backend never sees K/V in a form it does not read.
+    The math reference takes a cache's blocks when named: `attend_kv` gathers them into tensors."""
     reads = "blocks" if isinstance(k, LayerKV) else "tensors"
     if b.reads != reads:
-        return ["reads K/V in a paged cache's blocks (through a cache read), not k/v tensors"
-                if b.reads == "blocks" else "needs k/v tensors; these K/V live in a paged cache's blocks"]
+        if b.reads == "blocks":
+            return ["reads K/V in a paged cache's blocks (through a cache read), not k/v tensors"]
+        if b.name == "math":
+            return [] if named else ["needs k/v tensors; backend='math' gathers a paged cache's blocks into "
+                                     "tensors first (the reference, for weights and dropout)"]
+        return ["needs k/v tensors; these K/V live in a paged cache's blocks"]
     return b.check(q, k, v, spec)
 
 

@@ -165,6 +165,9 @@ def test_registry_shows_the_paged_backend_and_why_others_pass():
     assert all("paged cache's blocks" in " ".join(e.rejected[n]) for n in ("flash", "sdpa", "chunked", "math"))
     e = explain(q, read.kv, need_weights=True)
     assert e.chosen is None and "returns no weights" in " ".join(e.rejected["paged"])
+    assert explain(q, read.kv, need_weights=True, backend="math").chosen == "math"    # gathers, then the reference
+    w = read.attend(q, need_weights=True, backend="math").weights                      # (1, 4, 3, 3)
+    assert torch.allclose(w.sum(-1), torch.ones(1, 4, 3))
     t = torch.randn(1, 2, 3, D)
     e = explain(q, t, t)
     assert e.chosen == "sdpa" and "not k/v tensors" in " ".join(e.rejected["paged"])
