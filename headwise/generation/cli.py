@@ -7,6 +7,7 @@ conversation; Ctrl-C or Ctrl-D at the prompt quits.
 """
 from __future__ import annotations
 
+import signal
 import sys
 import time
 
@@ -103,6 +104,9 @@ def run_chat(args) -> int:
                                      "plain continuation")
     system = [{"role": "system", "content": args.system}] if args.system else []
     history = list(system)
+    # Ctrl-C must reach us even when the parent started us with SIGINT ignored (nohup, some test
+    # runners, `cmd &` in a non-interactive shell): Python then never installs its handler.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     print(f"chat with {args.model}: Ctrl-C stops a reply (the conversation stays), /reset clears it; "
           "an empty line, Ctrl-C or Ctrl-D at the prompt quits", file=sys.stderr)
     while True:

@@ -9,14 +9,22 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from .conftest import ROOT
 
 
+def _ignore_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class Terminal:
-    def __init__(self, *args):
+    def __init__(self, *args, sigint_ignored: bool = False):
         master, slave = pty.openpty()
+        # sigint_ignored: started as by nohup or a runner that ignores SIGINT (inherited across exec)
         self.proc = subprocess.Popen([sys.executable, "-m", "headwise.cli", "chat", *args], stdin=slave,
-                                     stdout=slave, stderr=slave, cwd=ROOT, close_fds=True)
+                                     stdout=slave, stderr=slave, cwd=ROOT, close_fds=True,
+                                     preexec_fn=_ignore_sigint if sigint_ignored else None)
         os.close(slave)
         self.fd, self.seen = master, ""
 
@@ -56,8 +64,9 @@ def _prompt_tokens(reply: str) -> int:
     return int(re.search(r"\[finish_reason: interrupted \(Ctrl-C\); prompt (\d+) tokens", reply).group(1))
 
 
-def test_ctrl_c_stops_the_reply_and_the_conversation_goes_on():
-    t = Terminal("--max-new-tokens", "500")
+@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["plain", "started-with-sigint-ignored"])
+def test_ctrl_c_stops_the_reply_and_the_conversation_goes_on(sigint_ignored):
+    t = Terminal("--max-new-tokens", "500", sigint_ignored=sigint_ignored)
     try:
         t.expect(r"you> ")
         t.type("Tell me a very long story about a dragon who learns to read, with many chapters.\n")
