@@ -1,5 +1,6 @@
 """One claim: a second busy process costs headwise.generate about its share of the cores, not 4-15x
-(issue 12): OpenMP threads wait passively (headwise/threads.py) instead of spinning.
+(issue 12), without giving up speed on a quiet machine: OpenMP threads spin briefly, then sleep
+(headwise/threads.py), instead of spinning ~3 ms (libgomp's default) or sleeping at once (PASSIVE).
 
 Model: SmolLM2-135M-Instruct fp32 (`headwise.load("smollm2-135m-instruct")`), greedy, EOS ignored,
 a short chat prompt, --new-tokens decode tokens after a 4-token warm-up generate. Every measurement
@@ -8,12 +9,13 @@ is a fresh subprocess (libgomp reads its environment once, when torch loads it),
 the wait policy and spin count libgomp itself took are read from its stderr, not assumed.
 
 Variants (how the child starts):
-  default   `import headwise` first, nothing set: what every user now gets (PASSIVE, spin count 0)
+  default   `import headwise` first, nothing set: what every user now gets (GOMP_SPINCOUNT=2000)
+  passive   OMP_WAIT_POLICY=PASSIVE: sleep at once (spin count 0)
   active    OMP_WAIT_POLICY=ACTIVE: threads spin between ops for minutes
   torch1st  `import torch` before headwise, nothing set: libgomp's own default (spin 300000, ~3 ms),
             what headwise.generate, the CLI (but `serve`), chat, demo and Engine ran with before
   1thread   default + torch.set_num_threads(1)
-  spin10k   GOMP_SPINCOUNT=10000 (~0.1 ms of spinning, then sleep): a middle way, for comparison
+  spin10k   GOMP_SPINCOUNT=10000; spinN: GOMP_SPINCOUNT=N, for any N
 Conditions: idle (whatever else runs on the machine) and busy (plus one `python -c "while 1: pass"`
 spinning for the whole measurement). Rounds run every (condition, variant) once, in an order
 rotated each round; min / median / max per cell; slowdown = idle median / busy median.
@@ -37,7 +39,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {
-    "default": {},
+    "default": {},                                  # headwise's choice: GOMP_SPINCOUNT=2000 (headwise/threads.py)
+    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
     "active": {"OMP_WAIT_POLICY": "ACTIVE"},
     "torch1st": {},
     "1thread": {},
@@ -63,9 +66,19 @@ def child(variant: str, new_tokens: int) -> None:
                       "tokens": len(res.token_ids)}), flush=True)
 
 
+def variant_env(variant: str) -> dict:
+    """A named variant, or spinN: libgomp spins N rounds before sleeping (GOMP_SPINCOUNT=N)."""
+    if variant in VARIANTS:
+        return VARIANTS[variant]
+    m = re.fullmatch(r"spin(\d+)", variant)
+    if not m:
+        raise SystemExit(f"unknown variant {variant!r}: choose {', '.join(VARIANTS)} or spinN (N spin rounds)")
+    return {"GOMP_SPINCOUNT": m.group(1)}
+
+
 def measure(variant: str, busy: bool, new_tokens: int, timeout: float) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    env.update(VARIANTS[variant], OMP_DISPLAY_ENV="VERBOSE")
+    env.update(variant_env(variant), OMP_DISPLAY_ENV="VERBOSE")
     spinner = subprocess.Popen([sys.executable, "-c", "while 1: pass"]) if busy else None
     try:
         proc = subprocess.run([sys.executable, __file__, "--child", variant, "--new-tokens", str(new_tokens)],
@@ -100,11 +113,11 @@ def cpu_summary() -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
+    p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--variants", default="default,active,torch1st,1thread",
-                   help="comma-separated subset of " + ", ".join(VARIANTS))
+    p.add_argument("--variants", default="default,passive,torch1st,1thread",
+                   help="comma-separated subset of " + ", ".join(VARIANTS) + ", or spinN (GOMP_SPINCOUNT=N)")
     p.add_argument("--conditions", default="idle,busy", help="idle, busy or both")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per measurement")
     p.add_argument("--quick", action="store_true", help="1 round, 8 tokens, no save")
@@ -116,7 +129,7 @@ def main() -> int:
     if args.quick:
         args.rounds, args.new_tokens = 1, 8
     variants = [v.strip() for v in args.variants.split(",")]
-    unknown = [v for v in variants if v not in VARIANTS]
+    unknown = [v for v in variants if v not in VARIANTS and not re.fullmatch(r"spin\d+", v)]
     if unknown:
         p.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
 

@@ -1,19 +1,23 @@
-"""OpenMP waits passively, so headwise decodes well on a machine it shares.
+"""OpenMP threads spin briefly, then sleep, so headwise decodes well alone and on a shared machine.
 
 PyTorch's CPU ops, MKL, oneDNN and our C kernel (headwise/kernels) all run on one OpenMP
-runtime (torch's libgomp). Between two parallel regions its worker threads wait, and by default
-libgomp spins for GOMP_SPINCOUNT=300000 rounds (~3 ms) before it sleeps; OMP_WAIT_POLICY=ACTIVE
-spins for minutes. A decode step is hundreds of short parallel regions, so the workers spin
-nearly all the time, and when another process wants a core the spinning threads and that
-process take turns: each region waits a scheduler slice for a worker that was descheduled
-(measured in benchmarks/busy.py). OMP_WAIT_POLICY=PASSIVE (GOMP_SPINCOUNT=0: sleep at once)
-gives the cores back as soon as a region ends.
+runtime (torch's libgomp). Between two parallel regions its worker threads wait: by default
+libgomp spins GOMP_SPINCOUNT=300000 rounds (~3 ms) before it sleeps; OMP_WAIT_POLICY=ACTIVE
+spins for minutes; OMP_WAIT_POLICY=PASSIVE (0 rounds) sleeps at once. A decode step is
+hundreds of short parallel regions a few microseconds apart, so:
+- spinning 3 ms keeps the workers busy nearly all the time; when another process wants a
+  core, the spinning threads and that process take turns, and each region waits a scheduler
+  slice for a worker that was descheduled: 3.4x slower with one busy process on 2 cores;
+- sleeping at once pays a futex wake-up per region: ~40% slower on a quiet machine;
+- DEFAULT_SPINCOUNT rounds (~20 us here) bridge the gaps inside a step and sleep between
+  tokens: as fast as spinning alone, about the fair-share 2x with one busy process
+  (benchmarks/busy.py, results/busy.txt: the figures on AMD EPYC, AVX2).
 
 libgomp reads its environment once, when it is loaded, i.e. when torch is imported. So
-`import headwise` sets OMP_WAIT_POLICY=PASSIVE if no OpenMP runtime is loaded yet (setdefault:
-a value you set wins, so OMP_WAIT_POLICY=ACTIVE or GOMP_SPINCOUNT=N still work). If torch was
-imported first it is too late to change the policy from Python, and headwise says so once,
-with the fix.
+`import headwise` sets GOMP_SPINCOUNT=DEFAULT_SPINCOUNT if no OpenMP runtime is loaded yet
+and neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT is set (a value you set wins:
+OMP_WAIT_POLICY=PASSIVE suits a machine shared with many busy processes). If torch was
+imported first it is too late to change from Python, and headwise says so once, with the fix.
 """
 from __future__ import annotations
 
@@ -21,6 +25,10 @@ import os
 import warnings
 
 POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")   # either one sets how libgomp's threads wait
+# Spin rounds before a worker sleeps. Measured on a 2-core AMD EPYC (benchmarks/busy.py): 1,000
+# rounds still sleep inside a decode step (quiet-machine speed of PASSIVE), 2,000 bridge it (the
+# speed of spinning), 5,000+ keep spinning into the next token and collapse with a busy neighbour.
+DEFAULT_SPINCOUNT = "2000"
 
 
 class ThreadWaitWarning(RuntimeWarning):
@@ -55,13 +63,13 @@ def configure_wait_policy() -> str | None:
     if chosen:
         return None                                   # the user's choice, whatever it is
     if not openmp_loaded():
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.environ["GOMP_SPINCOUNT"] = DEFAULT_SPINCOUNT
         return None
-    reason = ("torch (and its OpenMP runtime) was imported before headwise, with no OMP_WAIT_POLICY set, so "
-              "its threads spin between ops (~3 ms each wait); on a machine shared with another busy process "
-              "decoding can be several times slower. Fix: `import headwise` before torch, or run with "
-              "OMP_WAIT_POLICY=PASSIVE in the environment (OMP_WAIT_POLICY=ACTIVE silences this and keeps "
-              "spinning).")
+    reason = ("torch (and its OpenMP runtime) was imported before headwise, with neither OMP_WAIT_POLICY nor "
+              "GOMP_SPINCOUNT set, so its threads spin ~3 ms between ops; on a machine shared with another busy "
+              "process decoding can be several times slower. Fix: `import headwise` before torch, or run with "
+              f"GOMP_SPINCOUNT={DEFAULT_SPINCOUNT} (or OMP_WAIT_POLICY=PASSIVE) in the environment; "
+              "OMP_WAIT_POLICY=ACTIVE silences this and keeps spinning.")
     if not _warned:
         _warned = True
         warnings.warn(reason, ThreadWaitWarning, stacklevel=3)
