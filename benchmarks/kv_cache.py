@@ -188,9 +188,10 @@ def run_cell(cfg_name, N, rounds, names, log):
                 log(f"  paged: skipped - its API did not work here: {skipped[n]}")
         names = list(contenders)
         diffs = {n: check(n, short[n], short["seed"]) for n in names}
-        decode_times, decode_out = interleaved({n: (lambda c=c: c.decode(Q, K, V, N)) for n, c in contenders.items()},
+        # Q, K, V are deleted only after these lambdas have run (ruff cannot see that)
+        decode_times, decode_out = interleaved({n: (lambda c=c: c.decode(Q, K, V, N)) for n, c in contenders.items()},  # noqa: F821
                                                rounds)
-        update_times, _ = interleaved({n: (lambda c=c: c.updates(K, V, N)) for n, c in contenders.items()}, rounds)
+        update_times, _ = interleaved({n: (lambda c=c: c.updates(K, V, N)) for n, c in contenders.items()}, rounds)  # noqa: F821
     ref = decode_out["seed"][0]
     for n in names:                                             # the timed runs' answers, too
         diffs[n] = max(diffs[n], check(n, decode_out[n][0], ref))

@@ -12,7 +12,7 @@ from .backends import backends, get_backend
 from .backends.paged import paged_reference, paged_spec
 from .kv import LayerKV
 from .masks import tile_masks
-from .spec import AttentionOutput, AttentionSpec, make_spec
+from .spec import AttentionSpec, make_spec
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = None,

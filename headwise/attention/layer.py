@@ -286,7 +286,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"pruning {sorted(heads)} would remove every head of this layer")
         if len(keep) == self.num_heads:
             return self
-        H, Hkv, D, G = self.num_heads, self.num_kv_heads, self.head_dim, self.num_heads // self.num_kv_heads
+        H, D, G = self.num_heads, self.head_dim, self.num_heads // self.num_kv_heads
         kv_of = self.kv_map.tolist() if self.kv_map is not None else [h // G for h in range(H)]
         keep_kv = sorted({kv_of[i] for i in keep})
         new_kv = {kv: j for j, kv in enumerate(keep_kv)}

@@ -45,7 +45,7 @@ def _hf_greedy(hf, ids, n):
     for _ in range(n):
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         tokens.append(int(nxt))
-        out = hf(nxt, past_key_values=out.past_key_values, use_cache=True)  # noqa: deprecated name still works in 5.x
+        out = hf(nxt, past_key_values=out.past_key_values, use_cache=True)  # deprecated name, still works in 5.x
     return tokens
 
 
