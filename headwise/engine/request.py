@@ -107,7 +107,6 @@ class Request:
     num_preemptions: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
-    emitted_tokens: int = 0                   # generated ids already handed to the sink
 
     @property
     def seq_id(self) -> tuple[str, int]:

@@ -66,7 +66,7 @@ def fast_decode_applies(model, input_ids: Tensor, cache, attention_mask) -> bool
 def _checked_modules(model) -> list | None:
     """The modules this path bypasses (their hooks would not run), if the model's structure
     suits it, else None. Checked again when the model's top modules or any layer's attention
-    projection is replaced (pruning does that); `forget(model)` after other surgery."""
+    projection is replaced (pruning does that)."""
     key = (model.layers, len(model.layers), model.norm, model.lm_head, model.embed,
            *(layer.attn.qkv_proj for layer in model.layers))
     cached = model.__dict__.get(_ATTR)
@@ -74,11 +74,6 @@ def _checked_modules(model) -> list | None:
         return cached[1]
     model.__dict__[_ATTR] = (key, _structure_ok(model) and [*model.layers.modules(), *key[2:5]] or None)
     return model.__dict__[_ATTR][1]
-
-
-def forget(model) -> None:
-    """Drop the cached structure check (after replacing or re-shaping modules of `model`)."""
-    model.__dict__.pop(_ATTR, None)
 
 
 def _structure_ok(model) -> bool:
