@@ -101,7 +101,7 @@ def run(args) -> int:
     uv = uvicorn.Config(app, host=s.host, port=s.port, log_level=args.log_level, lifespan="on",
                         timeout_graceful_shutdown=s.drain_timeout, http=timed_h11(s.header_timeout, s.body_timeout))
     server = _server_class()(uv, app.state.serve)
-    app.state.serve.stop_server = lambda: setattr(server, "should_exit", True)    # every model failed
+    app.state.serve.stop_server = lambda: _stop_when_started(server)                # every model failed
     base = f"http://{'[' + s.host + ']' if ':' in s.host else s.host}:{s.port}"
     auth = " (API keys required: Authorization: Bearer <key>)" if s.keys() else ""
     print(f"headwise serve: {base}/v1 -> models {', '.join(config.model_names())}{auth}; "
@@ -116,6 +116,16 @@ def run(args) -> int:
         print(f"headwise serve: {app.state.serve.fatal}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _stop_when_started(server, wait_s: float = 30.0) -> None:
+    """End uvicorn's loop (from the loader thread). A stop asked before startup has finished makes
+    uvicorn return without its shutdown phase, and the cancelled lifespan logs a traceback: wait."""
+    import time
+    deadline = time.monotonic() + wait_s
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    server.should_exit = True
 
 
 def _examples(base: str, chat_model: str | None, embed_model: str | None, key: bool) -> str:
