@@ -32,15 +32,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))           # benchmark this checkout of headwise
 
 from _common import (Log, busy_and_steal, cpu_ticks, environment, loadavg, maxrss_bytes,  # noqa: E402
                      peak_rss_bytes, reset_peak_rss, rss_bytes, summarize, table, time_interleaved)
+import torch  # noqa: E402  (after _common: headwise first)
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
 import headwise  # noqa: E402
 from headwise.attention import MultiHeadAttention, explain  # noqa: E402
 

@@ -72,14 +72,13 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))           # benchmark this checkout of headwise
 
 from _common import (Log, busy_and_steal, cpu_ticks, environment, loadavg, summarize, table,  # noqa: E402
                      time_interleaved)
+import torch  # noqa: E402  (after _common: headwise first)
+import torch.nn.functional as F  # noqa: E402
 import headwise  # noqa: E402
 import headwise.models.llama as llama_mod  # noqa: E402
 from headwise import kernels  # noqa: E402

@@ -35,12 +35,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))           # benchmark this checkout of headwise
 
 from _common import Log, busy_and_steal, cpu_ticks, environment, loadavg, rotated, summarize, table  # noqa: E402
+import torch  # noqa: E402  (after _common: headwise first)
 import headwise  # noqa: E402
 from headwise import Engine, SamplingParams  # noqa: E402
 

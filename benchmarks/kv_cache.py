@@ -39,14 +39,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))           # benchmark this checkout of headwise
 
 from _common import (Log, busy_and_steal, cpu_ticks, environment, loadavg, rotated,  # noqa: E402
                      summarize, table)
+import torch  # noqa: E402  (after _common: headwise first)
+import torch.nn.functional as F  # noqa: E402
 import headwise.cache as hwcache  # noqa: E402
 from headwise.cache import ContiguousKVCache  # noqa: E402
 

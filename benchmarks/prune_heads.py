@@ -24,12 +24,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from _common import Log, environment, loadavg, summarize, table, time_interleaved  # noqa: E402
+import torch  # noqa: E402  (after _common: headwise first)
 import headwise  # noqa: E402
 from headwise.analysis import load_pruned, param_count, prune_heads, save_pruned  # noqa: E402
 from headwise.analysis.ablation import take  # noqa: E402

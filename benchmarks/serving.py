@@ -7,8 +7,9 @@ Contenders, each a real server process on 127.0.0.1, driven over HTTP by the sam
              LlamaForCausalLM built from the very same GGUF tensors (as benchmarks/decode.py
              does), `generate` with a token streamer, one request at a time behind a lock,
              the same /v1/completions SSE format
-Both run with OMP_WAIT_POLICY=PASSIVE (what `headwise serve` sets; busy-waiting OpenMP
-workers starve the event loop thread of any server on 2 cores) and torch's default threads.
+Both run with GOMP_SPINCOUNT=2000 (the short spin `import headwise` sets, headwise/threads.py;
+libgomp's ~3 ms busy-wait starves the event loop thread of any server on 2 cores; results before
+2026-12-01 were measured with OMP_WAIT_POLICY=PASSIVE) and torch's default threads.
 
 Workload (vLLM benchmark_serving's random dataset): each request a distinct prompt of
 --input-len random token ids (>= 17: no special tokens), --output-len new tokens with EOS
@@ -47,7 +48,7 @@ from _common import Log, busy_and_steal, cpu_ticks, environment, loadavg, table 
 
 MODEL = "smollm2-135m-instruct"
 SEED = 1234
-SERVER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+SERVER_ENV = {"GOMP_SPINCOUNT": "2000"}      # headwise.threads.DEFAULT_SPINCOUNT, for both servers
 
 
 # ------------------------------------------------------------------ the baseline server
