@@ -10,9 +10,11 @@ import torch
 from torch import Tensor
 
 
-def embed(model, texts: str | list[str], *, normalize: bool = True, batch_size: int = 32,
+def embed(model, texts: str | list[str] | list[list[int]], *, normalize: bool = True, batch_size: int = 32,
           pooling: str = "mean", max_length: int | None = None) -> Tensor:
-    """Embed texts with an encoder model -> (N, C) fp32 tensor (one row for a single string)."""
+    """Embed texts with an encoder model -> (N, C) fp32 tensor (one row for a single string).
+    `texts` may also be token ids per text, as the tokenizer gives them (special tokens included):
+    a caller that has tokenized already (the server, to bound a request) does not pay twice."""
     if isinstance(texts, str):
         texts = [texts]
     if not texts:
@@ -20,18 +22,20 @@ def embed(model, texts: str | list[str], *, normalize: bool = True, batch_size: 
     if getattr(model.config, "causal", False):
         raise ValueError(f"{model.config.name} is a decoder; embed() needs an encoder such as all-minilm-l6-v2")
     tok = model.tokenizer
-    if tok is None:
-        raise ValueError("this model has no tokenizer; embed() needs one")
+    pretokenized = isinstance(texts[0], (list, tuple))
+    if tok is None and not pretokenized:
+        raise ValueError("this model has no tokenizer; embed() needs one (or token ids)")
     limit = min(max_length or getattr(model, "max_seq_length", None) or model.config.max_positions,
                 model.config.max_positions)
     device = next(model.parameters()).device
     out = []
     with torch.inference_mode():
         for start in range(0, len(texts), batch_size):
-            ids = [tok.encode(t) for t in texts[start:start + batch_size]]
+            chunk = texts[start:start + batch_size]
+            ids = [list(i) for i in chunk] if pretokenized else tok.encode_batch(chunk)
             ids = [i if len(i) <= limit else i[: limit - 1] + [i[-1]] for i in ids]   # truncate, keep [SEP]
             T = max(len(i) for i in ids)
-            pad = tok.pad_token_id or 0
+            pad = (tok.pad_token_id if tok is not None else None) or 0
             input_ids = torch.full((len(ids), T), pad, dtype=torch.long, device=device)
             mask = torch.zeros(len(ids), T, dtype=torch.long, device=device)
             for b, i in enumerate(ids):

@@ -167,8 +167,9 @@ class LocalRuntime:
         turns it into an error event and [DONE]); -> how many."""
         return self.engine.abort_all() if self.engine is not None else 0
 
-    async def embed(self, texts: list[str], batch_size: int = EMBED_BATCH):
-        """(N, C) fp32 vectors, computed off the event loop in micro-batches of `batch_size` texts.
+    async def embed(self, texts: list[str] | list[list[int]], batch_size: int = EMBED_BATCH):
+        """(N, C) fp32 vectors for texts or their token ids, computed off the event loop in
+        micro-batches of `batch_size` texts.
         Between two batches the model goes to the request that has waited longest (asyncio.Lock
         wakes waiters in order), so requests take turns: a 2,048-input request held the model for
         minutes while a one-line request waited; now the short one waits for one batch."""

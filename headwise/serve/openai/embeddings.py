@@ -43,7 +43,7 @@ async def create(runtime, req: EmbeddingRequest, model: str, request: Request, *
                             "inputs per request", param="input", code="input_too_long")
     limit = getattr(runtime.model, "max_seq_length", None) or positions
     tokens = sum(min(len(t), limit) for t in ids)
-    vecs = await until_disconnect(runtime.embed(texts), request)
+    vecs = await until_disconnect(runtime.embed(ids), request)     # tokenized once, above
     usage = {"prompt_tokens": tokens, "total_tokens": tokens}
     # 2,048 x 384 floats to JSON take ~1 s: off the loop too
     return Response(await off_loop(_body, vecs, req.encoding_format, model, usage), media_type="application/json")
