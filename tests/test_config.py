@@ -166,3 +166,17 @@ def test_parse_overrides_types():
 def test_parse_overrides_errors(item, message):
     with pytest.raises(ValueError, match=message):
         parse_overrides([item])
+
+
+def test_presets_module_is_plain_data():
+    """presets.py holds fields only: no imports (so config.py reads it without a cycle, and
+    `headwise plan` pulls in no torch), and every entry is built into PRESETS."""
+    import ast
+    import pathlib
+
+    from headwise import presets
+    tree = ast.parse(pathlib.Path(presets.__file__).read_text())
+    assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert [f["name"] for f in presets.PRESET_FIELDS] == list(PRESETS)
+    seventy = get_preset("llama-2-70b")     # a `base` entry: the 7B's fields with its own changes
+    assert (seventy.num_kv_heads, seventy.vocab_size, seventy.positions) == (8, 32000, "rope")
