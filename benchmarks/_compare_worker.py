@@ -1,0 +1,90 @@
+"""The measuring half of compare_commits.py: one process per checkout, driven over stdin/stdout.
+
+    python benchmarks/_compare_worker.py CHECKOUT THREADS
+
+imports headwise from CHECKOUT (not from this repository), loads SmolLM2 once, then answers
+one JSON line per JSON-line command until stdin closes:
+  {"op": "info"}                          -> where headwise came from, torch, threads, wait policy
+  {"op": "decode", "prompts": [[ids]], "new": N}
+                                          -> generate(..., greedy, ignore_eos): decode tok/s
+                                             (sum of GenerationResult.tokens_per_second) and the ids
+  {"op": "prefill", "prompt": [ids]}      -> one model(ids, cache=fresh ContiguousKVCache) forward,
+                                             timed: prompt tokens / s
+  {"op": "gap", "prompt": [ids], "a": i, "b": j}
+                                          -> last-position logit[a] - logit[b] (explains a divergence)
+Every reply is {"ok": true, ...} or {"ok": false, "error": traceback}. The file lives in
+this repository, not in the checkout, so old commits are driven by the same code; it uses
+only APIs the commit before issue 13 already had (load, generate, ContiguousKVCache,
+model(ids, cache=...)).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+MODEL = "smollm2-135m-instruct"
+
+
+def main(checkout: str, threads: int) -> None:
+    # The protocol owns the real stdout; anything else printed (by us, torch or C code) goes to stderr.
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    sys.path.insert(0, checkout)
+    import headwise                     # before torch: the checkout's own wait-policy code runs first
+    import torch
+    from headwise.cache import ContiguousKVCache
+
+    torch.set_num_threads(threads)
+    model = headwise.load(MODEL)
+    cfg = model.config
+
+    def info(_):
+        return {"headwise": headwise.__file__, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                "wait_env": {k: os.environ.get(k) for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY",
+                                                           "OMP_NUM_THREADS")},
+                "vocab_size": cfg.vocab_size, "dtype": str(next(model.parameters()).dtype)}
+
+    def decode(cmd):
+        prompts = cmd["prompts"]
+        res = headwise.generate(model, prompts[0] if len(prompts) == 1 else prompts, max_new_tokens=cmd["new"],
+                                temperature=0, ignore_eos=True)
+        res = res if isinstance(res, list) else [res]
+        # batched: every row shares one decode time, so the rows' rates add up to the batch's
+        return {"tok_s": sum(r.tokens_per_second for r in res), "ids": [r.token_ids for r in res],
+                "decode_s": res[0].decode_seconds, "prefill_s": res[0].prefill_seconds}
+
+    def prefill(cmd):
+        ids = torch.tensor([cmd["prompt"]])                                       # (1, T)
+        T = ids.shape[1]
+        with torch.inference_mode():
+            cache = ContiguousKVCache(cfg.num_layers, 1, cfg.num_kv_heads, T, cfg.head_dim)
+            t0 = time.perf_counter()
+            model(ids, cache=cache)
+            dt = time.perf_counter() - t0
+        return {"tok_s": T / dt, "seconds": dt}
+
+    def gap(cmd):
+        with torch.inference_mode():
+            logits = model(torch.tensor([cmd["prompt"]]))[0, -1]                  # (V,)
+        return {"gap": float(logits[cmd["a"]] - logits[cmd["b"]])}
+
+    ops = {"info": info, "decode": decode, "prefill": prefill, "gap": gap}
+    proto.write(json.dumps({"ok": True, "ready": True}) + "\n")
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            reply = {"ok": True, **ops[cmd["op"]](cmd)}
+        except Exception:               # the parent reports it; the worker stays up
+            reply = {"ok": False, "error": traceback.format_exc()}
+        proto.write(json.dumps(reply) + "\n")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: _compare_worker.py CHECKOUT THREADS")
+    main(sys.argv[1], int(sys.argv[2]))
