@@ -10,10 +10,11 @@ new tokens, EOS ignored. Contenders:
                     from its own decode_seconds, end-to-end from the wall clock
   hw_loop           (diagnostic) the same steps by hand: model(ids, cache=) + argmax,
                     then 127 x (model(next, cache=) + argmax); no detokenizer, no sampler
-  hw_general        (diagnostic) headwise.generate with the one-token fast path switched off
-                    (models/fast_decode.py): the general Llama forward, same linears
+  hw_general        (diagnostic) headwise.generate with the decoder block's few-rows route off
+                    (headwise.models.blocks.ROUTE_ROWS = 0): every step takes the general route,
+                    same linears (on a checkout without ROUTE_ROWS: models/fast_decode.py off)
   hw_no_kernel      (diagnostic) headwise.generate with the small-row C kernel switched off
-                    (headwise/kernels): the fast path's matmuls through oneDNN-prepacked weights
+                    (headwise/kernels): the few-rows route's matmuls through oneDNN-prepacked weights
   hw_unpacked       (diagnostic, prefill only) headwise.load(..., pack=False): plain nn.Linear
                     instead of the library's default oneDNN-prepacked linears
   hw_compiled       (--compile, on by default) headwise.generate(..., compile=True): the decode
@@ -80,6 +81,7 @@ from _common import (Log, busy_and_steal, cpu_ticks, environment, loadavg, summa
 import torch  # noqa: E402  (after _common: headwise first)
 import torch.nn.functional as F  # noqa: E402
 import headwise  # noqa: E402
+import headwise.models.blocks as blocks  # noqa: E402
 import headwise.models.llama as llama_mod  # noqa: E402
 from headwise import kernels  # noqa: E402
 from headwise.models.packing import PACK_HINT  # noqa: E402  (the library's oneDNN batch-size hint)
@@ -152,16 +154,25 @@ def make_prompts(B: int, V: int, T: int = PROMPT_LEN, seed: int = SEED) -> torch
 # ------------------------------------------------------------------ contenders
 @contextlib.contextmanager
 def switched_off(part: str | None):
-    """part: "fast_path" (models/fast_decode.py) or "kernel" (headwise.kernels), off for the block."""
-    saved = llama_mod.fast_decode_applies, kernels.kernels_unavailable
-    if part == "fast_path":
-        llama_mod.fast_decode_applies = lambda *a: False
+    """part: "few_rows" (the decoder block's few-rows route) or "kernel" (headwise.kernels), off for the block.
+
+    The few-rows route is off with blocks.ROUTE_ROWS = 0; a checkout from before issue 13 has no
+    ROUTE_ROWS but a second forward, models/fast_decode.py, gated by llama.fast_decode_applies."""
+    saved_kernel = kernels.kernels_unavailable
+    if hasattr(blocks, "ROUTE_ROWS"):
+        owner, name, off = blocks, "ROUTE_ROWS", 0
+    else:
+        owner, name, off = llama_mod, "fast_decode_applies", lambda *a: False
+    saved_route = getattr(owner, name)
+    if part == "few_rows":
+        setattr(owner, name, off)
     elif part == "kernel":
         kernels.kernels_unavailable = lambda: "switched off by the benchmark"
     try:
         yield
     finally:
-        llama_mod.fast_decode_applies, kernels.kernels_unavailable = saved
+        setattr(owner, name, saved_route)
+        kernels.kernels_unavailable = saved_kernel
 
 
 def hw_generate(model, ids: torch.Tensor, new: int, compile: bool = False, off: str | None = None) -> dict:
@@ -358,7 +369,7 @@ def run_decode(B: int, args, M: dict, mb, bw: float, log, check: bool) -> dict:
     new = args.new_tokens
     calls = {"hw_generate": lambda: hw_generate(model, ids, new),
              "hw_loop": lambda: hw_loop(model, ids, new)}
-    calls["hw_general"] = lambda: hw_generate(model, ids, new, off="fast_path")
+    calls["hw_general"] = lambda: hw_generate(model, ids, new, off="few_rows")
     if kernels.kernels_unavailable() is None:
         calls["hw_no_kernel"] = lambda: hw_generate(model, ids, new, off="kernel")
     if M.get("compile"):
@@ -689,9 +700,11 @@ def main(argv=None):
         f"{mb['kv_bytes_per_token'] / 1e3:.1f} kB per cached token")
     log(f"decode: B in {args.batches}, {PROMPT_LEN}-token random prompts + {args.new_tokens} new tokens, greedy, "
         f"{args.rounds} interleaved rounds after 1 warm-up; prefill: T={args.prefill_tokens}, B=1")
-    log("hw_generate/hw_loop: the library default: the one-token fast path, its matmuls through the small-row "
-        "kernel (" + (kernels.kernels_unavailable() or "available") + "), larger ones through oneDNN-prepacked "
-        "weights (" + (no_pack or "available") + "); hw_general: fast path off; hw_no_kernel: kernel off; "
+    log("hw_generate/hw_loop: the library default: the decoder block's few-rows route, its matmuls through the "
+        "small-row kernel (" + (kernels.kernels_unavailable() or "available") + "), larger ones through "
+        "oneDNN-prepacked weights (" + (no_pack or "available") + "); hw_general: few-rows route off ("
+        + ("blocks.ROUTE_ROWS = 0" if hasattr(blocks, "ROUTE_ROWS") else "models/fast_decode.py off")
+        + "); hw_no_kernel: kernel off; "
         "hw_unpacked (prefill): pack=False")
 
     sections = []
