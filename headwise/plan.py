@@ -136,6 +136,26 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: str = "bf16") -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes(dtype)
 
 
+KV_SCALE_BYTES = 4  # int8 KV caches keep one fp32 scale per (token, head), for K and for V
+
+
+def kv_pool_bytes_per_token(cfg: ModelConfig, dtype: str = "bf16") -> int:
+    """What one token takes in an engine's KV block pool: kv_bytes_per_token, plus for "int8"
+    the scales (2 * L * Hkv * 4 bytes), which the int8 caches allocate beside the payload."""
+    payload = kv_bytes_per_token(cfg, dtype)
+    if dtype.strip().lower() == "int8":
+        return payload + 2 * cfg.num_layers * cfg.num_kv_heads * KV_SCALE_BYTES
+    return payload
+
+
+def kv_pool_blocks(cfg: ModelConfig, memory: int | str, *, block_size: int = 16, dtype: str = "bf16") -> int:
+    """Blocks of `block_size` tokens that `memory` bytes of KV pool hold (0 if not one).
+    The engine sizes its pool with this (headwise.engine.EngineConfig.memory_budget_bytes)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    return max(0, parse_size(memory)) // (kv_pool_bytes_per_token(cfg, dtype) * block_size)
+
+
 # --- the plan ----------------------------------------------------------------
 
 
@@ -162,6 +182,8 @@ class Plan:
     fits: bool | None = None  # weights + reserve + KV <= memory
     max_context: int | None = None  # for `batch`, memory-bound only
     max_batch: int | None = None  # for `context`
+    kv_pool_blocks: int | None = None  # an engine's KV pool in what is left: blocks of `block_size` tokens
+    block_size: int = 16
     notes: list[str] = field(default_factory=list)
 
 
@@ -172,6 +194,7 @@ def plan(
     dtype: str = "bf16",
     memory: int | str | None = None,
     reserve: int | str = 0,
+    block_size: int = 16,
 ) -> Plan:
     context = cfg.max_positions if context is None else context
     if context <= 0 or batch <= 0:
@@ -191,6 +214,7 @@ def plan(
         kv_bytes=per_token * context * batch if cfg.causal else 0,
         memory=None if memory is None else parse_size(memory),
         reserve=parse_size(reserve),
+        block_size=block_size,
     )
     notes = result.notes
     if not cfg.causal:
@@ -216,6 +240,7 @@ def plan(
     elif cfg.causal:
         result.max_context = free // (per_token * batch)
         result.max_batch = free // (per_token * context)
+        result.kv_pool_blocks = kv_pool_blocks(cfg, free, block_size=block_size, dtype=dtype)
         if result.max_context > cfg.max_positions:
             trained = cfg.max_positions
             notes.append(f"memory allows context {result.max_context:,} but the model was trained on {trained:,}")
@@ -286,6 +311,8 @@ def format_plan(p: Plan) -> str:
         if p.max_context is not None:
             rows.append([f"max context at batch {p.batch}", f"{p.max_context:,}", "tokens"])
             rows.append([f"max batch at context {p.context:,}", f"{p.max_batch:,}", "sequences"])
+        if p.kv_pool_blocks is not None:
+            rows.append(["engine KV pool", f"{p.kv_pool_blocks:,}", f"blocks of {p.block_size} tokens"])
     out = head + "\n\n" + _table(rows, right={1})
     return out + "".join(f"\nnote: {n}" for n in p.notes)
 

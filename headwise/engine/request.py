@@ -16,7 +16,6 @@ from typing import Callable
 
 import torch
 
-from ..generation.generate import _Sequence
 from ..generation.sampling import SamplingParams, TokenLogprobs
 
 
@@ -85,8 +84,8 @@ class RequestGroup:
         return all(c.status is Status.FINISHED for c in self.children)
 
     def output(self) -> RequestOutput:
-        outs = [CompletionOutput(c.index, c.out.text, list(c.out.token_ids), c.out.finish_reason,
-                                 list(c.out.logprobs) if self.params.logprobs is not None else None)
+        outs = [CompletionOutput(c.index, c.text.text if c.text is not None else "", list(c.output_token_ids),
+                                 c.finish_reason, list(c.logprobs) if self.params.logprobs is not None else None)
                 for c in self.children]
         return RequestOutput(self.request_id, list(self.prompt_token_ids), outs,
                              max((c.num_cached_tokens for c in self.children), default=0))
@@ -94,10 +93,10 @@ class RequestGroup:
 
 @dataclass(eq=False)
 class Request:
-    """One completion of a prompt, as the scheduler sees it."""
+    """One completion of a prompt, as the scheduler and the engine core see it: token ids only."""
     group: RequestGroup
     index: int
-    out: _Sequence                            # generated ids, text, stop detection (shared with generate())
+    stop_ids: frozenset = frozenset()         # sampled ids that end it: stop_token_ids, EOS
     generator: torch.Generator | None = None  # per-request seed: sampling.seed + index
     seen: torch.Tensor | None = None          # (V,) bool, for the repetition penalty: prompt + output ids
     token_ids: list[int] = field(default_factory=list)   # prompt + generated ids
@@ -105,8 +104,13 @@ class Request:
     num_cached_tokens: int = 0                # of those, found by prefix on first admission
     status: Status = Status.WAITING
     num_preemptions: int = 0
+    output_token_ids: list[int] = field(default_factory=list)   # generated ids (a final stop/EOS id included)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, if sampling.logprobs
+    finish_reason: str | None = None          # "stop" | "length" | "abort" once finished
     first_token_at: float | None = None
     last_token_at: float | None = None
+    text: object | None = None                # the front end's TextSequence (detokenizer, stop strings);
+                                              # the core never reads it
 
     @property
     def seq_id(self) -> tuple[str, int]:
@@ -126,4 +130,4 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.out.token_ids)
+        return len(self.output_token_ids)

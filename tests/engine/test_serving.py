@@ -161,7 +161,7 @@ def test_a_failing_forward_reaches_every_waiter(tiny_gpt2, monkeypatch):
 
     def broken(*args):
         raise RuntimeError("boom")
-    monkeypatch.setattr(engine, "_forward", broken)
+    monkeypatch.setattr(engine.core.runner, "run", broken)
 
     async def main():
         with pytest.raises(RuntimeError, match="engine failed") as e:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from headwise.generation.generate import _Sequence
+from headwise.generation.output import TextSequence
 from headwise.generation.sampling import MAX_STOP_CHARS, MAX_STOPS, SamplingParams
 
 
@@ -46,7 +46,7 @@ def naive(pieces: list[str], stops: tuple[str, ...], max_tokens: int):
 
 
 def run(pieces, stops, max_tokens):
-    seq = _Sequence([1], SamplingParams(max_new_tokens=max_tokens, stop=stops), frozenset(), TableDecoder(pieces))
+    seq = TextSequence([1], SamplingParams(max_new_tokens=max_tokens, stop=stops), frozenset(), TableDecoder(pieces))
     out = []
     for token in range(len(pieces)):
         seq.push(token)
@@ -81,7 +81,7 @@ def test_work_per_token_does_not_grow_with_the_text():
     constant times its new characters, at token 100 as at token 3,000."""
     stops = tuple("a" * (MAX_STOP_CHARS - 1) + chr(ord("b") + j) for j in range(MAX_STOPS))
     pieces = ["aaa", "a", "aa"] * 1000                       # 2 chars a token on average, never a stop
-    seq = _Sequence([1], SamplingParams(max_new_tokens=len(pieces), stop=stops), frozenset(), TableDecoder(pieces))
+    seq = TextSequence([1], SamplingParams(max_new_tokens=len(pieces), stop=stops), frozenset(), TableDecoder(pieces))
     per_token, streamed = [], ""
     for token in range(len(pieces)):
         before = seq.stops.compared

@@ -1,0 +1,74 @@
+"""`ModelRunner`: a scheduled batch -> input_ids, a packed step, logits of the sampled rows.
+
+The step's tokens are packed on one axis, input_ids (1, N), N = the sum of the chunks'
+lengths, sequence by sequence with no padding, and run through the model in ONE forward
+over a packed paged step (`PagedKVCache.packed`): every projection and MLP matmul serves
+all requests at once. `logits_indices` names the rows that get a token (the last row of
+each chunk that reaches its request's end), so the model runs its output layer (~20% of
+SmolLM2's weights per row) on those R rows only and returns logits (R, V).
+
+    batch = runner.prepare(chunks)      # under the engine's lock: reserves slots in the pool
+    logits = runner.run(batch)          # (R, V) fp32; outside the lock
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..cache.paged import PagedKVCache
+from .scheduler import Chunk
+
+# TODO(issue 13): drop once PagedKVCache.packed takes logits_indices everywhere (the lead's step API).
+_PACKED_TAKES_ROWS = "logits_indices" in inspect.signature(PagedKVCache.packed).parameters
+
+
+@dataclass
+class Batch:
+    """One step's model input. rows[i] is the pack row whose logits sample chunk sampled[i]."""
+    chunks: list[Chunk]
+    input_ids: Tensor               # (1, N) long
+    step: object                    # PackedStep: positions, block tables, logits_indices
+    rows: Tensor                    # (R,) long, flat rows of the pack (0 * N + t)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+
+class ModelRunner:
+    def __init__(self, model, cache: PagedKVCache):
+        self.model, self.cache = model, cache
+        self.device = next(model.parameters()).device
+
+    def prepare(self, chunks: list[Chunk]) -> Batch:
+        """Reserve the chunks' slots in the cache and build the step (call under the engine's lock)."""
+        news = [c.request.token_ids[c.start:c.start + c.num_tokens] for c in chunks]
+        rows, off = [], 0
+        for c in chunks:
+            off += c.num_tokens
+            if c.sample:
+                rows.append(off - 1)
+        input_ids = torch.tensor([[t for new in news for t in new]], dtype=torch.long, device=self.device)  # (1, N)
+        sel = torch.tensor(rows, dtype=torch.long, device=self.device)                                    # (R,)
+        seq_ids, counts = [c.request.seq_id for c in chunks], [c.num_tokens for c in chunks]
+        if _PACKED_TAKES_ROWS:
+            # A step of prefill chunks only samples nothing, but the model must run for the K/V it
+            # writes: ask for one row (the last) rather than all N, and drop it.
+            wanted = sel if rows else torch.tensor([off - 1], dtype=torch.long, device=self.device)
+            step = self.cache.packed(seq_ids, counts, news, defer_prefix=True, logits_indices=wanted)
+        else:
+            step = self.cache.packed(seq_ids, counts, news, defer_prefix=True)
+        return Batch(chunks, input_ids, step, sel)
+
+    def run(self, batch: Batch) -> Tensor | None:
+        """-> logits (R, V) fp32 of the batch's sampled rows, in chunk order; None when R = 0
+        (every chunk is a prefill that does not reach its request's end yet)."""
+        with torch.inference_mode():
+            if _PACKED_TAKES_ROWS:
+                logits = self.model(batch.input_ids, batch.step)                # (R, V)
+            else:
+                logits = self.model(batch.input_ids, cache=batch.step)[0, batch.rows]   # (R, V)
+        return logits if batch.rows.numel() else None
