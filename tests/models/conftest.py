@@ -1,7 +1,37 @@
-"""Shared by the model tests: tiny Hugging Face checkpoints made offline, saved once per module."""
+"""Shared by the model tests: tiny Hugging Face checkpoints made offline, saved once per module,
+and the tiny decoder configs they are made from."""
 import torch
 
 from ..helpers import save_hf
+
+V = 128     # vocab of every tiny decoder here
+LLAMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8, vocab_size=V,
+             max_position_embeddings=128, initializer_range=0.1, bos_token_id=None, eos_token_id=None,
+             pad_token_id=None)   # no eos: HF generate runs the full length, as our loops do
+
+
+def decoder_configs() -> dict:
+    """name -> () -> (HF config, HF model class): 2 layers, width 64, vocab 128, random weights.
+    A function so that transformers is imported by the tests that use it, not at collection."""
+    import transformers as tf
+
+    def llama(**kw):
+        return tf.LlamaConfig(**{**LLAMA, **kw}), tf.LlamaForCausalLM
+
+    return {
+        "gpt2": lambda: (tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=V,
+                                       initializer_range=0.3, bos_token_id=None, eos_token_id=None),
+                         tf.GPT2LMHeadModel),
+        "llama-mha": lambda: llama(num_key_value_heads=8),
+        "llama-gqa": lambda: llama(num_key_value_heads=2),                                  # G = 4
+        "llama-mqa-tied": lambda: llama(num_key_value_heads=1, tie_word_embeddings=True),
+        "llama-bias": lambda: llama(num_key_value_heads=2, attention_bias=True, mlp_bias=True),
+        "qwen2": lambda: (tf.Qwen2Config(**LLAMA, num_key_value_heads=2), tf.Qwen2ForCausalLM),  # q/k/v bias
+        "mistral": lambda: (tf.MistralConfig(**LLAMA, num_key_value_heads=2), tf.MistralForCausalLM),
+        # a window shorter than the tests' sequences: HF masks keys older than 6 tokens
+        "mistral-window": lambda: (tf.MistralConfig(**LLAMA, num_key_value_heads=2, sliding_window=6),
+                                   tf.MistralForCausalLM),
+    }
 
 
 def hf_checkpoints(tmp_path_factory, configs: dict, seed: int):
