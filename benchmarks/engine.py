@@ -1,5 +1,6 @@
-"""One claim: the continuous-batching engine serves many prompts at several times the output-token
-throughput of running them one at a time (issue 5: 16 prompts >= 6x headwise, >= 8x transformers).
+"""Two claims: the continuous-batching engine serves many prompts at several times the output-token
+throughput of running them one at a time (issue 5: 16 prompts >= 6x headwise, >= 8x transformers),
+and one request alone through the engine decodes at >= 0.9x headwise.generate's batch-1 rate (issue 13).
 
 Model: SmolLM2-135M-Instruct fp32: headwise.load (the builtin GGUF, dequantized) and transformers'
 LlamaForCausalLM holding the very same tensors (built by benchmarks/decode.py's load_models, sdpa
@@ -8,13 +9,19 @@ attention). CPU, inference only, greedy, EOS ignored so every request makes exac
 Prompts: random token ids, 112 to 144 tokens each (~128), the same for every contender.
 Contenders, output tokens per second, end to end (prefill included, wall clock):
   engine_<N>   Engine(model, max_num_seqs=64, max_num_batched_tokens=512).generate(N prompts): all
-               N scheduled together; the prefix cache is cleared before each run (no reuse across rounds)
+               N scheduled together; the prefix cache is cleared before each run (no reuse across rounds);
+               engine_1 is one request alone
   hw_one       headwise.generate(model, prompt) for each prompt in turn
   hf_one       hf.generate(ids, do_sample=False, max_new_tokens=new, min_new_tokens=new) for each in turn
 A one-at-a-time contender's throughput does not depend on how many prompts there are (each runs
 alone, and they all have ~128 tokens), so it runs on the first --subset prompts (default 4) to keep
 the run short; the output says so. Rounds run every contender once, in an order rotated each round
 (benchmarks/_common.py); min / median / max per contender, ratios of medians.
+Decode rate (engine_1 vs generate, like with like): tokens after the first over the time they
+took: for the engine (tokens - 1) / the sum of the request's inter-token gaps (Engine.stats().itl_s),
+for generate() GenerationResult.tokens_per_second (over hw_one's prompts: their tokens after the
+first / their decode_seconds summed). For engine_<N> with N > 1 the same number is per request
+(1 / mean inter-token gap), shown for reference.
 
 Agreement (before timing): the engine's greedy ids for the subset prompts must equal hw_one's
 (the engine batches, chunks and packs the same fp32 arithmetic differently, so a near-tie could in
@@ -60,7 +67,8 @@ def run_engine(engine: Engine, prompts, params) -> dict:
     wall = time.perf_counter() - t0
     after = engine.stats()
     n = len(prompts)
-    return {"wall_s": wall, "tokens": sum(len(o.token_ids) for o in outs), "ids": [o.token_ids for o in outs],
+    gaps = after.itl_s[-sum(len(o.token_ids) - 1 for o in outs):]       # this run's inter-token gaps (most recent)
+    return {"wall_s": wall, "decode_tok_s": len(gaps) / sum(gaps) if gaps else None, "tokens": sum(len(o.token_ids) for o in outs), "ids": [o.token_ids for o in outs],
             "prefix_hits": after.prefix_cache_hits - before.prefix_cache_hits,
             "preemptions": after.preemptions - before.preemptions, "steps": after.steps - before.steps,
             "ttft_ms_median": 1e3 * statistics.median(after.ttft_s[-n:]),
@@ -70,9 +78,12 @@ def run_engine(engine: Engine, prompts, params) -> dict:
 
 def run_hw_one(model, prompts, params) -> dict:
     t0 = time.perf_counter()
-    ids = [headwise.generate(model, p, params).token_ids for p in prompts]
+    res = [headwise.generate(model, p, params) for p in prompts]
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "tokens": sum(map(len, ids)), "ids": ids}
+    ids = [r.token_ids for r in res]
+    # tokens_per_second of all prompts together: their tokens after the first / their decode time
+    decode = sum(len(r.token_ids) - 1 for r in res) / sum(r.decode_seconds for r in res)
+    return {"wall_s": wall, "tokens": sum(map(len, ids)), "ids": ids, "decode_tok_s": decode}
 
 
 def run_hf_one(hf, prompts, new: int) -> dict:
@@ -141,18 +152,18 @@ def profile_decode(model, log) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="16,64", help="engine batch sizes (default 16,64)")
+    ap.add_argument("--sizes", default="1,16,64", help="engine batch sizes (default 1,16,64)")
     ap.add_argument("--subset", type=int, default=4, help="prompts run one at a time per round (default 4)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--no-profile", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="8 new tokens, 1 round, sizes 16, nothing saved")
+    ap.add_argument("--quick", action="store_true", help="8 new tokens, 1 round, sizes 1,16, nothing saved")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.quick:
-        args.new_tokens, args.rounds, args.sizes = 8, 1, "16"
+        args.new_tokens, args.rounds, args.sizes = 8, 1, "1,16"
     out_dir = args.out or (None if args.quick else Path(__file__).resolve().parent / "results")
     sizes = [int(x) for x in args.sizes.split(",")]
     torch.set_num_threads(args.threads)
@@ -197,17 +208,23 @@ def main(argv=None) -> int:
                 f"{d['tokens'] / d['wall_s']:.1f} tok/s (load {loadavg()[0]:.2f})")
     load1, cpu = loadavg(), busy_and_steal(ticks0, cpu_ticks())
 
-    first_engine = details[f"engine_{sizes[0]}"][0]["ids"][:len(subset)]
-    agree = [agreement(model, subset, first_engine, details["hw_one"][0]["ids"], "hw_one")]
-    if hf is not None:
-        agree.append(agreement(model, subset, first_engine, details["hf_one"][0]["ids"], "hf_one"))
+    agree = []                  # every engine size vs the one-at-a-time runs, on the prompts they share
+    for n in sizes:
+        k = min(n, len(subset))
+        got = details[f"engine_{n}"][0]["ids"][:k]
+        for ref in ("hw_one", "hf_one") if hf is not None else ("hw_one",):
+            agree.append({"engine": f"engine_{n}", **agreement(model, subset[:k], got, details[ref][0]["ids"], ref)})
 
     summary = {k: summarize([d["tokens"] / d["wall_s"] for d in v]) for k, v in details.items()}
+    decode = {k: summarize([d["decode_tok_s"] for d in v]) for k, v in details.items()
+              if all(d.get("decode_tok_s") for d in v)}
 
-    def paired(a: str, b: str) -> float:
+    def rate(d: dict, key: str) -> float:
+        return d["tokens"] / d["wall_s"] if key == "output" else d["decode_tok_s"]
+
+    def paired(a: str, b: str, key: str = "output") -> float:
         """Median over rounds of a's rate / b's rate in the same round (drift hits both)."""
-        return statistics.median((x["tokens"] / x["wall_s"]) / (y["tokens"] / y["wall_s"])
-                                 for x, y in zip(details[a], details[b]))
+        return statistics.median(rate(x, key) / rate(y, key) for x, y in zip(details[a], details[b]))
     rows = []
     for name, s in summary.items():
         prompts_n = int(name.split("_")[1]) if name.startswith("engine_") else len(subset)
@@ -217,7 +234,8 @@ def main(argv=None) -> int:
             extra = (f"ttft {statistics.median([x['ttft_ms_median'] for x in d]):.0f} ms, itl "
                      f"{statistics.median([x['itl_ms_median'] for x in d]):.0f} ms, {d[0]['steps']} steps, "
                      f"{d[0]['preemptions']} preemptions")
-        rows.append([name, prompts_n, f"{s['min']:.1f}", f"{s['median']:.1f}", f"{s['max']:.1f}",
+        dec = f"{decode[name]['median']:.1f}" if name in decode else ""
+        rows.append([name, prompts_n, f"{s['min']:.1f}", f"{s['median']:.1f}", f"{s['max']:.1f}", dec,
                      f"{s['median'] / summary['hw_one']['median']:.2f}x ({paired(name, 'hw_one'):.2f}x)",
                      f"{s['median'] / summary['hf_one']['median']:.2f}x ({paired(name, 'hf_one'):.2f}x)"
                      if hf is not None else "", extra])
@@ -225,25 +243,34 @@ def main(argv=None) -> int:
     log(f"Output tokens/s, {args.rounds} rounds, load {load0[0]:.2f} -> {load1[0]:.2f}"
         + (f", cpu busy {cpu['busy_pct']}% steal {cpu['steal_pct']}%" if cpu else "")
         + f"; one-at-a-time contenders measured on the first {len(subset)} prompts (per-token rate):")
-    log(table(["contender", "prompts", "tok/s min", "median", "max", "vs hw_one (paired)", "vs hf_one (paired)",
-               "engine notes"], rows))
-    log("ratios: of medians; in brackets, the median over rounds of the same round's ratio")
+    log(table(["contender", "prompts", "tok/s min", "median", "max", "decode tok/s/req", "vs hw_one (paired)",
+               "vs hf_one (paired)", "engine notes"], rows))
+    log("ratios: of medians; in brackets, the median over rounds of the same round's ratio; decode tok/s/req: "
+        "a request's tokens after its first / the time they took (engine: its inter-token gaps; hw_one: "
+        "generate()'s tokens_per_second)")
     for a in agree:
-        log(f"greedy ids, engine vs {a['vs']}: {a['identical']}/{a['of']} identical"
+        log(f"greedy ids, {a['engine']} vs {a['vs']}: {a['identical']}/{a['of']} identical"
             + (f"; divergences {a['divergences']}" if a["divergences"] else ""))
     for n in sizes:
         ph = details[f"engine_{n}"][0]["step_seconds"]
         log(f"engine_{n} time by phase (first round): " + ", ".join(f"{k} {v:.2f} s" for k, v in ph.items()))
     verdicts = []
+
+    def target(claim: str, a: str, b: str, key: str, need: float) -> None:
+        r = (summary if key == "output" else decode)[a]["median"] / (summary if key == "output" else decode)[b]["median"]
+        verdicts.append({"claim": claim, "ratio": r, "paired": paired(a, b, key), "target": f">= {need}x",
+                         "met": r >= need})
+    if 1 in sizes and "engine_1" in decode:
+        target("engine_1 (one request alone) decode tok/s / generate() B=1 tokens_per_second (hw_one)",
+               "engine_1", "hw_one", "decode", 0.9)
     if 16 in sizes:
-        e16 = summary["engine_16"]["median"]
-        for ref, target in (("hw_one", 6), ("hf_one", 8)):
-            if ref in summary:
-                r = e16 / summary[ref]["median"]
-                verdicts.append({"claim": f"engine_16 >= {target}x {ref}", "ratio": r, "paired": paired("engine_16", ref),
-                                 "met": r >= target})
+        target("engine_16 output tok/s / one-at-a-time generate() (hw_one)", "engine_16", "hw_one", "output", 6)
+        if hf is not None:
+            target("engine_16 output tok/s / one-at-a-time hf.generate (hf_one)", "engine_16", "hf_one", "output", 8)
+    log("targets (ratios of medians; paired in brackets):")
     for v in verdicts:
-        log(f"{v['claim']}: {v['ratio']:.2f}x (paired {v['paired']:.2f}x) -> {'met' if v['met'] else 'NOT met'}")
+        log(f"  {'MET    ' if v['met'] else 'NOT MET'} {v['claim']}: {v['ratio']:.2f}x (paired {v['paired']:.2f}x; "
+            f"target {v['target']})")
 
     prof = None
     if not args.no_profile:
@@ -257,7 +284,7 @@ def main(argv=None) -> int:
                 x.pop("ids", None)
         result = {"environment": env, "args": {k: str(v) for k, v in vars(args).items()},
                   "loadavg_before": load0, "loadavg_after": load1, **cpu, "summary": summary,
-                  "details": details, "agreement": agree, "verdicts": verdicts, "profile": prof,
+                  "decode_summary": decode, "details": details, "agreement": agree, "verdicts": verdicts, "profile": prof,
                   "transformers": None if hf is None else tf_version}
         (out_dir / "engine.json").write_text(json.dumps(result, indent=1))
         (out_dir / "engine.txt").write_text(log.text())
