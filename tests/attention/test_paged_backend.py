@@ -15,15 +15,22 @@ from headwise.attention import attend, backends, explain
 from headwise.attention.backends import paged as paged_backend
 from headwise.cache import packed as packed_cache
 from headwise.cache.paged import PagedKVCache
+from headwise.cache.quantized import dequantize_int8, quantize_int8
 
 D = 8
 HEADS = [(2, 2), (4, 2), (4, 1), (6, 2), (3, 1)]          # MHA, GQA, MQA, G=3, MQA with G=3
 LAYOUTS = ["default", "spread", "regions"]               # how the pool places blocks
 
 
-def make_cache(Hkv, block_size, tile_blocks, layout, num_blocks=256):
+def make_cache(Hkv, block_size, tile_blocks, layout, num_blocks=256, kv_dtype=None):
     return PagedKVCache(1, Hkv, D, num_blocks, block_size=block_size, tile_tokens=tile_blocks * block_size,
-                        spread=layout == "spread", region_blocks=8 if layout == "regions" else None)
+                        spread=layout == "spread", region_blocks=8 if layout == "regions" else None,
+                        kv_dtype=kv_dtype)
+
+
+def as_read(cache, x):
+    """x as the cache hands it back: int8 K/V are rounded (per token and head) on the way in."""
+    return dequantize_int8(*quantize_int8(x)) if cache.kv_dtype == "int8" else x
 
 
 def grow(cache, kept, seq_ids, rounds, g):
@@ -38,8 +45,8 @@ def grow(cache, kept, seq_ids, rounds, g):
         k, v = torch.randn(len(ids), Hkv, T, D, generator=g), torch.randn(len(ids), Hkv, T, D, generator=g)
         step.layer(0).update(k, v, torch.tensor(ns))
         for b, (s, n) in enumerate(zip(ids, ns)):
-            kept[s][0].append(k[b, :, :n])
-            kept[s][1].append(v[b, :, :n])
+            kept[s][0].append(as_read(cache, k[b, :, :n]))
+            kept[s][1].append(as_read(cache, v[b, :, :n]))
 
 
 def reference(q_rows, kept, s, H):
@@ -173,3 +180,52 @@ def test_registry_shows_the_paged_backend_and_why_others_pass():
     assert e.chosen == "sdpa" and "not k/v tensors" in " ".join(e.rejected["paged"])
     with pytest.raises(ValueError, match="backend 'paged' cannot serve this request: reads K/V in a paged"):
         attend(q, t, t, backend="paged")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(p=problems(), int8=st.booleans(), fork_at=st.integers(0, 3))
+def test_forked_and_int8_sequences_match_math(kernel, p, int8, fork_at):
+    """Copy-on-write forks (two tables sharing the source's blocks, the last one partly filled)
+    and int8 pools (tiles dequantized on read) in a packed step: the math backend over each
+    sequence's K/V as stored (int8: rounded per token and head) alone."""
+    H, Hkv, block_size, tile_blocks, n_seqs, rounds, new, layout, seed = p
+    g = torch.Generator().manual_seed(seed)
+    cache = make_cache(Hkv, block_size, tile_blocks, layout, kv_dtype="int8" if int8 else None)
+    seq_ids = [f"s{i}" for i in range(n_seqs)]
+    kept = {s: ([], []) for s in seq_ids}
+    for s in seq_ids:
+        cache.add_sequence(s)
+    grow(cache, kept, seq_ids, rounds[:fork_at], g)
+    src = seq_ids[0]
+    cache.fork(src, "fork")                                   # shares every block of s0 so far
+    kept["fork"] = (list(kept[src][0]), list(kept[src][1]))
+    seq_ids.append("fork")
+    grow(cache, kept, seq_ids, [[*r, r[0]] for r in rounds[fork_at:]], g)     # both sides grow alike
+    ids = [s for s, n in zip(seq_ids, [*new, 1]) if n]
+    ns = [n for n in [*new, 1] if n]
+    N = sum(ns)
+    k, v = torch.randn(1, Hkv, N, D, generator=g), torch.randn(1, Hkv, N, D, generator=g)
+    q = torch.randn(1, H, N, D, generator=g)
+    out = cache.packed(ids, ns).layer(0).update(k, v).attend(q, is_causal=True)
+    off = 0
+    for s, n in zip(ids, ns):
+        kept[s][0].append(as_read(cache, k[0, :, off:off + n]))
+        kept[s][1].append(as_read(cache, v[0, :, off:off + n]))
+        torch.testing.assert_close(out[0, :, off:off + n], reference(q[0, :, off:off + n], kept, s, H),
+                                   atol=1e-5, rtol=1e-5)
+        off += n
+    cache.pool.check([cache.block_table(s) for s in seq_ids])      # refcounts add up after the copies
+
+
+def test_growing_in_turns_scatters_the_tables():
+    """What the hypothesis tests rely on: sequences grown in turns get interleaved blocks
+    (default layout), so reads cross non-consecutive blocks."""
+    g = torch.Generator().manual_seed(1)
+    cache = make_cache(2, 2, 1, "default")
+    kept = {s: ([], []) for s in "ab"}
+    for s in "ab":
+        cache.add_sequence(s)
+    grow(cache, kept, ["a", "b"], [[3, 3], [4, 2], [5, 5]], g)
+    for s in "ab":
+        t = cache.block_table(s)
+        assert any(t[i + 1] != t[i] + 1 for i in range(len(t) - 1)), t
