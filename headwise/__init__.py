@@ -27,6 +27,7 @@ _LAZY = {
     "GenerationResult": "headwise.generation",
     "embed": "headwise.embeddings",
     "Engine": "headwise.engine",
+    "EngineConfig": "headwise.engine",
     "QueueFull": "headwise.engine",
 }
 __all__ = list(_LAZY)

@@ -27,12 +27,18 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from ..engine.config import EngineConfig
+
 CACHE_KINDS = ("paged", "int8")          # the engine's block pool, fp32/model dtype or int8 K/V
 METRICS_AUTH = ("auto", "always", "never")
 
 
 class ConfigError(ValueError):
     """The config file is wrong; the message names the table and key."""
+
+
+# [models.NAME] keys that are the engine's limits (EngineConfig fields; its kv_dtype comes from `cache`)
+ENGINE_KEYS = tuple(k for k in EngineConfig.fields() if k != "kv_dtype")
 
 
 @dataclass(frozen=True)
@@ -42,11 +48,9 @@ class LocalModel:
     backend: str = "auto"               # attention backend (headwise.attention registry)
     cache: str = "paged"                # paged | int8 -> the engine's kv_dtype
     dtype: str | None = None            # None keeps the checkpoint's (the GGUF is dequantized to fp32)
-    num_blocks: int | None = None       # KV blocks in the pool; None = the engine sizes it
-    block_size: int = 16
-    max_num_seqs: int = 64              # sequences decoded together
-    max_num_batched_tokens: int = 512   # tokens per engine step (prefill chunks + decodes)
-    max_waiting_requests: int = 256     # beyond this the engine says QueueFull -> 429
+    # the engine's limits (max_num_seqs, num_blocks, block_size, max_num_batched_tokens, max_waiting_requests,
+    # max_waiting_tokens, memory_budget_bytes): keys of [models.NAME] in the file, validated by EngineConfig
+    engine: EngineConfig = field(default_factory=EngineConfig)
     max_model_len: int | None = None    # cap the context below the model's own
     # per request, checked before any tokenizing (which costs ~1 s per MB, on a worker thread)
     max_input_chars: int = 2_000_000    # characters of text over all messages / prompts / inputs
@@ -60,12 +64,30 @@ class LocalModel:
                               "headwise.generate uses it). Choose paged or int8")
         if self.cache not in CACHE_KINDS:
             raise ConfigError(f"{where} cache = {self.cache!r}; choose one of {', '.join(CACHE_KINDS)}")
-        for key in ("max_num_seqs", "block_size", "max_num_batched_tokens", "max_waiting_requests",
-                    "max_input_chars", "max_embedding_tokens"):
+        if not isinstance(self.engine, EngineConfig):
+            raise ConfigError(f"{where} engine must be a headwise.engine.EngineConfig, got {type(self.engine).__name__}")
+        object.__setattr__(self, "engine", self.engine.replace(kv_dtype="int8" if self.cache == "int8" else None))
+        for key in ("max_input_chars", "max_embedding_tokens"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{where} {key} must be >= 1, got {getattr(self, key)}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ConfigError(f"{where} num_blocks must be >= 1, got {self.num_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"{where} max_model_len must be >= 1 or unset, got {self.max_model_len}")
+
+
+def _local_model(name: str, table: dict) -> LocalModel:
+    """A [models.NAME] table -> LocalModel; its engine keys make the EngineConfig."""
+    where = f"[models.{name}]"
+    t = dict(table)
+    t.setdefault("source", name)
+    known = (set(LocalModel.__dataclass_fields__) - {"name", "engine"}) | set(ENGINE_KEYS)
+    unknown = sorted(set(t) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    try:
+        engine = EngineConfig(**{k: t.pop(k) for k in ENGINE_KEYS if k in t})
+    except ValueError as e:
+        raise ConfigError(f"{where} {e}") from None
+    return _take(t, LocalModel, where, name=name, engine=engine)
 
 
 @dataclass(frozen=True)
@@ -228,11 +250,7 @@ def parse_config(data: dict) -> ServeConfig:
     server = dict(data.get("server", {}))
     if "api_keys" in server:
         server["api_keys"] = tuple(server["api_keys"])
-    models = {}
-    for name, t in data.get("models", {}).items():
-        t = dict(t)
-        t.setdefault("source", name)
-        models[name] = _take(t, LocalModel, f"[models.{name}]", name=name)
+    models = {name: _local_model(name, t) for name, t in data.get("models", {}).items()}
     providers = {}
     for name, t in data.get("providers", {}).items():
         t = dict(t)

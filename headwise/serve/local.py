@@ -5,8 +5,9 @@ Models load in a background thread after the server starts, so /health can say 5
 until they are ready. Variants of one checkpoint (same source, dtype and attention backend;
 say an fp32 and an int8 KV cache) share one loaded model: one set of weights, one engine
 each. A model that fails to load is marked failed with its reason; when every one fails,
-the server stops (`load_all`'s on_done). The engine speaks token ids; tokenization and chat templates
-happen here, at the edge (DESIGN: the engine never sees text).
+the server stops (`load_all`'s on_done). Requests reach the engine as token ids: the endpoints
+(serve/openai) render chat templates and tokenize off the event loop; the engine's output
+processor (generation/output.py) turns the ids it samples into text and stop strings.
 """
 from __future__ import annotations
 
@@ -90,12 +91,7 @@ class LocalRuntime:
 
     def _make_engine(self, model):
         from ..engine import Engine
-        s = self.spec
-        kw = dict(max_num_seqs=s.max_num_seqs, num_blocks=s.num_blocks, block_size=s.block_size,
-                  max_num_batched_tokens=s.max_num_batched_tokens, max_waiting_requests=s.max_waiting_requests)
-        if s.cache == "int8":
-            kw["kv_dtype"] = "int8"
-        return Engine(model, **kw)
+        return Engine(model, config=self.spec.engine)
 
     def shutdown(self, timeout: float | None = None) -> None:
         if self.engine is not None:

@@ -30,7 +30,11 @@ def test_default_serves_the_builtin_models_on_loopback():
 @pytest.mark.parametrize("data, message", [
     ({"models": {"m": {"cache": "ring"}}}, "cache = 'ring'"),
     ({"models": {"m": {"cache": "contiguous"}}}, "needs the paged block pool"),
-    ({"models": {"m": {"max_num_seqs": 0}}}, "max_num_seqs must be >= 1"),
+    ({"models": {"m": {"max_num_seqs": 0}}}, "[models.m] max_num_seqs must be a positive int (>= 1), got 0"),
+    ({"models": {"m": {"max_num_seqs": 8, "max_num_batched_tokens": 4}}},
+     "[models.m] max_num_batched_tokens=4 < max_num_seqs=8"),
+    ({"models": {"m": {"num_blocks": -1}}}, "num_blocks must be a positive int or None"),
+    ({"models": {"m": {"memory_budget_bytes": "1GiB"}}}, "memory_budget_bytes must be a positive int or None"),
     ({"models": {"m": {"sorce": "x"}}}, "unknown key(s) sorce"),
     ({"modles": {}}, "unknown table(s) modles"),
     ({}, "serves nothing"),

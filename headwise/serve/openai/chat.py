@@ -14,6 +14,7 @@ from .common import (Streams, Usage, chat_logprobs, check_chars, check_context, 
 
 
 def render_prompt(tok, req: ChatCompletionRequest) -> list[int]:
+    from ...generation.output import OutputProcessor
     from ...models.tokenizer import ChatTemplateError
     messages = []
     for m in req.messages:
@@ -22,7 +23,7 @@ def render_prompt(tok, req: ChatCompletionRequest) -> list[int]:
         # "developer" is OpenAI's newer name for "system"; templates know only the latter
         messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        text = OutputProcessor(tok).chat_text(messages)           # the template generate() uses
     except ChatTemplateError as e:
         raise APIError(400, str(e), param="messages", code="invalid_messages") from None
     except ValueError as e:         # no template at all
