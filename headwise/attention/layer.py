@@ -20,6 +20,7 @@ from .functional import attend
 from .kv import LayerKVCache
 from .masks import alibi_slopes as make_alibi_slopes
 from .rope import RotaryEmbedding
+from .step import right_padding_lengths
 
 
 class MultiHeadAttention(nn.Module):
@@ -92,7 +93,7 @@ class MultiHeadAttention(nn.Module):
                 attn_mask: Tensor | None = None, key_padding_mask: Tensor | None = None,
                 is_causal: bool = False, need_weights: bool = False,
                 cache: LayerKVCache | None = None, head_mask: Tensor | None = None,
-                rope_cos_sin: tuple[Tensor, Tensor] | None = None):
+                rope_cos_sin: tuple[Tensor, Tensor] | None = None, num_new: Tensor | None = None):
         """query (B, T, C); key (B, S, kdim), value (B, S, vdim) default to query.
 
         attn_mask: (T, S), (B*H, T, S) as in nn.MultiheadAttention, or anything
@@ -101,6 +102,8 @@ class MultiHeadAttention(nn.Module):
         rope_cos_sin: `self.rope.cos_sin(positions)` of the T new tokens, computed once by
         a model and shared by all its layers (self-attention, where the T keys are those
         same tokens, or cached ones that were rotated when written).
+        num_new: with cache=, (B,) real tokens among the T when rows are right-padded (the
+        padding is not kept); key_padding_mask (B, T) says the same as a mask.
         Returns the output (B, T, C), or (output, weights (B, H, T, S)) with
         need_weights (computed on the math backend for that call).
         """
@@ -131,27 +134,27 @@ class MultiHeadAttention(nn.Module):
         if cache is not None:
             if not self_attn:
                 raise ValueError("cache= is for self-attention; cross-attention K/V can be computed once")
-            num_new = None
             if key_padding_mask is not None:     # with a cache it marks padding among the T new tokens
-                num_new = _right_padding_lengths(key_padding_mask, B, T)
+                if num_new is not None:
+                    raise ValueError("pass num_new or key_padding_mask with cache=, not both")
+                num_new = right_padding_lengths(key_padding_mask, B, T)
                 kwargs["key_padding_mask"] = None
             if self.rope is not None:
                 cs = rope_cos_sin if rope_cos_sin is not None else self.rope.cos_sin(cache.positions(T))
                 q, k = self.rope(q, cos_sin=cs), self.rope(k, cos_sin=cs)
-            res = cache.update(k, v, num_new).attend(q, kv_map=self.kv_map, **kwargs)
-        else:
-            if self.rope is not None and rope_cos_sin is not None:
-                if k.shape[2] != T:
-                    raise ValueError(f"rope_cos_sin covers the {T} query tokens but there are {k.shape[2]} keys; "
-                                     f"it is for self-attention")
-                q, k = self.rope(q, cos_sin=rope_cos_sin), self.rope(k, cos_sin=rope_cos_sin)
-            elif self.rope is not None:
-                S = k.shape[2]
-                q = self.rope(q, torch.arange(S - T, S, device=q.device))   # bottom-right, as causal masks
-                k = self.rope(k, torch.arange(S, device=k.device))
-            if self.kv_map is not None:         # uneven groups after pruning: give each query head its K/V
-                k, v = k.index_select(1, self.kv_map), v.index_select(1, self.kv_map)
-            res = attend(q, k, v, **kwargs)
+        elif num_new is not None:
+            raise ValueError("num_new counts the real new tokens written to a cache; without cache= "
+                             "mark padding with key_padding_mask")
+        elif self.rope is not None and rope_cos_sin is not None:
+            if k.shape[2] != T:
+                raise ValueError(f"rope_cos_sin covers the {T} query tokens but there are {k.shape[2]} keys; "
+                                 f"it is for self-attention")
+            q, k = self.rope(q, cos_sin=rope_cos_sin), self.rope(k, cos_sin=rope_cos_sin)
+        elif self.rope is not None:
+            S = k.shape[2]
+            q = self.rope(q, torch.arange(S - T, S, device=q.device))   # bottom-right, as causal masks
+            k = self.rope(k, torch.arange(S, device=k.device))
+        res = self.attend_heads(q, k, v, cache, num_new, kwargs)
         out, weights = (res.out, res.weights) if isinstance(res, tuple) else (res, None)   # out: (B, H, T, D)
         if hook is not None:    # k, v: what attend() saw; with a cache only the new ones, so not passed
             out = hook(self, q, *((k, v) if cache is None else (None, None)), out,
@@ -160,6 +163,17 @@ class MultiHeadAttention(nn.Module):
             out = out * _head_multiplier(head_mask, B, H).to(out.dtype)
         out = self.out_proj(out.transpose(1, 2).reshape(B, T, H * D))    # (B, T, C)
         return (out, weights) if need_weights else out
+
+    def attend_heads(self, q: Tensor, k: Tensor, v: Tensor, cache: LayerKVCache | None, num_new: Tensor | None,
+                     kwargs: dict):
+        """Heads in, heads out: q (B, H, T, D) and this step's k, v (B, Hkv, T|S, D), rotated already,
+        written to `cache` (if any) and attended through it or directly (`attend` kwargs). The
+        general forward and the decoder block's few-rows route both end here."""
+        if cache is not None:
+            return cache.update(k, v, num_new).attend(q, kv_map=self.kv_map, **kwargs)
+        if self.kv_map is not None:         # uneven groups after pruning: give each query head its K/V
+            k, v = k.index_select(1, self.kv_map), v.index_select(1, self.kv_map)
+        return attend(q, k, v, **kwargs)
 
     def _project(self, query, key, value, self_attn):
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -339,16 +353,3 @@ def _head_multiplier(head_mask: Tensor, B: int, H: int) -> Tensor:
     if head_mask.shape == (B, H):
         return head_mask.view(B, H, 1, 1)
     raise ValueError(f"head_mask must be (H,) = ({H},) or (B, H) = ({B}, {H}), got {tuple(head_mask.shape)}")
-
-
-def _right_padding_lengths(key_padding_mask: Tensor, B: int, T: int) -> Tensor:
-    """(B,) real-token counts from a right-padded (B, T) mask (True = padding)."""
-    if tuple(key_padding_mask.shape) != (B, T):
-        raise ValueError(f"with cache=, key_padding_mask marks padding among the new tokens and must be "
-                         f"(B, T) = ({B}, {T}), got {tuple(key_padding_mask.shape)}")
-    num_new = (~key_padding_mask).sum(dim=1)
-    expected = torch.arange(T, device=key_padding_mask.device)[None, :] >= num_new[:, None]
-    if not torch.equal(expected, key_padding_mask):
-        raise ValueError("with cache=, padding among the new tokens must be on the right "
-                         "(each row: real tokens, then True padding)")
-    return num_new

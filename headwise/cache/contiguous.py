@@ -30,6 +30,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from ..attention.step import CacheStep
 from .protocol import CacheRead
 from .quantized import SCALE_DTYPE, Int8CacheRead, dequantize_int8, is_int8, quantize_int8
 
@@ -312,6 +313,14 @@ class LayeredCache:
     def lengths(self) -> Tensor:
         """(B,) tokens per sequence, as layer 0 holds them (all layers agree after a full model step)."""
         return self.layers[0].lengths
+
+    def step(self, T: int, num_new: Tensor | None = None, logits_indices: Tensor | None = None) -> CacheStep:
+        """The `Step` of T new tokens per sequence (`model(input_ids, cache.step(T))`).
+
+        num_new: (B,) real tokens per sequence when rows are right-padded (the padding is not
+        kept); None = all T. logits_indices: flat rows b * T + t whose logits are wanted.
+        """
+        return CacheStep(self.layer, T, num_new, logits_indices)
 
     def _only_layer(self):
         if len(self.layers) != 1:

@@ -5,7 +5,7 @@ token) batched with a 256-token prefill chunk would cost 256 rows. A packed step
 instead lays the step's tokens end to end, as FlashAttention's varlen API and vLLM do:
 
     step = cache.packed(["a", "b", "c"], num_new=[1, 1, 200], token_ids=...)
-    logits = model(input_ids, cache=step)          # input_ids (1, 202): a's, b's, then c's tokens
+    logits = model(input_ids, step)                # input_ids (1, 202): a's, b's, then c's tokens
 
 Each layer projects (1, N, C) in one matmul, then `step.layer(i)` writes every token's
 K/V to its own slot. The step is also the description (`PackedReads`) that the `paged`
@@ -34,12 +34,13 @@ from torch import Tensor
 from ..attention.backends.paged import in_place_ok
 from ..attention.functional import attend_kv
 from ..attention.kv import LayerKV, PackedPart, PackedReads, RegionGrid
+from ..attention.step import Step
 
 # The in-place read of decodes needs PyTorch's CPU flash kernel (it takes strided K/V views).
 RUNS_OK = in_place_ok()
 
 
-class PackedStep(PackedReads):
+class PackedStep(PackedReads, Step):
     """One model step over sequences packed along a single token axis (batch of one). As a
     `PackedReads` it is the description of the step's K/V that the `paged` backend reads.
 
@@ -48,7 +49,7 @@ class PackedStep(PackedReads):
     """
 
     def __init__(self, cache, seq_ids, tables, starts, counts, pending, *,
-                 defer_prefix: bool = False):
+                 defer_prefix: bool = False, logits_indices: Tensor | None = None):
         dev, bs = cache.device, cache.block_size
         self.cache, self.seq_ids, self.num_new, self.starts = cache, list(seq_ids), list(counts), list(starts)
         self.B, self.N = len(seq_ids), sum(counts)
@@ -65,6 +66,12 @@ class PackedStep(PackedReads):
         self.parts = self._plan(self._tables)
         self._views: dict[int, list[tuple[Tensor, Tensor]]] = {}
         self.mask_memo: dict[tuple, Tensor] = {}
+        self.logits_indices = logits_indices                          # (R,) pack rows or None: see Step
+
+    @property
+    def input_positions(self) -> Tensor:
+        """(1, N) positions of the packed tokens, each in its own sequence (Step's field)."""
+        return self._positions
 
     def _plan(self, tables) -> list[PackedPart]:
         cache, bs, R = self.cache, self.cache.block_size, self.cache.region_blocks

@@ -8,7 +8,7 @@ forks share blocks copy-on-write and a prompt prefix computed once is reused.
     cache = PagedKVCache(num_layers, Hkv, D, num_blocks)
     n = cache.add_sequence("a", prompt)       # n leading tokens already cached (prefix hit)
     step = cache.batch(["a"], num_new=[len(prompt) - n], token_ids=[prompt[n:]])
-    out = model_layer(x, cache=step.layer(i), is_causal=True)     # for each layer i
+    logits = model(input_ids, step)            # (or one layer: attn(x, cache=step.layer(i), is_causal=True))
     step = cache.batch(["a"])                                      # then one token per decode step
 
 A step reserves every slot it needs up front (all or nothing: `CacheFull` before
@@ -25,17 +25,7 @@ reused buffer) and attended while the tile is in cache; tiles merge by log-sum-e
 (online softmax, Milakov & Gimelshein 2018). The pool hands a growing sequence the
 block after its last one when that block is free, so a sequence decoded alone is one run.
 
-Measured here (2 shared cores, fp32, one thread, min of 40 decode steps at N=8192, B=1):
-
-    H/Hkv/D    contiguous   paged, one run        paged, every other block (gathered)
-    12/12/64   3.2-3.5 ms   3.7-4.0 ms (1.1x)     6.8-7.5 ms (2.0-2.3x)
-    32/8/128   18-21 ms     10-15 ms (0.5-0.7x)   11.6-16 ms (0.6-0.8x)
-
-GQA reads beat the contiguous cache because they fold the G query heads of a group into
-G*T rows against their one KV head, which on CPU is faster than SDPA's enable_gqa.
-flex_attention over the whole pool with a page-table mask_mod (compiled, 7-14 s) took
-10.2 ms (128-key KV blocks) and 13.3 ms (16-key blocks) against SDPA's 2.6-3.0 ms on
-the same keys, so it is not used.
+How steps read the blocks, with measurements: paged_step.py.
 
 int8 (`kv_dtype="int8"`): int8 K/V plus an fp32 scale per (token, head)
 (quantized.py); a read dequantizes one tile at a time, never the whole sequence.
@@ -49,22 +39,16 @@ from typing import Hashable, Sequence
 import torch
 from torch import Tensor
 
-from ..attention.functional import attend_kv
-from ..attention.kv import BlockReads, LayerKV, Tile, TileGroup
+from ..attention.kv import Tile
 from .block_pool import BlockPool, CacheFull, prefix_key
 from .packed import PackedStep
+from .paged_step import PagedLayerStep, PagedRead, PagedStep  # noqa: F401  (re-exported: the step classes)
 from .quantized import SCALE_DTYPE, dequantize_int8, is_int8, quantize_int8
 
 # Keys per gathered tile. A K tile is Hkv * TILE_TOKENS * D * 4 bytes: 3 MiB at Hkv=12,
 # D=64 (fp32), which stays in L2/L3 between the gather and the kernel. Fragmented decode at
 # N=8192 (Hkv=12, D=64): 512 -> 7.4 ms, 1024 -> 6.8 ms, 2048 -> 8.6-16 ms (noisy, shared box).
 TILE_TOKENS = 1024
-# A run of at least this many consecutive blocks is read as a view rather than gathered.
-MIN_VIEW_BLOCKS = 8
-# One more kernel call (plus its log-sum-exp merge) costs about as much as reading this many
-# more keys: ~40 us against ~0.4 us per key at Hkv * D = 768 (measured here, B=64 x 20-60
-# tokens: 6.6 ms read together vs 18.7 ms one by one; B=16 x 50-500: 7.3 vs 4.6 ms).
-CALL_COST_KEYS = 100
 
 
 class UnknownSequence(KeyError):
@@ -242,7 +226,8 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ a step
     def batch(self, seq_ids: Sequence[Hashable], num_new: int | Sequence[int] = 1,
-              token_ids: Sequence[Sequence[int] | None] | None = None) -> "PagedStep":
+              token_ids: Sequence[Sequence[int] | None] | None = None, *,
+              logits_indices=None) -> "PagedStep":
         """Reserve slots for the next tokens of each listed sequence and return the step that
         the model's layers read and write through (`step.layer(i)`).
 
@@ -250,16 +235,18 @@ class PagedKVCache:
             (B, Hkv, T, D) with T = max(num_new), each sequence's tokens first (right padding).
         token_ids: each sequence's new token ids (or None), so that blocks they fill become
             findable by prefix. They are registered once every layer of the step has written.
+        logits_indices: flat rows b * T + t whose logits the model should return (a `Step` field).
         Raises CacheFull, changing nothing, when the batch needs more blocks than are free.
         Lengths advance here, so every layer of the step must write (`step.layer(i).update`)
         before these sequences are read again; a step abandoned half way leaves its slots
         unwritten, and its sequences should be freed.
         """
         seq_ids, tables, starts, counts, pending = self._reserve(seq_ids, num_new, token_ids, "batch")
-        return PagedStep(self, seq_ids, tables, starts, counts, pending)
+        return PagedStep(self, seq_ids, tables, starts, counts, pending, logits_indices=logits_indices)
 
     def packed(self, seq_ids: Sequence[Hashable], num_new: Sequence[int],
-               token_ids: Sequence[Sequence[int] | None] | None = None, *, defer_prefix: bool = False):
+               token_ids: Sequence[Sequence[int] | None] | None = None, *, defer_prefix: bool = False,
+               logits_indices=None):
         """Like `batch`, but the step's tokens are packed on one axis, with no padding: the
         model gets input_ids (1, N), N = sum(num_new), sequence 0's new tokens first, and
         each layer k, v (1, Hkv, N, D) (see packed.py). Decodes (1 token) and prefill
@@ -268,9 +255,12 @@ class PagedKVCache:
         defer_prefix: full blocks become findable by prefix only at `step.commit()`, not
         from inside the last layer's write, so that a caller (the engine) can keep all
         pool bookkeeping on one thread while the forward runs on another.
+        logits_indices: pack rows whose logits the model should return (the engine: the last
+        row of each sequence that samples a token), a `Step` field.
         """
         seq_ids, tables, starts, counts, pending = self._reserve(seq_ids, num_new, token_ids, "packed")
-        return PackedStep(self, seq_ids, tables, starts, counts, pending, defer_prefix=defer_prefix)
+        return PackedStep(self, seq_ids, tables, starts, counts, pending, defer_prefix=defer_prefix,
+                          logits_indices=logits_indices)
 
     def _reserve(self, seq_ids, num_new, token_ids, what: str):
         """Check a step, then reserve its slots (all or nothing) and advance the lengths.
@@ -405,197 +395,3 @@ class PagedKVCache:
                 f"head_dim={self.head_dim}, num_blocks={self.num_blocks}, block_size={self.block_size}, "
                 f"dtype={self.dtype}, kv_dtype={self.kv_dtype}, sequences={len(self._seqs)}, "
                 f"free_blocks={self.num_free_blocks})")
-
-
-class PagedStep(BlockReads):
-    """One model step over a batch of sequences: positions, slots and read tiles, shared by
-    every layer. `step.layer(i)` is what attention layer i gets as its cache. As a
-    `BlockReads` it is the description of the step's K/V that the `paged` backend reads.
-
-    Row b of the batch is seq_ids[b]; its T = max(num_new) query rows are positions
-    starts[b] + t, of which the first num_new[b] are real (the rest right padding).
-    """
-
-    def __init__(self, cache: PagedKVCache, seq_ids, tables, starts, counts, pending, *, write: bool = True):
-        """write=False: a read plan only (a part of a packed step, which writes for it)."""
-        dev, bs = cache.device, cache.block_size
-        self.cache, self.seq_ids, self.num_new, self.starts = cache, seq_ids, counts, starts
-        B, T = len(seq_ids), max(counts)
-        self.B, self.T = B, T
-        self.ends = [L + n for L, n in zip(starts, counts)]                  # keys per sequence after the step
-        self.S = max(self.ends)                                              # padded key axis
-        self._pending, self._written = pending, set()
-        if write:
-            slots = [t[p // bs] * bs + p % bs for t, L, n in zip(tables, starts, counts) for p in range(L, L + n)]
-            self._slots = torch.tensor(slots, dtype=torch.long, device=dev)
-            ragged = any(n != T for n in counts)
-            self._src_index = (torch.tensor([b * T + t for b, n in enumerate(counts) for t in range(n)],
-                                            dtype=torch.long, device=dev) if ragged else None)
-        self.block_size, self.num_kv_heads, self.head_dim = bs, cache.num_kv_heads, cache.head_dim
-        self.dtype, self.device, self.kv_dtype = cache.dtype, dev, cache.kv_dtype
-        self.tables = [list(t) for t in tables]                               # as of this step
-        self.groups = self._plan(self.tables)
-        # Tile masks that depend on the step alone (validity, causality), built by the first
-        # layer and reused by the others: (k0, k1, rows, G, causal, dtype) -> (mask, dead rows).
-        self.mask_memo: dict[tuple, tuple[Tensor | None, Tensor | None]] = {}
-
-    def _plan(self, tables) -> list[TileGroup]:
-        """Which rows read which tiles: every sequence alone, over exactly its own blocks
-        (views where they are consecutive, no padding, no validity mask), or, for a batch
-        of short sequences, all rows at once from padded gathers of ~tile_tokens keys in
-        all, which saves a kernel call per sequence. Chosen by a cost in keys read."""
-        bs, tile_blocks = self.cache.block_size, self.cache.tile_blocks
-        if self.B > 1 and self.S <= tile_blocks * bs:
-            width = max(1, tile_blocks // self.B)
-            nb = -(-self.S // bs)
-            together = self.B * self.S + -(-nb // width) * CALL_COST_KEYS
-            alone = sum(self.ends) + self.B * CALL_COST_KEYS
-            if together <= alone:
-                return [TileGroup(slice(0, self.B), self._gathers(tables, 0, nb, self.S, width))]
-        return [TileGroup(slice(b, b + 1), self._one(t, S)) for b, (t, S) in enumerate(zip(tables, self.ends))]
-
-    def _gathers(self, tables, i: int, j: int, S: int, width: int | None = None) -> list[Tile]:
-        """Tiles of `width` blocks over blocks [i, j) of every table (right-padded with block 0,
-        masked), keys < S."""
-        cache, bs = self.cache, self.cache.block_size
-        tile = width or cache.tile_blocks
-        segs = []
-        for a in range(i, j, tile):
-            b = min(a + tile, j)
-            rows = [(t[a:b] + [0] * (b - a))[: b - a] for t in tables]
-            idx = torch.tensor([x for r in rows for x in r], dtype=torch.long, device=cache.device)
-            segs.append(Tile(a * bs, min(b * bs, S), 0, b - a, idx))
-        return segs
-
-    def _one(self, table: list[int], S: int) -> list[Tile]:
-        """Tiles of one sequence of S keys: runs of >= MIN_VIEW_BLOCKS consecutive blocks are
-        views (for a decode step of a float cache, one kernel call over the whole run); the
-        scattered blocks between them are gathered tile_blocks at a time."""
-        cache, bs, tile = self.cache, self.cache.block_size, self.cache.tile_blocks
-        nb = -(-S // bs)
-        cap = nb if self.T == 1 and not cache.kv_dtype else tile
-        segs: list[Tile] = []
-        pend, i = None, 0                     # pend: first of the scattered blocks not yet emitted
-        while i < nb:
-            j = i + 1
-            while j < nb and table[j] == table[j - 1] + 1:
-                j += 1
-            if j - i >= MIN_VIEW_BLOCKS:
-                if pend is not None:
-                    segs += self._gathers([table], pend, i, S)
-                    pend = None
-                for a in range(i, j, cap):
-                    c = min(cap, j - a)
-                    segs.append(Tile(a * bs, min((a + c) * bs, S), table[a], c, None))
-            elif pend is None:
-                pend = i
-            i = j
-        if pend is not None:
-            segs += self._gathers([table], pend, nb, S)
-        return segs
-
-    def read_tile(self, layer: int, tile: Tile, B: int, dtype: torch.dtype,
-                  scratch: bool = True) -> tuple[Tensor, Tensor]:
-        return self.cache._tile(layer, tile, B, dtype, scratch)
-
-    # ------------------------------------------------------------------ layers
-    def layer(self, i: int) -> "PagedLayerStep":
-        if not 0 <= i < self.cache.num_layers:
-            raise IndexError(f"layer {i} out of range: this cache has num_layers={self.cache.num_layers}")
-        return PagedLayerStep(self, i)
-
-    def positions(self, num_new: int) -> Tensor:        # single-layer caches: the step is the layer
-        return self._only().positions(num_new)
-
-    def update(self, k: Tensor, v: Tensor, num_new: Tensor | None = None) -> "PagedRead":
-        return self._only().update(k, v, num_new)
-
-    def _only(self) -> "PagedLayerStep":
-        if self.cache.num_layers != 1:
-            raise TypeError(f"this cache has num_layers={self.cache.num_layers}; pass step.layer(i) to layer i")
-        return self.layer(0)
-
-    def _mark_written(self, layer: int) -> None:
-        """Once every layer holds the step's K/V, its full blocks become findable by prefix."""
-        self._written.add(layer)
-        if len(self._written) == self.cache.num_layers and self._pending:
-            pool = self.cache.pool
-            for block, key in self._pending:
-                if pool.refcount(block) > 0:
-                    pool.register(block, key)
-            self._pending = []
-
-
-class PagedLayerStep:
-    """Layer i's view of a step; implements `LayerKVCache` (positions, update)."""
-
-    def __init__(self, step: PagedStep, layer: int):
-        self.step, self.layer_index = step, layer
-
-    def positions(self, num_new: int) -> Tensor:
-        """(B, T) absolute positions of this step's tokens."""
-        if num_new != self.step.T:
-            raise ValueError(f"positions({num_new}) but this step holds T={self.step.T} tokens per sequence "
-                             f"(max of num_new={self.step.num_new})")
-        return self.step.query_positions
-
-    def update(self, k: Tensor, v: Tensor, num_new: Tensor | None = None) -> "PagedRead":
-        """Write this step's k, v (B, Hkv, T, D) into their reserved slots; return the read."""
-        step, cache = self.step, self.step.cache
-        want = (step.B, cache.num_kv_heads, step.T, cache.head_dim)
-        for name, x in (("k", k), ("v", v)):
-            if not isinstance(x, Tensor) or x.dim() != 4:
-                got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-                raise ValueError(f"{name} must be (B, Hkv, T, D) = {want}, got {got}")
-            if x.shape[1] != cache.num_kv_heads:
-                raise ValueError(f"{name} has {x.shape[1]} KV heads but this cache holds "
-                                 f"num_kv_heads={cache.num_kv_heads} ({name} shape {tuple(x.shape)})")
-            if x.shape[3] != cache.head_dim:
-                raise ValueError(f"{name} has head dim {x.shape[3]} but this cache holds head_dim={cache.head_dim}")
-            if tuple(x.shape) != want:
-                raise ValueError(f"{name} has shape {tuple(x.shape)} but this step is (B, Hkv, T, D) = {want}: "
-                                 f"{step.B} sequences {step.seq_ids}, T = max(num_new={step.num_new})")
-            if x.dtype != cache.dtype:
-                raise TypeError(f"{name} has dtype {x.dtype} but this cache holds {cache.dtype}; "
-                                f"build the cache with dtype={x.dtype} or cast the model")
-            if x.device != cache.device:
-                raise ValueError(f"{name} is on {x.device} but this cache lives on {cache.device}")
-        if num_new is not None:
-            got = torch.as_tensor(num_new).reshape(-1).tolist()
-            if got != step.num_new:
-                raise ValueError(f"num_new={got} (from the padding mask) but this step reserved "
-                                 f"num_new={step.num_new} for {step.seq_ids}")
-        cache._write(self.layer_index, step._slots, step._src_index, k, v)
-        step._mark_written(self.layer_index)
-        return PagedRead(step, self.layer_index)
-
-
-class PagedRead:
-    """One layer's read of a step: hands the `paged` backend where the K/V live (see `attend`)."""
-
-    def __init__(self, step: PagedStep, layer: int):
-        self.step, self.layer = step, layer
-
-    @property
-    def kv(self) -> LayerKV:
-        """This read's K/V as the backends see them (`headwise.attention.explain(q, read.kv)`)."""
-        return LayerKV(self.step, self.layer)
-
-    def attend(self, q: Tensor, *, attn_mask: Tensor | None = None, key_padding_mask: Tensor | None = None,
-               is_causal: bool = False, kv_map: Tensor | None = None, alibi_slopes: Tensor | None = None,
-               scale: float | None = None, dropout_p: float = 0.0, backend: str = "auto",
-               need_weights: bool = False, return_lse: bool = False, window=None):
-        """q (B, H, T, D) -> (B, H, T, D), or AttentionOutput(out, lse, weights) with return_lse /
-        need_weights, as `headwise.attend`.
-
-        Query row t of sequence b sits at position starts[b] + t; is_causal lets it see keys
-        at positions <= its own, and a sequence never sees past its own length. attn_mask
-        (broadcastable to (B, H, T, S)) and key_padding_mask (B, S) are over the padded key
-        axis S = max over the batch of (length after this step). ALiBi uses each row's
-        true position. backend="math" gathers the sequences into one tensor and runs the
-        reference (weights, dropout); "auto", "paged" and every other registered name run
-        the in-place tiled read (a layer's backend choice does not apply to blocks).
-        """
-        return attend_kv(q, self.kv, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
-                         kv_map=kv_map, alibi_slopes=alibi_slopes, scale=scale, dropout_p=dropout_p,
-                         backend=backend, need_weights=need_weights, return_lse=return_lse, window=window)

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig
-from .blocks import check_input_ids, check_length, make_attention, make_mlp, padding_mask
+from ..attention.step import padding_mask
+from .blocks import check_input_ids, check_length, make_attention, make_mlp
 from .loading import CheckpointError, To, hf_activation, need
 
 

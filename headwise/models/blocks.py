@@ -1,6 +1,26 @@
-"""Pieces the model families share: norms, MLPs, the pre-norm decoder block.
+"""Pieces the model families share: norms, MLPs, the pre-norm decoder block and its few-rows route.
 
-Dims as everywhere: B batch, T tokens, C model width, F MLP hidden width.
+Dims as everywhere: B batch, T tokens, N = B*T rows, C model width, F MLP hidden width.
+
+A decoder block runs a step one of two ways, with the same numbers (fp32 rounding aside):
+- general: the modules as written, x + attn(norm(x)), then x + mlp(norm(x));
+- few rows (a decode step, the engine's small packed steps, a short prompt): the same matmuls
+  with what surrounds them folded in, ~10 calls a layer instead of ~40. Decoding one token at
+  batch 1 reads every weight once (~540 MB for SmolLM2-135M in fp32) and does little else, so
+  every call around the matmuls is a visible share of the step:
+
+      qkv = linear(rmsnorm(x))          one small-row kernel call (norm folded into the matmul)
+      q|k = qk @ R                      RoPE of all heads as one matmul with each row's rotation
+      o   = cache.update(k, v).attend(q)    the cache and attention backend as in the general route
+      x   = linear(o) + x               residual folded into the kernel
+      x   = linear(swiglu(linear(rmsnorm(x)))) + x
+
+  The kernel (headwise.kernels.small_linear, through PackedLinear) runs for up to
+  kernels.MAX_ROWS rows; above that the same calls go to the modules.
+The route runs in inference (no grad, eval mode, not under torch.compile) for steps of at most
+ROUTE_ROWS rows, when no hook would be bypassed: forward hooks on the modules it calls by hand,
+global module hooks, and the analysis hook of `MultiHeadAttention` all send a step to the
+general route. Tests force each route: tests/models/test_block_route.py.
 """
 from __future__ import annotations
 
@@ -8,8 +28,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import kernels
 from ..attention import MultiHeadAttention
+from ..attention.step import PlainStep, Step
 from ..config import ModelConfig
+from .packing import PackedLinear
+
+# Steps of at most this many rows (B*T) take the few-rows route; 0 turns it off. Above ~64 rows
+# the matmuls dominate and the general route's extra calls stop mattering.
+ROUTE_ROWS = 64
+# The RoPE-as-matmul trick costs a (D, D) matrix per row: worth it for few rows only.
+ROTATION_ROWS = 16
 
 
 class RMSNorm(nn.Module):
@@ -97,7 +126,11 @@ def make_attention(cfg: ModelConfig, *, rope=None, backend: str = "auto") -> Mul
 
 
 class DecoderBlock(nn.Module):
-    """Pre-norm residual block (GPT-2, Llama): x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block (GPT-2, Llama): x + attn(norm(x)), then x + mlp(norm(x)).
+
+    `block(x, step, i)`: x (B, T, C) of a step (`headwise.attention.step.Step`) whose layer-i
+    cache this block writes and reads; without a step, the T tokens attend causally to
+    each other. Steps of few rows take the route in the module docstring."""
 
     def __init__(self, cfg: ModelConfig, *, rope=None, backend: str = "auto"):
         super().__init__()
@@ -106,21 +139,95 @@ class DecoderBlock(nn.Module):
         self.mlp_norm = make_norm(cfg)
         self.mlp = make_mlp(cfg)
 
-    def forward(self, x: Tensor, *, cache=None, key_padding_mask: Tensor | None = None,
-                rope_cos_sin: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), is_causal=True, cache=cache, key_padding_mask=key_padding_mask,
-                          rope_cos_sin=rope_cos_sin)                                   # (B, T, C)
+    def forward(self, x: Tensor, step: Step | None = None, layer: int = 0, few_rows: bool = False) -> Tensor:
+        """few_rows: the caller's check that the step as a whole may take the route (`route_allowed`)."""
+        if step is None:
+            step = PlainStep(x.shape[0], x.shape[1], x.device)
+        cache = step.layer(layer)
+        if few_rows and self._route_ok():
+            return self._few_rows(x, step, cache)
+        attn = self.attn
+        cs = step.rope_cos_sin(attn.rope) if attn.rope is not None else None
+        x = x + attn(self.attn_norm(x), is_causal=True, cache=cache, key_padding_mask=step.key_padding_mask,
+                     rope_cos_sin=cs, num_new=step.num_real)                                    # (B, T, C)
         return x + self.mlp(self.mlp_norm(x))
 
+    def _route_ok(self) -> bool:
+        """No hook of a module the route calls by hand (checked every step: hooks come and go)."""
+        attn = self.attn
+        if attn.hook is not None or not attn.fused:
+            return False
+        for m in (attn, attn.qkv_proj, attn.out_proj, self.attn_norm, self.mlp_norm, self.mlp, *self.mlp.children()):
+            if m._forward_hooks or m._forward_pre_hooks:
+                return False
+        return True
 
-def padding_mask(attention_mask: Tensor | None, B: int, T: int) -> Tensor | None:
-    """HF's attention_mask (B, T), 1 = token and 0 = padding -> key_padding_mask, True = padding."""
-    if attention_mask is None:
-        return None
-    if tuple(attention_mask.shape) != (B, T):
-        raise ValueError(f"attention_mask must be (B, T) = ({B}, {T}) like input_ids, "
-                         f"got {tuple(attention_mask.shape)}")
-    return attention_mask == 0
+    def _few_rows(self, x: Tensor, step: Step, cache) -> Tensor:
+        attn, mlp = self.attn, self.mlp
+        B, T, C = x.shape
+        N, H, Hkv, D = B * T, attn.num_heads, attn.num_kv_heads, attn.head_dim   # per layer: pruning changes them
+        h = x.reshape(N, C)
+        qkv = fused_linear(attn.qkv_proj, h, norm=self.attn_norm)                # (N, (H + 2 Hkv) D)
+        qk = qkv[:, :(H + Hkv) * D].view(B, T, H + Hkv, D)
+        rope = attn.rope
+        if rope is not None:
+            if N <= ROTATION_ROWS and qk.dtype == torch.float32 and not rope.interleaved and rope.dim == D:
+                qk = torch.matmul(qk, step.rope_rotation(rope))                  # (B, T, H + Hkv, D)
+            else:
+                qk = rope(qk.transpose(1, 2), cos_sin=step.rope_cos_sin(rope)).transpose(1, 2)
+        q = qk[:, :, :H].transpose(1, 2)                                         # (B, H, T, D)
+        k = qk[:, :, H:].transpose(1, 2)                                         # (B, Hkv, T, D)
+        v = qkv[:, (H + Hkv) * D:].view(B, T, Hkv, D).transpose(1, 2)            # (B, Hkv, T, D)
+        kwargs = dict(is_causal=True, alibi_slopes=attn.alibi_slopes, backend=attn.backend,
+                      key_padding_mask=step.key_padding_mask if cache is None else None)
+        o = attn.attend_heads(q, k, v, cache, step.num_real, kwargs)            # (B, H, T, D)
+        h = fused_linear(attn.out_proj, o.transpose(1, 2).reshape(N, H * D), residual=h)   # (N, C)
+        if type(mlp) is GatedMLP and mlp.activation == "silu":
+            gu = fused_linear(mlp.gate_up, h, norm=self.mlp_norm)               # (N, 2F)
+            h = fused_linear(mlp.down, gu, residual=h, swiglu=True)
+        else:
+            h = h + mlp(self.mlp_norm(h))
+        return h.view(B, T, C)
+
+
+def route_allowed(module: nn.Module, rows: int) -> bool:
+    """Whether a step of `rows` rows through `module` (a model) may take the few-rows route:
+    inference only, not traced, no global hooks (the blocks check their own)."""
+    return (rows <= ROUTE_ROWS and not module.training and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+            and not (torch.nn.modules.module._global_forward_hooks
+                     or torch.nn.modules.module._global_forward_pre_hooks))
+
+
+def fused_linear(module: nn.Module, x: Tensor, *, residual: Tensor | None = None, norm: nn.Module | None = None,
+                 swiglu: bool = False) -> Tensor:
+    """module(prologue(x)) + residual, x (N, in): one small-row kernel call where the module is a
+    PackedLinear that takes x (prologue RMSNorm or SwiGLU folded in), else the modules and ops."""
+    if type(module) is PackedLinear and module.small_rows_ok(x):
+        prologue, norm_weight, eps = kernels.PRO_NONE, None, 0.0
+        if norm is not None:
+            if type(norm) is RMSNorm and norm.weight.dtype == torch.float32:
+                prologue, norm_weight, eps = kernels.PRO_RMSNORM, norm.weight, norm.eps
+            else:
+                x = norm(x)
+        elif swiglu:
+            prologue = kernels.PRO_SWIGLU
+        return kernels.small_linear(x, module.blocked_weight(), module.out_features, module.bias, residual=residual,
+                                    prologue=prologue, norm_weight=norm_weight, eps=eps)
+    if norm is not None:
+        x = norm(x)
+    elif swiglu:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    y = module(x)
+    return y if residual is None else y + residual
+
+
+def logits_rows(x: Tensor, step: Step) -> Tensor:
+    """x (B, T, C) -> the rows whose logits the step wants: (R, C) at step.logits_indices, else x."""
+    if step.logits_indices is None:
+        return x
+    return x.reshape(-1, x.shape[-1]).index_select(0, step.logits_indices)
 
 
 def check_input_ids(input_ids: Tensor) -> tuple[int, int]:

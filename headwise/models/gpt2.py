@@ -6,11 +6,11 @@ to nn.Linear's (out, in). c_attn is already fused [Q | K | V], like our qkv_proj
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from ..config import ModelConfig
-from .blocks import DecoderBlock, check_input_ids, check_length, padding_mask
+from ..attention.step import Step, make_step
+from .blocks import DecoderBlock, check_input_ids, check_length, logits_rows, route_allowed
 from .loading import CheckpointError, To, hf_activation, hf_eos, need
 
 
@@ -52,24 +52,26 @@ class GPT2(nn.Module):
     def init_buffers(self) -> None:
         pass                                                             # no buffers
 
-    def forward(self, input_ids: Tensor, *, cache=None, attention_mask: Tensor | None = None) -> Tensor:
-        """input_ids (B, T) -> logits (B, T, V) fp32. cache and attention_mask as in `Llama.forward`."""
+    def forward(self, input_ids: Tensor, step: Step | None = None, *, cache=None,
+                attention_mask: Tensor | None = None) -> Tensor:
+        """input_ids (B, T) -> logits (B, T, V) fp32, or (R, V) for the step's logits_indices.
+        step, cache and attention_mask as in `Llama.forward`."""
         B, T = check_input_ids(input_ids)
-        if cache is None:
+        step = make_step(step, cache, attention_mask, B, T, input_ids.device)
+        first = step.layer(0)
+        if first is None:
             check_length(T, self.config.max_positions, "GPT-2")
-            positions = torch.arange(T, device=input_ids.device)        # (T,)
         else:
-            held = getattr(cache, "max_seq_len", None)                   # host-side: no sync per step
+            held = getattr(first, "max_seq_len", None)                   # host-side: no sync per step
             if held is not None and held > self.config.max_positions:
                 raise ValueError(f"the cache holds up to max_seq_len={held} tokens but this GPT-2 model has "
                                  f"{self.config.max_positions} learned positions; build the cache with "
                                  f"max_seq_len <= {self.config.max_positions}")
-            positions = cache.layer(0).positions(T)                     # (B, T)
-        kpm = padding_mask(attention_mask, B, T)
-        x = self.embed(input_ids) + self.pos_embed(positions)            # (B, T, C)
+        few = route_allowed(self, B * T)
+        x = self.embed(input_ids) + self.pos_embed(step.input_positions)   # (B, T, C)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cache=None if cache is None else cache.layer(i), key_padding_mask=kpm)
-        return self.lm_head(self.norm(x)).float()                       # (B, T, V)
+            x = layer(x, step, i, few)
+        return self.lm_head(self.norm(logits_rows(x, step))).float()     # (B, T, V) or (R, V)
 
 
 def hf_name(name: str) -> str:

@@ -13,9 +13,9 @@ import torch
 from torch import Tensor, nn
 
 from ..attention import RotaryEmbedding
+from ..attention.step import Step, make_step
 from ..config import ModelConfig, RopeScaling
-from .blocks import DecoderBlock, RMSNorm, check_input_ids, padding_mask
-from .fast_decode import decode_step, fast_decode_applies
+from .blocks import DecoderBlock, RMSNorm, check_input_ids, fused_linear, logits_rows, route_allowed
 from .loading import CheckpointError, To, hf_activation, hf_eos, need
 
 # ---------------------------------------------------------------------------- RoPE
@@ -151,26 +151,29 @@ class Llama(nn.Module):
         fresh = make_rope(self.config)
         self.rope.inv_freq = fresh.inv_freq.to(self.embed.weight.device)
 
-    def forward(self, input_ids: Tensor, *, cache=None, attention_mask: Tensor | None = None) -> Tensor:
-        """input_ids (B, T) -> logits (B, T, V) fp32.
+    def forward(self, input_ids: Tensor, step: Step | None = None, *, cache=None,
+                attention_mask: Tensor | None = None) -> Tensor:
+        """input_ids (B, T) -> logits (B, T, V) fp32, or (R, V) for the step's logits_indices.
 
-        cache: a multi-layer cache (`cache.layer(i)` goes to layer i); the T tokens follow
-        what it holds. attention_mask (B, T): 1 = token, 0 = padding. Without a cache
-        positions are 0..T-1 whatever the padding (as HF without position_ids); with one,
-        0s mark right padding of a ragged step, which the cache does not keep.
+        step: what this step runs over (`headwise.attention.step`): from `cache.step(T)`,
+        `cache.batch(...)` or `cache.packed(...)`; None = a plain forward of the T tokens.
+        Older form: cache= a multi-layer cache (the T tokens follow what it holds) or a paged
+        step, and attention_mask (B, T): 1 = token, 0 = padding. Without a cache positions
+        are 0..T-1 whatever the padding (as HF without position_ids); with one, 0s mark right
+        padding of a ragged step, which the cache does not keep.
         """
         B, T = check_input_ids(input_ids)
-        if fast_decode_applies(self, input_ids, cache, attention_mask):
-            return decode_step(self, input_ids, cache)                  # the same numbers, ~10 calls a layer
-        positions = (torch.arange(T, device=input_ids.device) if cache is None
-                     else cache.layer(0).positions(T))                  # (T,) or (B, T)
-        cos_sin = self.rope.cos_sin(positions)                          # once, for every layer
-        kpm = padding_mask(attention_mask, B, T)
+        step = make_step(step, cache, attention_mask, B, T, input_ids.device)
+        few = route_allowed(self, B * T)
         x = self.embed(input_ids)                                        # (B, T, C)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cache=None if cache is None else cache.layer(i), key_padding_mask=kpm,
-                      rope_cos_sin=cos_sin)
-        return self.lm_head(self.norm(x)).float()                       # (B, T, V)
+            x = layer(x, step, i, few)
+        x = logits_rows(x, step)                                         # (B, T, C) or (R, C)
+        if few and not (self.norm._forward_hooks or self.lm_head._forward_hooks or self.lm_head._forward_pre_hooks
+                        or self.norm._forward_pre_hooks):
+            return fused_linear(self.lm_head, x.reshape(-1, x.shape[-1]), norm=self.norm).view(
+                *x.shape[:-1], -1).float()
+        return self.lm_head(self.norm(x)).float()                       # (B, T, V) or (R, V)
 
 
 # ---------------------------------------------------------------------------- HF weights

@@ -13,7 +13,7 @@ from torch import nn
 from headwise import MultiHeadAttention
 from headwise.attention.functional import attend
 from headwise.attention.backends import paged as paged_backend
-from headwise.cache import paged
+from headwise.cache import paged_step
 from headwise.cache.block_pool import CacheFull
 from headwise.cache.protocol import LayerKVCache
 from headwise.cache.paged import PagedKVCache
@@ -66,7 +66,7 @@ def read_path(request, monkeypatch):
     """How attention reads the blocks: as views of consecutive blocks, by gathered tiles
     (fragmented tables), or gathered with the matmul kernel used off CPU."""
     if request.param == "views":
-        monkeypatch.setattr(paged, "MIN_VIEW_BLOCKS", 2)
+        monkeypatch.setattr(paged_step, "MIN_VIEW_BLOCKS", 2)
     if request.param == "matmul":
         monkeypatch.setattr(paged_backend, "_CPU_FLASH", None)
     return request.param

@@ -1,0 +1,184 @@
+"""`Step`: what one forward step runs over, the per-step metadata a model gets (vLLM's attention metadata).
+
+Every call of a decoder model is `model(input_ids, step)`: a prefill, a decode, a ragged batch,
+a chunk of a long prompt, the engine's packed mix of prefill chunks and decodes. The step says,
+for the B x T input tokens:
+
+    input_positions   (B, T) long   absolute position of each token (RoPE, learned positions)
+    layer(i)          the LayerKVCache layer i writes its K/V to and attends through, or None
+                      (no cache: the T tokens attend to each other only)
+    num_real          (B,) long or None: real tokens per row when rows are right-padded (the
+                      padding is not kept by the cache); None = all T are real
+    key_padding_mask  (B, T) bool or None: padded tokens (True) of a forward without a cache
+    logits_indices    (R,) long or None: flat rows b * T + t whose logits are wanted, in that
+                      order; the model then returns (R, V) and runs its output layer (~20% of
+                      SmolLM2's weights per row) on those rows only. None = every row, (B, T, V).
+
+Each cache kind produces its steps: `ContiguousKVCache.step(T, num_new)` (a row per sequence;
+sliding and int8 caches alike), `PagedKVCache.batch(...)` (padded rows over block tables) and
+`PagedKVCache.packed(...)` (sequences packed on one axis, B = 1). A model never branches on
+the cache's type; it reads these fields. Derived tensors that every layer needs (RoPE's cos/sin,
+the few-rows route's rotation matrices) are made once per step and memoized here.
+
+    step = cache.step(T)                                    # after earlier steps filled the cache
+    logits = model(input_ids, step)                         # (B, T, V)
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+
+class Step:
+    """Per-step metadata; see the module docstring. Subclasses (cache steps) set the fields."""
+    input_positions: Tensor
+    num_real: Tensor | None = None
+    key_padding_mask: Tensor | None = None
+    logits_indices: Tensor | None = None
+
+    def layer(self, i: int):
+        """Layer i's cache (a `LayerKVCache`), or None for a step without a cache."""
+        return None
+
+    @property
+    def memo(self) -> dict:
+        """Tensors derived from the step and shared by its layers (cos/sin, rotations)."""
+        m = self.__dict__.get("_memo")
+        if m is None:
+            m = self.__dict__["_memo"] = {}
+        return m
+
+    def rope_cos_sin(self, rope) -> tuple[Tensor, Tensor]:
+        """rope.cos_sin(input_positions), once per step and rope module."""
+        key = ("cos_sin", id(rope))
+        cs = self.memo.get(key)
+        if cs is None:
+            cs = self.memo[key] = rope.cos_sin(self.input_positions)
+        return cs
+
+    def rope_rotation(self, rope) -> Tensor:
+        """(B|1, T, D, D) fp32 matrices R with x @ R == rope(x) at each token's position (half-split
+        layout, HF's rotate_half), so RoPE of every head of a row is one broadcast matmul:
+        (B, T, H + Hkv, D) @ R. Rows that all sit at the same positions share one R; a decode
+        step where every row is at the same position gets one (D, D).
+
+        out[i] = x[i] cos_i - x[i + D/2] sin_i,  out[i + D/2] = x[i + D/2] cos_i + x[i] sin_i
+        """
+        key = ("rotation", id(rope))
+        R = self.memo.get(key)
+        if R is None:
+            pos = self.input_positions                                             # (B, T)
+            if pos.shape[0] > 1 and pos.stride(0) == 0:                            # one arange, expanded
+                pos = pos[:1]
+            cos, sin = rope.cos_sin(pos)                                           # (B|1, 1, T, D/2)
+            c, s = cos[:, 0], sin[:, 0]                                            # (B|1, T, D/2)
+            Bp, T, h = c.shape
+            R = torch.zeros(Bp, T, 2 * h, 2 * h, dtype=c.dtype, device=c.device)  # (B|1, T, D, D)
+            i = torch.arange(h, device=c.device)
+            R[:, :, i, i] = c
+            R[:, :, i + h, i + h] = c
+            R[:, :, i + h, i] = -s
+            R[:, :, i, i + h] = s
+            if Bp == T == 1:
+                R = R[0, 0]                                                       # (D, D): a plain mm
+            self.memo[key] = R
+        return R
+
+
+class PlainStep(Step):
+    """A forward without a cache: positions 0..T-1 (whatever the padding, as HF without
+    position_ids); key_padding_mask marks padded tokens."""
+
+    def __init__(self, B: int, T: int, device, key_padding_mask: Tensor | None = None,
+                 logits_indices: Tensor | None = None):
+        self.B, self.T = B, T
+        self.input_positions = torch.arange(T, device=device)[None].expand(B, T)      # (B, T)
+        self.key_padding_mask, self.logits_indices = key_padding_mask, logits_indices
+
+
+class CacheStep(Step):
+    """A step over a cache of one tensor per layer (contiguous, sliding, int8): row b of the
+    batch is sequence b; its T new tokens follow what the cache holds. `layers(i)` gives
+    layer i's cache; positions are layer 0's (every layer agrees at the start of a step)."""
+
+    def __init__(self, layers: Callable[[int], object], T: int, num_real: Tensor | None = None,
+                 logits_indices: Tensor | None = None):
+        self._layers, self.T = layers, T
+        self.input_positions = layers(0).positions(T)                                 # (B, T)
+        self.B = self.input_positions.shape[0]
+        self.num_real, self.logits_indices = num_real, logits_indices
+
+    def layer(self, i: int):
+        return self._layers(i)
+
+
+def right_padding_lengths(key_padding_mask: Tensor, B: int, T: int) -> Tensor:
+    """(B,) real-token counts from a right-padded (B, T) mask (True = padding)."""
+    if tuple(key_padding_mask.shape) != (B, T):
+        raise ValueError(f"with a cache, the padding mask marks padding among the new tokens and must be "
+                         f"(B, T) = ({B}, {T}), got {tuple(key_padding_mask.shape)}")
+    num_new = (~key_padding_mask).sum(dim=1)
+    expected = torch.arange(T, device=key_padding_mask.device)[None, :] >= num_new[:, None]
+    if not torch.equal(expected, key_padding_mask):
+        raise ValueError("with a cache, padding among the new tokens must be on the right "
+                         "(each row: real tokens, then padding)")
+    return num_new
+
+
+def check_logits_indices(idx, B: int, T: int, device) -> Tensor | None:
+    """(R,) long flat rows in [0, B*T), or None."""
+    if idx is None:
+        return None
+    idx = torch.as_tensor(idx, device=device)
+    if idx.dim() != 1 or idx.is_floating_point() or idx.dtype == torch.bool or idx.numel() == 0:
+        raise ValueError(f"logits_indices must be a non-empty 1-D tensor of row indices b * T + t, "
+                         f"got {tuple(idx.shape)} {idx.dtype}")
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo < 0 or hi >= B * T:
+        raise ValueError(f"logits_indices must be in [0, B*T = {B * T}) for B={B}, T={T}; got values in "
+                         f"[{lo}, {hi}]")
+    return idx.long()
+
+
+def padding_mask(attention_mask: Tensor | None, B: int, T: int) -> Tensor | None:
+    """HF's attention_mask (B, T), 1 = token and 0 = padding -> key_padding_mask, True = padding."""
+    if attention_mask is None:
+        return None
+    if tuple(attention_mask.shape) != (B, T):
+        raise ValueError(f"attention_mask must be (B, T) = ({B}, {T}) like input_ids, "
+                         f"got {tuple(attention_mask.shape)}")
+    return attention_mask == 0
+
+
+def make_step(step: Step | None, cache, attention_mask: Tensor | None, B: int, T: int, device) -> Step:
+    """The step a model runs: `step` as given, or the one the older keywords describe
+    (`cache=`: a multi-layer cache, or a paged step; attention_mask (B, T): 1 = token, 0 = padding)."""
+    if step is not None and cache is not None:
+        raise ValueError("pass either a step (model(input_ids, step)) or cache=, not both")
+    if step is None and isinstance(cache, Step):
+        step, cache = cache, None
+    if step is not None:
+        if not isinstance(step, Step):
+            raise TypeError(f"step must be a headwise Step (from cache.step(T), cache.batch(...), cache.packed(...)), "
+                            f"got {type(step).__name__}; a cache goes in cache=")
+        if attention_mask is not None:
+            raise ValueError("attention_mask with a step: the step already says which tokens are real "
+                             "(cache.step(T, num_new=...), or the counts of cache.batch/packed)")
+        B_s, T_s = step.input_positions.shape
+        if (B_s, T_s) != (B, T):
+            raise ValueError(f"input_ids is (B, T) = ({B}, {T}) but the step is for ({B_s}, {T_s}) tokens")
+        if step.logits_indices is not None and not getattr(step, "_indices_checked", False):
+            step.logits_indices = check_logits_indices(step.logits_indices, B, T, device)
+            step._indices_checked = True
+        return step
+    kpm = padding_mask(attention_mask, B, T)
+    if cache is None:
+        return PlainStep(B, T, device, kpm)
+    num_real = None if kpm is None else right_padding_lengths(kpm, B, T)
+    if hasattr(cache, "step"):
+        return cache.step(T, num_real)
+    if not hasattr(cache, "layer"):
+        raise TypeError(f"cache= takes a multi-layer cache (with .layer(i)) or a paged step, got {type(cache).__name__}")
+    return CacheStep(cache.layer, T, num_real)
