@@ -1,6 +1,6 @@
-"""The measuring half of compare_commits.py: one process per checkout, driven over stdin/stdout.
+"""A headwise.generate process driven over stdin/stdout, for compare_commits.py and serving.py.
 
-    python benchmarks/_compare_worker.py CHECKOUT THREADS
+    python benchmarks/_worker.py CHECKOUT THREADS      (THREADS 0: torch's default)
 
 imports headwise from CHECKOUT (not from this repository), loads SmolLM2 once, then answers
 one JSON line per JSON-line command until stdin closes:
@@ -15,17 +15,54 @@ one JSON line per JSON-line command until stdin closes:
 Every reply is {"ok": true, ...} or {"ok": false, "error": traceback}. The file lives in
 this repository, not in the checkout, so old commits are driven by the same code; it uses
 only APIs the commit before issue 13 already had (load, generate, ContiguousKVCache,
-model(ids, cache=...)).
+model(ids, cache=...)). `Worker` is the parent's handle on one such process.
 """
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 import traceback
+from pathlib import Path
 
 MODEL = "smollm2-135m-instruct"
+
+
+class Worker:
+    """The parent's side: start a worker on `checkout`; ask() sends a command and waits for its reply.
+    A failed command or a dead worker ends the benchmark with the worker's message (its stderr: log)."""
+
+    def __init__(self, name: str, checkout: str | Path, threads: int, log: Path, env: dict[str, str]):
+        self.name = name
+        self.stderr = log.open("w")
+        self.proc = subprocess.Popen([sys.executable, __file__, str(checkout), str(threads)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.stderr, text=True, bufsize=1, env=env)
+        self.read()                                  # {"ready": true} once the model is loaded
+
+    def read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            sys.exit(f"the {self.name} worker exited (rc {self.proc.poll()}); see {self.stderr.name}")
+        reply = json.loads(line)
+        if not reply.pop("ok"):
+            sys.exit(f"the {self.name} worker failed:\n{reply['error']}")
+        return reply
+
+    def ask(self, op: str, **fields) -> dict:
+        self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
+        return self.read()
+
+    def close(self) -> None:
+        if self.proc.stdin and not self.proc.stdin.closed:
+            self.proc.stdin.close()                  # the worker's loop ends at EOF
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.stderr.close()
 
 
 def main(checkout: str, threads: int) -> None:
@@ -39,7 +76,8 @@ def main(checkout: str, threads: int) -> None:
     import torch
     from headwise.cache import ContiguousKVCache
 
-    torch.set_num_threads(threads)
+    if threads > 0:
+        torch.set_num_threads(threads)
     model = headwise.load(MODEL)
     cfg = model.config
 
@@ -86,5 +124,5 @@ def main(checkout: str, threads: int) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: _compare_worker.py CHECKOUT THREADS")
+        sys.exit("usage: _worker.py CHECKOUT THREADS")
     main(sys.argv[1], int(sys.argv[2]))

@@ -4,7 +4,7 @@ Issue 13's "no regression": benchmarks/decode.py's B=1, B=8 and prefill-512 figu
 new code vs the old commit, interleaved in one run. Each side is a checkout: --base REV (a
 git worktree, made under /tmp and reused) and --new (default: this working tree, uncommitted
 changes included; or a REV, also a worktree). Each side runs one long-lived worker process
-(benchmarks/_compare_worker.py, this repository's copy for both, this repository's .venv
+(benchmarks/_worker.py, this repository's copy for both, this repository's .venv
 python) that imports its checkout's headwise and loads SmolLM2-135M-Instruct fp32 once.
 Both workers get the same environment: GOMP_SPINCOUNT=2000 set explicitly (the old commit's
 `import headwise` would otherwise choose OMP_WAIT_POLICY=PASSIVE) and --threads threads.
@@ -37,9 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from _common import Log, busy_and_steal, cpu_model, cpu_ticks, environment, loadavg, rotated, summarize, table  # noqa: E402,I001
+from _worker import Worker  # noqa: E402
 
 BASE_REV = "86b5466"            # the commit before issue 13's work
-WORKER = Path(__file__).resolve().parent / "_compare_worker.py"
 WORKTREES = Path("/tmp/headwise-compare")
 SEED = 4321
 WORKER_ENV = {"GOMP_SPINCOUNT": "2000"}     # headwise.threads.DEFAULT_SPINCOUNT, explicit for both sides
@@ -67,38 +67,6 @@ def checkout(rev: str | None) -> dict:
     elif git("rev-parse", "HEAD", cwd=path) != sha:
         sys.exit(f"{path} exists but is not at {sha[:12]}; remove it (git worktree remove {path}) and rerun")
     return {"label": rev, "path": str(path), "commit": sha, "dirty": False}
-
-
-# ------------------------------------------------------------------ workers
-class Worker:
-    """One checkout's measuring process; ask() sends a command and waits for its reply."""
-
-    def __init__(self, side: str, path: str, threads: int, log_dir: Path):
-        self.side = side
-        env = {**os.environ, **WORKER_ENV, "OMP_NUM_THREADS": str(threads)}
-        env.pop("OMP_WAIT_POLICY", None)            # both sides wait the same way: GOMP_SPINCOUNT alone
-        self.stderr = (log_dir / f"compare_{side}.log").open("w")
-        self.proc = subprocess.Popen([sys.executable, str(WORKER), path, str(threads)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.stderr, text=True, bufsize=1, env=env)
-        self.read()                                  # {"ready": true} once the model is loaded
-
-    def read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            sys.exit(f"the {self.side} worker exited (rc {self.proc.poll()}); see {self.stderr.name}")
-        reply = json.loads(line)
-        if not reply.pop("ok"):
-            sys.exit(f"the {self.side} worker failed:\n{reply['error']}")
-        return reply
-
-    def ask(self, op: str, **fields) -> dict:
-        self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
-        return self.read()
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
-        self.stderr.close()
 
 
 # ------------------------------------------------------------------ the run
@@ -156,7 +124,10 @@ def main(argv=None) -> int:
 
     log_dir = WORKTREES
     log_dir.mkdir(parents=True, exist_ok=True)
-    workers = {side: Worker(side, c["path"], args.threads, log_dir) for side, c in sides.items()}
+    worker_env = {**os.environ, **WORKER_ENV, "OMP_NUM_THREADS": str(args.threads)}
+    worker_env.pop("OMP_WAIT_POLICY", None)         # both sides wait the same way: GOMP_SPINCOUNT alone
+    workers = {side: Worker(side, c["path"], args.threads, log_dir / f"compare_{side}.log", worker_env)
+               for side, c in sides.items()}
     try:
         info = {side: w.ask("info") for side, w in workers.items()}
         for side, i in info.items():

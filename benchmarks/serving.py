@@ -3,11 +3,19 @@ clients far faster than one-request-at-a-time generation behind the same API.
 
 Contenders, each a real server process on 127.0.0.1, driven over HTTP by the same client:
   headwise   `headwise serve --config <smollm2, max_num_seqs=64>` (the engine)
-  baseline   a small FastAPI app in this script (`--baseline-server`): transformers'
+  baseline   a small FastAPI app (benchmarks/_baseline_server.py): transformers'
              LlamaForCausalLM built from the very same GGUF tensors (as benchmarks/decode.py
              does), `generate` with a token streamer, one request at a time behind a lock,
              the same /v1/completions SSE format
-Both run with GOMP_SPINCOUNT=2000 (the short spin `import headwise` sets, headwise/threads.py;
+and, at 1 client only, not a server:
+  hw_generate  headwise.generate(prompt, greedy, ignore_eos) in a worker process
+             (benchmarks/_worker.py, the same environment as the servers), one request after
+             another, the same prompt and output lengths: what one client should get
+Decode rate at 1 client, like with like: the streamed client's 1 / TPOT (TPOT excludes the
+first token, so this is tokens after the first over the time they took) vs generate()'s
+GenerationResult.tokens_per_second (the same ratio, timed inside the process); both the
+median over the level's requests. Issue 13's target: headwise >= 0.9x hw_generate.
+All three run with GOMP_SPINCOUNT=2000 (the short spin `import headwise` sets, headwise/threads.py;
 libgomp's ~3 ms busy-wait starves the event loop thread of any server on 2 cores; results before
 2026-12-01 were measured with OMP_WAIT_POLICY=PASSIVE) and torch's default threads.
 
@@ -45,103 +53,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))           # benchmark this checkout of headwise
 
 from _common import Log, busy_and_steal, cpu_ticks, environment, loadavg, table  # noqa: E402
+from _worker import Worker  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 SEED = 1234
 SERVER_ENV = {"GOMP_SPINCOUNT": "2000"}      # headwise.threads.DEFAULT_SPINCOUNT, for both servers
-
-
-# ------------------------------------------------------------------ the baseline server
-def baseline_app():
-    """transformers generate, one request at a time, behind /v1/completions (SSE + usage)."""
-    import copy
-    import threading
-
-    import torch
-    import transformers
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, StreamingResponse
-    from transformers import LlamaForCausalLM
-    from transformers.generation.streamers import BaseStreamer
-
-    from headwise.models.builtin import resolve
-    from headwise.models.gguf import read_gguf
-    from headwise.models.tokenizer import StreamDecoder
-
-    transformers.logging.set_verbosity_error()
-    hf_config, tensors, tok = read_gguf(resolve(MODEL))
-    config = transformers.LlamaConfig(**{k: v for k, v in hf_config.items() if k not in ("gguf", "_name_or_path")})
-    config._attn_implementation = "sdpa"
-    hf = LlamaForCausalLM(copy.deepcopy(config)).eval()
-    res = hf.load_state_dict(tensors, strict=False)
-    assert not res.unexpected_keys and set(res.missing_keys) <= {"lm_head.weight"}, res
-    hf.tie_weights()
-    del tensors
-    one_at_a_time = threading.Lock()
-    app = FastAPI()
-
-    class Tokens(BaseStreamer):
-        """generate() calls put() with the prompt first, then each new token."""
-
-        def __init__(self, loop, queue):
-            self.loop, self.queue, self.prompt_seen = loop, queue, False
-
-        def put(self, value):
-            if not self.prompt_seen:
-                self.prompt_seen = True
-                return
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, int(value.reshape(-1)[0]))
-
-        def end(self):
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.post("/v1/completions")
-    async def completions(body: dict):
-        prompt = body["prompt"]
-        ids = prompt if isinstance(prompt, list) else tok.encode(prompt)
-        n = int(body.get("max_tokens", 16))
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        streamer = Tokens(loop, queue)
-
-        def run():
-            with one_at_a_time, torch.inference_mode():
-                x = torch.tensor([ids])
-                hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
-                            min_new_tokens=n, pad_token_id=0, streamer=streamer)
-
-        job = loop.run_in_executor(None, run)
-        head = {"id": "cmpl-baseline", "object": "text_completion", "created": int(time.time()), "model": MODEL}
-        usage = {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
-
-        async def tokens():
-            decoder = StreamDecoder(tok)
-            while (t := await queue.get()) is not None:
-                yield decoder.push(t)
-            await job
-
-        if not body.get("stream"):
-            text = "".join([t async for t in tokens()])
-            return JSONResponse({**head, "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
-                                 "usage": usage})
-
-        async def events():
-            async for text in tokens():
-                chunk = {**head, "choices": [{"index": 0, "text": text, "finish_reason": None}]}
-                yield f"data: {json.dumps(chunk)}\n\n"
-            yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    return app
-
-
-def run_baseline_server(port: int) -> None:
-    import uvicorn
-    uvicorn.run(baseline_app(), host="127.0.0.1", port=port, log_level="warning")
+BASELINE = Path(__file__).resolve().parent / "_baseline_server.py"
 
 
 # ------------------------------------------------------------------ processes
@@ -190,8 +107,7 @@ def start_servers(logdir: Path, max_num_seqs: int) -> dict[str, Server]:
     servers = {
         "headwise": Server("headwise", [sys.executable, "-m", "headwise.cli", "serve", "--config", str(config),
                                         "--port", str(hw_port), "--log-level", "warning"], hw_port, logdir),
-        "baseline": Server("baseline", [sys.executable, __file__, "--baseline-server", "--port", str(base_port)],
-                           base_port, logdir),
+        "baseline": Server("baseline", [sys.executable, str(BASELINE), "--port", str(base_port)], base_port, logdir),
     }
     for s in servers.values():
         s.wait_ready()
@@ -243,6 +159,23 @@ async def run_level(url: str, prompts: list[list[int]], output_len: int, concurr
     return summarize(results, duration)
 
 
+def run_generate(worker: Worker, prompts: list[list[int]], output_len: int) -> dict:
+    """headwise.generate on each prompt in turn (one client's workload without the server)."""
+    t0 = time.perf_counter()
+    replies = [worker.ask("decode", prompts=[p], new=output_len) for p in prompts]
+    duration = time.perf_counter() - t0
+    bad = [len(r["ids"][0]) for r in replies if len(r["ids"][0]) != output_len]
+    return {"requests": len(prompts), "completed": len(prompts) - len(bad), "failed": len(bad),
+            "errors": [f"{n} tokens instead of {output_len}" for n in bad], "duration_s": duration,
+            "output_throughput": sum(len(r["ids"][0]) for r in replies) / duration,
+            "decode_tok_s": stats([r["tok_s"] for r in replies])}
+
+
+def decode_rate(r: dict) -> float:
+    """Tokens after the first per second, median request: 1 / p50 TPOT (a server), tokens_per_second (generate)."""
+    return r["decode_tok_s"]["median"] if "decode_tok_s" in r else 1 / r["tpot_s"]["median"]
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
@@ -287,13 +220,20 @@ def level_table(rows: list[tuple[str, int, dict]]) -> str:
     return table(head, body)
 
 
-def verdicts(results: dict, log: Log) -> dict:
+def verdicts(results: dict, runs: dict, log: Log) -> dict:
     hw, base = results["headwise"], results["baseline"]
     out = {}
 
     def line(name, value, target, ok):
         out[name] = {"value": value, "target": target, "met": ok}
-        log(f"  {'MET ' if ok else 'MISS'} {name}: {value} (target {target})")
+        log(f"  {'MET    ' if ok else 'NOT MET'} {name}: {value} (target {target})")
+
+    if 1 in hw and 1 in results["hw_generate"]:
+        r = decode_rate(hw[1]) / decode_rate(results["hw_generate"][1])
+        paired = statistics.median(decode_rate(a) / decode_rate(b)
+                                   for a, b in zip(runs["headwise"][1], runs["hw_generate"][1]))
+        line("headwise 1 client decode tok/s (1 / p50 TPOT) / generate() B=1 (p50 tokens_per_second)",
+             f"{r:.2f}x (paired over rounds {paired:.2f}x)", ">= 0.9x", r >= 0.9)
 
     if 1 in hw and 16 in hw:
         r = hw[16]["output_throughput"] / hw[1]["output_throughput"]
@@ -327,8 +267,6 @@ def parse_args(argv=None):
     p.add_argument("--max-num-seqs", type=int, default=64, help="engine's max_num_seqs (default 64)")
     p.add_argument("--quick", action="store_true", help="32+32 tokens, 1/4/16 clients, nothing saved")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    p.add_argument("--baseline-server", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         args.input_len, args.output_len, args.concurrency = 32, 32, [1, 4, 16]
@@ -338,10 +276,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.baseline_server:
-        run_baseline_server(args.port)
-        return 0
-    import headwise
     log = Log()
     env = environment()
     env["loadavg_before"], ticks0 = loadavg(), cpu_ticks()
@@ -351,7 +285,6 @@ def main(argv=None) -> int:
         + ("  ** busy machine (> 1.5): treat numbers with care **" if env["loadavg_before"][0] > 1.5 else ""))
     log(f"workload: {args.input_len}-token random prompts, {args.output_len} new tokens (EOS ignored), greedy, "
         f"streamed; clients {args.concurrency} (baseline {args.baseline_concurrency}); rounds {args.rounds}")
-    vocab = headwise.load(MODEL).config.vocab_size
     rng = random.Random(SEED)
 
     def prompts(n):
@@ -366,30 +299,40 @@ def main(argv=None) -> int:
     plan = [(name, c) for c in sorted(set(args.concurrency) | set(args.baseline_concurrency))
             for name in ("headwise", "baseline")
             if c in (args.baseline_concurrency if name == "baseline" else args.concurrency)]
+    plan += [("hw_generate", 1)] if 1 in args.concurrency else []
     with tempfile.TemporaryDirectory(prefix="hw-serving-") as tmp:
+        # threads 0: torch's default, as the servers have; the servers' environment
+        worker = Worker("hw_generate", ROOT, 0, Path(tmp) / "hw_generate.log", {**os.environ, **SERVER_ENV})
+        info = worker.ask("info")
+        vocab = info["vocab_size"]
+        log(f"hw_generate worker: headwise from {info['headwise']}, {info['threads']} threads, env {info['wait_env']}")
         servers = start_servers(Path(tmp), args.max_num_seqs)
         try:
             for s in servers.values():          # warm-up: one short request each
                 asyncio.run(run_level(s.url, prompts(1), 4, 1))
-            runs: dict[str, dict[int, list]] = {"headwise": {}, "baseline": {}}
+            run_generate(worker, prompts(1), 4)
+            runs: dict[str, dict[int, list]] = {"headwise": {}, "baseline": {}, "hw_generate": {}}
             for rnd in range(args.rounds):
                 for c in sorted({c for _, c in plan}):
                     names = [n for n, cc in plan if cc == c]
                     for name in names[rnd % len(names):] + names[:rnd % len(names)]:
                         la = loadavg()[0]
-                        r = asyncio.run(run_level(servers[name].url, prompts(n_requests(c, name == "baseline")),
-                                                  args.output_len, c))
+                        batch = prompts(n_requests(c, name == "baseline"))
+                        r = (run_generate(worker, batch, args.output_len) if name == "hw_generate" else
+                             asyncio.run(run_level(servers[name].url, batch, args.output_len, c)))
                         r["loadavg"] = [la, loadavg()[0]]
                         runs[name].setdefault(c, []).append(r)
-                        log(f"  round {rnd + 1} {name:8s} {c:3d} clients: {r['completed']}/{r['requests']} done, "
-                            f"{r['output_throughput']:.1f} out tok/s, p50 TPOT {ms(r['tpot_s']['median'])} ms, "
+                        log(f"  round {rnd + 1} {name:11s} {c:3d} clients: {r['completed']}/{r['requests']} done, "
+                            f"{r['output_throughput']:.1f} out tok/s, p50 decode {decode_rate(r):.1f} tok/s, "
                             f"load {la} -> {loadavg()[0]}" + (f"  errors {r['errors']}" if r["errors"] else ""))
         finally:
             for s in servers.values():
                 s.stop()
-    # the median round per level (by output throughput)
-    results = {name: {c: sorted(rs, key=lambda r: r["output_throughput"])[len(rs) // 2] for c, rs in levels.items()}
-               for name, levels in runs.items()}
+            worker.close()
+    # the median round per level (by output throughput; hw_generate by its decode rate)
+    key = {"hw_generate": decode_rate}
+    results = {name: {c: sorted(rs, key=key.get(name, lambda r: r["output_throughput"]))[len(rs) // 2]
+                      for c, rs in levels.items()} for name, levels in runs.items()}
     env["loadavg_after"] = loadavg()
     env.update(busy_and_steal(ticks0, cpu_ticks()))
     log("")
@@ -407,8 +350,13 @@ def main(argv=None) -> int:
             ratio = results["headwise"][c]["output_throughput"] / results["baseline"][c]["output_throughput"]
             parts.append(f"{ratio:.2f}x the baseline's")
         log(f"headwise at {c} clients: " + ", ".join(parts))
+    if 1 in results["hw_generate"]:
+        one = {n: decode_rate(results[n][1]) for n in ("headwise", "baseline", "hw_generate") if 1 in results[n]}
+        log("decode at 1 client, tokens after the first per second, median request (servers: 1 / TPOT as the "
+            "client sees it; hw_generate: generate()'s tokens_per_second): "
+            + ", ".join(f"{n} {x:.1f}" for n, x in one.items()))
     log("targets:")
-    v = verdicts(results, log)
+    v = verdicts(results, runs, log)
     steal = f"  cpu busy {env['busy_pct']}% steal {env['steal_pct']}%" if "steal_pct" in env else ""
     log(f"loadavg after {env['loadavg_after']}{steal}")
     if not args.quick:
