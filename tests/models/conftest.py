@@ -1,5 +1,8 @@
 """Shared by the model tests: tiny Hugging Face checkpoints made offline, saved once per module,
 and the tiny decoder configs they are made from."""
+import warnings
+
+import pytest
 import torch
 
 from ..helpers import save_hf
@@ -47,3 +50,36 @@ def hf_checkpoints(tmp_path_factory, configs: dict, seed: int):
             made[name] = hf, save_hf(tmp_path_factory, name, hf)
         return made[name]
     return get
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory):
+    """decoder(name) -> (HF model, headwise model loaded from HF's checkpoint) for a name of
+    decoder_configs(), built once per module; decoder.path(name) is the checkpoint dir."""
+    import headwise
+    get = hf_checkpoints(tmp_path_factory, decoder_configs(), seed=1234)
+    models = {}
+
+    def load(name):
+        if name not in models:
+            hf, path = get(name)
+            with warnings.catch_warnings():          # mistral-window: "sliding_window ... not applied"
+                warnings.simplefilter("ignore")        # without a window cache; the test gives it one
+                models[name] = hf, headwise.load(path)
+        return models[name]
+    load.path = lambda name: get(name)[1]
+    return load
+
+
+@pytest.fixture
+def few_rows(monkeypatch):
+    """Counts the block calls that took the few-rows route (`DecoderBlock._few_rows`)."""
+    calls = []
+    from headwise.models import blocks
+    real = blocks.DecoderBlock._few_rows
+
+    def spy(self, *args, **kwargs):
+        calls.append(1)
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(blocks.DecoderBlock, "_few_rows", spy)
+    return calls
