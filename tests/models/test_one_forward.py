@@ -68,9 +68,11 @@ def test_old_keywords_build_the_same_step(decoder):
     cache = ContiguousKVCache(cfg.num_layers, 2, cfg.num_kv_heads, 16, cfg.head_dim)
     mask = torch.tensor([[1] * 10, [1] * 5 + [0] * 5])
     out = model(padded([seqs[0][:10], seqs[1][:5]]), cache=cache, attention_mask=mask)
-    close(out[0], refs[0][:10]), close(out[1, :5], refs[1][:5])
+    close(out[0], refs[0][:10])
+    close(out[1, :5], refs[1][:5])
     out = model(torch.tensor([[seqs[0][10]], [seqs[1][5]]]), cache=cache)
-    close(out[0, 0], refs[0][10]), close(out[1, 0], refs[1][5])
+    close(out[0, 0], refs[0][10])
+    close(out[1, 0], refs[1][5])
 
 
 # ---------------------------------------------------------------------------- sliding window
@@ -168,13 +170,16 @@ def test_preempted_sequence_recomputed_matches_hf(decoder, prefix_survives):
     ref, ref_other = hf_logits(hf, [seq, other])
     cfg, bs = model.config, 4
     cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 24, bs)
-    cache.add_sequence("a", seq[:10]), cache.add_sequence("b", other[:6])
+    cache.add_sequence("a", seq[:10])
+    cache.add_sequence("b", other[:6])
     out = model(torch.tensor([seq[:10] + other[:6]]), cache.packed(["a", "b"], [10, 6], [seq[:10], other[:6]]))
-    close(out[0, :10], ref[:10]), close(out[0, 10:], ref_other[:6])
+    close(out[0, :10], ref[:10])
+    close(out[0, 10:], ref_other[:6])
     for p in range(4):                                       # a and b decode side by side
         out = model(torch.tensor([[seq[10 + p], other[6 + p]]]),
                     cache.packed(["a", "b"], [1, 1], [[seq[10 + p]], [other[6 + p]]]))
-        close(out[0, 0], ref[10 + p]), close(out[0, 1], ref_other[6 + p])
+        close(out[0, 0], ref[10 + p])
+        close(out[0, 1], ref_other[6 + p])
     cache.free("a")                                          # preempted with 14 tokens: 3 full blocks
     if not prefix_survives:                                  # another sequence takes every free block
         cache.add_sequence("hog")
@@ -185,7 +190,8 @@ def test_preempted_sequence_recomputed_matches_hf(decoder, prefix_survives):
     last = torch.tensor([14 - n - 1, 14 - n])                # a's last recomputed row, then b's decode
     out = model(torch.tensor([seq[n:14] + [other[10]]]),
                 cache.packed(["a", "b"], [14 - n, 1], [seq[n:14], [other[10]]], logits_indices=last))
-    close(out[0], ref[13]), close(out[1], ref_other[10])
+    close(out[0], ref[13])
+    close(out[1], ref_other[10])
     for p in range(14, 18):
         out = model(torch.tensor([[seq[p]]]), cache.packed(["a"], [1], [[seq[p]]]))
         close(out[0, 0], ref[p])
@@ -211,14 +217,14 @@ def test_pruned_uneven_gqa_groups_match_hf_with_those_heads_silenced(decoder):
             ref_model.model.layers[layer].self_attn.o_proj.weight[:, h * D:(h + 1) * D] = 0
     seqs = [tokens(n, seed=50 + n) for n in (20, 16, 18)]
     refs = hf_logits(ref_model, seqs)
-    assert (refs[0] - hf_logits(hf, seqs[:1])[0]).abs().max() > 1e-2          # the pruning changes the logits
-    close(model(torch.tensor([seqs[0]])), refs[0][None])               # no cache
+    assert (refs[0] - hf_logits(hf, seqs[:1])[0]).abs().max() > 1e-2     # the pruning changes the logits
+    close(model(torch.tensor([seqs[0]])), refs[0][None])                  # no cache
     cfg = model.config
     cache = ContiguousKVCache(cfg.num_layers, 3, cfg.num_kv_heads, 32, cfg.head_dim)
     contiguous_run(model, seqs, refs, cache)
     named = dict(zip("abc", seqs))
     for out, where, _ in packed_schedule(scattered(model), model, named, {s: 7 for s in named}, random.Random(3),
-                                       {"a": 0, "b": 1, "c": 2}):
+                                         {"a": 0, "b": 1, "c": 2}):
         close(out, torch.stack([refs["abc".index(s)][p] for s, p in where]))
 
 
