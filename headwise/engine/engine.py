@@ -302,8 +302,9 @@ class Engine:
             r.last_token_at = now
             text = r.text
             text.push(token)
-            if text.finish_reason is not None and r.status is not Status.FINISHED:
-                self.core.finish(r, text.finish_reason)             # a stop string: text only knew
+            if text.finish_reason is not None:      # the text knows more: a stop string ends it even on
+                self.core.finish(r, text.finish_reason)         # its last allowed token ("stop", not "length")
+                r.finish_reason = text.finish_reason
             pieces.append((r.group, StreamPiece(text.new_text(), [token], r.index, [lp] if lp is not None else None,
                                                 r.finish_reason, r.num_prompt_tokens, r.num_output_tokens)))
             if r.status is Status.FINISHED and r.group.finished:

@@ -68,3 +68,18 @@ def test_stream_holds_back_stop_strings_and_never_splits_text(smol):
     assert [t for p in pieces for t in p.token_ids] == ref.token_ids
     assert pieces[-1].finish_reason == ref.finish_reason == "stop"
     assert all(" is" not in p.text and "\ufffd" not in p.text for p in pieces)
+
+
+def test_stop_string_on_the_last_allowed_token_is_a_stop(smol):
+    """The core ends a request at max_new_tokens ("length") before the text is looked at; a stop
+    string completed by that same token still makes it "stop", as in generate()."""
+    prompt = chat(QUESTIONS[1])
+    eight = headwise.generate(smol, prompt, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))
+    seven = headwise.generate(smol, prompt, SamplingParams(max_new_tokens=7, temperature=0, ignore_eos=True))
+    last = eight.text[len(seven.text):].strip()
+    assert last and last not in seven.text                              # the 8th token's text, new
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True, stop=[last])
+    ref = headwise.generate(smol, prompt, params)
+    assert ref.finish_reason == "stop" and len(ref.token_ids) == 8
+    out = Engine(smol, max_num_seqs=2, num_blocks=64).generate([prompt], params)[0]
+    assert (out.token_ids, out.text, out.finish_reason) == (ref.token_ids, ref.text, "stop")
