@@ -12,7 +12,6 @@ SmolLM2's weights per row) on those R rows only and returns logits (R, V).
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -20,9 +19,6 @@ from torch import Tensor
 
 from ..cache.paged import PagedKVCache
 from .scheduler import Chunk
-
-# TODO(issue 13): drop once PagedKVCache.packed takes logits_indices everywhere (the lead's step API).
-_PACKED_TAKES_ROWS = "logits_indices" in inspect.signature(PagedKVCache.packed).parameters
 
 
 @dataclass
@@ -54,21 +50,15 @@ class ModelRunner:
         input_ids = torch.tensor([[t for new in news for t in new]], dtype=torch.long, device=self.device)  # (1, N)
         sel = torch.tensor(rows, dtype=torch.long, device=self.device)                                    # (R,)
         seq_ids, counts = [c.request.seq_id for c in chunks], [c.num_tokens for c in chunks]
-        if _PACKED_TAKES_ROWS:
-            # A step of prefill chunks only samples nothing, but the model must run for the K/V it
-            # writes: ask for one row (the last) rather than all N, and drop it.
-            wanted = sel if rows else torch.tensor([off - 1], dtype=torch.long, device=self.device)
-            step = self.cache.packed(seq_ids, counts, news, defer_prefix=True, logits_indices=wanted)
-        else:
-            step = self.cache.packed(seq_ids, counts, news, defer_prefix=True)
+        # A step of prefill chunks only samples nothing, but the model must run for the K/V it
+        # writes: ask for one row (the last) rather than all N, and drop it.
+        wanted = sel if rows else torch.tensor([off - 1], dtype=torch.long, device=self.device)
+        step = self.cache.packed(seq_ids, counts, news, defer_prefix=True, logits_indices=wanted)
         return Batch(chunks, input_ids, step, sel)
 
     def run(self, batch: Batch) -> Tensor | None:
         """-> logits (R, V) fp32 of the batch's sampled rows, in chunk order; None when R = 0
         (every chunk is a prefill that does not reach its request's end yet)."""
         with torch.inference_mode():
-            if _PACKED_TAKES_ROWS:
-                logits = self.model(batch.input_ids, batch.step)                # (R, V)
-            else:
-                logits = self.model(batch.input_ids, cache=batch.step)[0, batch.rows]   # (R, V)
+            logits = self.model(batch.input_ids, batch.step)                    # (R, V)
         return logits if batch.rows.numel() else None

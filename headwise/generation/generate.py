@@ -107,26 +107,21 @@ def _run(model, prompts: Sequence[list[int]], params: SamplingParams, streaming:
         step_fn = None
         cache = ContiguousKVCache(cfg.num_layers, B, cfg.num_kv_heads, T0 + params.max_new_tokens, cfg.head_dim,
                                   dtype=dtype, device=device)
-    ids = torch.zeros(B, T0, dtype=torch.long, device=device)
-    mask = torch.zeros(B, T0, dtype=torch.long, device=device)
+    ids = torch.zeros(B, T0, dtype=torch.long, device=device)                  # (B, T0), right-padded
     for b, p in enumerate(prompts):
         ids[b, : len(p)] = torch.tensor(p, device=device)
-        mask[b, : len(p)] = 1
     seen = None
     if params.repetition_penalty != 1.0:
-        seen = torch.zeros(B, cfg.vocab_size, dtype=torch.bool, device=device)
-        seen.scatter_(1, ids, mask.bool())
+        seen = torch.zeros(B, cfg.vocab_size, dtype=torch.bool, device=device)  # (B, V): ids seen so far
+        for b, p in enumerate(prompts):
+            seen[b, torch.tensor(p, device=device)] = True
 
     t0 = time.perf_counter()
     with torch.inference_mode():
         lens = torch.tensor(lengths, device=device)                                    # (B,)
         rows = torch.arange(B, device=device) * T0 + lens - 1     # each prompt's last real token, b*T0 + t
-        if hasattr(cache, "step"):
-            last = model(ids, cache.step(T0, num_new=None if min(lengths) == T0 else lens,
-                                         logits_indices=rows))                             # (B, V)
-        else:                       # a cache without steps yet: every row's logits, then pick
-            logits = model(ids, cache=cache, attention_mask=None if min(lengths) == T0 else mask)
-            last = logits.reshape(B * T0, -1)[rows]                                        # (B, V)
+        step = cache.step(T0, num_new=None if min(lengths) == T0 else lens, logits_indices=rows)
+        last = model(ids, step)                                                        # (B, V)
         t_prefill = time.perf_counter() - t0
         t1 = time.perf_counter()
         for step in range(params.max_new_tokens):
@@ -149,7 +144,7 @@ def _run(model, prompts: Sequence[list[int]], params: SamplingParams, streaming:
             if all(s.finish_reason for s in seqs):
                 break
             if step_fn is None:
-                last = model(nxt[:, None], cache=cache)[:, -1]                         # (B, V)
+                last = model(nxt[:, None], cache.step(1))[:, -1]                      # (B, V)
             else:
                 cache.book(1)                                   # host bookkeeping, outside the graph
                 last = step_fn(nxt[:, None], cache)

@@ -66,6 +66,25 @@ def test_batched_prompts_of_different_lengths_equal_one_at_a_time(tiny):
         assert r.token_ids == headwise.generate(model, p, max_new_tokens=20, temperature=0).token_ids
 
 
+@torch.no_grad()
+def test_prefill_computes_the_output_layer_for_each_prompt_last_row_only(tiny):
+    """A counting hook on lm_head: the ragged prefill of 4 prompts (up to 30 tokens) sends 4 rows
+    through the output layer, not 4 x 30; each decode step sends 4. The ids still equal HF's."""
+    hf, model = tiny
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 30, 1, 12)]
+    rows = []
+    handle = model.lm_head.register_forward_hook(
+        lambda mod, args, out: rows.append(args[0].reshape(-1, args[0].shape[-1]).shape[0]))
+    try:
+        res = headwise.generate(model, prompts, max_new_tokens=6, temperature=0)
+    finally:
+        handle.remove()
+    assert rows == [4] * 6                         # the prefill, then 5 decode steps (the 6th token is the last)
+    for p, r in zip(prompts, res):
+        assert r.token_ids == _hf_greedy(hf, p, 6)
+
+
 def test_seeded_sampling_reproduces(tiny):
     _, model = tiny
     kw = dict(max_new_tokens=16, temperature=0.9, top_k=50, top_p=0.95)
