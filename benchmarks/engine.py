@@ -3,7 +3,7 @@ throughput of running them one at a time (issue 5: 16 prompts >= 6x headwise, >=
 and one request alone through the engine decodes at >= 0.9x headwise.generate's batch-1 rate (issue 13).
 
 Model: SmolLM2-135M-Instruct fp32: headwise.load (the builtin GGUF, dequantized) and transformers'
-LlamaForCausalLM holding the very same tensors (built by benchmarks/decode.py's load_models, sdpa
+LlamaForCausalLM holding the very same tensors (built by benchmarks/_contenders.py's load_models, sdpa
 attention). CPU, inference only, greedy, EOS ignored so every request makes exactly --new-tokens.
 
 Prompts: random token ids, 112 to 144 tokens each (~128), the same for every contender.
@@ -28,7 +28,7 @@ Agreement (before timing): the engine's greedy ids for the subset prompts must e
 principle flip a token: a divergence is reported with the top-2 logit margin, not hidden).
 
 Profile: one decode step of 16 running sequences (after their prefill), engine phases from
-`Engine.stats().step_seconds`, and torch.profiler's op categories (decode.py's profile_step).
+`Engine.stats().step_seconds`, and torch.profiler's op categories (benchmarks/_profile.py's profile_step).
 
     .venv/bin/python benchmarks/engine.py                 # ~10 min; saves results/engine.{txt,json}
     .venv/bin/python benchmarks/engine.py --quick         # smoke test: 8 new tokens, 1 round, no save
@@ -120,7 +120,7 @@ def agreement(model, prompts, engine_ids, ref_ids, name) -> dict:
 
 def profile_decode(model, log) -> dict:
     """One decode step of 16 running sequences: wall, engine phases, op categories."""
-    from decode import profile_step, profile_text
+    from _profile import profile_step, profile_text
     params = SamplingParams(max_new_tokens=4096, temperature=0, ignore_eos=True)
     prompts = make_prompts(16, model.config.vocab_size, seed=SEED + 1)
 
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     if args.no_hf:
         model, hf = headwise.load("smollm2-135m-instruct"), None
     else:
-        from decode import load_models
+        from _contenders import load_models
         model, hfs, tf_version = load_models()
         hf = hfs["sdpa"]
         for other in [k for k in hfs if k != "sdpa"]:
