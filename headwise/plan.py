@@ -140,12 +140,9 @@ KV_SCALE_BYTES = 4  # int8 KV caches keep one fp32 scale per (token, head), for 
 
 
 def kv_pool_bytes_per_token(cfg: ModelConfig, dtype: str = "bf16") -> int:
-    """What one token takes in an engine's KV block pool: kv_bytes_per_token, plus for "int8"
-    the scales (2 * L * Hkv * 4 bytes), which the int8 caches allocate beside the payload."""
-    payload = kv_bytes_per_token(cfg, dtype)
-    if dtype.strip().lower() == "int8":
-        return payload + 2 * cfg.num_layers * cfg.num_kv_heads * KV_SCALE_BYTES
-    return payload
+    """One token in an engine's KV block pool: kv_bytes_per_token, + the scales for "int8"."""
+    int8 = dtype.strip().lower() == "int8"
+    return kv_bytes_per_token(cfg, dtype) + int8 * 2 * cfg.num_layers * cfg.num_kv_heads * KV_SCALE_BYTES
 
 
 def kv_pool_blocks(cfg: ModelConfig, memory: int | str, *, block_size: int = 16, dtype: str = "bf16") -> int:

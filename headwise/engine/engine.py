@@ -60,6 +60,8 @@ class Engine:
         self._step_mutex = threading.Lock()         # one step at a time (thread or generate())
         self._groups: dict[str, RequestGroup] = {}  # unfinished requests
         self._outputs: collections.OrderedDict[str, RequestOutput] = collections.OrderedDict()
+        self._outbox: collections.deque = collections.deque()   # (group, piece or error) not yet delivered
+        self._delivering = threading.RLock()        # (a sink's failure aborts, which flushes again)
         self._thread: threading.Thread | None = None
         self._stop = False
         self._error: BaseException | None = None
@@ -68,12 +70,10 @@ class Engine:
         self._counts = collections.Counter()        # prompt_tokens, finished, aborted, decode_tokens
         self._decode_seconds = 0.0                  # first token to last, summed over finished requests
 
-    # the resolved limits (every None sized for the model) and the parts, for callers and tests
-    config = property(lambda self: self.core.config)
+    config = property(lambda self: self.core.config)          # resolved: every None sized for the model
     cache = property(lambda self: self.core.cache)
     scheduler = property(lambda self: self.core.scheduler)
     max_model_len = property(lambda self: self.core.max_model_len)
-    device = property(lambda self: self.core.device)
     block_size = property(lambda self: self.config.block_size)
     max_num_seqs = property(lambda self: self.config.max_num_seqs)
     max_num_batched_tokens = property(lambda self: self.config.max_num_batched_tokens)
@@ -85,8 +85,8 @@ class Engine:
                     on_piece: Callable[[StreamPiece], None] | None = None) -> str:
         """Queue one prompt (text, token ids or chat messages); returns its request id.
 
-        on_piece(piece) is called from the engine thread with each `StreamPiece` (or with an
-        exception if the engine fails). Without it, `result(request_id)` waits for the output.
+        on_piece(piece) gets each `StreamPiece` in order (or an exception if the engine fails),
+        from the stepping thread or from one calling abort. Without it, `result(request_id)` waits for the output.
         Raises QueueFull (nothing queued) or ValueError (bad prompt or sampling). The request
         runs once the engine is started (`start()`), or within `step()` / `generate()`.
         """
@@ -152,15 +152,14 @@ class Engine:
             group = self._groups.get(str(request_id))
             if group is None:
                 return False
-            pieces = []
             for r in group.children:
                 if r.status is not Status.FINISHED:
                     self.core.finish(r, "abort")
-                    pieces.append((group, StreamPiece("", [], r.index, None, "abort", r.num_prompt_tokens,
-                                                      r.num_output_tokens)))
+                    self._outbox.append((group, StreamPiece("", [], r.index, None, "abort", r.num_prompt_tokens,
+                                                            r.num_output_tokens)))
             self._counts["aborted"] += 1
             self._close(group)
-        self._deliver(pieces)
+        self._flush()
         return True
 
     def abort_all(self) -> int:
@@ -267,32 +266,40 @@ class Engine:
             if not done:
                 self.abort(group.request_id)
 
-    def _deliver(self, pieces) -> None:
-        """Hand pieces to their sinks, outside the lock; a sink that fails (its event loop
-        closed) gets its request aborted."""
-        dead = set()
-        for group, piece in pieces:
-            if group.sink is None or group.request_id in dead:
-                continue
-            try:
-                group.sink(piece)
-            except Exception:
-                dead.add(group.request_id)
-        for rid in dead:
-            self.abort(rid)
+    def _flush(self) -> None:
+        """Hand the outbox's pieces to their sinks, outside the lock, in the order they were made
+        (a step's last token before an abort that came after it); a sink that fails (its event
+        loop closed) gets its request aborted."""
+        with self._delivering:                      # one deliverer at a time; never taken under _lock
+            while True:
+                with self._lock:
+                    if not self._outbox:
+                        return
+                    items = list(self._outbox)
+                    self._outbox.clear()
+                dead = set()
+                for group, piece in items:
+                    if group.sink is None or group.request_id in dead:
+                        continue
+                    try:
+                        group.sink(piece)
+                    except Exception:
+                        dead.add(group.request_id)
+                for rid in dead:
+                    self.abort(rid)
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step and one forward; returns the requests that finished in it."""
         with self._step_mutex:
-            pieces, finished = self.core.step(self._process)
-        self._deliver(pieces)
+            finished = self.core.step(self._process)
+        self._flush()
         return finished
 
     def _process(self, outputs: list[TokenOutput]):
-        """The step's tokens -> text and stream pieces (under the lock, before the next step).
-        A stop string found in the text finishes the request in the core."""
-        pieces, finished, now = [], [], time.perf_counter()
+        """The step's tokens -> text and stream pieces for the outbox (under the lock, before the
+        next step); -> the requests that finished. A stop string finishes the request in the core."""
+        finished, now = [], time.perf_counter()
         for r, token, lp in outputs:
             if r.first_token_at is None:
                 r.first_token_at = now
@@ -305,13 +312,14 @@ class Engine:
             if text.finish_reason is not None:      # the text knows more: a stop string ends it even on
                 self.core.finish(r, text.finish_reason)         # its last allowed token ("stop", not "length")
                 r.finish_reason = text.finish_reason
-            pieces.append((r.group, StreamPiece(text.new_text(), [token], r.index, [lp] if lp is not None else None,
-                                                r.finish_reason, r.num_prompt_tokens, r.num_output_tokens)))
+            piece = StreamPiece(text.new_text(), [token], r.index, [lp] if lp is not None else None,
+                                r.finish_reason, r.num_prompt_tokens, r.num_output_tokens)
+            self._outbox.append((r.group, piece))
             if r.status is Status.FINISHED and r.group.finished:
                 self._counts["finished"] += 1
                 self._close(r.group)
                 finished.append(r.group.output())
-        return pieces, finished
+        return finished
 
     # ------------------------------------------------------------------ the thread
     def start(self) -> "Engine":
@@ -338,7 +346,6 @@ class Engine:
                 return
 
     def _fail(self, error: BaseException) -> None:
-        pieces = []
         with self._lock:
             self._error = error
             for group in list(self._groups.values()):
@@ -346,9 +353,9 @@ class Engine:
                 for r in group.children:
                     if r.status is not Status.FINISHED:
                         self.core.finish(r, "abort")
-                pieces.append((group, error))
+                self._outbox.append((group, error))
                 self._close(group)
-        self._deliver(pieces)
+        self._flush()
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the thread (after the step in flight) and abort every unfinished request."""

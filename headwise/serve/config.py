@@ -7,6 +7,7 @@ a model; the gateway resolves that name to a route (an alias, a local model, or
     [models.smollm2]            # a local model: builtin name or checkpoint path
     source = "smollm2-135m-instruct"
     cache = "paged"             # paged | int8: the format of the engine's KV block pool
+    max_num_seqs = 64           # the engine's limits: any headwise.EngineConfig field but kv_dtype
     [providers.peer]            # an upstream OpenAI-compatible server
     base_url = "http://10.0.0.2:8000/v1"
     api_key_env = "PEER_KEY"    # the key itself never sits in the file
