@@ -62,9 +62,9 @@ class KVStore:
 
     def write_slice(self, lo: int, k: Tensor, v: Tensor) -> None:
         """k, v (B, Hkv, T, D) -> slots [lo, lo + T) of every sequence."""
-        hi = lo + k.shape[2]
+        T = k.shape[2]
         for buf, part in self._pairs(k, v):
-            buf[:, :, lo:hi] = part
+            buf.narrow(2, lo, T).copy_(part)            # narrow + copy_: fewer dispatches than buf[:, :, lo:hi] = part
 
     def write_at(self, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Token t of sequence b -> slot slots[b, t]; slots (B, T) long, distinct per row."""
@@ -84,7 +84,7 @@ class KVStore:
             (kq, ks), (vq, vs) = self.k, self.v
             return Int8CacheRead(kq[:, :, :S], ks[:, :, :S], vq[:, :, :S], vs[:, :, :S], self.dtype,
                                  key_padding_mask, attn_mask)
-        return CacheRead(self.k[0][:, :, :S], self.v[0][:, :, :S], key_padding_mask, attn_mask)
+        return CacheRead(self.k[0].narrow(2, 0, S), self.v[0].narrow(2, 0, S), key_padding_mask, attn_mask)
 
     def dense(self) -> tuple[Tensor, Tensor]:
         """All N slots of K and V in the compute dtype (views, or dequantized copies)."""
