@@ -27,9 +27,11 @@ $(CHROMIUM):
 	command -v chromium >/dev/null || ($(if $(filter 0,$(shell id -u)),,sudo) apt-get update -q && \
 		$(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium)
 
-# ruff: pyflakes' bug checks; lint-imports: the layering contract in pyproject.toml (arrows point down).
+# ruff: pyflakes' bug checks and the formatting; lint-imports: the layering contract in pyproject.toml
+# (arrows point down).
 test: $(STAMP) $(CHROMIUM)
 	$(VENV)/bin/ruff check headwise tests benchmarks
+	$(VENV)/bin/ruff format --check headwise tests benchmarks
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest tests
 

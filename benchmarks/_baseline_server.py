@@ -6,6 +6,7 @@ LlamaForCausalLM (sdpa) built from the very same GGUF tensors as headwise.load u
 benchmarks/decode.py does), `generate` with a token streamer, one request at a time behind a
 lock, the same /v1/completions SSE format (with usage) as `headwise serve`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # this checkout's headwise
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's headwise
 import headwise  # noqa: E402,F401  (before torch: it sets the OpenMP wait policy, headwise/threads.py)
 
 MODEL = "smollm2-135m-instruct"
@@ -79,8 +80,15 @@ def baseline_app():
         def run():
             with one_at_a_time, torch.inference_mode():
                 x = torch.tensor([ids])
-                hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
-                            min_new_tokens=n, pad_token_id=0, streamer=streamer)
+                hf.generate(
+                    x,
+                    attention_mask=torch.ones_like(x),
+                    do_sample=False,
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    pad_token_id=0,
+                    streamer=streamer,
+                )
 
         job = loop.run_in_executor(None, run)
         head = {"id": "cmpl-baseline", "object": "text_completion", "created": int(time.time()), "model": MODEL}
@@ -94,8 +102,9 @@ def baseline_app():
 
         if not body.get("stream"):
             text = "".join([t async for t in tokens()])
-            return JSONResponse({**head, "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
-                                 "usage": usage})
+            return JSONResponse(
+                {**head, "choices": [{"index": 0, "text": text, "finish_reason": "length"}], "usage": usage}
+            )
 
         async def events():
             async for text in tokens():
@@ -103,6 +112,7 @@ def baseline_app():
                 yield f"data: {json.dumps(chunk)}\n\n"
             yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
+
         return StreamingResponse(events(), media_type="text/event-stream")
 
     return app
@@ -110,6 +120,7 @@ def baseline_app():
 
 def run_baseline_server(port: int) -> None:
     import uvicorn
+
     uvicorn.run(baseline_app(), host="127.0.0.1", port=port, log_level="warning")
 
 

@@ -6,6 +6,7 @@ rounds in which each contender runs once, in an order rotated every round, so
 slow drift of the machine (thermal, other jobs) hits every contender alike.
 Report min / median / max per contender and compare medians.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -40,8 +41,13 @@ def cpu_flags() -> set[str]:
 def cpu_isa() -> str:
     """The widest x86 vector ISA this CPU has: speed-ups measured on AVX2 did not hold on AVX-512."""
     flags = cpu_flags()
-    parts = ["AVX-512" + ("+VNNI" if "avx512_vnni" in flags else "") if "avx512f" in flags
-             else "AVX2" if "avx2" in flags else "no AVX2"]
+    parts = [
+        "AVX-512" + ("+VNNI" if "avx512_vnni" in flags else "")
+        if "avx512f" in flags
+        else "AVX2"
+        if "avx2" in flags
+        else "no AVX2"
+    ]
     parts += [x.upper() for x in ("fma", "amx_tile") if x in flags]
     return "+".join(parts)
 
@@ -104,9 +110,15 @@ def rotated(names: Sequence[str], r: int) -> list[str]:
     return [*names[i:], *names[:i]]
 
 
-def time_interleaved(fns: dict[str, Callable[[], object]], *, rounds: int | None = None,
-                     budget_s: float = 20.0, min_rounds: int = 5, max_rounds: int = 40,
-                     warmup: int = 2) -> tuple[dict[str, list[float]], int]:
+def time_interleaved(
+    fns: dict[str, Callable[[], object]],
+    *,
+    rounds: int | None = None,
+    budget_s: float = 20.0,
+    min_rounds: int = 5,
+    max_rounds: int = 40,
+    warmup: int = 2,
+) -> tuple[dict[str, list[float]], int]:
     """Time each zero-argument callable in interleaved, rotated rounds.
 
     With `rounds=None` the number of rounds is chosen so the whole thing takes

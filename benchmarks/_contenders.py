@@ -3,6 +3,7 @@ fp32 tensors), each contender as a function returning its times and token ids, t
 and the copy bandwidth that bound them, and the greedy-agreement check run before timing.
 See decode.py's docstring for what each contender is and how its decode span is measured.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -12,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # this checkout of headwise
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout of headwise
 
 import _common  # noqa: E402,F401  (headwise before torch: its OpenMP wait policy)
 import torch  # noqa: E402
@@ -27,9 +28,9 @@ from headwise.models.packing import PACK_HINT  # noqa: E402  (the library's oneD
 MODEL = "smollm2-135m-instruct"
 PROMPT_LEN = 32
 HF_IMPLS = ("sdpa", "eager")
-TIE_TOL = 1e-3          # |logit difference| under which a greedy divergence is a near-tie (fp32 noise ~1e-4)
+TIE_TOL = 1e-3  # |logit difference| under which a greedy divergence is a near-tie (fp32 noise ~1e-4)
 BW_MIB = 512
-MIB = 2 ** 20
+MIB = 2**20
 SEED = 1234
 
 
@@ -41,7 +42,7 @@ def load_models():
     from headwise.models.gguf import read_gguf
 
     transformers.logging.set_verbosity_error()
-    model = headwise.load(MODEL)                                    # fp32 (the GGUF is dequantized)
+    model = headwise.load(MODEL)  # fp32 (the GGUF is dequantized)
     if next(model.parameters()).dtype != torch.float32:
         model = model.float()
     hf_config, tensors, _ = read_gguf(resolve(MODEL))
@@ -67,11 +68,15 @@ def load_models():
 
 def model_bytes(model) -> dict:
     cfg = model.config
-    params = {p.data_ptr(): p for p in model.parameters()}          # tied weights once
+    params = {p.data_ptr(): p for p in model.parameters()}  # tied weights once
     weight = sum(p.numel() * p.element_size() for p in params.values())
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
-    return {"params": sum(p.numel() for p in params.values()), "weight_bytes": weight,
-            "output_layer_bytes": cfg.vocab_size * cfg.d_model * 4, "kv_bytes_per_token": kv_per_token}
+    return {
+        "params": sum(p.numel() for p in params.values()),
+        "weight_bytes": weight,
+        "output_layer_bytes": cfg.vocab_size * cfg.d_model * 4,
+        "kv_bytes_per_token": kv_per_token,
+    }
 
 
 # ------------------------------------------------------------------ plain linears (diagnostic)
@@ -83,7 +88,7 @@ def unpacked_model():
 
 def make_prompts(B: int, V: int, T: int = PROMPT_LEN, seed: int = SEED) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed + B)
-    return torch.randint(17, V, (B, T), generator=g)                # ids < 17 are special tokens
+    return torch.randint(17, V, (B, T), generator=g)  # ids < 17 are special tokens
 
 
 # ------------------------------------------------------------------ contenders
@@ -114,12 +119,22 @@ def hw_generate(model, ids: torch.Tensor, new: int, compile: bool = False, off: 
     prompts = ids.tolist()
     t0 = time.perf_counter()
     with switched_off(off):
-        res = headwise.generate(model, prompts[0] if len(prompts) == 1 else prompts, max_new_tokens=new,
-                                temperature=0, ignore_eos=True, compile=compile)
+        res = headwise.generate(
+            model,
+            prompts[0] if len(prompts) == 1 else prompts,
+            max_new_tokens=new,
+            temperature=0,
+            ignore_eos=True,
+            compile=compile,
+        )
     wall = time.perf_counter() - t0
     res = [res] if not isinstance(res, list) else res
-    return {"prefill_s": res[0].prefill_seconds, "decode_s": res[0].decode_seconds, "wall_s": wall,
-            "ids": [r.token_ids for r in res]}
+    return {
+        "prefill_s": res[0].prefill_seconds,
+        "decode_s": res[0].decode_seconds,
+        "wall_s": wall,
+        "ids": [r.token_ids for r in res],
+    }
 
 
 def hw_loop(model, ids: torch.Tensor, new: int) -> dict:
@@ -128,30 +143,36 @@ def hw_loop(model, ids: torch.Tensor, new: int) -> dict:
     with torch.inference_mode():
         t0 = time.perf_counter()
         cache = ContiguousKVCache(cfg.num_layers, B, cfg.num_kv_heads, T + new, cfg.head_dim)
-        nxt = model(ids, cache=cache)[:, -1].argmax(-1)                          # (B,)
+        nxt = model(ids, cache=cache)[:, -1].argmax(-1)  # (B,)
         t1 = time.perf_counter()
         toks = [nxt]
         for _ in range(new - 1):
             nxt = model(nxt[:, None], cache=cache)[:, -1].argmax(-1)
             toks.append(nxt)
         t2 = time.perf_counter()
-    return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "wall_s": t2 - t0,
-            "ids": torch.stack(toks, 1).tolist()}
+    return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "wall_s": t2 - t0, "ids": torch.stack(toks, 1).tolist()}
 
 
 def hf_generate(hf, ids: torch.Tensor, new: int) -> dict:
     with torch.inference_mode():
         t0 = time.perf_counter()
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
-                          min_new_tokens=new, pad_token_id=0)
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            pad_token_id=0,
+        )
         wall = time.perf_counter() - t0
-    return {"wall_s": wall, "ids": out[:, ids.shape[1]:].tolist()}
+    return {"wall_s": wall, "ids": out[:, ids.shape[1] :].tolist()}
 
 
 def _cache_kwarg() -> str:
     """transformers >= 5.24 calls forward's past_key_values `cache` (the old name warns)."""
     import inspect
     from transformers import LlamaForCausalLM
+
     return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 
 
@@ -164,7 +185,7 @@ def hf_loop(hf, ids: torch.Tensor, new: int) -> dict:
     with torch.inference_mode():
         t0 = time.perf_counter()
         out = hf(input_ids=ids, use_cache=True)
-        nxt = out.logits[:, -1].argmax(-1)                                        # (B,)
+        nxt = out.logits[:, -1].argmax(-1)  # (B,)
         t1 = time.perf_counter()
         toks = [nxt]
         for _ in range(new - 1):
@@ -172,12 +193,12 @@ def hf_loop(hf, ids: torch.Tensor, new: int) -> dict:
             nxt = out.logits[:, -1].argmax(-1)
             toks.append(nxt)
         t2 = time.perf_counter()
-    return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "wall_s": t2 - t0,
-            "ids": torch.stack(toks, 1).tolist()}
+    return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "wall_s": t2 - t0, "ids": torch.stack(toks, 1).tolist()}
 
 
 def floor_weights(model, packed: bool = False, kernel: bool = False):
     """[(linear fn, out features) x 4 per layer], output layer: the model's matmuls, bare."""
+
     def fn(lin):
         if kernel:
             blocked, out = kernels.block_weight(lin.weight), lin.out_features
@@ -187,6 +208,7 @@ def floor_weights(model, packed: bool = False, kernel: bool = False):
             return lambda x: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
         w = lin.weight
         return lambda x: F.linear(x, w)
+
     layers = [(fn(l.attn.qkv_proj), fn(l.attn.out_proj), fn(l.mlp.gate_up), fn(l.mlp.down)) for l in model.layers]
     cfg = model.config
     return layers, fn(model.lm_head), (cfg.num_heads * cfg.head_dim, cfg.d_ff)
@@ -247,11 +269,15 @@ def check_agreement(model, ids: torch.Tensor, outputs: dict[str, list[list[int]]
                 rows.append({"row": b, **explain_divergence(model, ids[b].tolist(), r, o, i, eos)})
         report[name] = {"identical_rows": len(ref) - len(rows), "rows": len(ref), "divergences": rows}
         bad = [d for d in rows if d["kind"] == "DISAGREE"]
-        if bad and name != "hw_compiled":     # inductor reorders float sums: reported, never fatal
+        if bad and name != "hw_compiled":  # inductor reorders float sums: reported, never fatal
             sys.exit(f"{name} disagrees with headwise's greedy tokens beyond noise: {bad}; refusing to time")
-    parts = [f"{n} {r['identical_rows']}/{r['rows']} identical"
-             + "".join(f" (row {d['row']}: step {d['step']} {d['kind']}, gap {d['logit_gap']:.1e})"
-                       for d in r["divergences"]) for n, r in report.items()]
+    parts = [
+        f"{n} {r['identical_rows']}/{r['rows']} identical"
+        + "".join(
+            f" (row {d['row']}: step {d['step']} {d['kind']}, gap {d['logit_gap']:.1e})" for d in r["divergences"]
+        )
+        for n, r in report.items()
+    ]
     log(f"  greedy ids vs hw_generate, B={len(ref)}: " + "; ".join(parts))
     return report
 
@@ -261,7 +287,7 @@ def copy_bandwidth(mib: int = BW_MIB, reps: int = 5) -> list[float]:
     """GB/s of dst.copy_(src) for `mib` MiB, counting bytes read + written."""
     n = mib * MIB // 4
     src, dst = torch.ones(n), torch.zeros(n)
-    dst.copy_(src)                                  # fault the pages in
+    dst.copy_(src)  # fault the pages in
     out = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -286,9 +312,11 @@ def try_compile(model, B: int, new: int, log) -> dict:
         second = hw_generate(model, ids, new, compile=True)
         info["second_call_s"] = time.perf_counter() - t0
         info["ids_equal_first_second"] = first["ids"] == second["ids"]
-        log(f"  compiled B={B}: first generate {info['first_call_s']:.1f} s (compiles), second "
-            f"{info['second_call_s']:.1f} s")
-    except Exception as e:      # report, never fail the benchmark on it
+        log(
+            f"  compiled B={B}: first generate {info['first_call_s']:.1f} s (compiles), second "
+            f"{info['second_call_s']:.1f} s"
+        )
+    except Exception as e:  # report, never fail the benchmark on it
         info["skipped"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
         log(f"  compiled: skipped - {info['skipped']}")
     return info

@@ -1,4 +1,5 @@
 """decode.py's and engine.py's profiles: one decode step under torch.profiler (CPU), by op category."""
+
 from __future__ import annotations
 
 import statistics
@@ -11,16 +12,32 @@ from headwise.cache import ContiguousKVCache
 
 
 # ------------------------------------------------------------------ profiles
-MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_mkl_linear", "mkldnn::_linear",
-              "aten::mkldnn_linear", "aten::_addmm_activation", "aten::dot", "aten::mv",
-              "mkldnn::_linear_pointwise", "mkl::_mkl_linear"}
-ATTN_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
-            "aten::_softmax", "aten::_safe_softmax"}
+MATMUL_OPS = {
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::baddbmm",
+    "aten::_mkl_linear",
+    "mkldnn::_linear",
+    "aten::mkldnn_linear",
+    "aten::_addmm_activation",
+    "aten::dot",
+    "aten::mv",
+    "mkldnn::_linear_pointwise",
+    "mkl::_mkl_linear",
+}
+ATTN_OPS = {
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_attention_math",
+    "aten::_softmax",
+    "aten::_safe_softmax",
+}
 
 
 def profile_step(name: str, setup, step, n: int = 8, timed: int = 30) -> dict:
     """Profile `n` decode steps (after `setup()`); also time `timed` steps without the profiler."""
     from torch.profiler import ProfilerActivity, profile
+
     with torch.inference_mode():
         state = setup()
         for _ in range(3):
@@ -30,7 +47,7 @@ def profile_step(name: str, setup, step, n: int = 8, timed: int = 30) -> dict:
             t0 = time.perf_counter()
             step(state)
             walls.append(time.perf_counter() - t0)
-        state = setup()                                 # back to 32 tokens of context
+        state = setup()  # back to 32 tokens of context
         step(state)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(n):
@@ -43,17 +60,25 @@ def profile_step(name: str, setup, step, n: int = 8, timed: int = 30) -> dict:
         by_name.setdefault(e.name, []).append(e.self_cpu_time_total)
     rows = sorted(((k, len(v) / n, sum(v) / n / 1e3) for k, v in by_name.items()), key=lambda r: -r[2])
     total_self = sum(r[2] for r in rows)
-    cat = {"matmul": sum(r[2] for r in rows if r[0] in MATMUL_OPS),
-           "attention": sum(r[2] for r in rows if r[0] in ATTN_OPS)}
+    cat = {
+        "matmul": sum(r[2] for r in rows if r[0] in MATMUL_OPS),
+        "attention": sum(r[2] for r in rows if r[0] in ATTN_OPS),
+    }
     cat["other ops"] = total_self - cat["matmul"] - cat["attention"]
     wall = statistics.median(walls) * 1e3
     cat["outside ops (Python, dispatch)"] = max(0.0, wall - total_self)
-    return {"name": name, "step_ms_unprofiled_median": wall, "step_ms_unprofiled_min": min(walls) * 1e3,
-            "ops_per_step": len(ops) / n, "top_level_ops_per_step": len(top_level) / n,
-            "self_ms_per_step": total_self, "categories_ms": cat,
-            "top": [{"op": k, "calls": c, "self_ms": t} for k, t, c in ((r[0], r[2], r[1]) for r in rows[:15])],
-            "note": "ms per step; self ms are measured under the profiler (inflated by its per-op cost); "
-                    "'outside ops' = unprofiled wall - profiled self time, so it underestimates Python time"}
+    return {
+        "name": name,
+        "step_ms_unprofiled_median": wall,
+        "step_ms_unprofiled_min": min(walls) * 1e3,
+        "ops_per_step": len(ops) / n,
+        "top_level_ops_per_step": len(top_level) / n,
+        "self_ms_per_step": total_self,
+        "categories_ms": cat,
+        "top": [{"op": k, "calls": c, "self_ms": t} for k, t, c in ((r[0], r[2], r[1]) for r in rows[:15])],
+        "note": "ms per step; self ms are measured under the profiler (inflated by its per-op cost); "
+        "'outside ops' = unprofiled wall - profiled self time, so it underestimates Python time",
+    }
 
 
 def run_profiles(M: dict, log) -> list[dict]:
@@ -76,6 +101,7 @@ def run_profiles(M: dict, log) -> list[dict]:
 
         out.append(profile_step("headwise", hw_setup, hw_step))
     for impl, m in M["hf"].items():
+
         def hf_setup(m=m):
             o = m(input_ids=ids, use_cache=True)
             return {"past": _past(o), "nxt": o.logits[:, -1].argmax(-1)}
@@ -91,11 +117,15 @@ def run_profiles(M: dict, log) -> list[dict]:
 
 def profile_text(p) -> str:
     c = p["categories_ms"]
-    head = (f"{p['name']}: step {p['step_ms_unprofiled_median']:.2f} ms unprofiled (min "
-            f"{p['step_ms_unprofiled_min']:.2f}); {p['ops_per_step']:.0f} aten ops per step "
-            f"({p['top_level_ops_per_step']:.0f} called from Python); profiled self time "
-            f"{p['self_ms_per_step']:.2f} ms = matmul {c['matmul']:.2f} + attention {c['attention']:.2f} + "
-            f"other ops {c['other ops']:.2f}; outside ops ~{c['outside ops (Python, dispatch)']:.2f} ms")
-    rows = [[t["op"], f"{t['calls']:.0f}", f"{t['self_ms']:.3f}",
-             f"{100 * t['self_ms'] / p['self_ms_per_step']:.1f}%"] for t in p["top"]]
+    head = (
+        f"{p['name']}: step {p['step_ms_unprofiled_median']:.2f} ms unprofiled (min "
+        f"{p['step_ms_unprofiled_min']:.2f}); {p['ops_per_step']:.0f} aten ops per step "
+        f"({p['top_level_ops_per_step']:.0f} called from Python); profiled self time "
+        f"{p['self_ms_per_step']:.2f} ms = matmul {c['matmul']:.2f} + attention {c['attention']:.2f} + "
+        f"other ops {c['other ops']:.2f}; outside ops ~{c['outside ops (Python, dispatch)']:.2f} ms"
+    )
+    rows = [
+        [t["op"], f"{t['calls']:.0f}", f"{t['self_ms']:.3f}", f"{100 * t['self_ms'] / p['self_ms_per_step']:.1f}%"]
+        for t in p["top"]
+    ]
     return head + "\n" + table(["op", "calls/step", "self ms/step", "of op time"], rows)

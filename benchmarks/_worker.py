@@ -17,6 +17,7 @@ this repository, not in the checkout, so old commits are driven by the same code
 only APIs the commit before issue 13 already had (load, generate, ContiguousKVCache,
 model(ids, cache=...)). `Worker` is the parent's handle on one such process.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,9 +38,16 @@ class Worker:
     def __init__(self, name: str, checkout: str | Path, threads: int, log: Path, env: dict[str, str]):
         self.name = name
         self.stderr = log.open("w")
-        self.proc = subprocess.Popen([sys.executable, __file__, str(checkout), str(threads)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.stderr, text=True, bufsize=1, env=env)
-        self.read()                                  # {"ready": true} once the model is loaded
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, str(checkout), str(threads)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
+            bufsize=1,
+            env=env,
+        )
+        self.read()  # {"ready": true} once the model is loaded
 
     def read(self) -> dict:
         line = self.proc.stdout.readline()
@@ -56,7 +64,7 @@ class Worker:
 
     def close(self) -> None:
         if self.proc.stdin and not self.proc.stdin.closed:
-            self.proc.stdin.close()                  # the worker's loop ends at EOF
+            self.proc.stdin.close()  # the worker's loop ends at EOF
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -72,7 +80,7 @@ def main(checkout: str, threads: int) -> None:
     sys.stdout = sys.stderr
 
     sys.path.insert(0, checkout)
-    import headwise                     # before torch: the checkout's own wait-policy code runs first
+    import headwise  # before torch: the checkout's own wait-policy code runs first
     import torch
     from headwise.cache import ContiguousKVCache
 
@@ -82,22 +90,35 @@ def main(checkout: str, threads: int) -> None:
     cfg = model.config
 
     def info(_):
-        return {"headwise": headwise.__file__, "torch": torch.__version__, "threads": torch.get_num_threads(),
-                "wait_env": {k: os.environ.get(k) for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY",
-                                                           "OMP_NUM_THREADS")},
-                "vocab_size": cfg.vocab_size, "dtype": str(next(model.parameters()).dtype)}
+        return {
+            "headwise": headwise.__file__,
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "wait_env": {k: os.environ.get(k) for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "OMP_NUM_THREADS")},
+            "vocab_size": cfg.vocab_size,
+            "dtype": str(next(model.parameters()).dtype),
+        }
 
     def decode(cmd):
         prompts = cmd["prompts"]
-        res = headwise.generate(model, prompts[0] if len(prompts) == 1 else prompts, max_new_tokens=cmd["new"],
-                                temperature=0, ignore_eos=True)
+        res = headwise.generate(
+            model,
+            prompts[0] if len(prompts) == 1 else prompts,
+            max_new_tokens=cmd["new"],
+            temperature=0,
+            ignore_eos=True,
+        )
         res = res if isinstance(res, list) else [res]
         # batched: every row shares one decode time, so the rows' rates add up to the batch's
-        return {"tok_s": sum(r.tokens_per_second for r in res), "ids": [r.token_ids for r in res],
-                "decode_s": res[0].decode_seconds, "prefill_s": res[0].prefill_seconds}
+        return {
+            "tok_s": sum(r.tokens_per_second for r in res),
+            "ids": [r.token_ids for r in res],
+            "decode_s": res[0].decode_seconds,
+            "prefill_s": res[0].prefill_seconds,
+        }
 
     def prefill(cmd):
-        ids = torch.tensor([cmd["prompt"]])                                       # (1, T)
+        ids = torch.tensor([cmd["prompt"]])  # (1, T)
         T = ids.shape[1]
         with torch.inference_mode():
             cache = ContiguousKVCache(cfg.num_layers, 1, cfg.num_kv_heads, T, cfg.head_dim)
@@ -108,7 +129,7 @@ def main(checkout: str, threads: int) -> None:
 
     def gap(cmd):
         with torch.inference_mode():
-            logits = model(torch.tensor([cmd["prompt"]]))[0, -1]                  # (V,)
+            logits = model(torch.tensor([cmd["prompt"]]))[0, -1]  # (V,)
         return {"gap": float(logits[cmd["a"]] - logits[cmd["b"]])}
 
     ops = {"info": info, "decode": decode, "prefill": prefill, "gap": gap}
@@ -117,7 +138,7 @@ def main(checkout: str, threads: int) -> None:
         cmd = json.loads(line)
         try:
             reply = {"ok": True, **ops[cmd["op"]](cmd)}
-        except Exception:               # the parent reports it; the worker stays up
+        except Exception:  # the parent reports it; the worker stays up
             reply = {"ok": False, "error": traceback.format_exc()}
         proto.write(json.dumps(reply) + "\n")
 

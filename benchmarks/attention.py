@@ -22,6 +22,7 @@ asks for <= 1/50 of the seed's extra memory at T=8192.
     .venv/bin/python benchmarks/attention.py            # full run, ~4 min; saves results/
     .venv/bin/python benchmarks/attention.py --quick    # smoke test, nothing saved
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,21 +34,33 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))           # benchmark this checkout of headwise
+sys.path.insert(0, str(ROOT))  # benchmark this checkout of headwise
 
-from _common import (Log, busy_and_steal, cpu_ticks, environment, loadavg, maxrss_bytes,  # noqa: E402
-                     peak_rss_bytes, reset_peak_rss, rss_bytes, summarize, table, time_interleaved)
+from _common import (
+    Log,
+    busy_and_steal,
+    cpu_ticks,
+    environment,
+    loadavg,
+    maxrss_bytes,  # noqa: E402
+    peak_rss_bytes,
+    reset_peak_rss,
+    rss_bytes,
+    summarize,
+    table,
+    time_interleaved,
+)
 import torch  # noqa: E402  (after _common: headwise first)
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 import headwise  # noqa: E402
 from headwise.attention import MultiHeadAttention, explain  # noqa: E402
 
-C, H, B = 768, 12, 4                    # GPT-2 small width, the seed's running example
+C, H, B = 768, 12, 4  # GPT-2 small width, the seed's running example
 D = C // H
-HW_BACKENDS = ("auto", "sdpa", "chunked", "math")   # flash is CUDA-only: reported as skipped
+HW_BACKENDS = ("auto", "sdpa", "chunked", "math")  # flash is CUDA-only: reported as skipped
 ATOL = 1e-4
-MIB = 2 ** 20
+MIB = 2**20
 
 
 # ------------------------------------------------------------------ the seed
@@ -67,9 +80,9 @@ class SeedMultiHeadAttention(nn.Module):
         q = self.w_q(q).view(batch_size, -1, self.num_heads, self.d_k).transpose(1, 2)
         k = self.w_k(k).view(batch_size, -1, self.num_heads, self.d_k).transpose(1, 2)
         v = self.w_v(v).view(batch_size, -1, self.num_heads, self.d_k).transpose(1, 2)
-        scores = torch.matmul(q, k.transpose(-2, -1)) / (self.d_k ** 0.5)
+        scores = torch.matmul(q, k.transpose(-2, -1)) / (self.d_k**0.5)
         if mask is not None:
-            scores = scores.masked_fill(mask == 0, float('-inf'))
+            scores = scores.masked_fill(mask == 0, float("-inf"))
         attn = F.softmax(scores, dim=-1)
         attn = self.dropout(attn)
         out = torch.matmul(attn, v)
@@ -79,11 +92,11 @@ class SeedMultiHeadAttention(nn.Module):
 
 def seed_attention(q, k, v, mask=None):
     """The seed's forward minus the projections (dropout is identity in eval)."""
-    scores = torch.matmul(q, k.transpose(-2, -1)) / (q.size(-1) ** 0.5)   # (B, H, T, T)
+    scores = torch.matmul(q, k.transpose(-2, -1)) / (q.size(-1) ** 0.5)  # (B, H, T, T)
     if mask is not None:
-        scores = scores.masked_fill(mask == 0, float('-inf'))
+        scores = scores.masked_fill(mask == 0, float("-inf"))
     attn = F.softmax(scores, dim=-1)
-    return torch.matmul(attn, v)                                          # (B, H, T, D)
+    return torch.matmul(attn, v)  # (B, H, T, D)
 
 
 def seed_causal_mask(T):
@@ -100,20 +113,24 @@ def build_modules():
     with torch.no_grad():
         mha.in_proj_weight.copy_(torch.cat([seed.w_q.weight, seed.w_k.weight, seed.w_v.weight]))
         mha.out_proj.weight.copy_(seed.w_o.weight)
-    hw = {name: MultiHeadAttention(C, H, backend=name).load_projections(seed.w_q, seed.w_k, seed.w_v, seed.w_o).eval()
-          for name in HW_BACKENDS}
+    hw = {
+        name: MultiHeadAttention(C, H, backend=name).load_projections(seed.w_q, seed.w_k, seed.w_v, seed.w_o).eval()
+        for name in HW_BACKENDS
+    }
     return seed, mha, hw
 
 
 def contenders(T, causal, seed, mha, hw):
     """{name: zero-arg callable} for one cell, plus the max |diff| of each vs the seed."""
-    x = torch.randn(B, T, C)                                              # (B, T, C)
-    seed_mask = seed_causal_mask(T) if causal else None                   # (T, T), True = keep
-    mha_mask = ~seed_causal_mask(T) if causal else None                   # (T, T), True = masked
-    fns = {"seed": lambda: seed(x, x, x, seed_mask),
-           "torch_mha": lambda: mha(x, x, x, need_weights=False, attn_mask=mha_mask, is_causal=causal)[0]}
+    x = torch.randn(B, T, C)  # (B, T, C)
+    seed_mask = seed_causal_mask(T) if causal else None  # (T, T), True = keep
+    mha_mask = ~seed_causal_mask(T) if causal else None  # (T, T), True = masked
+    fns = {
+        "seed": lambda: seed(x, x, x, seed_mask),
+        "torch_mha": lambda: mha(x, x, x, need_weights=False, attn_mask=mha_mask, is_causal=causal)[0],
+    }
     for name, layer in hw.items():
-        fns[f"hw_{name}"] = (lambda layer=layer: layer(x, is_causal=causal))
+        fns[f"hw_{name}"] = lambda layer=layer: layer(x, is_causal=causal)
     # Not a contender: the two projection matmuls every contender must do (fused QKV, then
     # the output projection), without attention. seed / floor bounds any speed-up here.
     w_qkv, w_o = hw["auto"].qkv_proj.weight, hw["auto"].out_proj.weight
@@ -125,8 +142,10 @@ def contenders(T, causal, seed, mha, hw):
             continue
         diffs[name] = (fn() - ref).abs().max().item()
         if diffs[name] > ATOL:
-            sys.exit(f"{name} differs from the seed by {diffs[name]:.2e} > {ATOL} at T={T}, causal={causal}; "
-                     f"refusing to time wrong answers")
+            sys.exit(
+                f"{name} differs from the seed by {diffs[name]:.2e} > {ATOL} at T={T}, causal={causal}; "
+                f"refusing to time wrong answers"
+            )
     return fns, diffs
 
 
@@ -155,11 +174,25 @@ def run_speed(args, log):
                 # paired: median over rounds of the same-round ratio; robust when the whole
                 # machine speeds up or slows down between rounds (JSON only)
                 s["vs_seed_paired"] = statistics.median(a / b for a, b in zip(times["seed"], times[name]))
-            cells.append({"T": T, "B": B, "causal": causal, "rounds": rounds, "auto_chose": auto,
-                          "loadavg_before": load0, "loadavg_after": load1, **cpu, "max_abs_diff_vs_seed": diffs,
-                          "times_s": times, "summary": summary})
-            log(f"  done T={T:<5} causal={causal!s:<5} rounds={rounds:<3} load {load0[0]:.2f} -> {load1[0]:.2f}"
-                + (f"  cpu steal {cpu['steal_pct']}%" if cpu else ""))
+            cells.append(
+                {
+                    "T": T,
+                    "B": B,
+                    "causal": causal,
+                    "rounds": rounds,
+                    "auto_chose": auto,
+                    "loadavg_before": load0,
+                    "loadavg_after": load1,
+                    **cpu,
+                    "max_abs_diff_vs_seed": diffs,
+                    "times_s": times,
+                    "summary": summary,
+                }
+            )
+            log(
+                f"  done T={T:<5} causal={causal!s:<5} rounds={rounds:<3} load {load0[0]:.2f} -> {load1[0]:.2f}"
+                + (f"  cpu steal {cpu['steal_pct']}%" if cpu else "")
+            )
     return cells
 
 
@@ -169,11 +202,20 @@ def speed_table(cells):
         for i, (name, s) in enumerate(cell["summary"].items()):
             label = f"T={cell['T']} {'causal' if cell['causal'] else 'full'}" if i == 0 else ""
             shown = f"{name} (-> {cell['auto_chose']})" if name == "hw_auto" else name
-            rows.append([label, shown, cell["rounds"], f"{s['min'] * 1e3:.1f}", f"{s['median'] * 1e3:.1f}",
-                         f"{s['max'] * 1e3:.1f}", f"{s['vs_seed']:.2f}x", f"{s['vs_torch_mha']:.2f}x",
-                         f"{cell['max_abs_diff_vs_seed'][name]:.1e}" if name != "floor" else "(bound)"])
-    return table(["cell", "contender", "n", "min ms", "median ms", "max ms", "vs seed", "vs torch_mha",
-                  "|diff|"], rows)
+            rows.append(
+                [
+                    label,
+                    shown,
+                    cell["rounds"],
+                    f"{s['min'] * 1e3:.1f}",
+                    f"{s['median'] * 1e3:.1f}",
+                    f"{s['max'] * 1e3:.1f}",
+                    f"{s['vs_seed']:.2f}x",
+                    f"{s['vs_torch_mha']:.2f}x",
+                    f"{cell['max_abs_diff_vs_seed'][name]:.1e}" if name != "floor" else "(bound)",
+                ]
+            )
+    return table(["cell", "contender", "n", "min ms", "median ms", "max ms", "vs seed", "vs torch_mha", "|diff|"], rows)
 
 
 # -------------------------------------------------------------------- memory
@@ -182,13 +224,14 @@ MEM_OPS = ("seed", "sdpa", "chunked")
 
 def measure_memory(op, T, causal):
     """Run in a fresh process: peak extra RSS of one attention call. Prints one JSON line."""
+
     def call(q, k, v, mask):
         if op == "seed":
             return seed_attention(q, k, v, mask)
         return headwise.attend(q, k, v, is_causal=causal, backend=op)
 
     with torch.inference_mode():
-        q, k, v = (torch.randn(1, H, T, D) for _ in range(3))                       # (1, H, T, D)
+        q, k, v = (torch.randn(1, H, T, D) for _ in range(3))  # (1, H, T, D)
         small = torch.randn(1, H, 256, D)
         call(small, small, small, seed_causal_mask(256) if op == "seed" and causal else None)  # load kernels
         gc.collect()
@@ -197,18 +240,32 @@ def measure_memory(op, T, causal):
         # swallow every small op, and start-up peaks would hide part of the rest.
         if reset_peak_rss():
             peak, before = peak_rss_bytes, peak_rss_bytes()
-        else:   # no reset: current RSS as baseline errs towards more extra memory
+        else:  # no reset: current RSS as baseline errs towards more extra memory
             peak, before = maxrss_bytes, rss_bytes()
         ru_before = maxrss_bytes()
-        mask = seed_causal_mask(T) if op == "seed" and causal else None           # the seed needs it: counted
+        mask = seed_causal_mask(T) if op == "seed" and causal else None  # the seed needs it: counted
         after_mask = peak()
         out = call(q, k, v, mask)
         after = peak()
         ru_after = maxrss_bytes()
-    print(json.dumps({"op": op, "T": T, "causal": causal, "peak_source": peak.__name__, "peak_before": before,
-                      "peak_after": after, "mask_bytes": after_mask - before if mask is not None else 0,
-                      "extra_bytes": after - before, "ru_maxrss_before": ru_before, "ru_maxrss_after": ru_after,
-                      "out_shape": list(out.shape), "threads": torch.get_num_threads()}))
+    print(
+        json.dumps(
+            {
+                "op": op,
+                "T": T,
+                "causal": causal,
+                "peak_source": peak.__name__,
+                "peak_before": before,
+                "peak_after": after,
+                "mask_bytes": after_mask - before if mask is not None else 0,
+                "extra_bytes": after - before,
+                "ru_maxrss_before": ru_before,
+                "ru_maxrss_after": ru_after,
+                "out_shape": list(out.shape),
+                "threads": torch.get_num_threads(),
+            }
+        )
+    )
 
 
 def run_memory(args, log):
@@ -234,38 +291,80 @@ def memory_table(results):
     rows = []
     for r in results:
         mask = f"{r['mask_bytes'] / MIB:.0f}" if r["mask_bytes"] else ""
-        rows.append([f"T={r['T']} {'causal' if r['causal'] else 'full'}", r["op"], f"{r['extra_bytes'] / MIB:.1f}",
-                     mask, "" if r["op"] == "seed" else f"{r['seed_over_this']:.0f}x"])
+        rows.append(
+            [
+                f"T={r['T']} {'causal' if r['causal'] else 'full'}",
+                r["op"],
+                f"{r['extra_bytes'] / MIB:.1f}",
+                mask,
+                "" if r["op"] == "seed" else f"{r['seed_over_this']:.0f}x",
+            ]
+        )
     return table(["cell", "op", "extra MiB", "of which mask build", "seed / this"], rows)
 
 
 def memory_claim(results, T=8192, need=50.0):
     """The issue's bar: sdpa and chunked use <= 1/50 of the seed's extra memory at T=8192."""
-    checks = [{"op": r["op"], "causal": r["causal"], "ratio": r["seed_over_this"],
-               "holds": r["seed_over_this"] >= need} for r in results if r["T"] == T and r["op"] != "seed"]
-    return {"T": T, "need_ratio": need, "checks": checks,
-            "holds": bool(checks) and all(c["holds"] for c in checks), "checked": bool(checks)}
+    checks = [
+        {"op": r["op"], "causal": r["causal"], "ratio": r["seed_over_this"], "holds": r["seed_over_this"] >= need}
+        for r in results
+        if r["T"] == T and r["op"] != "seed"
+    ]
+    return {
+        "T": T,
+        "need_ratio": need,
+        "checks": checks,
+        "holds": bool(checks) and all(c["holds"] for c in checks),
+        "checked": bool(checks),
+    }
 
 
 # ---------------------------------------------------------------------- main
 def parse_args(argv=None):
-    sizes = lambda s: [int(x) for x in s.split(",") if x.strip()]   # noqa: E731
+    sizes = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", type=sizes, default=[128, 512, 2048],
-                   help="comma-separated sequence lengths T for the speed grid (default 128,512,2048; '' skips)")
-    p.add_argument("--memory-sizes", type=sizes, default=[4096, 8192],
-                   help="comma-separated T for the memory part (default 4096,8192; '' skips)")
-    p.add_argument("--rounds", type=int, default=None,
-                   help="interleaved rounds per cell (default: as many as fit --budget, 5 to 40)")
-    p.add_argument("--budget", type=float, default=20.0,
-                   help="seconds of timed rounds per (T, causal) cell when --rounds is not given (default 20)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch.set_num_threads (default: torch's default, the number of cores)")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke test: T=128, 3 rounds, memory at T=2048 only; saves nothing unless --out")
-    p.add_argument("--out", type=Path, default=None,
-                   help="directory for attention.json / attention.txt (default benchmarks/results; "
-                        "not written with --quick unless given)")
+    p.add_argument(
+        "--sizes",
+        type=sizes,
+        default=[128, 512, 2048],
+        help="comma-separated sequence lengths T for the speed grid (default 128,512,2048; '' skips)",
+    )
+    p.add_argument(
+        "--memory-sizes",
+        type=sizes,
+        default=[4096, 8192],
+        help="comma-separated T for the memory part (default 4096,8192; '' skips)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="interleaved rounds per cell (default: as many as fit --budget, 5 to 40)",
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=20.0,
+        help="seconds of timed rounds per (T, causal) cell when --rounds is not given (default 20)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads (default: torch's default, the number of cores)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: T=128, 3 rounds, memory at T=2048 only; saves nothing unless --out",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="directory for attention.json / attention.txt (default benchmarks/results; "
+        "not written with --quick unless given)",
+    )
     p.add_argument("--_measure-memory", nargs=3, metavar=("OP", "T", "MASK"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
@@ -288,8 +387,10 @@ def main(argv=None):
     env["loadavg_before"], ticks0 = loadavg(), cpu_ticks()
     log(f"headwise attention benchmark  {env['date']}")
     log(f"torch {env['torch']}  threads {env['threads']}  cpu {env['cpu_model']} ({env['cpu_count']} cores)")
-    log(f"loadavg before {env['loadavg_before']}"
-        + ("  ** busy machine (> 1.5): treat numbers with care **" if env["loadavg_before"][0] > 1.5 else ""))
+    log(
+        f"loadavg before {env['loadavg_before']}"
+        + ("  ** busy machine (> 1.5): treat numbers with care **" if env["loadavg_before"][0] > 1.5 else "")
+    )
     log(f"speed: B={B} C={C} H={H} fp32 forward, inference_mode, eval; all outputs checked vs seed (atol {ATOL})")
     cells = run_speed(args, log) if args.sizes else []
     mem = run_memory(args, log) if args.memory_sizes else []
@@ -303,14 +404,17 @@ def main(argv=None):
     claim = memory_claim(mem)
     if mem:
         log("")
-        log(f"Memory: peak extra RSS of the attention op alone, B=1 H={H} D={D} fp32 "
+        log(
+            f"Memory: peak extra RSS of the attention op alone, B=1 H={H} D={D} fp32 "
             f""
-            f"(seed causal includes building its (T, T) bool mask: it needs one)")
+            f"(seed causal includes building its (T, T) bool mask: it needs one)"
+        )
         log(memory_table(mem))
         if claim["checked"]:
             verdict = "HOLDS" if claim["holds"] else "FAILS"
-            detail = ", ".join(f"{c['op']} {'causal' if c['causal'] else 'full'} {c['ratio']:.0f}x"
-                               for c in claim["checks"])
+            detail = ", ".join(
+                f"{c['op']} {'causal' if c['causal'] else 'full'} {c['ratio']:.0f}x" for c in claim["checks"]
+            )
             log(f"claim (extra <= 1/{claim['need_ratio']:.0f} of seed at T={claim['T']}): {verdict}  [{detail}]")
         else:
             log(f"claim (extra <= 1/50 of seed at T={claim['T']}): not checked, T={claim['T']} was not run")
@@ -320,11 +424,26 @@ def main(argv=None):
 
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        result = {"benchmark": "attention", "env": env,
-                  "config": {"B": B, "C": C, "H": H, "D": D, "dtype": "float32", "sizes": args.sizes,
-                             "memory_sizes": args.memory_sizes, "rounds": args.rounds, "budget_s": args.budget,
-                             "atol": ATOL, "order": "interleaved, rotated each round, after 2 warm-up calls"},
-                  "speed": cells, "memory": mem, "memory_claim": claim}
+        result = {
+            "benchmark": "attention",
+            "env": env,
+            "config": {
+                "B": B,
+                "C": C,
+                "H": H,
+                "D": D,
+                "dtype": "float32",
+                "sizes": args.sizes,
+                "memory_sizes": args.memory_sizes,
+                "rounds": args.rounds,
+                "budget_s": args.budget,
+                "atol": ATOL,
+                "order": "interleaved, rotated each round, after 2 warm-up calls",
+            },
+            "speed": cells,
+            "memory": mem,
+            "memory_claim": claim,
+        }
         (args.out / "attention.json").write_text(json.dumps(result, indent=1) + "\n")
         (args.out / "attention.txt").write_text(log.text())
         print(f"saved {args.out / 'attention.json'} and attention.txt")

@@ -23,6 +23,7 @@ rotated each round; min / median / max per cell; slowdown = idle median / busy m
     .venv/bin/python benchmarks/busy.py                # ~10 min on 2 cores; saves results/busy.txt
     .venv/bin/python benchmarks/busy.py --quick        # 1 round, 8 tokens, no save
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {
-    "default": {},                                  # headwise's choice: GOMP_SPINCOUNT=2000 (headwise/threads.py)
+    "default": {},  # headwise's choice: GOMP_SPINCOUNT=2000 (headwise/threads.py)
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
     "active": {"OMP_WAIT_POLICY": "ACTIVE"},
     "torch1st": {},
@@ -54,16 +55,20 @@ def child(variant: str, new_tokens: int) -> None:
     if variant == "torch1st":
         import warnings
         import torch  # noqa: F401  before headwise: libgomp keeps its spinning default
+
         warnings.simplefilter("ignore")
     import headwise
     import torch
+
     if variant == "1thread":
         torch.set_num_threads(1)
     model = headwise.load("smollm2-135m-instruct")
     headwise.generate(model, PROMPT, max_new_tokens=4, temperature=0, ignore_eos=True)
     res = headwise.generate(model, PROMPT, max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
-    print(json.dumps({"tok_s": res.tokens_per_second, "threads": torch.get_num_threads(),
-                      "tokens": len(res.token_ids)}), flush=True)
+    print(
+        json.dumps({"tok_s": res.tokens_per_second, "threads": torch.get_num_threads(), "tokens": len(res.token_ids)}),
+        flush=True,
+    )
 
 
 def variant_env(variant: str) -> dict:
@@ -81,8 +86,14 @@ def measure(variant: str, busy: bool, new_tokens: int, timeout: float) -> dict:
     env.update(variant_env(variant), OMP_DISPLAY_ENV="VERBOSE")
     spinner = subprocess.Popen([sys.executable, "-c", "while 1: pass"]) if busy else None
     try:
-        proc = subprocess.run([sys.executable, __file__, "--child", variant, "--new-tokens", str(new_tokens)],
-                              env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", variant, "--new-tokens", str(new_tokens)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+        )
     finally:
         if spinner is not None:
             spinner.kill()
@@ -116,8 +127,11 @@ def main() -> int:
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--variants", default="default,passive,torch1st,1thread",
-                   help="comma-separated subset of " + ", ".join(VARIANTS) + ", or spinN (GOMP_SPINCOUNT=N)")
+    p.add_argument(
+        "--variants",
+        default="default,passive,torch1st,1thread",
+        help="comma-separated subset of " + ", ".join(VARIANTS) + ", or spinN (GOMP_SPINCOUNT=N)",
+    )
     p.add_argument("--conditions", default="idle,busy", help="idle, busy or both")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per measurement")
     p.add_argument("--quick", action="store_true", help="1 round, 8 tokens, no save")
@@ -143,8 +157,10 @@ def main() -> int:
     if not set(conditions) <= {"idle", "busy"} or not conditions:
         p.error(f"--conditions takes idle and/or busy, got {args.conditions!r}")
     cells = [(c, v) for c in conditions for v in variants]
-    log(f"busy: headwise.generate tok/s, SmolLM2-135M fp32, greedy, {args.new_tokens} new tokens, "
-        f"{args.rounds} interleaved rounds, fresh process each")
+    log(
+        f"busy: headwise.generate tok/s, SmolLM2-135M fp32, greedy, {args.new_tokens} new tokens, "
+        f"{args.rounds} interleaved rounds, fresh process each"
+    )
     log(f"date {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}; {cpu_summary()}")
     log(f"python {platform.python_version()}; command: {' '.join(['python', *sys.argv])}")
     samples: dict[tuple[str, str], list[float]] = {cell: [] for cell in cells}
@@ -158,16 +174,22 @@ def main() -> int:
             samples[cond, var].append(res["tok_s"])
             seen[cond, var] = f"{res['libgomp']}, {res['threads']} threads"
             loads.append(os.getloadavg()[0])
-            log(f"  round {r + 1}: {cond:4s} {var:9s} {res['tok_s']:6.2f} tok/s  ({seen[cond, var]}; "
-                f"load {loads[-1]:.2f})")
-    log(f"load average (1 min) during the run: {min(loads):.2f}-{max(loads):.2f}, median "
-        f"{statistics.median(loads):.2f}; {time.perf_counter() - t_start:.0f} s in all")
+            log(
+                f"  round {r + 1}: {cond:4s} {var:9s} {res['tok_s']:6.2f} tok/s  ({seen[cond, var]}; "
+                f"load {loads[-1]:.2f})"
+            )
+    log(
+        f"load average (1 min) during the run: {min(loads):.2f}-{max(loads):.2f}, median "
+        f"{statistics.median(loads):.2f}; {time.perf_counter() - t_start:.0f} s in all"
+    )
     log()
+
     def cell(s: list[float]) -> str:
         return f"{statistics.median(s):6.2f} ({min(s):.1f}-{max(s):.1f})" if s else "-"
 
-    header = (f"{'variant':9s}  {'libgomp took':46s}  {'idle tok/s (min-max)':>22s}  {'busy tok/s (min-max)':>22s}"
-              f"  slowdown")
+    header = (
+        f"{'variant':9s}  {'libgomp took':46s}  {'idle tok/s (min-max)':>22s}  {'busy tok/s (min-max)':>22s}  slowdown"
+    )
     log(header)
     log("-" * len(header))
     for var in variants:
@@ -177,8 +199,10 @@ def main() -> int:
         log(f"{var:9s}  {took:46s}  {cell(idle):>22s}  {cell(busy):>22s}  {slow:>8s}")
     log()
     n = os.cpu_count() or 1
-    log(f"slowdown = idle median / busy median. One extra busy process takes one of the {n} cores, so its "
-        f"fair share is a slowdown of ~{n / max(n - 1, 1):.1f}x.")
+    log(
+        f"slowdown = idle median / busy median. One extra busy process takes one of the {n} cores, so its "
+        f"fair share is a slowdown of ~{n / max(n - 1, 1):.1f}x."
+    )
     if not args.quick:
         Path(args.out).write_text("\n".join(lines) + "\n")
         print(f"saved {args.out}")

@@ -22,6 +22,7 @@ agree on the decode prompts; a divergence is reported with the logit gap there, 
     .venv/bin/python benchmarks/compare_commits.py            # 7 rounds; saves results/compare_commits.*
     .venv/bin/python benchmarks/compare_commits.py --quick    # 2 rounds, 16 new tokens, prefill 128; no save
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,10 +40,10 @@ sys.path.insert(0, str(ROOT))
 from _common import Log, busy_and_steal, cpu_model, cpu_ticks, environment, loadavg, rotated, summarize, table  # noqa: E402,I001
 from _worker import Worker  # noqa: E402
 
-BASE_REV = "86b5466"            # the commit before issue 13's work
+BASE_REV = "86b5466"  # the commit before issue 13's work
 WORKTREES = Path("/tmp/headwise-compare")
 SEED = 4321
-WORKER_ENV = {"GOMP_SPINCOUNT": "2000"}     # headwise.threads.DEFAULT_SPINCOUNT, explicit for both sides
+WORKER_ENV = {"GOMP_SPINCOUNT": "2000"}  # headwise.threads.DEFAULT_SPINCOUNT, explicit for both sides
 
 
 # ------------------------------------------------------------------ checkouts
@@ -61,7 +62,7 @@ def checkout(rev: str | None) -> dict:
         sys.exit(f"--base/--new {rev!r} is not a commit here; give a hash or a ref `git log` shows")
     path = WORKTREES / sha[:12]
     if not (path / ".git").exists():
-        git("worktree", "prune")                    # a worktree deleted by hand blocks re-adding it
+        git("worktree", "prune")  # a worktree deleted by hand blocks re-adding it
         path.parent.mkdir(parents=True, exist_ok=True)
         git("worktree", "add", "--detach", str(path), sha)
     elif git("rev-parse", "HEAD", cwd=path) != sha:
@@ -71,8 +72,9 @@ def checkout(rev: str | None) -> dict:
 
 # ------------------------------------------------------------------ the run
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--base", default=BASE_REV, help=f"the old commit (default {BASE_REV})")
     p.add_argument("--new", default=None, help="the new commit (default: this working tree, as it is now)")
     p.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
@@ -110,54 +112,75 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     log = Log()
     env = environment()
-    env["threads"] = args.threads                   # the workers', not this process's
+    env["threads"] = args.threads  # the workers', not this process's
     env["loadavg_before"], ticks0 = loadavg(), cpu_ticks()
     sides = {"base": checkout(args.base), "new": checkout(args.new)}
     log(f"headwise compare_commits  {env['date']}")
-    log(f"cpu {cpu_model()} ({env['cpu_count']} cores)  torch {env['torch']}  threads {args.threads}  "
-        f"worker env {WORKER_ENV}")
-    log(f"loadavg before {env['loadavg_before']}"
-        + ("  ** busy machine (> 1.5): treat numbers with care **" if env["loadavg_before"][0] > 1.5 else ""))
+    log(
+        f"cpu {cpu_model()} ({env['cpu_count']} cores)  torch {env['torch']}  threads {args.threads}  "
+        f"worker env {WORKER_ENV}"
+    )
+    log(
+        f"loadavg before {env['loadavg_before']}"
+        + ("  ** busy machine (> 1.5): treat numbers with care **" if env["loadavg_before"][0] > 1.5 else "")
+    )
     for side, c in sides.items():
-        log(f"{side}: {c['label']} = {c['commit'][:12]}{' + uncommitted changes in headwise/' if c['dirty'] else ''}"
-            f"  ({c['path']})")
+        log(
+            f"{side}: {c['label']} = {c['commit'][:12]}{' + uncommitted changes in headwise/' if c['dirty'] else ''}"
+            f"  ({c['path']})"
+        )
 
     log_dir = WORKTREES
     log_dir.mkdir(parents=True, exist_ok=True)
     worker_env = {**os.environ, **WORKER_ENV, "OMP_NUM_THREADS": str(args.threads)}
-    worker_env.pop("OMP_WAIT_POLICY", None)         # both sides wait the same way: GOMP_SPINCOUNT alone
-    workers = {side: Worker(side, c["path"], args.threads, log_dir / f"compare_{side}.log", worker_env)
-               for side, c in sides.items()}
+    worker_env.pop("OMP_WAIT_POLICY", None)  # both sides wait the same way: GOMP_SPINCOUNT alone
+    workers = {
+        side: Worker(side, c["path"], args.threads, log_dir / f"compare_{side}.log", worker_env)
+        for side, c in sides.items()
+    }
     try:
         info = {side: w.ask("info") for side, w in workers.items()}
         for side, i in info.items():
-            log(f"  {side} worker: headwise from {i['headwise']}, torch {i['torch']}, {i['threads']} threads, "
-                f"{i['dtype']}, env {i['wait_env']}")
+            log(
+                f"  {side} worker: headwise from {i['headwise']}, torch {i['torch']}, {i['threads']} threads, "
+                f"{i['dtype']}, env {i['wait_env']}"
+            )
             if not i["headwise"].startswith(sides[side]["path"] + os.sep):
                 sys.exit(f"the {side} worker imported headwise from {i['headwise']}, not {sides[side]['path']}")
         vocab = info["new"]["vocab_size"]
         rng = random.Random(SEED)
 
         def prompt(T):
-            return [rng.randrange(17, vocab) for _ in range(T)]      # ids < 17 are special tokens
+            return [rng.randrange(17, vocab) for _ in range(T)]  # ids < 17 are special tokens
+
         decode_prompts = {1: [prompt(args.prompt_len)], 8: [prompt(args.prompt_len) for _ in range(8)]}
         prefill_prompt = prompt(args.prefill_len)
-        metrics = {"decode_B1": ("decode", {"prompts": decode_prompts[1], "new": args.new_tokens}),
-                   "decode_B8": ("decode", {"prompts": decode_prompts[8], "new": args.new_tokens}),
-                   f"prefill_{args.prefill_len}": ("prefill", {"prompt": prefill_prompt})}
+        metrics = {
+            "decode_B1": ("decode", {"prompts": decode_prompts[1], "new": args.new_tokens}),
+            "decode_B8": ("decode", {"prompts": decode_prompts[8], "new": args.new_tokens}),
+            f"prefill_{args.prefill_len}": ("prefill", {"prompt": prefill_prompt}),
+        }
         contenders = [(m, side) for m in metrics for side in workers]
         ids: dict[str, dict[str, list]] = {}
-        for m, side in contenders:                   # warm-up: first forwards pack weights, allocate scratch
+        for m, side in contenders:  # warm-up: first forwards pack weights, allocate scratch
             op, fields = metrics[m]
             reply = workers[side].ask(op, **fields)
             if "ids" in reply:
                 ids.setdefault(m, {})[side] = reply["ids"]
         agree = {m: agreement(workers, metrics[m][1]["prompts"], v) for m, v in ids.items()}
         for m, a in agree.items():
-            log(f"  greedy ids {m}, base vs new: {a['identical']}/{a['rows']} rows identical"
-                + "".join(f"; row {d['row']} from step {d['step']}: " + (
-                    f"base {d['base_token']} new {d['new_token']}, new's logit gap {d['new_logit_gap']:.1e}"
-                    if "new_logit_gap" in d else f"lengths {d['lengths']}") for d in a["divergences"]))
+            log(
+                f"  greedy ids {m}, base vs new: {a['identical']}/{a['rows']} rows identical"
+                + "".join(
+                    f"; row {d['row']} from step {d['step']}: "
+                    + (
+                        f"base {d['base_token']} new {d['new_token']}, new's logit gap {d['new_logit_gap']:.1e}"
+                        if "new_logit_gap" in d
+                        else f"lengths {d['lengths']}"
+                    )
+                    for d in a["divergences"]
+                )
+            )
 
         rates: dict[str, dict[str, list[float]]] = {m: {s: [] for s in workers} for m in metrics}
         load0, ticks1 = loadavg(), cpu_ticks()
@@ -165,9 +188,11 @@ def main(argv=None) -> int:
             for m, side in rotated(contenders, r):
                 op, fields = metrics[m]
                 rates[m][side].append(workers[side].ask(op, **fields)["tok_s"])
-            log(f"  round {r + 1}/{args.rounds}: " + ", ".join(
-                f"{m} {rates[m]['base'][-1]:.1f}/{rates[m]['new'][-1]:.1f}" for m in metrics)
-                + f" tok/s base/new (load {loadavg()[0]:.2f})")
+            log(
+                f"  round {r + 1}/{args.rounds}: "
+                + ", ".join(f"{m} {rates[m]['base'][-1]:.1f}/{rates[m]['new'][-1]:.1f}" for m in metrics)
+                + f" tok/s base/new (load {loadavg()[0]:.2f})"
+            )
         load1, cpu = loadavg(), busy_and_steal(ticks1, cpu_ticks())
     finally:
         for w in workers.values():
@@ -181,25 +206,48 @@ def main(argv=None) -> int:
         s["paired"] = statistics.median(n / b for b, n in zip(by_side["base"], by_side["new"]))
         summary[m] = s
         f = "{:.1f}".format
-        rows.append([m, *(f(s["base"][k]) for k in ("min", "median", "max")),
-                     *(f(s["new"][k]) for k in ("min", "median", "max")), f"{s['ratio']:.3f}x", f"{s['paired']:.3f}x"])
+        rows.append(
+            [
+                m,
+                *(f(s["base"][k]) for k in ("min", "median", "max")),
+                *(f(s["new"][k]) for k in ("min", "median", "max")),
+                f"{s['ratio']:.3f}x",
+                f"{s['paired']:.3f}x",
+            ]
+        )
     env["loadavg_after"] = loadavg()
     env.update(busy_and_steal(ticks0, cpu_ticks()))
     log("")
-    log(f"tok/s, {args.rounds} interleaved rounds after 1 warm-up, load {load0[0]:.2f} -> {load1[0]:.2f}"
+    log(
+        f"tok/s, {args.rounds} interleaved rounds after 1 warm-up, load {load0[0]:.2f} -> {load1[0]:.2f}"
         + (f", cpu busy {cpu['busy_pct']}% steal {cpu['steal_pct']}%" if cpu else "")
         + f"; decode: {args.prompt_len}-token prompts + {args.new_tokens} new tokens (rate over the last "
-          f"{args.new_tokens - 1}); prefill: one {args.prefill_len}-token forward")
+        f"{args.new_tokens - 1}); prefill: one {args.prefill_len}-token forward"
+    )
     log(table(["metric", "base min", "median", "max", "new min", "median", "max", "new/base", "paired"], rows))
     log("new/base: of the medians; paired: median over rounds of the same round's new/base")
     steal = f"  cpu busy {env['busy_pct']}% steal {env['steal_pct']}%" if "steal_pct" in env else ""
     log(f"loadavg after {env['loadavg_after']}{steal}")
     if not args.quick:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "compare_commits.json").write_text(json.dumps(
-            {"benchmark": "compare_commits", "env": env, "args": {k: str(v) for k, v in vars(args).items()},
-             "sides": sides, "workers": info, "agreement": agree, "rates_tok_s": rates, "summary": summary,
-             "loadavg_rounds": [load0, load1], **cpu}, indent=1) + "\n")
+        (args.out / "compare_commits.json").write_text(
+            json.dumps(
+                {
+                    "benchmark": "compare_commits",
+                    "env": env,
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "sides": sides,
+                    "workers": info,
+                    "agreement": agree,
+                    "rates_tok_s": rates,
+                    "summary": summary,
+                    "loadavg_rounds": [load0, load1],
+                    **cpu,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
         (args.out / "compare_commits.txt").write_text(log.text())
         print(f"saved {args.out / 'compare_commits.json'} and compare_commits.txt")
     return 0

@@ -33,6 +33,7 @@ Profile: one decode step of 16 running sequences (after their prefill), engine p
     .venv/bin/python benchmarks/engine.py                 # ~10 min; saves results/engine.{txt,json}
     .venv/bin/python benchmarks/engine.py --quick         # smoke test: 8 new tokens, 1 round, no save
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))           # benchmark this checkout of headwise
+sys.path.insert(0, str(ROOT))  # benchmark this checkout of headwise
 
 from _common import Log, busy_and_steal, cpu_ticks, environment, loadavg, rotated, summarize, table  # noqa: E402
 import torch  # noqa: E402  (after _common: headwise first)
@@ -56,24 +57,30 @@ SEED = 2024
 def make_prompts(n: int, V: int, seed: int = SEED) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(112, 145, (n,), generator=g).tolist()
-    return [torch.randint(17, V, (T,), generator=g).tolist() for T in lens]     # ids < 17 are special
+    return [torch.randint(17, V, (T,), generator=g).tolist() for T in lens]  # ids < 17 are special
 
 
 def run_engine(engine: Engine, prompts, params) -> dict:
-    engine.cache.pool.clear_prefix_cache()                     # every round computes every prompt
+    engine.cache.pool.clear_prefix_cache()  # every round computes every prompt
     before = engine.stats()
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)
     wall = time.perf_counter() - t0
     after = engine.stats()
     n = len(prompts)
-    gaps = after.itl_s[-sum(len(o.token_ids) - 1 for o in outs):]       # this run's inter-token gaps (most recent)
-    return {"wall_s": wall, "decode_tok_s": len(gaps) / sum(gaps) if gaps else None, "tokens": sum(len(o.token_ids) for o in outs), "ids": [o.token_ids for o in outs],
-            "prefix_hits": after.prefix_cache_hits - before.prefix_cache_hits,
-            "preemptions": after.preemptions - before.preemptions, "steps": after.steps - before.steps,
-            "ttft_ms_median": 1e3 * statistics.median(after.ttft_s[-n:]),
-            "itl_ms_median": 1e3 * statistics.median(after.itl_s[-n * (params.max_new_tokens - 1):] or [0.0]),
-            "step_seconds": {k: after.step_seconds[k] - before.step_seconds[k] for k in after.step_seconds}}
+    gaps = after.itl_s[-sum(len(o.token_ids) - 1 for o in outs) :]  # this run's inter-token gaps (most recent)
+    return {
+        "wall_s": wall,
+        "decode_tok_s": len(gaps) / sum(gaps) if gaps else None,
+        "tokens": sum(len(o.token_ids) for o in outs),
+        "ids": [o.token_ids for o in outs],
+        "prefix_hits": after.prefix_cache_hits - before.prefix_cache_hits,
+        "preemptions": after.preemptions - before.preemptions,
+        "steps": after.steps - before.steps,
+        "ttft_ms_median": 1e3 * statistics.median(after.ttft_s[-n:]),
+        "itl_ms_median": 1e3 * statistics.median(after.itl_s[-n * (params.max_new_tokens - 1) :] or [0.0]),
+        "step_seconds": {k: after.step_seconds[k] - before.step_seconds[k] for k in after.step_seconds},
+    }
 
 
 def run_hw_one(model, prompts, params) -> dict:
@@ -92,9 +99,15 @@ def run_hf_one(hf, prompts, new: int) -> dict:
     with torch.inference_mode():
         for p in prompts:
             x = torch.tensor([p])
-            out = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=new,
-                              min_new_tokens=new, pad_token_id=0)
-            ids.append(out[0, len(p):].tolist())
+            out = hf.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                pad_token_id=0,
+            )
+            ids.append(out[0, len(p) :].tolist())
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "tokens": sum(map(len, ids)), "ids": ids}
 
@@ -113,14 +126,22 @@ def agreement(model, prompts, engine_ids, ref_ids, name) -> dict:
         with torch.inference_mode():
             logits = model(torch.tensor([p + b[:i]]))[0, -1]
         top = logits.topk(2).values
-        notes.append({"first_divergence": i, "engine_token": a[i], "ref_token": b[i],
-                      "engine_token_is_stop_id": a[i] in stops, "top2_margin": float(top[0] - top[1])})
+        notes.append(
+            {
+                "first_divergence": i,
+                "engine_token": a[i],
+                "ref_token": b[i],
+                "engine_token_is_stop_id": a[i] in stops,
+                "top2_margin": float(top[0] - top[1]),
+            }
+        )
     return {"vs": name, "identical": same, "of": len(prompts), "divergences": notes}
 
 
 def profile_decode(model, log) -> dict:
     """One decode step of 16 running sequences: wall, engine phases, op categories."""
     from _profile import profile_step, profile_text
+
     params = SamplingParams(max_new_tokens=4096, temperature=0, ignore_eos=True)
     prompts = make_prompts(16, model.config.vocab_size, seed=SEED + 1)
 
@@ -129,7 +150,7 @@ def profile_decode(model, log) -> dict:
         for p in prompts:
             engine.add_request(p, params)
         while engine.stats().waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
-            engine.step()                                     # until every prompt is prefilled
+            engine.step()  # until every prompt is prefilled
         return engine
 
     def step(engine):
@@ -169,13 +190,16 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     log = Log()
     env = environment()
-    log(f"engine benchmark: SmolLM2-135M fp32, {args.threads} threads, {args.new_tokens} new tokens per prompt, "
-        f"prompts of 112-144 tokens; {env['date']}, torch {env['torch']}, {env['cpu_model']}")
+    log(
+        f"engine benchmark: SmolLM2-135M fp32, {args.threads} threads, {args.new_tokens} new tokens per prompt, "
+        f"prompts of 112-144 tokens; {env['date']}, torch {env['torch']}, {env['cpu_model']}"
+    )
 
     if args.no_hf:
         model, hf = headwise.load("smollm2-135m-instruct"), None
     else:
         from _contenders import load_models
+
         model, hfs, tf_version = load_models()
         hf = hfs["sdpa"]
         for other in [k for k in hfs if k != "sdpa"]:
@@ -183,7 +207,7 @@ def main(argv=None) -> int:
     V = model.config.vocab_size
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     prompts = make_prompts(max(sizes), V)
-    subset = prompts[:args.subset]
+    subset = prompts[: args.subset]
     engines = {n: Engine(model, max_num_seqs=64, max_num_batched_tokens=512) for n in sizes}
 
     # warm-up (first forwards pack weights, allocate scratch) and agreement
@@ -204,11 +228,13 @@ def main(argv=None) -> int:
         for name in rotated(list(fns), r):
             details[name].append(fns[name]())
             d = details[name][-1]
-            log(f"  round {r + 1} {name}: {d['tokens']} tokens in {d['wall_s']:.1f} s = "
-                f"{d['tokens'] / d['wall_s']:.1f} tok/s (load {loadavg()[0]:.2f})")
+            log(
+                f"  round {r + 1} {name}: {d['tokens']} tokens in {d['wall_s']:.1f} s = "
+                f"{d['tokens'] / d['wall_s']:.1f} tok/s (load {loadavg()[0]:.2f})"
+            )
     load1, cpu = loadavg(), busy_and_steal(ticks0, cpu_ticks())
 
-    agree = []                  # every engine size vs the one-at-a-time runs, on the prompts they share
+    agree = []  # every engine size vs the one-at-a-time runs, on the prompts they share
     for n in sizes:
         k = min(n, len(subset))
         got = details[f"engine_{n}"][0]["ids"][:k]
@@ -216,8 +242,11 @@ def main(argv=None) -> int:
             agree.append({"engine": f"engine_{n}", **agreement(model, subset[:k], got, details[ref][0]["ids"], ref)})
 
     summary = {k: summarize([d["tokens"] / d["wall_s"] for d in v]) for k, v in details.items()}
-    decode = {k: summarize([d["decode_tok_s"] for d in v]) for k, v in details.items()
-              if all(d.get("decode_tok_s") for d in v)}
+    decode = {
+        k: summarize([d["decode_tok_s"] for d in v])
+        for k, v in details.items()
+        if all(d.get("decode_tok_s") for d in v)
+    }
 
     def rate(d: dict, key: str) -> float:
         return d["tokens"] / d["wall_s"] if key == "output" else d["decode_tok_s"]
@@ -225,52 +254,97 @@ def main(argv=None) -> int:
     def paired(a: str, b: str, key: str = "output") -> float:
         """Median over rounds of a's rate / b's rate in the same round (drift hits both)."""
         return statistics.median(rate(x, key) / rate(y, key) for x, y in zip(details[a], details[b]))
+
     rows = []
     for name, s in summary.items():
         prompts_n = int(name.split("_")[1]) if name.startswith("engine_") else len(subset)
         extra = ""
         if name.startswith("engine_"):
             d = details[name]
-            extra = (f"ttft {statistics.median([x['ttft_ms_median'] for x in d]):.0f} ms, itl "
-                     f"{statistics.median([x['itl_ms_median'] for x in d]):.0f} ms, {d[0]['steps']} steps, "
-                     f"{d[0]['preemptions']} preemptions")
+            extra = (
+                f"ttft {statistics.median([x['ttft_ms_median'] for x in d]):.0f} ms, itl "
+                f"{statistics.median([x['itl_ms_median'] for x in d]):.0f} ms, {d[0]['steps']} steps, "
+                f"{d[0]['preemptions']} preemptions"
+            )
         dec = f"{decode[name]['median']:.1f}" if name in decode else ""
-        rows.append([name, prompts_n, f"{s['min']:.1f}", f"{s['median']:.1f}", f"{s['max']:.1f}", dec,
-                     f"{s['median'] / summary['hw_one']['median']:.2f}x ({paired(name, 'hw_one'):.2f}x)",
-                     f"{s['median'] / summary['hf_one']['median']:.2f}x ({paired(name, 'hf_one'):.2f}x)"
-                     if hf is not None else "", extra])
+        rows.append(
+            [
+                name,
+                prompts_n,
+                f"{s['min']:.1f}",
+                f"{s['median']:.1f}",
+                f"{s['max']:.1f}",
+                dec,
+                f"{s['median'] / summary['hw_one']['median']:.2f}x ({paired(name, 'hw_one'):.2f}x)",
+                f"{s['median'] / summary['hf_one']['median']:.2f}x ({paired(name, 'hf_one'):.2f}x)"
+                if hf is not None
+                else "",
+                extra,
+            ]
+        )
     log("")
-    log(f"Output tokens/s, {args.rounds} rounds, load {load0[0]:.2f} -> {load1[0]:.2f}"
+    log(
+        f"Output tokens/s, {args.rounds} rounds, load {load0[0]:.2f} -> {load1[0]:.2f}"
         + (f", cpu busy {cpu['busy_pct']}% steal {cpu['steal_pct']}%" if cpu else "")
-        + f"; one-at-a-time contenders measured on the first {len(subset)} prompts (per-token rate):")
-    log(table(["contender", "prompts", "tok/s min", "median", "max", "decode tok/s/req", "vs hw_one (paired)",
-               "vs hf_one (paired)", "engine notes"], rows))
-    log("ratios: of medians; in brackets, the median over rounds of the same round's ratio; decode tok/s/req: "
+        + f"; one-at-a-time contenders measured on the first {len(subset)} prompts (per-token rate):"
+    )
+    log(
+        table(
+            [
+                "contender",
+                "prompts",
+                "tok/s min",
+                "median",
+                "max",
+                "decode tok/s/req",
+                "vs hw_one (paired)",
+                "vs hf_one (paired)",
+                "engine notes",
+            ],
+            rows,
+        )
+    )
+    log(
+        "ratios: of medians; in brackets, the median over rounds of the same round's ratio; decode tok/s/req: "
         "a request's tokens after its first / the time they took (engine: its inter-token gaps; hw_one: "
-        "generate()'s tokens_per_second)")
+        "generate()'s tokens_per_second)"
+    )
     for a in agree:
-        log(f"greedy ids, {a['engine']} vs {a['vs']}: {a['identical']}/{a['of']} identical"
-            + (f"; divergences {a['divergences']}" if a["divergences"] else ""))
+        log(
+            f"greedy ids, {a['engine']} vs {a['vs']}: {a['identical']}/{a['of']} identical"
+            + (f"; divergences {a['divergences']}" if a["divergences"] else "")
+        )
     for n in sizes:
         ph = details[f"engine_{n}"][0]["step_seconds"]
         log(f"engine_{n} time by phase (first round): " + ", ".join(f"{k} {v:.2f} s" for k, v in ph.items()))
     verdicts = []
 
     def target(claim: str, a: str, b: str, key: str, need: float) -> None:
-        r = (summary if key == "output" else decode)[a]["median"] / (summary if key == "output" else decode)[b]["median"]
-        verdicts.append({"claim": claim, "ratio": r, "paired": paired(a, b, key), "target": f">= {need}x",
-                         "met": r >= need})
+        r = (summary if key == "output" else decode)[a]["median"] / (summary if key == "output" else decode)[b][
+            "median"
+        ]
+        verdicts.append(
+            {"claim": claim, "ratio": r, "paired": paired(a, b, key), "target": f">= {need}x", "met": r >= need}
+        )
+
     if 1 in sizes and "engine_1" in decode:
-        target("engine_1 (one request alone) decode tok/s / generate() B=1 tokens_per_second (hw_one)",
-               "engine_1", "hw_one", "decode", 0.9)
+        target(
+            "engine_1 (one request alone) decode tok/s / generate() B=1 tokens_per_second (hw_one)",
+            "engine_1",
+            "hw_one",
+            "decode",
+            0.9,
+        )
     if 16 in sizes:
         target("engine_16 output tok/s / one-at-a-time generate() (hw_one)", "engine_16", "hw_one", "output", 6)
         if hf is not None:
             target("engine_16 output tok/s / one-at-a-time hf.generate (hf_one)", "engine_16", "hf_one", "output", 8)
     log("targets (ratios of medians; paired in brackets):")
     for v in verdicts:
-        log(f"  {'MET    ' if v['met'] else 'NOT MET'} {v['claim']}: {v['ratio']:.2f}x (paired {v['paired']:.2f}x; "
-            f"target {v['target']})")
+        log(
+            f"  {'MET    ' if v['met'] else 'NOT MET'} {v['claim']}: {v['ratio']:.2f}x (paired {v['paired']:.2f}x; "
+            f"target {v['target']})"
+        )
 
     prof = None
     if not args.no_profile:
@@ -282,10 +356,20 @@ def main(argv=None) -> int:
         for d in details.values():
             for x in d:
                 x.pop("ids", None)
-        result = {"environment": env, "args": {k: str(v) for k, v in vars(args).items()},
-                  "loadavg_before": load0, "loadavg_after": load1, **cpu, "summary": summary,
-                  "decode_summary": decode, "details": details, "agreement": agree, "verdicts": verdicts, "profile": prof,
-                  "transformers": None if hf is None else tf_version}
+        result = {
+            "environment": env,
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "loadavg_before": load0,
+            "loadavg_after": load1,
+            **cpu,
+            "summary": summary,
+            "decode_summary": decode,
+            "details": details,
+            "agreement": agree,
+            "verdicts": verdicts,
+            "profile": prof,
+            "transformers": None if hf is None else tf_version,
+        }
         (out_dir / "engine.json").write_text(json.dumps(result, indent=1))
         (out_dir / "engine.txt").write_text(log.text())
         log(f"saved {out_dir / 'engine.json'} and engine.txt")

@@ -16,6 +16,7 @@ pruned model's embeddings with the full model's on the held-out sentences.
 
     .venv/bin/python benchmarks/prune_heads.py --plan /tmp/analysis-minilm/analysis.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,9 +47,11 @@ def plan_for(model, args) -> dict[int, list[int]]:
         if "pruning" in res and abs(res["pruning"]["fraction"] - args.fraction) < 1e-9:
             return {int(k): v for k, v in res["pruning"]["plan"].items()}
         from headwise.analysis.importance import Importance
+
         imp = Importance([torch.tensor(r) for r in res["importance"]["raw"]], res["importance"]["examples"])
     else:
         from headwise.analysis import head_importance
+
         fit = text_batches(model, pydoc_corpus().fit_sentences[::4][:128], batch_size=32)
         imp = head_importance(model, fit)
     hpl = [12] * 6
@@ -78,27 +81,47 @@ def main(argv=None) -> int:
     attn0 = sum(p.numel() for n, p in model.named_parameters() if ".attn." in n)
     attn1 = sum(p.numel() for n, p in pruned.named_parameters() if ".attn." in n)
     log(f"params: {n0:,} -> {n1:,} ({n1 / n0:.3f}x); attention layers {attn0:,} -> {attn1:,} ({attn1 / attn0:.3f}x)")
-    log(f"quality on {q['sentences']} held-out sentences: mean cosine to full {q['cosine']:.4f} "
-        f"(min {q['cosine_min']:.4f}), nearest-neighbour agreement {q['nn_agreement']:.3f}")
+    log(
+        f"quality on {q['sentences']} held-out sentences: mean cosine to full {q['cosine']:.4f} "
+        f"(min {q['cosine_min']:.4f}), nearest-neighbour agreement {q['nn_agreement']:.3f}"
+    )
     typical = held[len(held) // 2]
-    long = headwise.analysis.encode(model, [" ".join(pydoc_corpus().heldout_paragraphs[i].split()[:90])
-                                            for i in range(8)], max_length=128)
+    long = headwise.analysis.encode(
+        model, [" ".join(pydoc_corpus().heldout_paragraphs[i].split()[:90]) for i in range(8)], max_length=128
+    )
     results = {"plan": plan, "params": [n0, n1], "attention_params": [attn0, attn1], "quality": q, "cells": []}
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
-        for name, batch in ((f"held-out batch {tuple(typical.ids.shape)}", typical),
-                            (f"long batch {tuple(long.ids.shape)}", long)):
+        for name, batch in (
+            (f"held-out batch {tuple(typical.ids.shape)}", typical),
+            (f"long batch {tuple(long.ids.shape)}", long),
+        ):
             with torch.inference_mode():
-                times, rounds = time_interleaved({"full": lambda: forward(model, batch),
-                                                  "pruned": lambda: forward(pruned, batch)}, budget_s=args.budget)
+                times, rounds = time_interleaved(
+                    {"full": lambda: forward(model, batch), "pruned": lambda: forward(pruned, batch)},
+                    budget_s=args.budget,
+                )
             s = {k: summarize(v) for k, v in times.items()}
             la = loadavg()
             log(f"\n{threads} thread(s), {name}, {rounds} rounds, loadavg {la}")
-            log(table(["contender", "min ms", "median ms", "max ms", "vs full (median)"],
-                      [[k, f"{v['min'] * 1e3:.1f}", f"{v['median'] * 1e3:.1f}", f"{v['max'] * 1e3:.1f}",
-                        f"{s['full']['median'] / v['median']:.2f}x"] for k, v in s.items()]))
-            results["cells"].append({"threads": threads, "workload": name, "rounds": rounds, "loadavg": la,
-                                     "summary": s})
+            log(
+                table(
+                    ["contender", "min ms", "median ms", "max ms", "vs full (median)"],
+                    [
+                        [
+                            k,
+                            f"{v['min'] * 1e3:.1f}",
+                            f"{v['median'] * 1e3:.1f}",
+                            f"{v['max'] * 1e3:.1f}",
+                            f"{s['full']['median'] / v['median']:.2f}x",
+                        ]
+                        for k, v in s.items()
+                    ],
+                )
+            )
+            results["cells"].append(
+                {"threads": threads, "workload": name, "rounds": rounds, "loadavg": la, "summary": s}
+            )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "prune_heads.json").write_text(json.dumps(results | {"env": env}, indent=1))

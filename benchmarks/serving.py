@@ -33,6 +33,7 @@ serves one request at a time, so its throughput does not grow with C and a level
     .venv/bin/python benchmarks/serving.py            # full run, ~15 min here; saves results/serving.*
     .venv/bin/python benchmarks/serving.py --quick    # smoke test (32+32 tokens, 1/4/16 clients), nothing saved
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,14 +51,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))           # benchmark this checkout of headwise
+sys.path.insert(0, str(ROOT))  # benchmark this checkout of headwise
 
 from _common import Log, busy_and_steal, cpu_ticks, environment, loadavg, table  # noqa: E402
 from _worker import Worker  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 SEED = 1234
-SERVER_ENV = {"GOMP_SPINCOUNT": "2000"}      # headwise.threads.DEFAULT_SPINCOUNT, for both servers
+SERVER_ENV = {"GOMP_SPINCOUNT": "2000"}  # headwise.threads.DEFAULT_SPINCOUNT, for both servers
 BASELINE = Path(__file__).resolve().parent / "_baseline_server.py"
 
 
@@ -72,11 +73,13 @@ class Server:
     def __init__(self, name: str, argv: list[str], port: int, logdir: Path):
         self.name, self.url = name, f"http://127.0.0.1:{port}"
         self.log = (logdir / f"{name}.log").open("w")
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **SERVER_ENV}, cwd=ROOT)
+        self.proc = subprocess.Popen(
+            argv, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **SERVER_ENV}, cwd=ROOT
+        )
 
     def wait_ready(self, timeout: float = 300) -> None:
         import httpx
+
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -101,12 +104,28 @@ class Server:
 
 def start_servers(logdir: Path, max_num_seqs: int) -> dict[str, Server]:
     config = logdir / "serve.toml"
-    config.write_text(f'[server]\napi_key_env = ""\n[models."{MODEL}"]\nsource = "{MODEL}"\n'
-                      f"max_num_seqs = {max_num_seqs}\n")
+    config.write_text(
+        f'[server]\napi_key_env = ""\n[models."{MODEL}"]\nsource = "{MODEL}"\nmax_num_seqs = {max_num_seqs}\n'
+    )
     hw_port, base_port = free_port(), free_port()
     servers = {
-        "headwise": Server("headwise", [sys.executable, "-m", "headwise.cli", "serve", "--config", str(config),
-                                        "--port", str(hw_port), "--log-level", "warning"], hw_port, logdir),
+        "headwise": Server(
+            "headwise",
+            [
+                sys.executable,
+                "-m",
+                "headwise.cli",
+                "serve",
+                "--config",
+                str(config),
+                "--port",
+                str(hw_port),
+                "--log-level",
+                "warning",
+            ],
+            hw_port,
+            logdir,
+        ),
         "baseline": Server("baseline", [sys.executable, str(BASELINE), "--port", str(base_port)], base_port, logdir),
     }
     for s in servers.values():
@@ -116,8 +135,15 @@ def start_servers(logdir: Path, max_num_seqs: int) -> dict[str, Server]:
 
 # ------------------------------------------------------------------ the client
 async def one_request(client, url: str, prompt: list[int], output_len: int) -> dict:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     out = {"ok": False, "chunks": [], "output_tokens": 0, "error": None}
     t0 = time.perf_counter()
     try:
@@ -140,19 +166,22 @@ async def one_request(client, url: str, prompt: list[int], output_len: int) -> d
         out["ok"] = bool(out["chunks"]) and out["output_tokens"] == output_len
         if not out["ok"]:
             out["error"] = f"{out['output_tokens']} tokens instead of {output_len}"
-    except Exception as e:           # a lost request is a result here, not a crash
+    except Exception as e:  # a lost request is a result here, not a crash
         out["error"] = f"{type(e).__name__}: {e}"
     return out
 
 
 async def run_level(url: str, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
     import httpx
+
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=limits) as client:
+
         async def gated(p):
             async with gate:
                 return await one_request(client, url, p, output_len)
+
         t0 = time.perf_counter()
         results = await asyncio.gather(*(gated(p) for p in prompts))
         duration = time.perf_counter() - t0
@@ -165,10 +194,15 @@ def run_generate(worker: Worker, prompts: list[list[int]], output_len: int) -> d
     replies = [worker.ask("decode", prompts=[p], new=output_len) for p in prompts]
     duration = time.perf_counter() - t0
     bad = [len(r["ids"][0]) for r in replies if len(r["ids"][0]) != output_len]
-    return {"requests": len(prompts), "completed": len(prompts) - len(bad), "failed": len(bad),
-            "errors": [f"{n} tokens instead of {output_len}" for n in bad], "duration_s": duration,
-            "output_throughput": sum(len(r["ids"][0]) for r in replies) / duration,
-            "decode_tok_s": stats([r["tok_s"] for r in replies])}
+    return {
+        "requests": len(prompts),
+        "completed": len(prompts) - len(bad),
+        "failed": len(bad),
+        "errors": [f"{n} tokens instead of {output_len}" for n in bad],
+        "duration_s": duration,
+        "output_throughput": sum(len(r["ids"][0]) for r in replies) / duration,
+        "decode_tok_s": stats([r["tok_s"] for r in replies]),
+    }
 
 
 def decode_rate(r: dict) -> float:
@@ -193,12 +227,20 @@ def summarize(results: list[dict], duration: float) -> dict:
     tpot = [(r["e2e"] - r["chunks"][0]) / (r["output_tokens"] - 1) for r in ok if r["output_tokens"] > 1]
     itl = [b - a for r in ok for a, b in zip(r["chunks"], r["chunks"][1:])]
     out_tokens = sum(r["output_tokens"] for r in ok)
-    return {"requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
-            "errors": sorted({str(r["error"])[:200] for r in results if not r["ok"]}),
-            "duration_s": duration, "request_throughput": len(ok) / duration,
-            "output_throughput": out_tokens / duration, "output_tokens": out_tokens,
-            "ttft_s": stats(ttft), "tpot_s": stats(tpot), "itl_s": stats(itl),
-            "e2e_s": stats([r["e2e"] for r in ok])}
+    return {
+        "requests": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({str(r["error"])[:200] for r in results if not r["ok"]}),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
+        "output_tokens": out_tokens,
+        "ttft_s": stats(ttft),
+        "tpot_s": stats(tpot),
+        "itl_s": stats(itl),
+        "e2e_s": stats([r["e2e"] for r in ok]),
+    }
 
 
 # ------------------------------------------------------------------ report
@@ -207,16 +249,39 @@ def ms(x: float) -> str:
 
 
 def level_table(rows: list[tuple[str, int, dict]]) -> str:
-    head = ["contender", "clients", "done/sent", "time s", "req/s", "out tok/s",
-            "TTFT ms mean/med/p99", "TPOT ms mean/med/p99", "ITL ms mean/med/p99", "E2E s mean/med/p99"]
+    head = [
+        "contender",
+        "clients",
+        "done/sent",
+        "time s",
+        "req/s",
+        "out tok/s",
+        "TTFT ms mean/med/p99",
+        "TPOT ms mean/med/p99",
+        "ITL ms mean/med/p99",
+        "E2E s mean/med/p99",
+    ]
     body = []
     for name, c, r in rows:
+
         def trio(k, f=ms):
             s = r[k]
             return "/".join(f(s[q]) for q in ("mean", "median", "p99"))
-        body.append([name, c, f"{r['completed']}/{r['requests']}", f"{r['duration_s']:.1f}",
-                     f"{r['request_throughput']:.2f}", f"{r['output_throughput']:.1f}", trio("ttft_s"),
-                     trio("tpot_s"), trio("itl_s"), trio("e2e_s", lambda x: f"{x:.1f}")])
+
+        body.append(
+            [
+                name,
+                c,
+                f"{r['completed']}/{r['requests']}",
+                f"{r['duration_s']:.1f}",
+                f"{r['request_throughput']:.2f}",
+                f"{r['output_throughput']:.1f}",
+                trio("ttft_s"),
+                trio("tpot_s"),
+                trio("itl_s"),
+                trio("e2e_s", lambda x: f"{x:.1f}"),
+            ]
+        )
     return table(head, body)
 
 
@@ -230,10 +295,15 @@ def verdicts(results: dict, runs: dict, log: Log) -> dict:
 
     if 1 in hw and 1 in results["hw_generate"]:
         r = decode_rate(hw[1]) / decode_rate(results["hw_generate"][1])
-        paired = statistics.median(decode_rate(a) / decode_rate(b)
-                                   for a, b in zip(runs["headwise"][1], runs["hw_generate"][1]))
-        line("headwise 1 client decode tok/s (1 / p50 TPOT) / generate() B=1 (p50 tokens_per_second)",
-             f"{r:.2f}x (paired over rounds {paired:.2f}x)", ">= 0.9x", r >= 0.9)
+        paired = statistics.median(
+            decode_rate(a) / decode_rate(b) for a, b in zip(runs["headwise"][1], runs["hw_generate"][1])
+        )
+        line(
+            "headwise 1 client decode tok/s (1 / p50 TPOT) / generate() B=1 (p50 tokens_per_second)",
+            f"{r:.2f}x (paired over rounds {paired:.2f}x)",
+            ">= 0.9x",
+            r >= 0.9,
+        )
 
     if 1 in hw and 16 in hw:
         r = hw[16]["output_throughput"] / hw[1]["output_throughput"]
@@ -251,16 +321,29 @@ def verdicts(results: dict, runs: dict, log: Log) -> dict:
 
 
 def parse_args(argv=None):
-    ints = lambda s: [int(x) for x in s.split(",") if x]            # noqa: E731
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--concurrency", type=ints, default=[1, 4, 16, 64], help="client counts (default 1,4,16,64)")
-    p.add_argument("--baseline-concurrency", type=ints, default=[1, 4, 16],
-                   help="client counts for the one-at-a-time baseline (default 1,4,16)")
-    p.add_argument("--requests", type=int, default=None,
-                   help="requests per level (default: 3 at 1 client, else 2x clients, at most 64)")
-    p.add_argument("--baseline-requests", type=int, default=None,
-                   help="requests per baseline level (default: 3 at 1 client, else = clients)")
+    p.add_argument(
+        "--baseline-concurrency",
+        type=ints,
+        default=[1, 4, 16],
+        help="client counts for the one-at-a-time baseline (default 1,4,16)",
+    )
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="requests per level (default: 3 at 1 client, else 2x clients, at most 64)",
+    )
+    p.add_argument(
+        "--baseline-requests",
+        type=int,
+        default=None,
+        help="requests per baseline level (default: 3 at 1 client, else = clients)",
+    )
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=1, help="rounds over all levels (default 1)")
@@ -281,10 +364,14 @@ def main(argv=None) -> int:
     env["loadavg_before"], ticks0 = loadavg(), cpu_ticks()
     log(f"headwise serving benchmark  {env['date']}")
     log(f"torch {env['torch']}  cpu {env['cpu_model']} ({env['cpu_count']} cores)  server env {SERVER_ENV}")
-    log(f"loadavg before {env['loadavg_before']}"
-        + ("  ** busy machine (> 1.5): treat numbers with care **" if env["loadavg_before"][0] > 1.5 else ""))
-    log(f"workload: {args.input_len}-token random prompts, {args.output_len} new tokens (EOS ignored), greedy, "
-        f"streamed; clients {args.concurrency} (baseline {args.baseline_concurrency}); rounds {args.rounds}")
+    log(
+        f"loadavg before {env['loadavg_before']}"
+        + ("  ** busy machine (> 1.5): treat numbers with care **" if env["loadavg_before"][0] > 1.5 else "")
+    )
+    log(
+        f"workload: {args.input_len}-token random prompts, {args.output_len} new tokens (EOS ignored), greedy, "
+        f"streamed; clients {args.concurrency} (baseline {args.baseline_concurrency}); rounds {args.rounds}"
+    )
     rng = random.Random(SEED)
 
     def prompts(n):
@@ -296,9 +383,12 @@ def main(argv=None) -> int:
             return fixed
         return 3 if c == 1 else (c if base else min(64, 2 * c) if c < 64 else c)
 
-    plan = [(name, c) for c in sorted(set(args.concurrency) | set(args.baseline_concurrency))
-            for name in ("headwise", "baseline")
-            if c in (args.baseline_concurrency if name == "baseline" else args.concurrency)]
+    plan = [
+        (name, c)
+        for c in sorted(set(args.concurrency) | set(args.baseline_concurrency))
+        for name in ("headwise", "baseline")
+        if c in (args.baseline_concurrency if name == "baseline" else args.concurrency)
+    ]
     plan += [("hw_generate", 1)] if 1 in args.concurrency else []
     with tempfile.TemporaryDirectory(prefix="hw-serving-") as tmp:
         # threads 0: torch's default, as the servers have; the servers' environment
@@ -308,62 +398,88 @@ def main(argv=None) -> int:
         log(f"hw_generate worker: headwise from {info['headwise']}, {info['threads']} threads, env {info['wait_env']}")
         servers = start_servers(Path(tmp), args.max_num_seqs)
         try:
-            for s in servers.values():          # warm-up: one short request each
+            for s in servers.values():  # warm-up: one short request each
                 asyncio.run(run_level(s.url, prompts(1), 4, 1))
             run_generate(worker, prompts(1), 4)
             runs: dict[str, dict[int, list]] = {"headwise": {}, "baseline": {}, "hw_generate": {}}
             for rnd in range(args.rounds):
                 for c in sorted({c for _, c in plan}):
                     names = [n for n, cc in plan if cc == c]
-                    for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+                    for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
                         la = loadavg()[0]
                         batch = prompts(n_requests(c, name == "baseline"))
-                        r = (run_generate(worker, batch, args.output_len) if name == "hw_generate" else
-                             asyncio.run(run_level(servers[name].url, batch, args.output_len, c)))
+                        r = (
+                            run_generate(worker, batch, args.output_len)
+                            if name == "hw_generate"
+                            else asyncio.run(run_level(servers[name].url, batch, args.output_len, c))
+                        )
                         r["loadavg"] = [la, loadavg()[0]]
                         runs[name].setdefault(c, []).append(r)
-                        log(f"  round {rnd + 1} {name:11s} {c:3d} clients: {r['completed']}/{r['requests']} done, "
+                        log(
+                            f"  round {rnd + 1} {name:11s} {c:3d} clients: {r['completed']}/{r['requests']} done, "
                             f"{r['output_throughput']:.1f} out tok/s, p50 decode {decode_rate(r):.1f} tok/s, "
-                            f"load {la} -> {loadavg()[0]}" + (f"  errors {r['errors']}" if r["errors"] else ""))
+                            f"load {la} -> {loadavg()[0]}" + (f"  errors {r['errors']}" if r["errors"] else "")
+                        )
         finally:
             for s in servers.values():
                 s.stop()
             worker.close()
     # the median round per level (by output throughput; hw_generate by its decode rate)
     key = {"hw_generate": decode_rate}
-    results = {name: {c: sorted(rs, key=key.get(name, lambda r: r["output_throughput"]))[len(rs) // 2]
-                      for c, rs in levels.items()} for name, levels in runs.items()}
+    results = {
+        name: {
+            c: sorted(rs, key=key.get(name, lambda r: r["output_throughput"]))[len(rs) // 2] for c, rs in levels.items()
+        }
+        for name, levels in runs.items()
+    }
     env["loadavg_after"] = loadavg()
     env.update(busy_and_steal(ticks0, cpu_ticks()))
     log("")
-    rows = [(name, c, results[name][c]) for c in sorted({c for _, c in plan}) for name in ("headwise", "baseline")
-            if c in results[name]]
+    rows = [
+        (name, c, results[name][c])
+        for c in sorted({c for _, c in plan})
+        for name in ("headwise", "baseline")
+        if c in results[name]
+    ]
     log(level_table(rows))
     log("")
     hw1 = results["headwise"].get(1)
     for c in sorted(results["headwise"]):
         parts = []
         if hw1:
-            parts.append(f"{results['headwise'][c]['output_throughput'] / hw1['output_throughput']:.2f}x its 1-client "
-                         f"throughput")
+            parts.append(
+                f"{results['headwise'][c]['output_throughput'] / hw1['output_throughput']:.2f}x its 1-client throughput"
+            )
         if c in results["baseline"]:
             ratio = results["headwise"][c]["output_throughput"] / results["baseline"][c]["output_throughput"]
             parts.append(f"{ratio:.2f}x the baseline's")
         log(f"headwise at {c} clients: " + ", ".join(parts))
     if 1 in results["hw_generate"]:
         one = {n: decode_rate(results[n][1]) for n in ("headwise", "baseline", "hw_generate") if 1 in results[n]}
-        log("decode at 1 client, tokens after the first per second, median request (servers: 1 / TPOT as the "
+        log(
+            "decode at 1 client, tokens after the first per second, median request (servers: 1 / TPOT as the "
             "client sees it; hw_generate: generate()'s tokens_per_second): "
-            + ", ".join(f"{n} {x:.1f}" for n, x in one.items()))
+            + ", ".join(f"{n} {x:.1f}" for n, x in one.items())
+        )
     log("targets:")
     v = verdicts(results, runs, log)
     steal = f"  cpu busy {env['busy_pct']}% steal {env['steal_pct']}%" if "steal_pct" in env else ""
     log(f"loadavg after {env['loadavg_after']}{steal}")
     if not args.quick:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "serving.json").write_text(json.dumps(
-            {"benchmark": "serving", "env": env, "args": {k: str(v) for k, v in vars(args).items()},
-             "runs": runs, "targets": v}, indent=1) + "\n")
+        (args.out / "serving.json").write_text(
+            json.dumps(
+                {
+                    "benchmark": "serving",
+                    "env": env,
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "runs": runs,
+                    "targets": v,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
         (args.out / "serving.txt").write_text(log.text())
         print(f"saved {args.out / 'serving.json'} and serving.txt")
     return 0

@@ -3,6 +3,7 @@
 Torch-backed names load on first use, so `headwise plan` starts without torch, and so that
 OpenMP's threads are set to wait passively before torch loads them (headwise/threads.py).
 """
+
 from __future__ import annotations
 
 import importlib

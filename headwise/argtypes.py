@@ -1,8 +1,9 @@
 """Command-line argument checks: a bad value is one line on stderr and exit 2, before any model loads.
 
-    p.add_argument("--max-new-tokens", type=positive_int)    # -5 -> "argument --max-new-tokens: must be >= 1"
-    p.add_argument("model", type=model_for("chat"))          # unknown name / missing file / wrong kind of model
+p.add_argument("--max-new-tokens", type=positive_int)    # -5 -> "argument --max-new-tokens: must be >= 1"
+p.add_argument("model", type=model_for("chat"))          # unknown name / missing file / wrong kind of model
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,7 @@ class Parser(argparse.ArgumentParser):
     """argparse, but an error is one line (the problem, then where the usage is) instead of the usage block."""
 
     def error(self, message: str):
-        usage = "" if "`" in message else f" (see `{self.prog} --help`)"      # unless it names a command already
+        usage = "" if "`" in message else f" (see `{self.prog} --help`)"  # unless it names a command already
         self.exit(2, f"{self.prog}: error: {message}{usage}\n")
 
 
@@ -37,11 +38,11 @@ def _number(kind, ok, want: str):
         try:
             x = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") \
-                from None
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
         if not ok(x):
             raise argparse.ArgumentTypeError(f"must be {want}, got {text}")
         return x
+
     return check
 
 
@@ -56,20 +57,23 @@ unit_interval = _number(float, lambda x: 0 <= x <= 1, "in [0, 1]")
 def backend_name(text: str) -> str:
     """An attention backend from the registry, or "auto"."""
     from .attention import backends
+
     names = list(backends())
     if text != "auto" and text not in names:
-        raise argparse.ArgumentTypeError(f"unknown attention backend {text!r}; choose auto, {', '.join(names)} "
-                                         "(see `headwise backends`)")
+        raise argparse.ArgumentTypeError(
+            f"unknown attention backend {text!r}; choose auto, {', '.join(names)} (see `headwise backends`)"
+        )
     return text
 
 
 def model_task(source: str) -> str | None:
-    """"chat" (a decoder), "embed" (an encoder), or None when it cannot be told without loading."""
+    """ "chat" (a decoder), "embed" (an encoder), or None when it cannot be told without loading."""
     from .models.builtin import BUILTIN, _canonical
+
     path = Path(source).expanduser()
     if path.exists():
         if path.is_file():
-            return "chat" if path.suffix == ".gguf" else None       # headwise reads decoder GGUFs only
+            return "chat" if path.suffix == ".gguf" else None  # headwise reads decoder GGUFs only
         try:
             kind = json.loads((path / "config.json").read_text()).get("model_type")
         except (OSError, ValueError, AttributeError):
@@ -83,20 +87,27 @@ def check_model(source: str, task: str | None = None) -> str:
     """Raise ValueError naming the problem and the fix unless `source` is something `headwise.load` can read
     (for `task`, when it can be told without loading it). Cheap: nothing is loaded."""
     from .models.builtin import BUILTIN, BuiltinNotInstalled, is_builtin, resolve
+
     path = Path(source).expanduser()
     builtin = ", ".join(BUILTIN)
     if path.is_file() and path.suffix != ".gguf":
-        raise ValueError(f"{source} is a file but not a .gguf; pass a .gguf file, a checkpoint directory "
-                         f"(config.json + weights) or a builtin name ({builtin})")
+        raise ValueError(
+            f"{source} is a file but not a .gguf; pass a .gguf file, a checkpoint directory "
+            f"(config.json + weights) or a builtin name ({builtin})"
+        )
     if path.is_dir() and not (path / "config.json").is_file():
-        raise ValueError(f"{source} is a directory without config.json; a checkpoint directory needs the "
-                         "Hugging Face config.json next to its weights")
+        raise ValueError(
+            f"{source} is a directory without config.json; a checkpoint directory needs the "
+            "Hugging Face config.json next to its weights"
+        )
     if not path.exists():
         if not is_builtin(source):
             if source.endswith(".gguf") or "/" in source or source.startswith(("~", ".")):
                 raise ValueError(f"no such file or directory: {source}")
-            raise ValueError(f"unknown model {source!r}: no such file or directory, and not a builtin name "
-                             f"({builtin}; see `headwise models`)")
+            raise ValueError(
+                f"unknown model {source!r}: no such file or directory, and not a builtin name "
+                f"({builtin}; see `headwise models`)"
+            )
         try:
             resolve(source)
         except BuiltinNotInstalled as e:
@@ -106,18 +117,22 @@ def check_model(source: str, task: str | None = None) -> str:
         other = {"chat": "an embedding model (an encoder)", "embed": "a chat model (a decoder)"}[task]
         example = {"chat": "smollm2-135m-instruct", "embed": "all-minilm-l6-v2"}[task]
         use = {"chat": "headwise embed", "embed": "headwise generate / chat"}[task]
-        raise ValueError(f"{source} is {other}; this command needs {'a chat' if task == 'chat' else 'an embedding'}"
-                         f" model such as {example} (for {source}, use `{use}`)")
+        raise ValueError(
+            f"{source} is {other}; this command needs {'a chat' if task == 'chat' else 'an embedding'}"
+            f" model such as {example} (for {source}, use `{use}`)"
+        )
     return source
 
 
 def model_for(task: str | None = None):
     """argparse `type=` for a model argument: builtin name, .gguf file or checkpoint directory."""
+
     def check(text: str) -> str:
         try:
             return check_model(text, task)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
+
     return check
 
 

@@ -1,4 +1,5 @@
 """`headwise` command line: plan | backends | generate | chat | embed | models | cache | serve | analyze | demo."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,9 @@ def run_demo(args) -> int:
     question = "What is multi-head attention, in one sentence?"
     print(f"user: {question}\nassistant: ", end="", flush=True)
     t0, first, pieces = time.perf_counter(), None, []
-    for piece in headwise.generate(chat, [{"role": "user", "content": question}], max_new_tokens=args.max_new_tokens,
-                                   temperature=0, stream=True):
+    for piece in headwise.generate(
+        chat, [{"role": "user", "content": question}], max_new_tokens=args.max_new_tokens, temperature=0, stream=True
+    ):
         first = first or time.perf_counter()
         pieces.append(piece)
         print(piece, end="", flush=True)
@@ -50,8 +52,10 @@ def run_demo(args) -> int:
     print()
     rows = compare.compare_backends(B=1, H=12, T=args.tokens, D=64, causal=True, rounds=args.rounds)
     print(compare.format_comparison(rows, f"== attention backends: B=1 H=12 T=S={args.tokens} D=64 causal fp32 =="))
-    print("\nMore: `headwise models`, `headwise chat`, `headwise generate --help`, `headwise plan --help`, "
-          "`headwise backends --help`, `make bench`.")
+    print(
+        "\nMore: `headwise models`, `headwise chat`, `headwise generate --help`, `headwise plan --help`, "
+        "`headwise backends --help`, `make bench`."
+    )
     return 0
 
 
@@ -59,15 +63,19 @@ def add_optional_cli(sub, module: str, name: str, help: str) -> None:
     """Register a subcommand whose module may need an extra; if it cannot be imported, the
     subcommand still shows in --help and says what to install when run."""
     import importlib
+
     try:
         importlib.import_module(module).add_cli(sub)
     except ImportError as e:
         missing = e.name or str(e)
 
         def fail(args, _missing=missing) -> int:
-            print(f"headwise {name}: cannot import {_missing!r}; install the extra: pip install 'headwise[serve,viz]'",
-                  file=sys.stderr)
+            print(
+                f"headwise {name}: cannot import {_missing!r}; install the extra: pip install 'headwise[serve,viz]'",
+                file=sys.stderr,
+            )
             return 2
+
         sub.add_parser(name, help=help + " [unavailable here]").set_defaults(func=fail)
 
 
@@ -78,18 +86,23 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_cli(sub)
     compare.add_cli(sub)
     from .generation import cli as generation_cli
+
     generation_cli.add_cli(sub)
     from .models import cli as models_cli
+
     models_cli.add_cli(sub)
     add_optional_cli(sub, "headwise.serve.cli", "serve", "serve models behind the OpenAI API (needs headwise[serve])")
-    add_optional_cli(sub, "headwise.analysis.cli", "analyze", "head analysis report: patterns, roles, attribution, "
-                                                               "ablation, pruning")
-    demo = sub.add_parser("demo", help="chat with SmolLM2, embed with MiniLM, plan the seed's models, compare "
-                                       "attention backends",
-                          description="A tour of the embedded real models: SmolLM2 answers one question "
-                                      "(streamed), MiniLM embeds three sentences, the seed's table of models is "
-                                      "planned, and the attention backends are timed side by side.",
-                          formatter_class=Formatter)
+    add_optional_cli(
+        sub, "headwise.analysis.cli", "analyze", "head analysis report: patterns, roles, attribution, ablation, pruning"
+    )
+    demo = sub.add_parser(
+        "demo",
+        help="chat with SmolLM2, embed with MiniLM, plan the seed's models, compare attention backends",
+        description="A tour of the embedded real models: SmolLM2 answers one question "
+        "(streamed), MiniLM embeds three sentences, the seed's table of models is "
+        "planned, and the attention backends are timed side by side.",
+        formatter_class=Formatter,
+    )
     demo.add_argument("--max-new-tokens", type=positive_int, default=60, help="length of SmolLM2's answer")
     demo.add_argument("--tokens", type=positive_int, default=1024, help="sequence length for the backend comparison")
     demo.add_argument("--rounds", type=positive_int, default=5, help="timing rounds per backend")
@@ -101,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     # Before build_parser imports torch: OpenMP threads wait passively for every subcommand, not only
     # serve (`import headwise` did it already; this says so where the CLI starts). headwise/threads.py
     from .threads import configure_wait_policy
+
     configure_wait_policy()
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -109,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return args.func(args)
-    except KeyboardInterrupt:             # Ctrl-C while loading or computing: no traceback
+    except KeyboardInterrupt:  # Ctrl-C while loading or computing: no traceback
         print(f"\nheadwise {args.command}: interrupted", file=sys.stderr)
         return 130
 

@@ -64,8 +64,7 @@ class AttentionConfig:
         if self.head_dim is None:
             if self.d_model % self.num_heads:
                 raise ValueError(
-                    f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}; "
-                    "pass head_dim explicitly"
+                    f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}; pass head_dim explicitly"
                 )
             object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
         _check_positive(head_dim=self.head_dim)
@@ -110,8 +109,10 @@ class RopeScaling:
             if self.original_max_positions is None:
                 raise ValueError("rope_scaling llama3 needs original_max_positions (8192 for Llama 3.1)")
             if not self.high_freq_factor > self.low_freq_factor:
-                raise ValueError(f"rope_scaling llama3 needs high_freq_factor={self.high_freq_factor} > "
-                                 f"low_freq_factor={self.low_freq_factor}")
+                raise ValueError(
+                    f"rope_scaling llama3 needs high_freq_factor={self.high_freq_factor} > "
+                    f"low_freq_factor={self.low_freq_factor}"
+                )
 
 
 @dataclass(frozen=True)
@@ -166,10 +167,7 @@ class ModelConfig:
         _check_choice("norm_placement", self.norm_placement, NORM_PLACEMENTS)
         _check_choice("positions", self.positions, POSITIONS)
         _check_positive(
-            vocab_size=self.vocab_size,
-            num_layers=self.num_layers,
-            d_ff=self.d_ff,
-            max_positions=self.max_positions,
+            vocab_size=self.vocab_size, num_layers=self.num_layers, d_ff=self.d_ff, max_positions=self.max_positions
         )
         if self.type_vocab_size < 0:
             raise ValueError(f"type_vocab_size={self.type_vocab_size} must be >= 0")
@@ -179,9 +177,7 @@ class ModelConfig:
 
     @property
     def attention(self) -> AttentionConfig:
-        return AttentionConfig(
-            self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, bias=self.attn_bias
-        )
+        return AttentionConfig(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, bias=self.attn_bias)
 
     def override(self, **changes) -> ModelConfig:
         """A copy with `changes` applied; derived fields follow their sources.

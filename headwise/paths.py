@@ -1,4 +1,5 @@
 """Where headwise keeps files it derives once and reuses: converted GGUF models, compiled kernels."""
+
 from __future__ import annotations
 
 import os

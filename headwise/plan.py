@@ -274,6 +274,7 @@ def fmt_flops(n: float) -> str:
 
 def _table(rows: list[list[str]], right: set[int]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+
     def line(row: list[str]) -> str:
         cells = (c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
         return "  ".join(cells).rstrip()

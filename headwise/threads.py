@@ -19,12 +19,13 @@ and neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT is set (a value you set wins:
 OMP_WAIT_POLICY=PASSIVE suits a machine shared with many busy processes). If torch was
 imported first it is too late to change from Python, and headwise says so once, with the fix.
 """
+
 from __future__ import annotations
 
 import os
 import warnings
 
-POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")   # either one sets how libgomp's threads wait
+POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # either one sets how libgomp's threads wait
 # Spin rounds before a worker sleeps. Measured on a 2-core AMD EPYC (benchmarks/busy.py): 1,000
 # rounds still sleep inside a decode step (quiet-machine speed of PASSIVE), 2,000 bridge it (the
 # speed of spinning), 5,000+ keep spinning into the next token and collapse with a busy neighbour.
@@ -49,6 +50,7 @@ def openmp_loaded() -> bool:
     """True when an OpenMP runtime has already read the environment (torch or another library
     imported it). Without /proc, torch in sys.modules is the best sign."""
     import sys
+
     return bool(openmp_runtimes()) or "torch" in sys.modules
 
 
@@ -61,15 +63,17 @@ def configure_wait_policy() -> str | None:
     global _warned
     chosen = [v for v in POLICY_VARS if v in os.environ]
     if chosen:
-        return None                                   # the user's choice, whatever it is
+        return None  # the user's choice, whatever it is
     if not openmp_loaded():
         os.environ["GOMP_SPINCOUNT"] = DEFAULT_SPINCOUNT
         return None
-    reason = ("torch (and its OpenMP runtime) was imported before headwise, with neither OMP_WAIT_POLICY nor "
-              "GOMP_SPINCOUNT set, so its threads spin ~3 ms between ops; on a machine shared with another busy "
-              "process decoding can be several times slower. Fix: `import headwise` before torch, or run with "
-              f"GOMP_SPINCOUNT={DEFAULT_SPINCOUNT} (or OMP_WAIT_POLICY=PASSIVE) in the environment; "
-              "OMP_WAIT_POLICY=ACTIVE silences this and keeps spinning.")
+    reason = (
+        "torch (and its OpenMP runtime) was imported before headwise, with neither OMP_WAIT_POLICY nor "
+        "GOMP_SPINCOUNT set, so its threads spin ~3 ms between ops; on a machine shared with another busy "
+        "process decoding can be several times slower. Fix: `import headwise` before torch, or run with "
+        f"GOMP_SPINCOUNT={DEFAULT_SPINCOUNT} (or OMP_WAIT_POLICY=PASSIVE) in the environment; "
+        "OMP_WAIT_POLICY=ACTIVE silences this and keeps spinning."
+    )
     if not _warned:
         _warned = True
         warnings.warn(reason, ThreadWaitWarning, stacklevel=3)

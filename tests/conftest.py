@@ -13,8 +13,13 @@ os.environ.setdefault("HEADWISE_CACHE", tempfile.mkdtemp(prefix="headwise-test-c
 # Two cores here: keep torch from oversubscribing them when pytest runs.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
-settings.register_profile("headwise", deadline=None, max_examples=150, derandomize=True,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile(
+    "headwise",
+    deadline=None,
+    max_examples=150,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "headwise"))
 
 

@@ -175,8 +175,9 @@ def test_presets_module_is_plain_data():
     import pathlib
 
     from headwise import presets
+
     tree = ast.parse(pathlib.Path(presets.__file__).read_text())
     assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert [f["name"] for f in presets.PRESET_FIELDS] == list(PRESETS)
-    seventy = get_preset("llama-2-70b")     # a `base` entry: the 7B's fields with its own changes
+    seventy = get_preset("llama-2-70b")  # a `base` entry: the 7B's fields with its own changes
     assert (seventy.num_kv_heads, seventy.vocab_size, seventy.positions) == (8, 32000, "rope")

@@ -1,4 +1,5 @@
 """headwise.embed on all-MiniLM-L6-v2 against transformers + sentence-transformers' pooling."""
+
 import torch
 
 import headwise
@@ -6,8 +7,13 @@ import transformers as tf  # the independent reference
 
 from headwise.models.builtin import resolve
 
-SENTENCES = ["A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby.",
-             "Un café très fort, s'il vous plaît!", "Attention weights are hints, not explanations. " * 40]
+SENTENCES = [
+    "A man is eating food.",
+    "A man is eating a piece of bread.",
+    "The girl is carrying a baby.",
+    "Un café très fort, s'il vous plaît!",
+    "Attention weights are hints, not explanations. " * 40,
+]
 
 
 def test_minilm_embeddings_match_transformers_mean_pooling():
@@ -25,4 +31,4 @@ def test_minilm_embeddings_match_transformers_mean_pooling():
     cos = (ours * ref).sum(-1)
     assert cos.min() >= 0.99999
     sims = ours @ ours.T
-    assert sims[0, 1] > sims[0, 2]            # eating ~ eating, not carrying a baby
+    assert sims[0, 1] > sims[0, 2]  # eating ~ eating, not carrying a baby

@@ -36,12 +36,7 @@ META = torch.device("meta")  # shapes without storage: a 70B layer costs nothing
 # transformers models GPT2Model("gpt2"), BertModel("bert-base-uncased", pooler
 # included) and LlamaForCausalLM("meta-llama/Llama-2-{7,70}b-hf"). These are
 # counted from the real weight files, so they check our formulas independently.
-EXACT = {
-    "gpt2": 124_439_808,
-    "bert-base": 109_482_240,
-    "llama-2-7b": 6_738_415_616,
-    "llama-2-70b": 68_976_648_192,
-}
+EXACT = {"gpt2": 124_439_808, "bert-base": 109_482_240, "llama-2-7b": 6_738_415_616, "llama-2-70b": 68_976_648_192}
 # Headline numbers: GPT-2 small 124M (openai/gpt-2 README: the paper's "117M"
 # was a counting error), BERT-base 110M (Devlin et al. 2018, section 3), GPT-3
 # 175.0B (Brown et al. 2020, Table 2.1), Llama 2 "7B" / "70B" (Touvron et al.

@@ -8,6 +8,7 @@ is only compiled, and its command lines still must parse.
 
 Blocks are found generically, so blocks added to the README later are checked too.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,15 +22,15 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-TIMEOUT_S = 600             # the slowest block loads two real models; a loaded 2-core machine is slow
+TIMEOUT_S = 600  # the slowest block loads two real models; a loaded 2-core machine is slow
 NEEDS_SERVER = "<!-- needs a server -->"
 
 
 @dataclass
 class Block:
     lang: str
-    line: int               # 1-based line of the opening fence
-    section: str            # the heading above it
+    line: int  # 1-based line of the opening fence
+    section: str  # the heading above it
     code: str
     needs_server: bool
 
@@ -78,8 +79,9 @@ SHELL = [b for b in BLOCKS if b.lang in ("bash", "sh", "shell", "console")]
 def test_readme_has_the_blocks_we_expect():
     # a guard against the parser above silently finding nothing
     assert len(PYTHON) >= 5 and any(headwise_commands(b.code) for b in SHELL)
-    assert {b.lang for b in BLOCKS} <= {"python", "bash", "sh", "shell", "console", "toml", "json", "text"}, \
+    assert {b.lang for b in BLOCKS} <= {"python", "bash", "sh", "shell", "console", "toml", "json", "text"}, (
         "a README block in a language this test does not check"
+    )
 
 
 @pytest.mark.parametrize("block", PYTHON, ids=[b.id for b in PYTHON])
@@ -88,16 +90,17 @@ def test_python_block_runs(block, tmp_path):
         compile(block.code, f"README.md:{block.line}", "exec")
         return
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(README.parent)                     # the checkout's headwise, from any cwd
-    proc = subprocess.run([sys.executable, "-c", block.code], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, (f"README.md line {block.line} ({block.section}) failed:\n"
-                                  f"{proc.stderr[-3000:]}")
+    env["PYTHONPATH"] = str(README.parent)  # the checkout's headwise, from any cwd
+    proc = subprocess.run(
+        [sys.executable, "-c", block.code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    assert proc.returncode == 0, f"README.md line {block.line} ({block.section}) failed:\n{proc.stderr[-3000:]}"
 
 
 @pytest.mark.parametrize("block", SHELL, ids=[b.id for b in SHELL])
 def test_shell_block_commands_parse(block, capsys):
     from headwise.cli import build_parser
+
     for argv in headwise_commands(block.code):
         try:
             args = build_parser().parse_args(argv)

@@ -1,5 +1,6 @@
 """OpenMP's wait policy, as libgomp itself reports it (OMP_DISPLAY_ENV=VERBOSE prints what it
 parsed when torch loads it), in fresh processes: the policy can only be set before torch loads."""
+
 from __future__ import annotations
 
 import os
@@ -11,14 +12,15 @@ from pathlib import Path
 import headwise
 
 HEADWISE_CLI = Path(sys.executable).with_name("headwise")
-SPIN_PASSIVE, SPIN_DEFAULT, SPIN_ACTIVE = "0", "300000", "30000000000"    # libgomp's three spin counts
-SPIN_OURS = "2000"            # headwise's default: a short spin, then sleep (headwise/threads.py)
+SPIN_PASSIVE, SPIN_DEFAULT, SPIN_ACTIVE = "0", "300000", "30000000000"  # libgomp's three spin counts
+SPIN_OURS = "2000"  # headwise's default: a short spin, then sleep (headwise/threads.py)
 
 
 def run(args: list[str], **env: str) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    return subprocess.run(args, env={**clean, "OMP_DISPLAY_ENV": "VERBOSE", **env}, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        args, env={**clean, "OMP_DISPLAY_ENV": "VERBOSE", **env}, capture_output=True, text=True, timeout=120
+    )
 
 
 def spin_count(proc: subprocess.CompletedProcess) -> str:
@@ -61,7 +63,7 @@ def test_users_choice_wins():
 
 def test_torch_first_warns_once_with_the_fix():
     proc = python("import torch, headwise, importlib; importlib.reload(headwise)")
-    assert spin_count(proc) == SPIN_DEFAULT           # too late to change from Python: libgomp read it
+    assert spin_count(proc) == SPIN_DEFAULT  # too late to change from Python: libgomp read it
     assert proc.stderr.count("ThreadWaitWarning") == 1
     assert "import headwise` before torch" in proc.stderr and "GOMP_SPINCOUNT=2000" in proc.stderr
 
@@ -77,5 +79,5 @@ def test_dir_lists_the_lazy_names():
     for name in ("load", "generate", "Engine", "SamplingParams", "MultiHeadAttention", "embed", "__version__"):
         assert name in names
     assert set(headwise.__all__) <= set(names)
-    for name in headwise.__all__:                     # each listed name really resolves
+    for name in headwise.__all__:  # each listed name really resolves
         assert getattr(headwise, name) is not None

@@ -7,6 +7,7 @@ hooks.py (capture points, interventions) -> capture.py (patterns for texts) ->
 roles.py, attribution.py, importance.py, ablation.py, prune.py -> analyze.py (the
 whole study) -> report.py (figures, HTML, JSON) -> cli.py (`headwise analyze`).
 """
+
 from .ablation import ablation_curves, mean_outputs
 from .analyze import DEFAULT_TEXT, Settings, analyze
 from .attribution import HintAccumulator, rollout, value_norms, weighted_norms
@@ -18,8 +19,34 @@ from .metrics import EmbeddingMetric, LMMetric
 from .prune import load_pruned, param_count, prune_heads, save_pruned
 from .roles import HeadRoles, head_roles
 
-__all__ = ["ablation_curves", "mean_outputs", "DEFAULT_TEXT", "Settings", "analyze", "HintAccumulator", "rollout",
-           "value_norms", "weighted_norms", "Batch", "capture", "encode", "from_ids", "load_corpus", "POINTS",
-           "Capture", "attached", "attention_layers", "head_results", "Importance", "head_importance",
-           "EmbeddingMetric", "LMMetric", "load_pruned", "param_count", "prune_heads", "save_pruned",
-           "HeadRoles", "head_roles"]
+__all__ = [
+    "ablation_curves",
+    "mean_outputs",
+    "DEFAULT_TEXT",
+    "Settings",
+    "analyze",
+    "HintAccumulator",
+    "rollout",
+    "value_norms",
+    "weighted_norms",
+    "Batch",
+    "capture",
+    "encode",
+    "from_ids",
+    "load_corpus",
+    "POINTS",
+    "Capture",
+    "attached",
+    "attention_layers",
+    "head_results",
+    "Importance",
+    "head_importance",
+    "EmbeddingMetric",
+    "LMMetric",
+    "load_pruned",
+    "param_count",
+    "prune_heads",
+    "save_pruned",
+    "HeadRoles",
+    "head_roles",
+]

@@ -13,6 +13,7 @@ layer's attention, and Michel et al. keep one too), so the largest fraction is
 1 - layers/heads. The curves give, per order, the largest fraction of heads removed
 before quality drops by 1% / 5% (the metric's `drop`).
 """
+
 from __future__ import annotations
 
 import random
@@ -69,9 +70,10 @@ def mean_outputs(model: nn.Module, batches: Sequence[Batch]) -> list[Tensor]:
         cap = Capture(("z",))
         with attached(model, capture=cap):
             from .capture import forward
+
             forward(model, b)
-        v = b.valid[:, None, :, None].float()                               # (B, 1, T, 1)
-        zs = [(cap.z[l].float() * v).sum((0, 2)) for l in range(len(cap.z))]   # (H, D)
+        v = b.valid[:, None, :, None].float()  # (B, 1, T, 1)
+        zs = [(cap.z[l].float() * v).sum((0, 2)) for l in range(len(cap.z))]  # (H, D)
         sums = zs if sums is None else [s + z for s, z in zip(sums, zs)]
         count += int(b.valid.sum())
     return [s / max(count, 1) for s in sums]
@@ -83,7 +85,7 @@ class Curves:
     baseline: dict
     metric: str
     unit: str
-    curves: dict[str, list[dict]] = field(default_factory=dict)      # name -> [result per fraction]
+    curves: dict[str, list[dict]] = field(default_factory=dict)  # name -> [result per fraction]
 
     def drops(self, name: str, key: str = "drop") -> list[float]:
         return [r[key] for r in self.curves[name]]
@@ -119,13 +121,27 @@ class Curves:
         return out
 
     def to_json(self) -> dict:
-        return {"metric": self.metric, "unit": self.unit, "fractions": self.fractions, "baseline": self.baseline,
-                "curves": self.curves, "removable": self.summary()}
+        return {
+            "metric": self.metric,
+            "unit": self.unit,
+            "fractions": self.fractions,
+            "baseline": self.baseline,
+            "curves": self.curves,
+            "removable": self.summary(),
+        }
 
 
-def ablation_curves(model: nn.Module, metric: Metric, importance: Importance, *,
-                    fractions: Sequence[float] = FRACTIONS, seeds: int = 3, means: list[Tensor] | None = None,
-                    per_layer: bool = True, progress=None) -> Curves:
+def ablation_curves(
+    model: nn.Module,
+    metric: Metric,
+    importance: Importance,
+    *,
+    fractions: Sequence[float] = FRACTIONS,
+    seeds: int = 3,
+    means: list[Tensor] | None = None,
+    per_layer: bool = True,
+    progress=None,
+) -> Curves:
     """Quality vs fraction of heads removed, for every order (see the module docstring).
     With `means`, the importance order is also run with mean ablation."""
     hpl = heads_per_layer(model)

@@ -8,6 +8,7 @@ Steps (each with a progress bar), all numbers into one JSON-able dict:
   5. ablation curves on the held-out half: importance / per-layer / mean ablation / random
   6. real pruning of the least important fraction: params, latency, quality, save + reload
 """
+
 from __future__ import annotations
 
 import copy
@@ -36,13 +37,14 @@ DEFAULT_TEXT = "The bank approved the loan after the river bank flooded."
 class Settings:
     """How much of the corpus each step uses. Encoders count sentences, decoders count rows of
     `seq_len` tokens; None = the default for the model kind (sized for ~5 min on 2 cores)."""
-    fit: int | None = None             # importance, mean ablation, roles
-    heldout: int | None = None         # ablation curves and pruning quality
-    seq_len: int = 128                 # decoder rows
+
+    fit: int | None = None  # importance, mean ablation, roles
+    heldout: int | None = None  # ablation curves and pruning quality
+    seq_len: int = 128  # decoder rows
     batch_size: int | None = None
-    seeds: int = 3                     # random orders
+    seeds: int = 3  # random orders
     fractions: Sequence[float] = ablation.FRACTIONS
-    prune: float = 0.3                 # fraction of heads pruned for real; 0 = skip
+    prune: float = 0.3  # fraction of heads pruned for real; 0 = skip
     mean_ablation: bool = True
     per_layer: bool = True
     induction_len: int = 32
@@ -60,26 +62,30 @@ class Settings:
 @dataclass
 class Progress:
     """tqdm bars when `show`, silent otherwise (tests)."""
+
     show: bool = True
     timings: dict = field(default_factory=dict)
 
     def step(self, name: str, total: int):
         from tqdm.auto import tqdm
+
         return tqdm(total=total, desc=name, disable=not self.show, leave=True, dynamic_ncols=True)
 
 
 def _data(model: nn.Module, corpus: Corpus, s: Settings) -> tuple[list[Batch], list[Batch]]:
     if is_causal(model):
-        fit = metrics.token_batches(model, corpus.fit_paragraphs, seq_len=s.seq_len, rows=s.fit,
-                                    batch_size=s.batch_size)
-        held = metrics.token_batches(model, corpus.heldout_paragraphs, seq_len=s.seq_len, rows=s.heldout,
-                                     batch_size=s.batch_size)
+        fit = metrics.token_batches(
+            model, corpus.fit_paragraphs, seq_len=s.seq_len, rows=s.fit, batch_size=s.batch_size
+        )
+        held = metrics.token_batches(
+            model, corpus.heldout_paragraphs, seq_len=s.seq_len, rows=s.heldout, batch_size=s.batch_size
+        )
         return fit, held
     fit_s, held_s = corpus.fit_sentences, corpus.heldout_sentences
     for name, have, want in (("fit", fit_s, s.fit), ("held-out", held_s, s.heldout)):
         if len(have) < want:
             raise ValueError(f"the corpus has {len(have)} {name} sentences; {want} were asked for")
-    step = max(1, len(fit_s) // s.fit)                 # spread the sample over the whole half
+    step = max(1, len(fit_s) // s.fit)  # spread the sample over the whole half
     fit = metrics.text_batches(model, fit_s[::step][: s.fit], batch_size=s.batch_size, max_length=128)
     step = max(1, len(held_s) // s.heldout)
     held = metrics.text_batches(model, held_s[::step][: s.heldout], batch_size=s.batch_size, max_length=128)
@@ -96,7 +102,7 @@ def text_view(model: nn.Module, text: str) -> dict:
         "tokens": b.tokens[0],
         "sinks": b.sinks[0].tolist(),
         "causal": is_causal(model),
-        "pattern": [_rounded(att["pattern"][l][0]) for l in range(L)],      # L x H x T x T
+        "pattern": [_rounded(att["pattern"][l][0]) for l in range(L)],  # L x H x T x T
         "norms": [_rounded(att["norms"][l][0]) for l in range(L)],
         "rollout": _rounded(att["rollout"][0]),
     }
@@ -114,19 +120,28 @@ def latency(fns: dict[str, Callable[[], object]], rounds: int) -> dict:
         f()
     times = {n: [] for n in names}
     for r in range(rounds):
-        for n in names[r % len(names):] + names[: r % len(names)]:
+        for n in names[r % len(names) :] + names[: r % len(names)]:
             t0 = time.perf_counter()
             fns[n]()
             times[n].append(time.perf_counter() - t0)
-    out = {n: {"min": min(t), "median": statistics.median(t), "max": max(t), "rounds": rounds}
-           for n, t in times.items()}
+    out = {
+        n: {"min": min(t), "median": statistics.median(t), "max": max(t), "rounds": rounds} for n, t in times.items()
+    }
     out["loadavg"] = [round(x, 2) for x in os.getloadavg()]
     out["threads"] = torch.get_num_threads()
     return out
 
 
-def prune_study(model: nn.Module, importance, metric, held: Sequence[Batch], fraction: float, out: Path,
-                rounds: int, progress: Progress) -> dict:
+def prune_study(
+    model: nn.Module,
+    importance,
+    metric,
+    held: Sequence[Batch],
+    fraction: float,
+    out: Path,
+    rounds: int,
+    progress: Progress,
+) -> dict:
     """Prune the least important `fraction` of heads (global order) for real; save, reload, measure."""
     hpl = heads_per_layer(model)
     removed = ablation.take(importance.order(), round(fraction * sum(hpl)), hpl)
@@ -137,9 +152,9 @@ def prune_study(model: nn.Module, importance, metric, held: Sequence[Batch], fra
     bar.update(1)
     path = prune.save_pruned(small, out / "pruned")
     reloaded = prune.load_pruned(path)
-    bench = held[len(held) // 2]                       # a typical batch (encoder batches are length-sorted)
+    bench = held[len(held) // 2]  # a typical batch (encoder batches are length-sorted)
     if is_causal(model):
-        bench = bench.slice(0, 1)                      # decoders: one row of seq_len tokens (a prefill)
+        bench = bench.slice(0, 1)  # decoders: one row of seq_len tokens (a prefill)
     with torch.no_grad():
         same = float((forward(small, bench) - forward(reloaded, bench)).abs().max())
     bar.update(1)
@@ -151,18 +166,34 @@ def prune_study(model: nn.Module, importance, metric, held: Sequence[Batch], fra
     bar.close()
     before = metric.baseline
     return {
-        "fraction": fraction, "plan": {str(k): v for k, v in plan.items()}, "heads_removed": len(removed),
-        "layers_after": prune.head_counts(reloaded), "saved_to": str(path),
-        "params_before": prune.param_count(model), "params_after": prune.param_count(reloaded),
-        "quality_before": before, "quality_after": after, "quality_masked": masked,
-        "drop_after": metric.drop(after), "reload_max_abs_diff": same,
-        "latency_batch": list(bench.ids.shape), "latency": lat,
+        "fraction": fraction,
+        "plan": {str(k): v for k, v in plan.items()},
+        "heads_removed": len(removed),
+        "layers_after": prune.head_counts(reloaded),
+        "saved_to": str(path),
+        "params_before": prune.param_count(model),
+        "params_after": prune.param_count(reloaded),
+        "quality_before": before,
+        "quality_after": after,
+        "quality_masked": masked,
+        "drop_after": metric.drop(after),
+        "reload_max_abs_diff": same,
+        "latency_batch": list(bench.ids.shape),
+        "latency": lat,
         "speedup_median": lat["full"]["median"] / lat["pruned"]["median"],
     }
 
 
-def analyze(model: nn.Module, corpus: Corpus, *, text: str = DEFAULT_TEXT, out: str | Path = "analysis",
-            settings: Settings | None = None, show_progress: bool = True, name: str | None = None) -> dict:
+def analyze(
+    model: nn.Module,
+    corpus: Corpus,
+    *,
+    text: str = DEFAULT_TEXT,
+    out: str | Path = "analysis",
+    settings: Settings | None = None,
+    show_progress: bool = True,
+    name: str | None = None,
+) -> dict:
     """Run every step on `model` and write nothing but the pruned model (report.write does the rest)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -171,10 +202,20 @@ def analyze(model: nn.Module, corpus: Corpus, *, text: str = DEFAULT_TEXT, out: 
     prog = Progress(show_progress)
     hpl = heads_per_layer(model)
     attn0 = model.config
-    result = {"model": {"name": name or attn0.name, "arch": attn0.arch, "causal": causal, "layers": len(hpl),
-                        "heads": hpl, "kv_heads": attn0.num_kv_heads, "params": prune.param_count(model)},
-              "corpus": {"source": corpus.source}, "settings": asdict(s) | {"fractions": list(s.fractions)},
-              "timings_s": {}}
+    result = {
+        "model": {
+            "name": name or attn0.name,
+            "arch": attn0.arch,
+            "causal": causal,
+            "layers": len(hpl),
+            "heads": hpl,
+            "kv_heads": attn0.num_kv_heads,
+            "params": prune.param_count(model),
+        },
+        "corpus": {"source": corpus.source},
+        "settings": asdict(s) | {"fractions": list(s.fractions)},
+        "timings_s": {},
+    }
     t = time.perf_counter()
 
     def lap(step):
@@ -184,9 +225,12 @@ def analyze(model: nn.Module, corpus: Corpus, *, text: str = DEFAULT_TEXT, out: 
         t = now
 
     fit, held = _data(model, corpus, s)
-    result["corpus"] |= {"fit_examples": sum(len(b) for b in fit), "heldout_examples": sum(len(b) for b in held),
-                         "fit_tokens": sum(int(b.mask.sum()) for b in fit),
-                         "heldout_tokens": sum(int(b.mask.sum()) for b in held)}
+    result["corpus"] |= {
+        "fit_examples": sum(len(b) for b in fit),
+        "heldout_examples": sum(len(b) for b in held),
+        "fit_tokens": sum(int(b.mask.sum()) for b in fit),
+        "heldout_tokens": sum(int(b.mask.sum()) for b in held),
+    }
     result["view"] = text_view(model, text)
     lap("text")
 
@@ -207,8 +251,9 @@ def analyze(model: nn.Module, corpus: Corpus, *, text: str = DEFAULT_TEXT, out: 
     metric = metrics.LMMetric(held) if causal else metrics.EmbeddingMetric(model, held)
     means = ablation.mean_outputs(model, fit) if s.mean_ablation else None
     bar = prog.step("ablation", ablation.count_jobs(s.fractions, s.seeds, means is not None, s.per_layer))
-    curves = ablation.ablation_curves(model, metric, imp, fractions=s.fractions, seeds=s.seeds, means=means,
-                                      per_layer=s.per_layer, progress=bar)
+    curves = ablation.ablation_curves(
+        model, metric, imp, fractions=s.fractions, seeds=s.seeds, means=means, per_layer=s.per_layer, progress=bar
+    )
     bar.close()
     result["ablation"] = curves.to_json()
     lap("ablation")

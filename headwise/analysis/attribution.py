@@ -13,6 +13,7 @@ transformers") follows attention through the layers: each layer's head-averaged
 weights, with the residual connection added as an identity (0.5 A + 0.5 I, rows
 renormalized), multiplied from the first layer to the last.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from torch import Tensor, nn
 
 from ..attention import MultiHeadAttention
 
-HINT_RATIO = 0.5     # flag a head when its top tokens get < half the norm share their weight suggests
+HINT_RATIO = 0.5  # flag a head when its top tokens get < half the norm share their weight suggests
 
 
 def value_norms(layer: MultiHeadAttention, v: Tensor) -> Tensor:
@@ -33,9 +34,9 @@ def value_norms(layer: MultiHeadAttention, v: Tensor) -> Tensor:
     B, Hkv, S, D = v.shape
     H = layer.num_heads
     kv_of = torch.arange(H) // (H // Hkv) if Hkv != H else torch.arange(H)
-    w_o = layer.projection_weights()[3].view(layer.d_model, H, D)          # (C, H, D)
+    w_o = layer.projection_weights()[3].view(layer.d_model, H, D)  # (C, H, D)
     f = torch.einsum("bhsd,chd->bhsc", v.index_select(1, kv_of.to(v.device)).float(), w_o.float())
-    return f.norm(dim=-1)                                                   # (B, H, S)
+    return f.norm(dim=-1)  # (B, H, S)
 
 
 def weighted_norms(pattern: Tensor, fnorm: Tensor) -> Tensor:
@@ -49,6 +50,7 @@ class HintGaps:
     gets, the share of the row's summed norms sum_j ||a_ij f(x_j)|| that key gets, and
     their ratio (1: the weight tells the truth; << 1: the top token is a hint, not an
     explanation). `flagged` marks ratio < HINT_RATIO."""
+
     top_weight: list[Tensor]
     top_norm_share: list[Tensor]
 
@@ -61,11 +63,13 @@ class HintGaps:
         return [r < HINT_RATIO for r in self.ratio]
 
     def to_json(self) -> dict:
-        return {"threshold_ratio": HINT_RATIO,
-                "top_weight": [[round(float(x), 4) for x in t] for t in self.top_weight],
-                "top_norm_share": [[round(float(x), 4) for x in t] for t in self.top_norm_share],
-                "ratio": [[round(float(x), 4) for x in t] for t in self.ratio],
-                "flagged": [[bool(x) for x in t] for t in self.flagged]}
+        return {
+            "threshold_ratio": HINT_RATIO,
+            "top_weight": [[round(float(x), 4) for x in t] for t in self.top_weight],
+            "top_norm_share": [[round(float(x), 4) for x in t] for t in self.top_norm_share],
+            "ratio": [[round(float(x), 4) for x in t] for t in self.ratio],
+            "flagged": [[bool(x) for x in t] for t in self.flagged],
+        }
 
 
 class HintAccumulator:
@@ -78,19 +82,21 @@ class HintAccumulator:
 
     @torch.no_grad()
     def add(self, layer_index: int, layer: MultiHeadAttention, pattern: Tensor, v: Tensor, valid: Tensor) -> None:
-        a = pattern.float()                                                # (B, H, T, S)
-        contrib = weighted_norms(a, value_norms(layer, v))                 # (B, H, T, S)
-        top = a.argmax(-1, keepdim=True)                                   # (B, H, T, 1)
+        a = pattern.float()  # (B, H, T, S)
+        contrib = weighted_norms(a, value_norms(layer, v))  # (B, H, T, S)
+        top = a.argmax(-1, keepdim=True)  # (B, H, T, 1)
         w = a.gather(-1, top)[..., 0]
         share = contrib.gather(-1, top)[..., 0] / contrib.sum(-1).clamp_min(1e-12)
-        rows = valid[:, None, :].expand_as(w) & (a.sum(-1) > 0)            # real rows that saw a key
+        rows = valid[:, None, :].expand_as(w) & (a.sum(-1) > 0)  # real rows that saw a key
         self.w[layer_index] += torch.where(rows, w, 0).sum((0, 2)).double()
         self.n[layer_index] += torch.where(rows, share, 0).sum((0, 2)).double()
         self.rows[layer_index] += rows.sum((0, 2)).double()
 
     def result(self) -> HintGaps:
-        return HintGaps([(w / c.clamp_min(1)).float() for w, c in zip(self.w, self.rows)],
-                        [(n / c.clamp_min(1)).float() for n, c in zip(self.n, self.rows)])
+        return HintGaps(
+            [(w / c.clamp_min(1)).float() for w, c in zip(self.w, self.rows)],
+            [(n / c.clamp_min(1)).float() for n, c in zip(self.n, self.rows)],
+        )
 
 
 def rollout(patterns: Sequence[Tensor], valid: Tensor | None = None, residual: float = 0.5) -> Tensor:
@@ -103,7 +109,7 @@ def rollout(patterns: Sequence[Tensor], valid: Tensor | None = None, residual: f
         eye = eye * valid[:, None, :].float()
     out = None
     for p in patterns:
-        a = residual * eye + (1 - residual) * p.float().mean(dim=1)        # (B, T, T)
+        a = residual * eye + (1 - residual) * p.float().mean(dim=1)  # (B, T, T)
         a = a / a.sum(-1, keepdim=True).clamp_min(1e-12)
         out = a if out is None else a @ out
     return out
@@ -115,6 +121,7 @@ def attribute(model: nn.Module, batch, *, layers: Sequence[int] | None = None) -
     for one batch: {"pattern": {l: (B,H,T,S)}, "norms": {l: ...}, "rollout": (B,T,T)}."""
     from .capture import capture
     from .hooks import attention_layers
+
     batch, cap = capture(model, batch, points=("pattern", "v"), layers=layers)
     attn = attention_layers(model)
     norms = {}

@@ -10,6 +10,7 @@ as a key everywhere, and the `valid` mask says which query rows are real. Decode
 states. `sinks` marks the tokens attention sinks sit on: the first token of every
 row and the tokenizer's special tokens ([CLS], [SEP], BOS, ...).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,10 +25,11 @@ from .hooks import Capture, attached
 @dataclass
 class Batch:
     """Token ids for a batch of texts, right-padded."""
-    ids: Tensor              # (B, T) long
-    mask: Tensor             # (B, T) long: 1 = token, 0 = padding (HF's attention_mask)
+
+    ids: Tensor  # (B, T) long
+    mask: Tensor  # (B, T) long: 1 = token, 0 = padding (HF's attention_mask)
     tokens: list[list[str]]  # the B rows' token strings, padding left out
-    sinks: Tensor            # (B, T) bool: first token or special token
+    sinks: Tensor  # (B, T) bool: first token or special token
 
     @property
     def valid(self) -> Tensor:
@@ -37,9 +39,10 @@ class Batch:
         return self.ids.shape[0]
 
     def slice(self, start: int, stop: int) -> "Batch":
-        T = int(self.mask[start:stop].sum(1).max())     # drop columns that are padding in every row
-        return Batch(self.ids[start:stop, :T], self.mask[start:stop, :T], self.tokens[start:stop],
-                     self.sinks[start:stop, :T])
+        T = int(self.mask[start:stop].sum(1).max())  # drop columns that are padding in every row
+        return Batch(
+            self.ids[start:stop, :T], self.mask[start:stop, :T], self.tokens[start:stop], self.sinks[start:stop, :T]
+        )
 
 
 def is_causal(model: nn.Module) -> bool:
@@ -73,8 +76,13 @@ def token_texts(tok, ids: Sequence[int]) -> list[str]:
     return [tok.decode([i]) or tok.id_to_token(i) or str(i) for i in ids]
 
 
-def from_ids(rows: Sequence[Sequence[int]], *, pad_id: int = 0, special: Sequence[int] = (),
-             tokens: list[list[str]] | None = None) -> Batch:
+def from_ids(
+    rows: Sequence[Sequence[int]],
+    *,
+    pad_id: int = 0,
+    special: Sequence[int] = (),
+    tokens: list[list[str]] | None = None,
+) -> Batch:
     """A right-padded Batch from lists of token ids (a model without a tokenizer)."""
     B, T = len(rows), max(len(r) for r in rows)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
@@ -99,9 +107,16 @@ def forward(model: nn.Module, batch: Batch) -> Tensor:
     return model(batch.ids.to(device), attention_mask=mask)
 
 
-def capture(model: nn.Module, texts: str | Sequence[str] | Batch, points: Sequence[str] = ("pattern",), *,
-            layers: Sequence[int] | None = None, heads=None, max_length: int | None = None,
-            grad: bool = False) -> tuple[Batch, Capture]:
+def capture(
+    model: nn.Module,
+    texts: str | Sequence[str] | Batch,
+    points: Sequence[str] = ("pattern",),
+    *,
+    layers: Sequence[int] | None = None,
+    heads=None,
+    max_length: int | None = None,
+    grad: bool = False,
+) -> tuple[Batch, Capture]:
     """Run `model` once on `texts` (or a ready Batch) and record `points` (see hooks.POINTS).
     Only the requested heads' patterns are rebuilt (from the fused backend's LSE)."""
     batch = texts if isinstance(texts, Batch) else encode(model, texts, max_length=max_length)

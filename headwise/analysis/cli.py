@@ -1,4 +1,5 @@
 """`headwise analyze MODEL`: patterns, roles, attribution, importance, ablation, pruning -> report."""
+
 from __future__ import annotations
 
 import argparse
@@ -20,20 +21,30 @@ def _fractions(text: str) -> list[float]:
 
 
 def add_cli(sub) -> None:
-    p = sub.add_parser("analyze", help="head analysis report: patterns, roles, attribution, ablation, pruning",
-                       description="Analyse every attention head of a model and write PNG figures, one "
-                                   "self-contained HTML page and analysis.json. Default sizes take a few "
-                                   "minutes on 2 CPU cores; --fit/--heldout/--seeds do more.")
+    p = sub.add_parser(
+        "analyze",
+        help="head analysis report: patterns, roles, attribution, ablation, pruning",
+        description="Analyse every attention head of a model and write PNG figures, one "
+        "self-contained HTML page and analysis.json. Default sizes take a few "
+        "minutes on 2 CPU cores; --fit/--heldout/--seeds do more.",
+    )
     p.add_argument("model", help="builtin name (all-minilm-l6-v2, smollm2-135m-instruct), checkpoint dir or .gguf")
     p.add_argument("--text", default=DEFAULT_TEXT, help="the text whose patterns are drawn (default: %(default)r)")
-    p.add_argument("--corpus", help="plain-text file, paragraphs separated by blank lines (default: English "
-                                    "prose of Python's pydoc_data.topics)")
+    p.add_argument(
+        "--corpus",
+        help="plain-text file, paragraphs separated by blank lines (default: English "
+        "prose of Python's pydoc_data.topics)",
+    )
     p.add_argument("--out", default=None, help="output directory (default: analysis-<model>)")
-    p.add_argument("--fit", type=positive_int, help="fit examples: sentences (encoders, default 128) or rows of "
-                                                    "--seq-len tokens (decoders, default 4)")
+    p.add_argument(
+        "--fit",
+        type=positive_int,
+        help="fit examples: sentences (encoders, default 128) or rows of --seq-len tokens (decoders, default 4)",
+    )
     p.add_argument("--heldout", type=positive_int, help="held-out examples for the ablation curves (default 192 / 4)")
-    p.add_argument("--seq-len", type=positive_int, default=128,
-                   help="decoder row length in tokens (default %(default)s)")
+    p.add_argument(
+        "--seq-len", type=positive_int, default=128, help="decoder row length in tokens (default %(default)s)"
+    )
     p.add_argument("--seeds", type=positive_int, default=3, help="random removal orders (default %(default)s)")
     p.add_argument("--fractions", type=_fractions, help="fractions of heads removed on the curves, comma-separated")
     p.add_argument("--prune", type=float, default=0.3, help="fraction pruned for real, 0 to skip (default %(default)s)")
@@ -58,28 +69,43 @@ def run(args) -> int:
         return 2
     t0 = time.perf_counter()
     try:
-        check_model(args.model)                 # a typo is reported before the corpus and model load
+        check_model(args.model)  # a typo is reported before the corpus and model load
         corpus = load_corpus(args.corpus)
         model = headwise.load(args.model, dtype="fp32")
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"headwise analyze: {e}", file=sys.stderr)
         return 2
-    settings = Settings(fit=args.fit, heldout=args.heldout, seq_len=args.seq_len, seeds=args.seeds,
-                        prune=args.prune, mean_ablation=not args.no_mean_ablation)
+    settings = Settings(
+        fit=args.fit,
+        heldout=args.heldout,
+        seq_len=args.seq_len,
+        seeds=args.seeds,
+        prune=args.prune,
+        mean_ablation=not args.no_mean_ablation,
+    )
     if args.fractions:
         settings.fractions = args.fractions
     out = args.out or f"analysis-{str(args.model).rstrip('/').split('/')[-1]}"
     try:
-        result = analyze(model, corpus, text=args.text, out=out, settings=settings, show_progress=not args.quiet,
-                         name=str(args.model))
+        result = analyze(
+            model,
+            corpus,
+            text=args.text,
+            out=out,
+            settings=settings,
+            show_progress=not args.quiet,
+            name=str(args.model),
+        )
     except ValueError as e:
         print(f"headwise analyze: {e}", file=sys.stderr)
         return 2
     result["timings_s"]["total"] = round(time.perf_counter() - t0, 1)
     files = write(result, out)
     print(summary_text(result))
-    print(f"\nwrote {files['html']}, {files['json']} and {len(files['figures'])} figures in {out}/ "
-          f"({result['timings_s']['total']:.0f} s)")
+    print(
+        f"\nwrote {files['html']}, {files['json']} and {len(files['figures'])} figures in {out}/ "
+        f"({result['timings_s']['total']:.0f} s)"
+    )
     return 0
 
 
@@ -96,10 +122,12 @@ def summary_text(result: dict) -> str:
     p = result.get("pruning")
     if p:
         lat = p["latency"]
-        lines.append(f"pruned {p['heads_removed']} heads ({p['fraction']:.0%}): params {p['params_before']:,} -> "
-                     f"{p['params_after']:,}, latency {lat['full']['median'] * 1e3:.1f} -> "
-                     f"{lat['pruned']['median'] * 1e3:.1f} ms (median of {lat['full']['rounds']}, load "
-                     f"{lat['loadavg'][0]}), quality drop {p['drop_after']:.2%}")
+        lines.append(
+            f"pruned {p['heads_removed']} heads ({p['fraction']:.0%}): params {p['params_before']:,} -> "
+            f"{p['params_after']:,}, latency {lat['full']['median'] * 1e3:.1f} -> "
+            f"{lat['pruned']['median'] * 1e3:.1f} ms (median of {lat['full']['rounds']}, load "
+            f"{lat['loadavg'][0]}), quality drop {p['drop_after']:.2%}"
+        )
     hints = result.get("hints")
     if hints:
         n = sum(sum(r) for r in hints["flagged"])

@@ -10,6 +10,7 @@ never overlaps the held-out text the ablation curves are measured on.
 A user corpus (`--corpus FILE`) is plain text, paragraphs separated by blank lines,
 split the same way (alternate paragraphs).
 """
+
 from __future__ import annotations
 
 import re
@@ -22,9 +23,10 @@ _SENTENCE_END = re.compile(r"(?<=[a-z0-9)][.!?])\s+(?=[A-Z])")
 @dataclass
 class Corpus:
     """Paragraphs (for language-model loss) and sentences (for embeddings), in two halves."""
+
     source: str
-    fit_paragraphs: list[str]        # importance, mean ablation, roles
-    heldout_paragraphs: list[str]    # ablation curves, pruning quality
+    fit_paragraphs: list[str]  # importance, mean ablation, roles
+    heldout_paragraphs: list[str]  # ablation curves, pruning quality
 
     @property
     def fit_sentences(self) -> list[str]:
@@ -52,7 +54,7 @@ def paragraphs(text: str) -> list[str]:
         lines = block.split("\n")
         if not lines or lines[0][:1].isspace() or lines[0].lstrip()[:2] in ("* ", "- ", "+ "):
             continue
-        para = re.sub(r"(\w)- (\w)", r"\1-\2", " ".join(" ".join(lines).split()))   # re-join "non- negative"
+        para = re.sub(r"(\w)- (\w)", r"\1-\2", " ".join(" ".join(lines).split()))  # re-join "non- negative"
         if is_prose(para):
             out.append(para)
     return out
@@ -70,6 +72,7 @@ def sentences(paras: list[str], min_words: int = 6, max_words: int = 40) -> list
 
 def pydoc_corpus() -> Corpus:
     from pydoc_data.topics import topics
+
     fit, held = [], []
     for i, name in enumerate(sorted(topics)):
         (held if i % 2 else fit).extend(paragraphs(topics[name]))
@@ -84,8 +87,10 @@ def file_corpus(path: str | Path) -> Corpus:
         raise ValueError(f"--corpus {path}: cannot read it as UTF-8 text: {e}") from None
     paras = [" ".join(b.split()) for b in re.split(r"\n\s*\n", text) if b.strip()]
     if len(paras) < 2:
-        raise ValueError(f"--corpus {path}: needs at least 2 paragraphs separated by a blank line "
-                         f"(one half fits importance, the other is held out); found {len(paras)}")
+        raise ValueError(
+            f"--corpus {path}: needs at least 2 paragraphs separated by a blank line "
+            f"(one half fits importance, the other is held out); found {len(paras)}"
+        )
     return Corpus(str(path), paras[0::2], paras[1::2])
 
 

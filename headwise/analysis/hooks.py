@@ -17,6 +17,7 @@ tensor right before the output projection, where a head is a slice:
     (mean ablation: a head's average output over a corpus).
 z' = z * m + (1 - m) * replace, so m = 1 leaves the model exactly as it was.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,8 +57,14 @@ class Capture:
     every layer, a dict {layer: heads} per layer). Records of the last forward pass, per
     layer index: `cap.pattern[l]`, `cap.z[l]`, ... (`cap[point]` works too)."""
 
-    def __init__(self, points: Sequence[str] = ("pattern",), *, layers: Sequence[int] | None = None,
-                 heads: Sequence[int] | dict[int, Sequence[int]] | None = None, detach: bool = True):
+    def __init__(
+        self,
+        points: Sequence[str] = ("pattern",),
+        *,
+        layers: Sequence[int] | None = None,
+        heads: Sequence[int] | dict[int, Sequence[int]] | None = None,
+        detach: bool = True,
+    ):
         unknown = [p for p in points if p not in POINTS]
         if unknown:
             raise ValueError(f"unknown capture points {unknown}; known: {', '.join(POINTS)}")
@@ -97,18 +104,27 @@ class _LayerHook:
         self.capturing = cap is not None and cap.wants(index)
         self.wants_lse = self.capturing and "pattern" in cap.points
 
-    def __call__(self, layer: MultiHeadAttention, q: Tensor, k: Tensor | None, v: Tensor | None, out: Tensor,
-                 lse: Tensor | None, weights: Tensor | None, kwargs: dict) -> Tensor:
+    def __call__(
+        self,
+        layer: MultiHeadAttention,
+        q: Tensor,
+        k: Tensor | None,
+        v: Tensor | None,
+        out: Tensor,
+        lse: Tensor | None,
+        weights: Tensor | None,
+        kwargs: dict,
+    ) -> Tensor:
         i, run = self.index, self.run
         mask = run.mask[i] if run.mask is not None else None
         if mask is not None:
             B, H = out.shape[:2]
-            m = _multiplier(mask, B, H, i).to(out.dtype)                   # (B|1, H, 1, 1)
+            m = _multiplier(mask, B, H, i).to(out.dtype)  # (B|1, H, 1, 1)
             replace = run.replace[i] if run.replace is not None else None
             if replace is None:
                 out = out * m
             else:
-                out = out * m + (1 - m) * replace.to(out.dtype)[None, :, None, :]   # (1, H, 1, D)
+                out = out * m + (1 - m) * replace.to(out.dtype)[None, :, None, :]  # (1, H, 1, D)
         if self.capturing:
             self._capture(layer, q, k, v, out, lse, weights, kwargs)
         return out
@@ -116,20 +132,23 @@ class _LayerHook:
     def _capture(self, layer, q, k, v, out, lse, weights, kwargs) -> None:
         cap, i = self.run.capture, self.index
         if k is None and any(p in cap.points for p in ("k", "v", "pattern")):
-            raise ValueError("capturing k, v or pattern needs a forward without cache= (the cache holds "
-                             "the earlier keys); run the whole sequence at once")
+            raise ValueError(
+                "capturing k, v or pattern needs a forward without cache= (the cache holds "
+                "the earlier keys); run the whole sequence at once"
+            )
         heads = cap.heads_of(i, layer.num_heads)
         for name, t in (("q", q), ("k", k), ("v", v), ("z", out)):
             if name in cap.points:
                 cap._keep(name, i, t)
         if "pattern" in cap.points:
-            if weights is not None:                                        # the caller asked the math path
+            if weights is not None:  # the caller asked the math path
                 pattern = weights[:, heads].float()
-            else:                                                          # exact rows from the fused LSE
+            else:  # exact rows from the fused LSE
                 from ..attention import weights_from_lse
+
                 masks = {n: kwargs[n] for n in ("attn_mask", "key_padding_mask", "is_causal", "alibi_slopes")}
                 pattern = weights_from_lse(q, k, lse, heads=heads, **masks)
-            cap._keep("pattern", i, pattern)                               # (B, h, T, S)
+            cap._keep("pattern", i, pattern)  # (B, h, T, S)
         if "result" in cap.points:
             cap._keep("result", i, head_results(layer, out, heads))
 
@@ -139,7 +158,7 @@ def head_results(layer: MultiHeadAttention, z: Tensor, heads: Sequence[int] | No
     Summed over all heads, plus the output bias, it is the layer's output."""
     H, D = layer.num_heads, layer.head_dim
     heads = list(range(H)) if heads is None else list(heads)
-    w_o = layer.projection_weights()[3].view(layer.d_model, H, D)         # (C, H, D)
+    w_o = layer.projection_weights()[3].view(layer.d_model, H, D)  # (C, H, D)
     idx = torch.as_tensor(heads, device=z.device)
     return torch.einsum("bhtd,chd->bthc", z.index_select(1, idx), w_o.index_select(1, idx).to(z.dtype))
 
@@ -149,8 +168,7 @@ def _multiplier(mask: Tensor, B: int, H: int, index: int) -> Tensor:
         return mask.view(1, H, 1, 1)
     if mask.shape == (B, H):
         return mask.view(B, H, 1, 1)
-    raise ValueError(f"mask for layer {index} must be (H,) = ({H},) or (B, H) = ({B}, {H}), "
-                     f"got {tuple(mask.shape)}")
+    raise ValueError(f"mask for layer {index} must be (H,) = ({H},) or (B, H) = ({B}, {H}), got {tuple(mask.shape)}")
 
 
 def _check_per_layer(name: str, seq, what: str, num_layers: int) -> None:
@@ -158,14 +176,17 @@ def _check_per_layer(name: str, seq, what: str, num_layers: int) -> None:
     if seq is None:
         return
     if not isinstance(seq, (list, tuple, Tensor)):
-        raise TypeError(f"{name} must be a list with one entry per attention layer ({num_layers} here), each "
-                        f"{what} or None; got {type(seq).__name__} {seq!r:.60}")
+        raise TypeError(
+            f"{name} must be a list with one entry per attention layer ({num_layers} here), each "
+            f"{what} or None; got {type(seq).__name__} {seq!r:.60}"
+        )
     if len(seq) != num_layers:
         raise ValueError(f"{name} has {len(seq)} entries but the model has {num_layers} attention layers")
     bad = [(i, type(t).__name__) for i, t in enumerate(seq) if t is not None and not isinstance(t, Tensor)]
     if bad:
-        raise TypeError(f"{name} entries must be {what} or None; entries {[i for i, _ in bad]} are "
-                        f"{sorted({t for _, t in bad})}")
+        raise TypeError(
+            f"{name} entries must be {what} or None; entries {[i for i, _ in bad]} are {sorted({t for _, t in bad})}"
+        )
 
 
 class Run:
@@ -176,22 +197,30 @@ class Run:
 
 
 @contextlib.contextmanager
-def attached(model: nn.Module, *, capture: Capture | None = None, mask: Sequence[Tensor | None] | None = None,
-             replace: Sequence[Tensor | None] | None = None) -> Iterator[Run]:
+def attached(
+    model: nn.Module,
+    *,
+    capture: Capture | None = None,
+    mask: Sequence[Tensor | None] | None = None,
+    replace: Sequence[Tensor | None] | None = None,
+) -> Iterator[Run]:
     """Install capture points / interventions on every attention layer of `model` for one `with`.
 
     mask: one entry per attention layer, a (H,) or (B, H) tensor or None (untouched).
     replace: one entry per layer, (H, D) or None (ablated heads become zero).
     """
     layers = attention_layers(model)
-    for name, seq, what in (("mask", mask, "a (H,) or (B, H) multiplier"),
-                            ("replace", replace, "an (H, D) tensor, e.g. from mean_outputs(model, batches)")):
+    for name, seq, what in (
+        ("mask", mask, "a (H,) or (B, H) multiplier"),
+        ("replace", replace, "an (H, D) tensor, e.g. from mean_outputs(model, batches)"),
+    ):
         _check_per_layer(name, seq, what, len(layers))
     if replace is not None:
         for i, (r, layer) in enumerate(zip(replace, layers)):
             if r is not None and tuple(r.shape) != (layer.num_heads, layer.head_dim):
-                raise ValueError(f"replace[{i}] must be (H, D) = ({layer.num_heads}, {layer.head_dim}), "
-                                 f"got {tuple(r.shape)}")
+                raise ValueError(
+                    f"replace[{i}] must be (H, D) = ({layer.num_heads}, {layer.head_dim}), got {tuple(r.shape)}"
+                )
     busy = [i for i, layer in enumerate(layers) if layer.hook is not None]
     if busy:
         raise RuntimeError(f"attention layers {busy} already have a hook attached (nested `attached` on one model)")

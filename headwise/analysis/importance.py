@@ -12,6 +12,7 @@ example, as the formula says (the reference implementation takes it per batch).
 Scores are also given normalized per layer (l2 norm 1), as Michel et al. do before
 ranking heads across layers.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from .metrics import embeddings, example_losses
 
 @dataclass
 class Importance:
-    raw: list[Tensor]           # per layer (H,): E_x |dL/dxi_h|
+    raw: list[Tensor]  # per layer (H,): E_x |dL/dxi_h|
     examples: int
 
     @property
@@ -44,9 +45,11 @@ class Importance:
         return [(l, h) for _, l, h in sorted(self.flat(normalized))]
 
     def to_json(self) -> dict:
-        return {"examples": self.examples,
-                "raw": [[float(x) for x in t] for t in self.raw],
-                "normalized": [[round(float(x), 5) for x in t] for t in self.normalized]}
+        return {
+            "examples": self.examples,
+            "raw": [[float(x) for x in t] for t in self.raw],
+            "normalized": [[round(float(x), 5) for x in t] for t in self.normalized],
+        }
 
 
 def head_importance(model: nn.Module, batches: Iterable[Batch], *, progress=None) -> Importance:
@@ -59,9 +62,9 @@ def head_importance(model: nn.Module, batches: Iterable[Batch], *, progress=None
         if not getattr(model.config, "causal", True):
             with torch.no_grad():
                 target = embeddings(model, batch)
-        gates = [torch.ones(len(batch), h, requires_grad=True) for h in hpl]          # (B, H) per layer
+        gates = [torch.ones(len(batch), h, requires_grad=True) for h in hpl]  # (B, H) per layer
         with torch.enable_grad(), attached(model, mask=gates):
-            losses = example_losses(model, batch, target)                             # (B,)
+            losses = example_losses(model, batch, target)  # (B,)
             grads = torch.autograd.grad(losses.sum(), gates)
         for l, g in enumerate(grads):
             total[l] += g.abs().sum(0).double()

@@ -10,6 +10,7 @@ Each metric gives a "quality drop" in [0, inf): relative perplexity increase
 (ppl / ppl_full - 1) for decoders, 1 - mean cosine for encoders; the 1% / 5%
 thresholds of the ablation curves are on that number.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -21,15 +22,15 @@ from torch import Tensor, nn
 from .capture import Batch, encode, forward, is_causal
 from .hooks import attached
 
-RETRIEVAL_TEMPERATURE = 0.05    # sentence-transformers' MultipleNegativesRankingLoss scale 20
+RETRIEVAL_TEMPERATURE = 0.05  # sentence-transformers' MultipleNegativesRankingLoss scale 20
 
 
 def lm_token_losses(model: nn.Module, batch: Batch) -> tuple[Tensor, Tensor]:
     """Per-row summed next-token NLL (B,) and number of predicted tokens (B,)."""
-    logits = forward(model, batch)                                        # (B, T, V)
+    logits = forward(model, batch)  # (B, T, V)
     target = batch.ids[:, 1:].to(logits.device)
     keep = (batch.mask[:, 1:] * batch.mask[:, :-1]).bool().to(logits.device)
-    nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), target, reduction="none")   # (B, T-1)
+    nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), target, reduction="none")  # (B, T-1)
     return (nll * keep).sum(1), keep.sum(1)
 
 
@@ -97,7 +98,7 @@ class EmbeddingMetric(Metric):
     def __init__(self, model: nn.Module, batches: Sequence[Batch]):
         self.batches = list(batches)
         with torch.no_grad():
-            self.full = torch.cat([embeddings(model, b) for b in self.batches])     # (N, C)
+            self.full = torch.cat([embeddings(model, b) for b in self.batches])  # (N, C)
         self.full_nn = _nearest(self.full)
         self.baseline = {"cosine": 1.0, "nn_agreement": 1.0}
 
@@ -106,8 +107,12 @@ class EmbeddingMetric(Metric):
         with attached(model, mask=mask, replace=replace):
             emb = torch.cat([embeddings(model, b) for b in self.batches])
         cos = (emb * self.full).sum(-1)
-        return {"cosine": float(cos.mean()), "cosine_min": float(cos.min()),
-                "nn_agreement": float((_nearest(emb) == self.full_nn).float().mean()), "sentences": len(emb)}
+        return {
+            "cosine": float(cos.mean()),
+            "cosine_min": float(cos.min()),
+            "nn_agreement": float((_nearest(emb) == self.full_nn).float().mean()),
+            "sentences": len(emb),
+        }
 
     def drop(self, result: dict) -> float:
         return 1.0 - result["cosine"]
@@ -133,17 +138,20 @@ def example_losses(model: nn.Module, batch: Batch, target: Tensor | None = None)
     return retrieval_loss(embeddings(model, batch), target)
 
 
-def text_batches(model: nn.Module, texts: Sequence[str], *, batch_size: int, max_length: int | None = None,
-                 sort: bool = True) -> list[Batch]:
+def text_batches(
+    model: nn.Module, texts: Sequence[str], *, batch_size: int, max_length: int | None = None, sort: bool = True
+) -> list[Batch]:
     """Batches of texts, sorted by length (so little padding) when `sort`."""
     texts = sorted(texts, key=len) if sort else list(texts)
-    return [encode(model, texts[i:i + batch_size], max_length=max_length) for i in range(0, len(texts), batch_size)]
+    return [encode(model, texts[i : i + batch_size], max_length=max_length) for i in range(0, len(texts), batch_size)]
 
 
-def token_batches(model: nn.Module, paragraphs: Sequence[str], *, seq_len: int, rows: int,
-                  batch_size: int) -> list[Batch]:
+def token_batches(
+    model: nn.Module, paragraphs: Sequence[str], *, seq_len: int, rows: int, batch_size: int
+) -> list[Batch]:
     """The paragraphs' tokens as one stream cut into `rows` windows of seq_len (decoder LM eval)."""
     from .capture import from_ids, token_texts
+
     tok = model.tokenizer
     stream: list[int] = []
     for p in paragraphs:
@@ -151,10 +159,17 @@ def token_batches(model: nn.Module, paragraphs: Sequence[str], *, seq_len: int, 
         if len(stream) >= seq_len * rows:
             break
     if len(stream) < seq_len * rows:
-        raise ValueError(f"the text has {len(stream)} tokens; {rows} rows of {seq_len} need {seq_len * rows} "
-                         f"(use a larger corpus or fewer rows)")
-    windows = [stream[i * seq_len:(i + 1) * seq_len] for i in range(rows)]
+        raise ValueError(
+            f"the text has {len(stream)} tokens; {rows} rows of {seq_len} need {seq_len * rows} "
+            f"(use a larger corpus or fewer rows)"
+        )
+    windows = [stream[i * seq_len : (i + 1) * seq_len] for i in range(rows)]
     special = tok.special_token_ids
-    return [from_ids(windows[i:i + batch_size], special=special,
-                     tokens=[token_texts(tok, w) for w in windows[i:i + batch_size]])
-            for i in range(0, rows, batch_size)]
+    return [
+        from_ids(
+            windows[i : i + batch_size],
+            special=special,
+            tokens=[token_texts(tok, w) for w in windows[i : i + batch_size]],
+        )
+        for i in range(0, rows, batch_size)
+    ]

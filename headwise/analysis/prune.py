@@ -12,6 +12,7 @@ and head / KV-head counts) and the tokenizer files. `load_pruned(dir)` builds th
 full-size model, prunes it by the saved plan (so every shape matches) and loads the
 weights with safetensors' `load_model`, which restores tied weights.
 """
+
 from __future__ import annotations
 
 import copy
@@ -33,6 +34,7 @@ def clone(model: nn.Module) -> nn.Module:
     """A deep copy. Prepacked linears (models/packing.py) hold oneDNN tensors that cannot be
     copied, so they are unpacked first; both models pack again on their next forward."""
     from ..models.packing import pack_linears, unpack_linears
+
     packed = unpack_linears(model)
     twin = copy.deepcopy(model)
     if packed:
@@ -53,6 +55,7 @@ def prune_heads(model: nn.Module, plan: Mapping[int, Sequence[int]]) -> nn.Modul
         if not left:
             raise ValueError(f"the plan removes every head of layer {l}; keep at least one")
     from ..models.packing import PackedLinear, pack_linears
+
     packed = any(isinstance(m, PackedLinear) for m in model.modules())
     for l, heads in plan.items():
         if heads:
@@ -72,8 +75,15 @@ def plan_from(removed: set[tuple[int, int]], model: nn.Module) -> dict[int, list
 
 
 def head_counts(model: nn.Module) -> list[dict]:
-    return [{"heads": m.num_heads, "kv_heads": m.num_kv_heads, "head_ids": list(m.head_ids),
-             "original_heads": m.original_num_heads} for m in attention_layers(model)]
+    return [
+        {
+            "heads": m.num_heads,
+            "kv_heads": m.num_kv_heads,
+            "head_ids": list(m.head_ids),
+            "original_heads": m.original_num_heads,
+        }
+        for m in attention_layers(model)
+    ]
 
 
 def param_count(model: nn.Module) -> int:
@@ -83,15 +93,21 @@ def param_count(model: nn.Module) -> int:
 
 def save_pruned(model: nn.Module, path: str | Path) -> Path:
     from safetensors.torch import save_model
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = getattr(model, "config", None)
     if not isinstance(cfg, ModelConfig):
-        raise ValueError(f"save_pruned needs a headwise model with a ModelConfig in .config, "
-                         f"got {type(model).__name__}")
-    meta = {"format": "headwise-pruned-1", "config": dataclasses.asdict(cfg), "layers": head_counts(model),
-            "max_seq_length": getattr(model, "max_seq_length", None)}
-    save_model(model, str(path / WEIGHTS_FILE))          # writes tied tensors once
+        raise ValueError(
+            f"save_pruned needs a headwise model with a ModelConfig in .config, got {type(model).__name__}"
+        )
+    meta = {
+        "format": "headwise-pruned-1",
+        "config": dataclasses.asdict(cfg),
+        "layers": head_counts(model),
+        "max_seq_length": getattr(model, "max_seq_length", None),
+    }
+    save_model(model, str(path / WEIGHTS_FILE))  # writes tied tensors once
     (path / CONFIG_FILE).write_text(json.dumps(meta, indent=1))
     if getattr(model, "tokenizer", None) is not None:
         model.tokenizer.save(path)
@@ -103,6 +119,7 @@ def load_pruned(path: str | Path, *, backend: str = "auto", pack: bool = True) -
     CPU linears, as `headwise.load` does by default."""
     from safetensors.torch import load_model
     from ..models import Bert, GPT2, Llama
+
     path = Path(path)
     meta_file = path / CONFIG_FILE
     if not meta_file.is_file():
@@ -117,8 +134,9 @@ def load_pruned(path: str | Path, *, backend: str = "auto", pack: bool = True) -
     if family is None:
         raise ValueError(f"{meta_file}: arch {cfg.arch!r} has no headwise model class")
     model = family(cfg, backend=backend)
-    plan = {l: sorted(set(range(info["original_heads"])) - set(info["head_ids"]))
-            for l, info in enumerate(meta["layers"])}
+    plan = {
+        l: sorted(set(range(info["original_heads"])) - set(info["head_ids"])) for l, info in enumerate(meta["layers"])
+    }
     prune_heads(model, plan)
     for l, (m, info) in enumerate(zip(attention_layers(model), meta["layers"])):
         if m.head_ids != info["head_ids"]:
@@ -128,10 +146,12 @@ def load_pruned(path: str | Path, *, backend: str = "auto", pack: bool = True) -
     model.init_buffers()
     if (path / "tokenizer.json").is_file():
         from ..models.tokenizer import Tokenizer
+
         model.tokenizer = Tokenizer.from_dir(path)
     if meta.get("max_seq_length"):
         model.max_seq_length = meta["max_seq_length"]
     if pack:
         from ..models.packing import pack_linears
+
         pack_linears(model)
     return model.eval()

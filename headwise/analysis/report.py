@@ -13,6 +13,7 @@ The HTML page inlines its data, script, style and the figures (as data: URIs), s
 opens from disk with no network: pick a layer, a head and a token and see where it
 attends, bertviz-style (Vig 2019), as raw weights or as value-weighted norms.
 """
+
 from __future__ import annotations
 
 import base64
@@ -22,16 +23,33 @@ from pathlib import Path
 
 import numpy as np
 
-ROLE_COLORS = {"previous": "#1f77b4", "next": "#17becf", "offset": "#9467bd", "local": "#2ca02c",
-               "long_range": "#ff7f0e", "broad": "#bcbd22", "sink": "#7f7f7f", "induction": "#d62728"}
-SHORT = {"previous": "prev", "next": "next", "local": "local", "long_range": "long", "broad": "broad",
-         "sink": "sink", "induction": "ind"}
+ROLE_COLORS = {
+    "previous": "#1f77b4",
+    "next": "#17becf",
+    "offset": "#9467bd",
+    "local": "#2ca02c",
+    "long_range": "#ff7f0e",
+    "broad": "#bcbd22",
+    "sink": "#7f7f7f",
+    "induction": "#d62728",
+}
+SHORT = {
+    "previous": "prev",
+    "next": "next",
+    "local": "local",
+    "long_range": "long",
+    "broad": "broad",
+    "sink": "sink",
+    "induction": "ind",
+}
 
 
 def _plt():
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -42,7 +60,7 @@ def _mosaic(tiles: list[list[np.ndarray]], gap: int = 1) -> np.ndarray:
     img = np.full((L * (T + gap) - gap, H * (S + gap) - gap), np.nan)
     for l, row in enumerate(tiles):
         for h, t in enumerate(row):
-            img[l * (T + gap): l * (T + gap) + T, h * (S + gap): h * (S + gap) + S] = t
+            img[l * (T + gap) : l * (T + gap) + T, h * (S + gap) : h * (S + gap) + S] = t
     return img
 
 
@@ -67,6 +85,7 @@ def fig_patterns(view: dict, path: Path, title: str) -> None:
 def fig_roles(result: dict, path: Path) -> None:
     plt = _plt()
     from matplotlib.colors import to_rgb
+
     heads = result["roles"]["heads"]
     L, H = len(heads), max(len(r) for r in heads)
     img = np.ones((L, H, 3))
@@ -79,8 +98,9 @@ def fig_roles(result: dict, path: Path) -> None:
                 img[l, h] = to_rgb(ROLE_COLORS[role])
                 short = best.replace("offset ", "off") if role == "offset" else SHORT[role]
                 more = len(info["labels"]) - 1
-                ax.text(h, l, short + (f"+{more}" if more > 0 else ""), ha="center", va="center", fontsize=7,
-                        color="white")
+                ax.text(
+                    h, l, short + (f"+{more}" if more > 0 else ""), ha="center", va="center", fontsize=7, color="white"
+                )
     ax.imshow(img, aspect="auto", interpolation="nearest")
     ax.set_xticks(range(H))
     ax.set_yticks(range(L))
@@ -109,8 +129,11 @@ def fig_ablation(result: dict, path: Path) -> None:
     ab = result["ablation"]
     keys = [k for k in ab["removable"]]
     fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4.2), dpi=90, squeeze=False)
-    styles = {"importance": ("C0", "-", 2.2), "importance_per_layer": ("C2", "--", 1.6),
-              "importance_mean_ablation": ("C1", "-.", 1.6)}
+    styles = {
+        "importance": ("C0", "-", 2.2),
+        "importance_per_layer": ("C2", "--", 1.6),
+        "importance_mean_ablation": ("C1", "-.", 1.6),
+    }
     for ax, key in zip(axes[0], keys):
         for name, rows in ab["curves"].items():
             xs = [0.0] + [r["fraction_removed"] for r in rows]
@@ -123,7 +146,7 @@ def fig_ablation(result: dict, path: Path) -> None:
         for t in (1, 5):
             ax.axhline(t, color="k", lw=0.6, ls=":")
             ax.text(0.0, t, f" {t}%", va="bottom", fontsize=7)
-        ax.set_yscale("symlog", linthresh=1.0)          # linear below 1%, log above
+        ax.set_yscale("symlog", linthresh=1.0)  # linear below 1%, log above
         ax.set_ylim(bottom=0)
         ax.set_xlabel("fraction of heads removed (zeroed; one head kept per layer)")
         ax.set_ylabel(f"quality drop, % ({_drop_label(result, key)})")
@@ -137,8 +160,11 @@ def fig_ablation(result: dict, path: Path) -> None:
 
 def _drop_label(result: dict, key: str) -> str:
     causal = result["model"]["causal"]
-    return {"drop": "perplexity increase" if causal else "1 - mean cosine to full model",
-            "drop_loss": "loss increase", "drop_retrieval": "1 - nearest-neighbour agreement"}.get(key, key)
+    return {
+        "drop": "perplexity increase" if causal else "1 - mean cosine to full model",
+        "drop_loss": "loss increase",
+        "drop_retrieval": "1 - nearest-neighbour agreement",
+    }.get(key, key)
 
 
 def fig_weights_vs_norms(result: dict, path: Path) -> None:
@@ -153,22 +179,28 @@ def fig_weights_vs_norms(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.8), dpi=80)
     ax = axes[0]
     ax.scatter(tw[~flagged], ns[~flagged], s=10, color="C0", label="weights roughly tell the truth")
-    ax.scatter(tw[flagged], ns[flagged], s=14, color="C3",
-               label=f"flagged: norm share < {hints['threshold_ratio']} x weight")
+    ax.scatter(
+        tw[flagged], ns[flagged], s=14, color="C3", label=f"flagged: norm share < {hints['threshold_ratio']} x weight"
+    )
     ax.plot([0, 1], [0, 1], color="k", lw=0.6, ls=":")
     ax.set_xlabel("weight on the most attended token (mean over rows)")
     ax.set_ylabel("its share of sum_j ||a_ij f(x_j)||")
     ax.set_title("every head, over the fit corpus", fontsize=9)
     ax.legend(fontsize=7, loc="upper left")
-    for ax, key, name in ((axes[1], "pattern", "attention weights a_ij"),
-                          (axes[2], "norms", "value-weighted norms ||a_ij f(x_j)||, row-normalized")):
+    for ax, key, name in (
+        (axes[1], "pattern", "attention weights a_ij"),
+        (axes[2], "norms", "value-weighted norms ||a_ij f(x_j)||, row-normalized"),
+    ):
         m = np.asarray(view[key][l][h])
         ax.imshow(m, cmap="viridis", vmin=0, vmax=max(float(m.max()), 1e-6))
         ax.set_xticks(range(len(tokens)), tokens, rotation=90, fontsize=7)
         ax.set_yticks(range(len(tokens)), tokens, fontsize=7)
         ax.set_title(f"layer {l} head {h}: {name}", fontsize=9)
-    fig.suptitle(f"{result['model']['name']}: attention weights are hints, not explanations "
-                 f"(layer {l} head {h}: ratio {ratio[l][h]:.2f})", fontsize=10)
+    fig.suptitle(
+        f"{result['model']['name']}: attention weights are hints, not explanations "
+        f"(layer {l} head {h}: ratio {ratio[l][h]:.2f})",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -199,9 +231,13 @@ def fig_importance(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-FIGURES = {"patterns.png": lambda r, p: fig_patterns(r["view"], p, f"{r['model']['name']}: attention patterns"),
-           "roles.png": fig_roles, "ablation.png": fig_ablation, "weights_vs_norms.png": fig_weights_vs_norms,
-           "importance.png": fig_importance}
+FIGURES = {
+    "patterns.png": lambda r, p: fig_patterns(r["view"], p, f"{r['model']['name']}: attention patterns"),
+    "roles.png": fig_roles,
+    "ablation.png": fig_ablation,
+    "weights_vs_norms.png": fig_weights_vs_norms,
+    "importance.png": fig_importance,
+}
 
 
 def write(result: dict, out: str | Path) -> dict:
@@ -233,16 +269,19 @@ def _finite(x):
 
 def html(result: dict, figures: list[Path]) -> str:
     from .html_page import PAGE
+
     data = {k: result[k] for k in ("model", "view", "roles", "hints", "importance") if k in result}
     data["summary"] = {k: result[k] for k in ("ablation", "pruning", "corpus", "timings_s") if k in result}
     if "ablation" in data["summary"]:
         data["summary"]["ablation"] = {k: v for k, v in result["ablation"].items() if k != "curves"}
-    payload = json.dumps(_finite(data)).replace("</", "<\\/")          # cannot close the <script>
-    imgs = "\n".join(f'<figure><img alt="{p.name}" src="data:image/png;base64,'
-                     f'{base64.b64encode(p.read_bytes()).decode()}"><figcaption>{p.name}</figcaption></figure>'
-                     for p in figures)
+    payload = json.dumps(_finite(data)).replace("</", "<\\/")  # cannot close the <script>
+    imgs = "\n".join(
+        f'<figure><img alt="{p.name}" src="data:image/png;base64,'
+        f'{base64.b64encode(p.read_bytes()).decode()}"><figcaption>{p.name}</figcaption></figure>'
+        for p in figures
+    )
     title = f"headwise analyze: {result['model']['name']}"
-    return (PAGE.replace("%%TITLE%%", _esc(title)).replace("%%DATA%%", payload).replace("%%FIGURES%%", imgs))
+    return PAGE.replace("%%TITLE%%", _esc(title)).replace("%%DATA%%", payload).replace("%%FIGURES%%", imgs)
 
 
 def _esc(s: str) -> str:

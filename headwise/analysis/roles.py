@@ -19,6 +19,7 @@ mark scores above a threshold. Every score is an average over real query rows
                     copy puts on the token that followed its first occurrence
                     (Olsson et al. 2022, "In-context learning and induction heads")
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,26 +30,42 @@ from torch import Tensor, nn
 
 from .capture import Batch, capture, from_ids, is_causal
 
-MAX_OFFSET = 8         # offsets -8..8 are scored
-LOCAL_WINDOW = 3       # "local" = within 3 tokens either side
-MIN_KEYS = 4           # rows that see fewer (non-sink) keys say nothing about breadth or reach
-THRESHOLDS = {"previous": 0.4, "next": 0.4, "offset": 0.4, "local": 0.4, "long_range": 0.6,
-              "broad": 0.75, "sink": 0.5, "induction": 0.3}
+MAX_OFFSET = 8  # offsets -8..8 are scored
+LOCAL_WINDOW = 3  # "local" = within 3 tokens either side
+MIN_KEYS = 4  # rows that see fewer (non-sink) keys say nothing about breadth or reach
+THRESHOLDS = {
+    "previous": 0.4,
+    "next": 0.4,
+    "offset": 0.4,
+    "local": 0.4,
+    "long_range": 0.6,
+    "broad": 0.75,
+    "sink": 0.5,
+    "induction": 0.3,
+}
 ROLES = tuple(THRESHOLDS)
 
 
 class PatternStats:
     """Running sums of the per-row statistics of every head, fed one layer's pattern at a time."""
 
-    SHAPES = {"offsets": (2 * MAX_OFFSET + 1,), "local": (), "sink": (), "broad": (), "long_range": (),
-              "distance": ()}     # per head
+    SHAPES = {
+        "offsets": (2 * MAX_OFFSET + 1,),
+        "local": (),
+        "sink": (),
+        "broad": (),
+        "long_range": (),
+        "distance": (),
+    }  # per head
 
     def __init__(self, heads_per_layer: Sequence[int], causal: bool):
         self.causal = causal
-        self.sums = {n: [torch.zeros(h, *s, dtype=torch.float64) for h in heads_per_layer]
-                     for n, s in self.SHAPES.items()}
-        self.counts = {n: [torch.zeros(h, *s, dtype=torch.float64) for h in heads_per_layer]
-                       for n, s in self.SHAPES.items()}
+        self.sums = {
+            n: [torch.zeros(h, *s, dtype=torch.float64) for h in heads_per_layer] for n, s in self.SHAPES.items()
+        }
+        self.counts = {
+            n: [torch.zeros(h, *s, dtype=torch.float64) for h in heads_per_layer] for n, s in self.SHAPES.items()
+        }
 
     def _acc(self, name: str, layer: int, values: Tensor, rows: Tensor) -> None:
         """values (B, h, ...) at rows (B, 1|h, ...) bool -> per-head sums and counts."""
@@ -66,22 +83,23 @@ class PatternStats:
         B, H, T, S = pattern.shape
         a = pattern.float()
         pos = torch.arange(T)
-        d = pos[None, :] - pos[:, None]                                   # (T, S): key - query offset
-        visible = valid[:, None, :] & valid[:, :, None]                   # (B, T, S)
+        d = pos[None, :] - pos[:, None]  # (T, S): key - query offset
+        visible = valid[:, None, :] & valid[:, :, None]  # (B, T, S)
         if self.causal:
             visible = visible & (d <= 0)
-        rows = valid[:, None, :]                                          # (B, 1, T)
-        n_vis = visible.sum(-1)[:, None]                                  # (B, 1, T)
+        rows = valid[:, None, :]  # (B, 1, T)
+        n_vis = visible.sum(-1)[:, None]  # (B, 1, T)
         nonsink = visible & ~sinks[:, None, :]
         n_ns = nonsink.sum(-1)[:, None]
 
         offs = torch.stack([self._at_offset(a, k) for k in range(-MAX_OFFSET, MAX_OFFSET + 1)], dim=2)
-        ok = torch.stack([self._at_offset(visible[:, None].float(), k) for k in range(-MAX_OFFSET, MAX_OFFSET + 1)],
-                         dim=2).bool()                                    # (B, 1, K, T)
-        self._acc("offsets", layer, offs, ok & rows[:, :, None])          # (B, H, K, T)
+        ok = torch.stack(
+            [self._at_offset(visible[:, None].float(), k) for k in range(-MAX_OFFSET, MAX_OFFSET + 1)], dim=2
+        ).bool()  # (B, 1, K, T)
+        self._acc("offsets", layer, offs, ok & rows[:, :, None])  # (B, H, K, T)
 
-        band = (d.abs() <= LOCAL_WINDOW)
-        local = (a * band).sum(-1) - (a * band).amax(-1)                  # beyond the strongest offset
+        band = d.abs() <= LOCAL_WINDOW
+        local = (a * band).sum(-1) - (a * band).amax(-1)  # beyond the strongest offset
         self._acc("local", layer, local, rows & (n_vis > 2))
 
         self._acc("sink", layer, (a * sinks[:, None, None, :]).sum(-1), rows & (n_ns > 0))
@@ -90,7 +108,7 @@ class PatternStats:
         self._acc("broad", layer, ent, rows & (n_vis >= MIN_KEYS))
 
         dist = d.abs().float()
-        m = (a * nonsink[:, None]).sum(-1)                                # (B, H, T) non-sink mass
+        m = (a * nonsink[:, None]).sum(-1)  # (B, H, T) non-sink mass
         reach = (a * nonsink[:, None] * dist).sum(-1) / m.clamp_min(1e-9)
         uniform = (nonsink * dist).sum(-1)[:, None] / n_ns.clamp_min(1)
         score = m * (reach / (2 * uniform.clamp_min(1e-9))).clamp(max=1.0)
@@ -100,7 +118,7 @@ class PatternStats:
     @staticmethod
     def _at_offset(a: Tensor, k: int) -> Tensor:
         """a[..., i, i + k] padded to length T with zeros -> (..., T)."""
-        diag = torch.diagonal(a, offset=k, dim1=-2, dim2=-1)             # (..., T - |k|)
+        diag = torch.diagonal(a, offset=k, dim1=-2, dim2=-1)  # (..., T - |k|)
         pad = (0, abs(k)) if k >= 0 else (abs(k), 0)
         return nn.functional.pad(diag, pad)
 
@@ -108,9 +126,10 @@ class PatternStats:
 @dataclass
 class HeadRoles:
     """Scores (L lists of (H,) tensors, one per role) and the labels they give."""
+
     scores: dict[str, list[Tensor]]
-    offset_k: list[Tensor]                       # the k behind each head's "offset" score
-    mean_distance: list[Tensor]                  # mean attention distance in tokens
+    offset_k: list[Tensor]  # the k behind each head's "offset" score
+    mean_distance: list[Tensor]  # mean attention distance in tokens
     thresholds: dict[str, float] = field(default_factory=lambda: dict(THRESHOLDS))
 
     def labels(self, layer: int, head: int) -> list[str]:
@@ -127,16 +146,24 @@ class HeadRoles:
         L = len(self.offset_k)
         return {
             "thresholds": self.thresholds,
-            "heads": [[{"labels": self.labels(l, h),
+            "heads": [
+                [
+                    {
+                        "labels": self.labels(l, h),
                         "scores": {r: round(self.score(r, l, h), 4) for r in self.scores},
                         "offset_k": int(self.offset_k[l][h]),
-                        "mean_distance": round(float(self.mean_distance[l][h]), 3)}
-                       for h in range(len(self.offset_k[l]))] for l in range(L)],
+                        "mean_distance": round(float(self.mean_distance[l][h]), 3),
+                    }
+                    for h in range(len(self.offset_k[l]))
+                ]
+                for l in range(L)
+            ],
         }
 
 
-def induction_batch(model: nn.Module, *, n: int = 32, rows: int = 4, seed: int = 0,
-                    vocab: tuple[int, int] | None = None) -> tuple[Batch, int]:
+def induction_batch(
+    model: nn.Module, *, n: int = 32, rows: int = 4, seed: int = 0, vocab: tuple[int, int] | None = None
+) -> tuple[Batch, int]:
     """Random token sequences repeated twice, framed like the model's texts ([CLS] ... [SEP]
     for BERT; nothing for SmolLM2). Tokens are distinct within a sequence, so each has one
     earlier occurrence. Returns the batch and the position where the first copy starts."""
@@ -151,7 +178,7 @@ def induction_batch(model: nn.Module, *, n: int = 32, rows: int = 4, seed: int =
     out = []
     for _ in range(rows):
         ids = []
-        while len(ids) < n:                                               # distinct, no special tokens
+        while len(ids) < n:  # distinct, no special tokens
             for t in (torch.randperm(hi - lo, generator=g)[: 2 * n] + lo).tolist():
                 if t not in special and t not in ids and len(ids) < n:
                     ids.append(t)
@@ -162,18 +189,28 @@ def induction_batch(model: nn.Module, *, n: int = 32, rows: int = 4, seed: int =
 def induction_scores(pattern: Tensor, start: int, n: int) -> Tensor:
     """(B, H, T, T) pattern on induction_batch -> (H,) mean mass from the second copy's
     token t onto the first copy's token t + 1."""
-    q = torch.arange(start + n, start + 2 * n - 1)                        # second copy, t = 0..n-2
+    q = torch.arange(start + n, start + 2 * n - 1)  # second copy, t = 0..n-2
     k = q - n + 1
     return pattern[:, :, q, k].float().mean(dim=(0, 2))
 
 
 @torch.no_grad()
-def head_roles(model: nn.Module, batches: Iterable[Batch], *, induction: bool = True, n_induction: int = 32,
-               seed: int = 0, vocab: tuple[int, int] | None = None, progress=None, hints=None) -> HeadRoles:
+def head_roles(
+    model: nn.Module,
+    batches: Iterable[Batch],
+    *,
+    induction: bool = True,
+    n_induction: int = 32,
+    seed: int = 0,
+    vocab: tuple[int, int] | None = None,
+    progress=None,
+    hints=None,
+) -> HeadRoles:
     """Score every head of `model` on `batches` (and on repeated random tokens for induction,
     drawn from ids [vocab[0], vocab[1]); default: the model's vocabulary past its first ids).
     hints: an `attribution.HintAccumulator` fed from the same forward passes."""
     from .hooks import attention_layers, heads_per_layer
+
     hpl = heads_per_layer(model)
     layers = attention_layers(model)
     stats = PatternStats(hpl, is_causal(model))
@@ -185,7 +222,7 @@ def head_roles(model: nn.Module, batches: Iterable[Batch], *, induction: bool = 
                 hints.add(l, layers[l], p, cap.v[l], batch.valid)
         if progress is not None:
             progress.update(1)
-    offs = stats.mean("offsets")                                          # (H, 2K+1) per layer
+    offs = stats.mean("offsets")  # (H, 2K+1) per layer
     K = MAX_OFFSET
     scores = {"previous": [o[:, K - 1] for o in offs], "next": [o[:, K + 1] for o in offs]}
     other = [k for k in range(-K, K + 1) if abs(k) != 1]
@@ -223,4 +260,3 @@ def role_map(roles: HeadRoles) -> list[list[str]]:
 def _margin(roles: HeadRoles, label: str, l: int, h: int) -> float:
     role = "offset" if label.startswith("offset") else label
     return roles.score(role, l, h) / roles.thresholds[role]
-

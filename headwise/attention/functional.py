@@ -1,5 +1,6 @@
 """`attend()`: the one functional entry point (`attend_kv()` for K/V a paged cache describes),
 and `explain()`: why it chose a backend."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,11 +16,22 @@ from .masks import tile_masks
 from .spec import AttentionSpec, make_spec
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = None,
-           key_padding_mask: Tensor | None = None, is_causal: bool = False,
-           window: int | tuple[int, int] | None = None, alibi_slopes: Tensor | None = None,
-           scale: float | None = None, dropout_p: float = 0.0, backend: str = "auto",
-           need_weights: bool = False, return_lse: bool = False):
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    is_causal: bool = False,
+    window: int | tuple[int, int] | None = None,
+    alibi_slopes: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+    need_weights: bool = False,
+    return_lse: bool = False,
+):
     """Scaled dot-product attention over heads, with GQA/MQA and every mask kind.
 
     Args:
@@ -49,9 +61,20 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = None,
         `AttentionOutput(out, lse, weights)` named tuple. Rows with no visible key
         give zeros (LSE -inf), never NaN.
     """
-    spec = make_spec(q, k, v, attn_mask=attn_mask, key_padding_mask=key_padding_mask,
-                     is_causal=is_causal, window=window, alibi_slopes=alibi_slopes, scale=scale,
-                     dropout_p=dropout_p, need_weights=need_weights, return_lse=return_lse)
+    spec = make_spec(
+        q,
+        k,
+        v,
+        attn_mask=attn_mask,
+        key_padding_mask=key_padding_mask,
+        is_causal=is_causal,
+        window=window,
+        alibi_slopes=alibi_slopes,
+        scale=scale,
+        dropout_p=dropout_p,
+        need_weights=need_weights,
+        return_lse=return_lse,
+    )
     fn = _select(q, k, v, spec, backend)
     res = fn(q, k, v, spec)
     if need_weights or return_lse:
@@ -62,6 +85,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = None,
 @dataclass
 class Explanation:
     """The backend `auto` picks for a request, and why each other one was passed over."""
+
     chosen: str | None
     rejected: dict[str, list[str]] = field(default_factory=dict)
 
@@ -103,8 +127,14 @@ def _reasons(b, q, k, v, spec: AttentionSpec, named: bool = False) -> list[str]:
         if b.reads == "blocks":
             return ["reads K/V in a paged cache's blocks (through a cache read), not k/v tensors"]
         if b.name == "math":
-            return [] if named else ["needs k/v tensors; backend='math' gathers a paged cache's blocks into "
-                                     "tensors first (the reference, for weights and dropout)"]
+            return (
+                []
+                if named
+                else [
+                    "needs k/v tensors; backend='math' gathers a paged cache's blocks into "
+                    "tensors first (the reference, for weights and dropout)"
+                ]
+            )
         return ["needs k/v tensors; these K/V live in a paged cache's blocks"]
     return b.check(q, k, v, spec)
 
@@ -123,10 +153,22 @@ def _select(q, k, v, spec: AttentionSpec, backend: str):
     raise ValueError("no attention backend can serve this request:\n" + str(_explain(q, k, v, spec, "auto")))
 
 
-def attend_kv(q: Tensor, kv: LayerKV, *, attn_mask: Tensor | None = None,
-              key_padding_mask: Tensor | None = None, is_causal: bool = False, kv_map: Tensor | None = None,
-              alibi_slopes: Tensor | None = None, scale: float | None = None, dropout_p: float = 0.0,
-              backend: str = "auto", need_weights: bool = False, return_lse: bool = False, window=None):
+def attend_kv(
+    q: Tensor,
+    kv: LayerKV,
+    *,
+    attn_mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    is_causal: bool = False,
+    kv_map: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+    need_weights: bool = False,
+    return_lse: bool = False,
+    window=None,
+):
     """`attend` over K/V that a cache describes instead of holding as tensors (a paged cache's
     step: `kv.LayerKV`), through the registry's backends that read blocks (`paged`).
 
@@ -136,10 +178,21 @@ def attend_kv(q: Tensor, kv: LayerKV, *, attn_mask: Tensor | None = None,
     padded key axis S = the longest sequence after this step; kv_map (H,) maps each query
     head to its KV head (uneven groups after pruning). Returns as `attend`.
     """
-    spec = paged_spec(q, kv, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
-                      kv_map=kv_map, alibi_slopes=alibi_slopes, scale=scale, dropout_p=dropout_p,
-                      need_weights=need_weights, return_lse=return_lse, window=window)
-    name = get_backend(backend).name if backend != "auto" else "auto"   # an unknown name lists the valid ones
+    spec = paged_spec(
+        q,
+        kv,
+        attn_mask=attn_mask,
+        key_padding_mask=key_padding_mask,
+        is_causal=is_causal,
+        kv_map=kv_map,
+        alibi_slopes=alibi_slopes,
+        scale=scale,
+        dropout_p=dropout_p,
+        need_weights=need_weights,
+        return_lse=return_lse,
+        window=window,
+    )
+    name = get_backend(backend).name if backend != "auto" else "auto"  # an unknown name lists the valid ones
     if name == "math":
         res = paged_reference(q, kv, spec)
     else:
@@ -150,8 +203,15 @@ def attend_kv(q: Tensor, kv: LayerKV, *, attn_mask: Tensor | None = None,
     return res.out
 
 
-def weights_from_lse(q: Tensor, k: Tensor, lse: Tensor, *, heads: Sequence[int] | Tensor | None = None,
-                     queries: Sequence[int] | Tensor | slice | None = None, **mask_kwargs) -> Tensor:
+def weights_from_lse(
+    q: Tensor,
+    k: Tensor,
+    lse: Tensor,
+    *,
+    heads: Sequence[int] | Tensor | None = None,
+    queries: Sequence[int] | Tensor | slice | None = None,
+    **mask_kwargs,
+) -> Tensor:
     """Rebuild exact attention rows from a fused backend's LSE: w_ij = exp(s_ij - lse_i).
 
     Pass the same mask arguments (attn_mask, key_padding_mask, is_causal, window,
@@ -169,9 +229,9 @@ def weights_from_lse(q: Tensor, k: Tensor, lse: Tensor, *, heads: Sequence[int] 
     heads = heads.to(q.device)
     if ((heads < 0) | (heads >= H)).any():
         raise ValueError(f"heads must be in [0, {H}), got {heads.tolist()}")
-    qs = q.index_select(1, heads)[:, :, queries].float()              # (B, h, t, D)
-    ks = k.index_select(1, heads // spec.G).float()                    # (B, h, S, D): chosen heads only
-    s = (qs @ ks.transpose(-2, -1)) * spec.scale                       # (B, h, t, S)
+    qs = q.index_select(1, heads)[:, :, queries].float()  # (B, h, t, D)
+    ks = k.index_select(1, heads // spec.G).float()  # (B, h, S, D): chosen heads only
+    s = (qs @ ks.transpose(-2, -1)) * spec.scale  # (B, h, t, S)
     allowed, bias = tile_masks(spec, 0, T, 0, spec.S, q.device)
     if bias is not None:
         s = s + _rows(bias, heads, queries)

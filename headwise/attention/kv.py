@@ -19,6 +19,7 @@ become G*T rows against that one head, so K/V are never copied per query head:
     fold_heads(q, Hkv)      (B, H, T, D)      -> (B, Hkv, G*T, D)    head h = kv * G + g
     unfold_heads(o, H)      (B, Hkv, G*T, D)  -> (B, H, T, D)
 """
+
 from __future__ import annotations
 
 import functools
@@ -70,6 +71,7 @@ class LayerKVCache(Protocol):
 class Tile(NamedTuple):
     """A tile of the key axis: positions [k0, k1), from blocks [first, first + count) of
     the pool (a view; batch of one) or gathered by `index` ((B * count,) block ids)."""
+
     k0: int
     k1: int
     first: int
@@ -79,6 +81,7 @@ class Tile(NamedTuple):
 
 class TileGroup(NamedTuple):
     """Batch rows that read the same tiles (all of them, or one sequence)."""
+
     rows: slice
     segments: list[Tile]
 
@@ -98,6 +101,7 @@ class BlockReads:
         kv_dtype                None or "int8" (tiles are dequantized when read)
         mask_memo               dict the backend fills with per-step tile masks
     """
+
     B: int
     T: int
     S: int
@@ -113,8 +117,9 @@ class BlockReads:
     kv_dtype: str | None
     mask_memo: dict
 
-    def read_tile(self, layer: int, tile: Tile, B: int, dtype: torch.dtype,
-                  scratch: bool = True) -> tuple[Tensor, Tensor]:
+    def read_tile(
+        self, layer: int, tile: Tile, B: int, dtype: torch.dtype, scratch: bool = True
+    ) -> tuple[Tensor, Tensor]:
         """K and V of one tile in `layer`, (B, Hkv, k1 - k0, D): a view, or one gather per plane
         (scratch: into buffers the cache reuses, valid until the next call)."""
         raise NotImplementedError
@@ -126,18 +131,19 @@ class BlockReads:
 
     @functools.cached_property
     def ends_t(self) -> Tensor:
-        return torch.tensor(self.ends, device=self.device)      # (B,) keys per sequence
+        return torch.tensor(self.ends, device=self.device)  # (B,) keys per sequence
 
 
 class RegionGrid(NamedTuple):
     """Regions r0 .. r0 + count - 1 of the pool seen as a batch of `count` sequences of `width`
     keys; row j of the part is region r0 + slot[j], with lengths[j] keys."""
+
     r0: int
     count: int
     width: int
     slot: list[int]
     lengths: list[int]
-    gather: Tensor | None         # (rows,) region slot of each row; None when row j is slot j
+    gather: Tensor | None  # (rows,) region slot of each row; None when row j is slot j
 
 
 class PackedPart(NamedTuple):
@@ -148,10 +154,11 @@ class PackedPart(NamedTuple):
         each one's (first slot, number of keys), read in place as views of the pool;
     "regions": one row per sequence that starts a region of the pool and fits in it: all
         read by one kernel call on one strided view (`grid`)."""
+
     kind: str
     start: int
     stop: int
-    index: Tensor | None          # rows that are not contiguous in the pack: their (n,) positions
+    index: Tensor | None  # rows that are not contiguous in the pack: their (n,) positions
     reads: BlockReads | None
     spans: list[tuple[int, int]] | None
     grid: RegionGrid | None = None
@@ -167,6 +174,7 @@ class PackedReads:
         mask_memo               dict the backend fills with per-step masks
     (int8 pools plan no "runs"/"regions": their tiles must be dequantized, not viewed)
     """
+
     N: int
     parts: list[PackedPart]
     num_kv_heads: int
@@ -190,5 +198,6 @@ class PackedReads:
 
 class LayerKV(NamedTuple):
     """One layer's K/V as a cache describes them: what `attend_kv` and the paged backend take."""
+
     reads: BlockReads | PackedReads
     layer: int

@@ -8,6 +8,7 @@ mask kind and cache works here unchanged.
 Parameters (no bias): C*H*D (Q) + 2*C*Hkv*D (K, V) + H*D*C (O). For MHA with
 H*D = C that is the seed's 4*C^2; for GQA it is 2*C^2 + 2*C^2*Hkv/H.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -43,11 +44,23 @@ class MultiHeadAttention(nn.Module):
     (the opposite of `nn.MultiheadAttention`); key_padding_mask is True at padding.
     """
 
-    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int | None = None,
-                 head_dim: int | None = None, bias: bool = False, dropout: float = 0.0,
-                 rope: RotaryEmbedding | bool | None = None, backend: str = "auto",
-                 kdim: int | None = None, vdim: int | None = None, alibi: bool = False,
-                 out_bias: bool | None = None, device=None, dtype=None):
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        bias: bool = False,
+        dropout: float = 0.0,
+        rope: RotaryEmbedding | bool | None = None,
+        backend: str = "auto",
+        kdim: int | None = None,
+        vdim: int | None = None,
+        alibi: bool = False,
+        out_bias: bool | None = None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads < 1 or num_kv_heads < 1:
@@ -56,8 +69,9 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}")
         if head_dim is None:
             if d_model % num_heads:
-                raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}; "
-                                 f"pass head_dim explicitly")
+                raise ValueError(
+                    f"d_model={d_model} is not divisible by num_heads={num_heads}; pass head_dim explicitly"
+                )
             head_dim = d_model // num_heads
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
@@ -69,7 +83,7 @@ class MultiHeadAttention(nn.Module):
         H, Hkv, D = num_heads, num_kv_heads, head_dim
         self.fused = self.kdim == d_model and self.vdim == d_model
         if self.fused:
-            self.qkv_proj = nn.Linear(d_model, (H + 2 * Hkv) * D, bias=bias, **kw)   # rows: [Q | K | V]
+            self.qkv_proj = nn.Linear(d_model, (H + 2 * Hkv) * D, bias=bias, **kw)  # rows: [Q | K | V]
         else:
             self.q_proj = nn.Linear(d_model, H * D, bias=bias, **kw)
             self.k_proj = nn.Linear(self.kdim, Hkv * D, bias=bias, **kw)
@@ -82,18 +96,28 @@ class MultiHeadAttention(nn.Module):
             self.alibi_slopes = None
         # After uneven GQA pruning, query head h reads KV head kv_map[h]; None = uniform groups.
         self.register_buffer("kv_map", None, persistent=False)
-        self.head_ids = list(range(H))    # original index of each remaining query head
+        self.head_ids = list(range(H))  # original index of each remaining query head
         self.original_num_heads = H
         # Analysis capture point (headwise.analysis.hooks installs it for one run, then removes
         # it): sees q, k, v, the LSE and the per-head outputs, may replace the latter. None = no cost.
         self.hook = None
 
     # ------------------------------------------------------------------ forward
-    def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
-                attn_mask: Tensor | None = None, key_padding_mask: Tensor | None = None,
-                is_causal: bool = False, need_weights: bool = False,
-                cache: LayerKVCache | None = None, head_mask: Tensor | None = None,
-                rope_cos_sin: tuple[Tensor, Tensor] | None = None, num_new: Tensor | None = None):
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        attn_mask: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        is_causal: bool = False,
+        need_weights: bool = False,
+        cache: LayerKVCache | None = None,
+        head_mask: Tensor | None = None,
+        rope_cos_sin: tuple[Tensor, Tensor] | None = None,
+        num_new: Tensor | None = None,
+    ):
         """query (B, T, C); key (B, S, kdim), value (B, S, vdim) default to query.
 
         attn_mask: (T, S), (B*H, T, S) as in nn.MultiheadAttention, or anything
@@ -113,28 +137,36 @@ class MultiHeadAttention(nn.Module):
         value = key if value is None else value
         self_attn = key is query and value is query
         if key.dim() != 3 or value.dim() != 3 or key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
-            raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must be (B, S, dim) "
-                             f"with the query's batch {query.shape[0]}")
+            raise ValueError(
+                f"key {tuple(key.shape)} and value {tuple(value.shape)} must be (B, S, dim) "
+                f"with the query's batch {query.shape[0]}"
+            )
         B, T, _ = query.shape
         S_new = key.shape[1]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
 
         q, k, v = self._project(query, key, value, self_attn)
-        q = q.view(B, T, H, D).transpose(1, 2)                  # (B, H, T, D)
-        k = k.view(B, S_new, Hkv, D).transpose(1, 2)            # (B, Hkv, S, D)
-        v = v.view(B, S_new, Hkv, D).transpose(1, 2)            # (B, Hkv, S, D)
+        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, S_new, Hkv, D).transpose(1, 2)  # (B, Hkv, S, D)
+        v = v.view(B, S_new, Hkv, D).transpose(1, 2)  # (B, Hkv, S, D)
 
         if attn_mask is not None and attn_mask.dim() == 3 and attn_mask.shape[0] == B * H and B * H != 1:
-            attn_mask = attn_mask.view(B, H, *attn_mask.shape[1:])    # nn.MultiheadAttention's (B*H, T, S)
+            attn_mask = attn_mask.view(B, H, *attn_mask.shape[1:])  # nn.MultiheadAttention's (B*H, T, S)
         hook = self.hook
-        kwargs = dict(attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
-                      alibi_slopes=self.alibi_slopes, dropout_p=self.dropout if self.training else 0.0,
-                      backend="math" if need_weights else self.backend, need_weights=need_weights,
-                      return_lse=hook is not None and hook.wants_lse)
+        kwargs = dict(
+            attn_mask=attn_mask,
+            key_padding_mask=key_padding_mask,
+            is_causal=is_causal,
+            alibi_slopes=self.alibi_slopes,
+            dropout_p=self.dropout if self.training else 0.0,
+            backend="math" if need_weights else self.backend,
+            need_weights=need_weights,
+            return_lse=hook is not None and hook.wants_lse,
+        )
         if cache is not None:
             if not self_attn:
                 raise ValueError("cache= is for self-attention; cross-attention K/V can be computed once")
-            if key_padding_mask is not None:     # with a cache it marks padding among the T new tokens
+            if key_padding_mask is not None:  # with a cache it marks padding among the T new tokens
                 if num_new is not None:
                     raise ValueError("pass num_new or key_padding_mask with cache=, not both")
                 num_new = right_padding_lengths(key_padding_mask, B, T)
@@ -143,35 +175,47 @@ class MultiHeadAttention(nn.Module):
                 cs = rope_cos_sin if rope_cos_sin is not None else self.rope.cos_sin(cache.positions(T))
                 q, k = self.rope(q, cos_sin=cs), self.rope(k, cos_sin=cs)
         elif num_new is not None:
-            raise ValueError("num_new counts the real new tokens written to a cache; without cache= "
-                             "mark padding with key_padding_mask")
+            raise ValueError(
+                "num_new counts the real new tokens written to a cache; without cache= "
+                "mark padding with key_padding_mask"
+            )
         elif self.rope is not None and rope_cos_sin is not None:
             if k.shape[2] != T:
-                raise ValueError(f"rope_cos_sin covers the {T} query tokens but there are {k.shape[2]} keys; "
-                                 f"it is for self-attention")
+                raise ValueError(
+                    f"rope_cos_sin covers the {T} query tokens but there are {k.shape[2]} keys; "
+                    f"it is for self-attention"
+                )
             q, k = self.rope(q, cos_sin=rope_cos_sin), self.rope(k, cos_sin=rope_cos_sin)
         elif self.rope is not None:
             S = k.shape[2]
-            q = self.rope(q, torch.arange(S - T, S, device=q.device))   # bottom-right, as causal masks
+            q = self.rope(q, torch.arange(S - T, S, device=q.device))  # bottom-right, as causal masks
             k = self.rope(k, torch.arange(S, device=k.device))
         res = self.attend_heads(q, k, v, cache, num_new, kwargs)
-        out, weights = (res.out, res.weights) if isinstance(res, tuple) else (res, None)   # out: (B, H, T, D)
-        if hook is not None:    # k, v: what attend() saw; with a cache only the new ones, so not passed
-            out = hook(self, q, *((k, v) if cache is None else (None, None)), out,
-                       res.lse if isinstance(res, tuple) else None, weights, kwargs)
+        out, weights = (res.out, res.weights) if isinstance(res, tuple) else (res, None)  # out: (B, H, T, D)
+        if hook is not None:  # k, v: what attend() saw; with a cache only the new ones, so not passed
+            out = hook(
+                self,
+                q,
+                *((k, v) if cache is None else (None, None)),
+                out,
+                res.lse if isinstance(res, tuple) else None,
+                weights,
+                kwargs,
+            )
         if head_mask is not None:
             out = out * _head_multiplier(head_mask, B, H).to(out.dtype)
-        out = self.out_proj(out.transpose(1, 2).reshape(B, T, H * D))    # (B, T, C)
+        out = self.out_proj(out.transpose(1, 2).reshape(B, T, H * D))  # (B, T, C)
         return (out, weights) if need_weights else out
 
-    def attend_heads(self, q: Tensor, k: Tensor, v: Tensor, cache: LayerKVCache | None, num_new: Tensor | None,
-                     kwargs: dict):
+    def attend_heads(
+        self, q: Tensor, k: Tensor, v: Tensor, cache: LayerKVCache | None, num_new: Tensor | None, kwargs: dict
+    ):
         """Heads in, heads out: q (B, H, T, D) and this step's k, v (B, Hkv, T|S, D), rotated already,
         written to `cache` (if any) and attended through it or directly (`attend` kwargs). The
         general forward and the decoder block's few-rows route both end here."""
         if cache is not None:
             return cache.update(k, v, num_new).attend(q, kv_map=self.kv_map, **kwargs)
-        if self.kv_map is not None:         # uneven groups after pruning: give each query head its K/V
+        if self.kv_map is not None:  # uneven groups after pruning: give each query head its K/V
             k, v = k.index_select(1, self.kv_map), v.index_select(1, self.kv_map)
         return attend(q, k, v, **kwargs)
 
@@ -181,13 +225,13 @@ class MultiHeadAttention(nn.Module):
         if not self.fused:
             return self.q_proj(query), self.k_proj(key), self.v_proj(value)
         if self_attn:
-            return self.qkv_proj(query).split(sizes, dim=-1)               # one matmul
+            return self.qkv_proj(query).split(sizes, dim=-1)  # one matmul
         w = self.qkv_proj.weight.split(sizes, dim=0)
         b = self.qkv_proj.bias.split(sizes, dim=0) if self.qkv_proj.bias is not None else (None,) * 3
         q = F.linear(query, w[0], b[0])
-        if key is value:                                                   # one matmul for K and V
-            wkv = self.qkv_proj.weight[H * D:]
-            bkv = self.qkv_proj.bias[H * D:] if self.qkv_proj.bias is not None else None
+        if key is value:  # one matmul for K and V
+            wkv = self.qkv_proj.weight[H * D :]
+            bkv = self.qkv_proj.bias[H * D :] if self.qkv_proj.bias is not None else None
             k, v = F.linear(key, wkv, bkv).split(sizes[1:], dim=-1)
             return q, k, v
         return q, F.linear(key, w[1], b[1]), F.linear(value, w[2], b[2])
@@ -225,14 +269,17 @@ class MultiHeadAttention(nn.Module):
         names = ("w_q", "w_k", "w_v", "w_o")
         for name, src, dst in zip(names, ws, self.projection_weights()):
             if tuple(src.shape) != tuple(dst.shape):
-                raise ValueError(f"{name} has shape {tuple(src.shape)} but this layer needs {tuple(dst.shape)} "
-                                 f"(H={self.num_heads}, Hkv={self.num_kv_heads}, D={self.head_dim}, "
-                                 f"C={self.d_model})")
+                raise ValueError(
+                    f"{name} has shape {tuple(src.shape)} but this layer needs {tuple(dst.shape)} "
+                    f"(H={self.num_heads}, Hkv={self.num_kv_heads}, D={self.head_dim}, "
+                    f"C={self.d_model})"
+                )
             dst.copy_(src)
         for name, src, dst in zip(("b_q", "b_k", "b_v", "b_o"), bs, self.projection_biases()):
             if (src is None) != (dst is None):
-                raise ValueError(f"{name}: the layer has bias={self.bias} but {name} is "
-                                 f"{'missing' if src is None else 'given'}")
+                raise ValueError(
+                    f"{name}: the layer has bias={self.bias} but {name} is {'missing' if src is None else 'given'}"
+                )
             if src is not None:
                 if src.shape != dst.shape:
                     raise ValueError(f"{name} has shape {tuple(src.shape)} but this layer needs {tuple(dst.shape)}")
@@ -246,8 +293,17 @@ class MultiHeadAttention(nn.Module):
         if mha.bias_k is not None or mha.add_zero_attn:
             raise ValueError("nn.MultiheadAttention with add_bias_kv or add_zero_attn has no headwise equivalent")
         ref = mha.out_proj.weight
-        layer = cls(mha.embed_dim, mha.num_heads, bias=mha.in_proj_bias is not None, dropout=mha.dropout,
-                    backend=backend, kdim=mha.kdim, vdim=mha.vdim, device=ref.device, dtype=ref.dtype)
+        layer = cls(
+            mha.embed_dim,
+            mha.num_heads,
+            bias=mha.in_proj_bias is not None,
+            dropout=mha.dropout,
+            backend=backend,
+            kdim=mha.kdim,
+            vdim=mha.vdim,
+            device=ref.device,
+            dtype=ref.dtype,
+        )
         if mha._qkv_same_embed_dim:
             w_q, w_k, w_v = mha.in_proj_weight.chunk(3, dim=0)
         else:
@@ -271,9 +327,17 @@ class MultiHeadAttention(nn.Module):
             raise ValueError("nn.MultiheadAttention cannot represent this layer: " + "; ".join(why))
         w_q, w_k, w_v, w_o = self.projection_weights()
         b_q, b_k, b_v, b_o = self.projection_biases()
-        mha = nn.MultiheadAttention(self.d_model, self.num_heads, dropout=self.dropout, bias=self.bias,
-                                    kdim=self.kdim, vdim=self.vdim, batch_first=True,
-                                    device=w_o.device, dtype=w_o.dtype)
+        mha = nn.MultiheadAttention(
+            self.d_model,
+            self.num_heads,
+            dropout=self.dropout,
+            bias=self.bias,
+            kdim=self.kdim,
+            vdim=self.vdim,
+            batch_first=True,
+            device=w_o.device,
+            dtype=w_o.dtype,
+        )
         if mha._qkv_same_embed_dim:
             mha.in_proj_weight.copy_(torch.cat([w_q, w_k, w_v]))
         else:
@@ -293,9 +357,11 @@ class MultiHeadAttention(nn.Module):
         heads = set(int(h) for h in heads)
         out_of_range = sorted(h for h in heads if not 0 <= h < self.original_num_heads)
         if out_of_range:
-            raise ValueError(f"head indices {out_of_range} are out of range: this layer was built "
-                             f"with {self.original_num_heads} heads")
-        keep = [i for i, h in enumerate(self.head_ids) if h not in heads]   # positions of kept query heads
+            raise ValueError(
+                f"head indices {out_of_range} are out of range: this layer was built "
+                f"with {self.original_num_heads} heads"
+            )
+        keep = [i for i, h in enumerate(self.head_ids) if h not in heads]  # positions of kept query heads
         if not keep:
             raise ValueError(f"pruning {sorted(heads)} would remove every head of this layer")
         if len(keep) == self.num_heads:
@@ -306,7 +372,7 @@ class MultiHeadAttention(nn.Module):
         new_kv = {kv: j for j, kv in enumerate(keep_kv)}
         kv_map = [new_kv[kv_of[i]] for i in keep]
 
-        def rows(idx):   # weight rows of heads `idx`
+        def rows(idx):  # weight rows of heads `idx`
             return torch.cat([torch.arange(h * D, (h + 1) * D) for h in idx])
 
         q_rows, kv_rows = rows(keep), rows(keep_kv)
@@ -334,9 +400,11 @@ class MultiHeadAttention(nn.Module):
 
     def extra_repr(self) -> str:
         kind = "MHA" if self.num_kv_heads == self.num_heads else ("MQA" if self.num_kv_heads == 1 else "GQA")
-        return (f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, {kind}, backend={self.backend!r}"
-                + (", uneven groups" if self.kv_map is not None else ""))
+        return (
+            f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, {kind}, backend={self.backend!r}"
+            + (", uneven groups" if self.kv_map is not None else "")
+        )
 
 
 def _linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:

@@ -7,6 +7,7 @@ position, so q_m . k_n depends only on m - n. Two layouts exist in the wild:
 Scaling variants (linear, NTK, llama3) change only `inv_freq`; the models issue
 adds them.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,7 @@ from torch import Tensor, nn
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, dim: int, base: float = 10000.0, interleaved: bool = False,
-                 inv_freq: Tensor | None = None):
+    def __init__(self, dim: int, base: float = 10000.0, interleaved: bool = False, inv_freq: Tensor | None = None):
         super().__init__()
         if dim % 2:
             raise ValueError(f"rotary dim must be even, got {dim}")
@@ -33,12 +33,13 @@ class RotaryEmbedding(nn.Module):
         (dynamic NTK) override this.
         """
         if positions.dim() == 1:
-            positions = positions[None]                                  # (1, T)
-        angles = positions[:, None, :, None].float() * self.inv_freq    # (B|1, 1, T, dim/2)
+            positions = positions[None]  # (1, T)
+        angles = positions[:, None, :, None].float() * self.inv_freq  # (B|1, 1, T, dim/2)
         return angles.cos(), angles.sin()
 
-    def forward(self, x: Tensor, positions: Tensor | None = None, *,
-                cos_sin: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, positions: Tensor | None = None, *, cos_sin: tuple[Tensor, Tensor] | None = None
+    ) -> Tensor:
         """Rotate the first `dim` channels of x (B, H, T, D) at positions (T,) or (B, T),
         or by a precomputed `cos_sin` (from `self.cos_sin(positions)`)."""
         T = x.shape[-2]
@@ -51,7 +52,7 @@ class RotaryEmbedding(nn.Module):
         cos, sin = cos_sin
         if cos.shape[-2] != T:
             raise ValueError(f"cos_sin covers {cos.shape[-2]} positions but x has {T} tokens")
-        rot, rest = x[..., : self.dim].float(), x[..., self.dim:]
+        rot, rest = x[..., : self.dim].float(), x[..., self.dim :]
         if self.interleaved:
             x1, x2 = rot[..., 0::2], rot[..., 1::2]
             rot = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)

@@ -11,6 +11,7 @@ Query row i sits at absolute position S - T + i ("bottom-right" alignment), so a
 causal call with T new tokens against S cached keys is right for decoding and
 chunked prefill.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,8 +23,8 @@ from torch import Tensor
 
 
 class AttentionOutput(NamedTuple):
-    out: Tensor                   # (B, H, T, Dv)
-    lse: Tensor | None = None     # (B, H, T) fp32 log-sum-exp of the scaled, masked scores; -inf on fully masked rows
+    out: Tensor  # (B, H, T, Dv)
+    lse: Tensor | None = None  # (B, H, T) fp32 log-sum-exp of the scaled, masked scores; -inf on fully masked rows
     weights: Tensor | None = None  # (B, H, T, S) softmax weights (math backend only)
 
 
@@ -36,15 +37,15 @@ class AttentionSpec:
     S: int
     D: int
     scale: float
-    attn_mask: Tensor | None = None          # (B|1, H|1, T, S): bool (True = may attend) or float (added)
-    key_padding_mask: Tensor | None = None   # (B, S) bool, True = padded key (ignored)
+    attn_mask: Tensor | None = None  # (B|1, H|1, T, S): bool (True = may attend) or float (added)
+    key_padding_mask: Tensor | None = None  # (B, S) bool, True = padded key (ignored)
     is_causal: bool = False
-    window: tuple[int, int] | None = None    # (left, right): keys in [p - left, p + right] are visible
-    alibi_slopes: Tensor | None = None       # (B|1, H) fp32
+    window: tuple[int, int] | None = None  # (left, right): keys in [p - left, p + right] are visible
+    alibi_slopes: Tensor | None = None  # (B|1, H) fp32
     dropout_p: float = 0.0
     need_weights: bool = False
     return_lse: bool = False
-    kv_map: Tensor | None = None             # (H,) KV head of each query head (uneven groups); paged reads only
+    kv_map: Tensor | None = None  # (H,) KV head of each query head (uneven groups); paged reads only
 
     @property
     def G(self) -> int:
@@ -58,17 +59,30 @@ class AttentionSpec:
 
     @property
     def has_mask(self) -> bool:
-        return (self.attn_mask is not None or self.key_padding_mask is not None
-                or self.is_causal or self.window is not None)
+        return (
+            self.attn_mask is not None or self.key_padding_mask is not None or self.is_causal or self.window is not None
+        )
 
 
 def _shape(t: Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
-def make_spec(q: Tensor, k: Tensor, v: Tensor, *, attn_mask=None, key_padding_mask=None,
-              is_causal=False, window=None, alibi_slopes=None, scale=None, dropout_p=0.0,
-              need_weights=False, return_lse=False) -> AttentionSpec:
+def make_spec(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask=None,
+    key_padding_mask=None,
+    is_causal=False,
+    window=None,
+    alibi_slopes=None,
+    scale=None,
+    dropout_p=0.0,
+    need_weights=False,
+    return_lse=False,
+) -> AttentionSpec:
     """Check shapes and options once; every error names the shapes involved."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
@@ -99,8 +113,10 @@ def make_spec(q: Tensor, k: Tensor, v: Tensor, *, attn_mask=None, key_padding_ma
         attn_mask = _check_attn_mask(attn_mask, B, H, T, S, q)
     if key_padding_mask is not None:
         if _shape(key_padding_mask) != (B, S):
-            raise ValueError(f"key_padding_mask has shape {_shape(key_padding_mask)} but must be "
-                             f"(B, S) = ({B}, {S}): batch {B}, keys of length {S}")
+            raise ValueError(
+                f"key_padding_mask has shape {_shape(key_padding_mask)} but must be "
+                f"(B, S) = ({B}, {S}): batch {B}, keys of length {S}"
+            )
         if key_padding_mask.dtype != torch.bool:
             raise TypeError(f"key_padding_mask must be bool (True = padded key), got {key_padding_mask.dtype}")
     if window is not None:
@@ -111,20 +127,39 @@ def make_spec(q: Tensor, k: Tensor, v: Tensor, *, attn_mask=None, key_padding_ma
         if alibi_slopes.dim() != 2 or alibi_slopes.shape[0] not in (1, B) or alibi_slopes.shape[1] != H:
             raise ValueError(f"alibi_slopes must be (H,) or (B, H) = ({B}, {H}), got {_shape(alibi_slopes)}")
         alibi_slopes = alibi_slopes.to(device=q.device, dtype=torch.float32)
-    return AttentionSpec(B, H, Hkv, T, S, D, float(scale), attn_mask, key_padding_mask, bool(is_causal),
-                         window, alibi_slopes, float(dropout_p), bool(need_weights), bool(return_lse))
+    return AttentionSpec(
+        B,
+        H,
+        Hkv,
+        T,
+        S,
+        D,
+        float(scale),
+        attn_mask,
+        key_padding_mask,
+        bool(is_causal),
+        window,
+        alibi_slopes,
+        float(dropout_p),
+        bool(need_weights),
+        bool(return_lse),
+    )
 
 
 def _check_attn_mask(mask: Tensor, B: int, H: int, T: int, S: int, q: Tensor) -> Tensor:
     """Accept any mask that broadcasts to (B, H, T, S) dim by dim (each dim 1 or exact)."""
     if mask.dim() < 2 or mask.dim() > 4:
-        raise ValueError(f"attn_mask must have 2 to 4 dims broadcastable to (B, H, T, S) = "
-                         f"({B}, {H}, {T}, {S}), got shape {_shape(mask)}")
+        raise ValueError(
+            f"attn_mask must have 2 to 4 dims broadcastable to (B, H, T, S) = "
+            f"({B}, {H}, {T}, {S}), got shape {_shape(mask)}"
+        )
     m4 = mask.reshape((1,) * (4 - mask.dim()) + _shape(mask))
     for got, want, dim in zip(m4.shape, (B, H, T, S), "BHTS"):
         if got not in (1, want):
-            raise ValueError(f"attn_mask has shape {_shape(mask)}, which does not broadcast to "
-                             f"(B, H, T, S) = ({B}, {H}, {T}, {S}): dim {dim} is {got}, expected 1 or {want}")
+            raise ValueError(
+                f"attn_mask has shape {_shape(mask)}, which does not broadcast to "
+                f"(B, H, T, S) = ({B}, {H}, {T}, {S}): dim {dim} is {got}, expected 1 or {want}"
+            )
     if m4.shape[2] != T or m4.shape[3] != S:
         # Broadcasting over queries/keys is legal but almost always a bug; be strict.
         raise ValueError(f"attn_mask has shape {_shape(mask)} but queries x keys is {T} x {S}")

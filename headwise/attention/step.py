@@ -23,6 +23,7 @@ the few-rows route's rotation matrices) are made once per step and memoized here
     step = cache.step(T)                                    # after earlier steps filled the cache
     logits = model(input_ids, step)                         # (B, T, V)
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -33,6 +34,7 @@ from torch import Tensor
 
 class Step:
     """Per-step metadata; see the module docstring. Subclasses (cache steps) set the fields."""
+
     input_positions: Tensor
     num_real: Tensor | None = None
     key_padding_mask: Tensor | None = None
@@ -69,11 +71,11 @@ class Step:
         key = ("rotation", id(rope))
         R = self.memo.get(key)
         if R is None:
-            pos = self.input_positions                                             # (B, T)
-            if pos.shape[0] > 1 and pos.stride(0) == 0:                            # one arange, expanded
+            pos = self.input_positions  # (B, T)
+            if pos.shape[0] > 1 and pos.stride(0) == 0:  # one arange, expanded
                 pos = pos[:1]
-            cos, sin = rope.cos_sin(pos)                                           # (B|1, 1, T, D/2)
-            c, s = cos[:, 0], sin[:, 0]                                            # (B|1, T, D/2)
+            cos, sin = rope.cos_sin(pos)  # (B|1, 1, T, D/2)
+            c, s = cos[:, 0], sin[:, 0]  # (B|1, T, D/2)
             Bp, T, h = c.shape
             R = torch.zeros(Bp, T, 2 * h, 2 * h, dtype=c.dtype, device=c.device)  # (B|1, T, D, D)
             i = torch.arange(h, device=c.device)
@@ -82,7 +84,7 @@ class Step:
             R[:, :, i + h, i] = -s
             R[:, :, i, i + h] = s
             if Bp == T == 1:
-                R = R[0, 0]                                                       # (D, D): a plain mm
+                R = R[0, 0]  # (D, D): a plain mm
             self.memo[key] = R
         return R
 
@@ -91,10 +93,11 @@ class PlainStep(Step):
     """A forward without a cache: positions 0..T-1 (whatever the padding, as HF without
     position_ids); key_padding_mask marks padded tokens."""
 
-    def __init__(self, B: int, T: int, device, key_padding_mask: Tensor | None = None,
-                 logits_indices: Tensor | None = None):
+    def __init__(
+        self, B: int, T: int, device, key_padding_mask: Tensor | None = None, logits_indices: Tensor | None = None
+    ):
         self.B, self.T = B, T
-        self.input_positions = torch.arange(T, device=device)[None].expand(B, T)      # (B, T)
+        self.input_positions = torch.arange(T, device=device)[None].expand(B, T)  # (B, T)
         self.key_padding_mask, self.logits_indices = key_padding_mask, logits_indices
 
 
@@ -103,10 +106,15 @@ class CacheStep(Step):
     batch is sequence b; its T new tokens follow what the cache holds. `layers(i)` gives
     layer i's cache; positions are layer 0's (every layer agrees at the start of a step)."""
 
-    def __init__(self, layers: Callable[[int], object], T: int, num_real: Tensor | None = None,
-                 logits_indices: Tensor | None = None):
+    def __init__(
+        self,
+        layers: Callable[[int], object],
+        T: int,
+        num_real: Tensor | None = None,
+        logits_indices: Tensor | None = None,
+    ):
         self._layers, self.T = layers, T
-        self.input_positions = layers(0).positions(T)                                 # (B, T)
+        self.input_positions = layers(0).positions(T)  # (B, T)
         self.B = self.input_positions.shape[0]
         self.num_real, self.logits_indices = num_real, logits_indices
 
@@ -117,13 +125,16 @@ class CacheStep(Step):
 def right_padding_lengths(key_padding_mask: Tensor, B: int, T: int) -> Tensor:
     """(B,) real-token counts from a right-padded (B, T) mask (True = padding)."""
     if tuple(key_padding_mask.shape) != (B, T):
-        raise ValueError(f"with a cache, the padding mask marks padding among the new tokens and must be "
-                         f"(B, T) = ({B}, {T}), got {tuple(key_padding_mask.shape)}")
+        raise ValueError(
+            f"with a cache, the padding mask marks padding among the new tokens and must be "
+            f"(B, T) = ({B}, {T}), got {tuple(key_padding_mask.shape)}"
+        )
     num_new = (~key_padding_mask).sum(dim=1)
     expected = torch.arange(T, device=key_padding_mask.device)[None, :] >= num_new[:, None]
     if not torch.equal(expected, key_padding_mask):
-        raise ValueError("with a cache, padding among the new tokens must be on the right "
-                         "(each row: real tokens, then padding)")
+        raise ValueError(
+            "with a cache, padding among the new tokens must be on the right (each row: real tokens, then padding)"
+        )
     return num_new
 
 
@@ -133,12 +144,13 @@ def check_logits_indices(idx, B: int, T: int, device) -> Tensor | None:
         return None
     idx = torch.as_tensor(idx, device=device)
     if idx.dim() != 1 or idx.is_floating_point() or idx.dtype == torch.bool or idx.numel() == 0:
-        raise ValueError(f"logits_indices must be a non-empty 1-D tensor of row indices b * T + t, "
-                         f"got {tuple(idx.shape)} {idx.dtype}")
+        raise ValueError(
+            f"logits_indices must be a non-empty 1-D tensor of row indices b * T + t, "
+            f"got {tuple(idx.shape)} {idx.dtype}"
+        )
     lo, hi = int(idx.min()), int(idx.max())
     if lo < 0 or hi >= B * T:
-        raise ValueError(f"logits_indices must be in [0, B*T = {B * T}) for B={B}, T={T}; got values in "
-                         f"[{lo}, {hi}]")
+        raise ValueError(f"logits_indices must be in [0, B*T = {B * T}) for B={B}, T={T}; got values in [{lo}, {hi}]")
     return idx.long()
 
 
@@ -147,8 +159,9 @@ def padding_mask(attention_mask: Tensor | None, B: int, T: int) -> Tensor | None
     if attention_mask is None:
         return None
     if tuple(attention_mask.shape) != (B, T):
-        raise ValueError(f"attention_mask must be (B, T) = ({B}, {T}) like input_ids, "
-                         f"got {tuple(attention_mask.shape)}")
+        raise ValueError(
+            f"attention_mask must be (B, T) = ({B}, {T}) like input_ids, got {tuple(attention_mask.shape)}"
+        )
     return attention_mask == 0
 
 
@@ -161,11 +174,15 @@ def make_step(step: Step | None, cache, attention_mask: Tensor | None, B: int, T
         step, cache = cache, None
     if step is not None:
         if not isinstance(step, Step):
-            raise TypeError(f"step must be a headwise Step (from cache.step(T), cache.batch(...), cache.packed(...)), "
-                            f"got {type(step).__name__}; a cache goes in cache=")
+            raise TypeError(
+                f"step must be a headwise Step (from cache.step(T), cache.batch(...), cache.packed(...)), "
+                f"got {type(step).__name__}; a cache goes in cache="
+            )
         if attention_mask is not None:
-            raise ValueError("attention_mask with a step: the step already says which tokens are real "
-                             "(cache.step(T, num_new=...), or the counts of cache.batch/packed)")
+            raise ValueError(
+                "attention_mask with a step: the step already says which tokens are real "
+                "(cache.step(T, num_new=...), or the counts of cache.batch/packed)"
+            )
         B_s, T_s = step.input_positions.shape
         if (B_s, T_s) != (B, T):
             raise ValueError(f"input_ids is (B, T) = ({B}, {T}) but the step is for ({B_s}, {T_s}) tokens")
@@ -180,5 +197,7 @@ def make_step(step: Step | None, cache, attention_mask: Tensor | None, B: int, T
     if hasattr(cache, "step"):
         return cache.step(T, num_real)
     if not hasattr(cache, "layer"):
-        raise TypeError(f"cache= takes a multi-layer cache (with .layer(i)) or a paged step, got {type(cache).__name__}")
+        raise TypeError(
+            f"cache= takes a multi-layer cache (with .layer(i)) or a paged step, got {type(cache).__name__}"
+        )
     return CacheStep(cache.layer, T, num_real)

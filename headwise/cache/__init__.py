@@ -1,10 +1,11 @@
 """KV caches in the (B, Hkv, S, D) layout, behind one protocol (see protocol.py).
 
-    ContiguousKVCache   preallocated (B, Hkv, T_max, D) per layer, written in place
-    SlidingWindowCache  ring buffer of the last W tokens (sliding-window attention)
-    PagedKVCache        block tables over a shared block pool (paged.py)
-    kv_dtype="int8"     int8 K/V + fp32 scale per (token, head) (quantized.py)
+ContiguousKVCache   preallocated (B, Hkv, T_max, D) per layer, written in place
+SlidingWindowCache  ring buffer of the last W tokens (sliding-window attention)
+PagedKVCache        block tables over a shared block pool (paged.py)
+kv_dtype="int8"     int8 K/V + fp32 scale per (token, head) (quantized.py)
 """
+
 from .block_pool import BlockPool, CacheFull
 from .contiguous import ContiguousKVCache, ContiguousLayerCache
 from .paged import PagedKVCache, UnknownSequence
@@ -12,6 +13,19 @@ from .protocol import CacheRead, LayerKVCache
 from .quantized import Int8CacheRead, dequantize_int8, kv_bytes_per_token, quantize_int8
 from .sliding import SlidingWindowCache, SlidingWindowLayerCache
 
-__all__ = ["CacheRead", "LayerKVCache", "ContiguousKVCache", "ContiguousLayerCache", "SlidingWindowCache",
-           "SlidingWindowLayerCache", "Int8CacheRead", "quantize_int8", "dequantize_int8", "kv_bytes_per_token",
-           "BlockPool", "CacheFull", "PagedKVCache", "UnknownSequence"]
+__all__ = [
+    "CacheRead",
+    "LayerKVCache",
+    "ContiguousKVCache",
+    "ContiguousLayerCache",
+    "SlidingWindowCache",
+    "SlidingWindowLayerCache",
+    "Int8CacheRead",
+    "quantize_int8",
+    "dequantize_int8",
+    "kv_bytes_per_token",
+    "BlockPool",
+    "CacheFull",
+    "PagedKVCache",
+    "UnknownSequence",
+]

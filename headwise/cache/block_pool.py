@@ -18,6 +18,7 @@ in each layer (vLLM, Kwon et al. 2023, "PagedAttention").
   least-recently-freed first, so a popular prompt stays cached as long as
   possible. Either kind counts as free: free + referenced == total, always.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -32,12 +33,20 @@ class CacheFull(RuntimeError):
     Attributes: needed, free (blocks), and what asked (a short description).
     """
 
-    def __init__(self, needed: int, free: int, what: str = "the request", block_size: int | None = None,
-                 num_blocks: int | None = None):
+    def __init__(
+        self,
+        needed: int,
+        free: int,
+        what: str = "the request",
+        block_size: int | None = None,
+        num_blocks: int | None = None,
+    ):
         self.needed, self.free, self.what = needed, free, what
         pool = f" (pool of {num_blocks} blocks x {block_size} tokens)" if num_blocks is not None else ""
-        super().__init__(f"KV cache full: {what} needs {needed} new blocks but only {free} are free{pool}; "
-                         f"free or preempt a sequence, or build the cache with more num_blocks")
+        super().__init__(
+            f"KV cache full: {what} needs {needed} new blocks but only {free} are free{pool}; "
+            f"free or preempt a sequence, or build the cache with more num_blocks"
+        )
 
 
 def prefix_key(parent_hash: int | None, tokens: Iterable[int]) -> PrefixKey:
@@ -59,8 +68,8 @@ class BlockPool:
         # prefix key, handed out first, and blocks still findable by prefix (LRU order).
         self._free_plain: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()
-        self._key_of: dict[int, PrefixKey] = {}      # block -> its prefix key (live or cached)
-        self._block_of: dict[PrefixKey, int] = {}    # prefix key -> block
+        self._key_of: dict[int, PrefixKey] = {}  # block -> its prefix key (live or cached)
+        self._block_of: dict[PrefixKey, int] = {}  # prefix key -> block
 
     # ------------------------------------------------------------------ counts
     @property
@@ -89,8 +98,14 @@ class BlockPool:
         return [*self._free_plain, *self._free_cached]
 
     # ------------------------------------------------------------------ allocate / share / release
-    def allocate(self, n: int = 1, prefer: int | None = None, what: str = "the request",
-                 spread: bool = False, region: int | None = None) -> list[int]:
+    def allocate(
+        self,
+        n: int = 1,
+        prefer: int | None = None,
+        what: str = "the request",
+        spread: bool = False,
+        region: int | None = None,
+    ) -> list[int]:
         """Take `n` blocks (count 1 each), or raise `CacheFull` having taken none.
 
         prefer: try to continue a run after this block id (prefer+1, prefer+2, ...)
@@ -127,7 +142,7 @@ class BlockPool:
             return b
         if self._free_plain:
             return self._free_plain.popitem(last=False)[0]
-        b = self._free_cached.popitem(last=False)[0]     # evict the least recently freed prefix
+        b = self._free_cached.popitem(last=False)[0]  # evict the least recently freed prefix
         del self._block_of[self._key_of.pop(b)]
         return b
 
@@ -145,7 +160,7 @@ class BlockPool:
         free = sorted(self._free_plain)
         best, best_len, start = free[0], 0, free[0]
         for prev, cur in zip(free, free[1:] + [None]):
-            if cur != prev + 1:                          # a stretch [start, prev] ends here
+            if cur != prev + 1:  # a stretch [start, prev] ends here
                 if prev - start + 1 > best_len:
                     best, best_len = start, prev - start + 1
                 start = cur
@@ -220,6 +235,7 @@ class BlockPool:
             assert held == self._ref, "refcounts differ from the number of tables holding each block"
 
     def __repr__(self) -> str:
-        return (f"BlockPool(num_blocks={self.num_blocks}, block_size={self.block_size}, free={self.num_free}, "
-                f"cached_free={self.num_cached_free})")
-
+        return (
+            f"BlockPool(num_blocks={self.num_blocks}, block_size={self.block_size}, free={self.num_free}, "
+            f"cached_free={self.num_cached_free})"
+        )

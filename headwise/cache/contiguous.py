@@ -23,6 +23,7 @@ Three ways a step is written and read, cheapest first:
 With kv_dtype="int8" the same writes go to int8 buffers plus per-(token, head)
 scales (see quantized.py); a read dequantizes the slice it returns.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -45,12 +46,17 @@ class KVStore:
     def __init__(self, B: int, Hkv: int, N: int, D: int, *, dtype: torch.dtype, device, int8: bool):
         self.dtype, self.int8 = dtype, int8
         if int8:
+
             def planes():
-                return (torch.zeros(B, Hkv, N, D, dtype=torch.int8, device=device),
-                        torch.zeros(B, Hkv, N, 1, dtype=SCALE_DTYPE, device=device))
+                return (
+                    torch.zeros(B, Hkv, N, D, dtype=torch.int8, device=device),
+                    torch.zeros(B, Hkv, N, 1, dtype=SCALE_DTYPE, device=device),
+                )
         else:
-            def planes():   # zeros, not empty: masked slots are still multiplied by 0 weights, NaN would leak
+
+            def planes():  # zeros, not empty: masked slots are still multiplied by 0 weights, NaN would leak
                 return (torch.zeros(B, Hkv, N, D, dtype=dtype, device=device),)
+
         self.k, self.v = planes(), planes()
 
     def _encode(self, x: Tensor) -> tuple[Tensor, ...]:
@@ -64,26 +70,28 @@ class KVStore:
         """k, v (B, Hkv, T, D) -> slots [lo, lo + T) of every sequence."""
         T = k.shape[2]
         for buf, part in self._pairs(k, v):
-            buf.narrow(2, lo, T).copy_(part)            # narrow + copy_: fewer dispatches than buf[:, :, lo:hi] = part
+            buf.narrow(2, lo, T).copy_(part)  # narrow + copy_: fewer dispatches than buf[:, :, lo:hi] = part
 
     def write_at(self, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Token t of sequence b -> slot slots[b, t]; slots (B, T) long, distinct per row."""
         for buf, part in self._pairs(k, v):
-            idx = slots[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3])   # (B, Hkv, T, D|1)
+            idx = slots[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3])  # (B, Hkv, T, D|1)
             buf.scatter_(2, idx, part)
 
     def write_tokens(self, b: Tensor, t: Tensor, slot: Tensor, k: Tensor, v: Tensor) -> None:
         """Only the listed tokens: token t[i] of sequence b[i] -> slot[i] (1-D long tensors)."""
         for buf, part in self._pairs(k, v):
-            buf[b, :, slot] = part[b, :, t]          # (N, Hkv, D|1) on both sides
+            buf[b, :, slot] = part[b, :, t]  # (N, Hkv, D|1) on both sides
 
-    def read(self, S: int, key_padding_mask: Tensor | None = None,
-             attn_mask: Tensor | None = None) -> CacheRead | Int8CacheRead:
+    def read(
+        self, S: int, key_padding_mask: Tensor | None = None, attn_mask: Tensor | None = None
+    ) -> CacheRead | Int8CacheRead:
         """Slots [:S] as a read (views; int8 is dequantized only when attended)."""
         if self.int8:
             (kq, ks), (vq, vs) = self.k, self.v
-            return Int8CacheRead(kq[:, :, :S], ks[:, :, :S], vq[:, :, :S], vs[:, :, :S], self.dtype,
-                                 key_padding_mask, attn_mask)
+            return Int8CacheRead(
+                kq[:, :, :S], ks[:, :, :S], vq[:, :, :S], vs[:, :, :S], self.dtype, key_padding_mask, attn_mask
+            )
         return CacheRead(self.k[0].narrow(2, 0, S), self.v[0].narrow(2, 0, S), key_padding_mask, attn_mask)
 
     def dense(self) -> tuple[Tensor, Tensor]:
@@ -98,7 +106,7 @@ class KVStore:
 
     def reorder(self, idx: Tensor) -> None:
         for buf in (*self.k, *self.v):
-            buf.copy_(buf.index_select(0, idx))     # in place: the storage (and a compiled graph's view of it) stays
+            buf.copy_(buf.index_select(0, idx))  # in place: the storage (and a compiled graph's view of it) stays
 
     def nbytes(self) -> int:
         return sum(buf.numel() * buf.element_size() for buf in (*self.k, *self.v))
@@ -114,13 +122,17 @@ def check_new_kv(k: Tensor, v: Tensor, B: int, Hkv: int, D: int, dtype: torch.dt
         if x.shape[0] != B:
             raise ValueError(f"{name} has batch {x.shape[0]} but this cache was built for batch_size={B}")
         if x.shape[1] != Hkv:
-            raise ValueError(f"{name} has {x.shape[1]} KV heads but this cache holds num_kv_heads={Hkv} "
-                             f"({name} shape {tuple(x.shape)})")
+            raise ValueError(
+                f"{name} has {x.shape[1]} KV heads but this cache holds num_kv_heads={Hkv} "
+                f"({name} shape {tuple(x.shape)})"
+            )
         if x.shape[3] != D:
             raise ValueError(f"{name} has head dim {x.shape[3]} but this cache holds head_dim={D}")
         if x.dtype != dtype:
-            raise TypeError(f"{name} has dtype {x.dtype} but this cache holds {dtype}; "
-                            f"build the cache with dtype={x.dtype} or cast the model")
+            raise TypeError(
+                f"{name} has dtype {x.dtype} but this cache holds {dtype}; "
+                f"build the cache with dtype={x.dtype} or cast the model"
+            )
         if x.device != device:
             raise ValueError(f"{name} is on {x.device} but this cache lives on {device}")
     if k.shape[2] != v.shape[2]:
@@ -134,9 +146,8 @@ def new_counts(num_new, B: int, T: int) -> list[int] | None:
         return None
     n = torch.as_tensor(num_new)
     if tuple(n.shape) != (B,) or n.is_floating_point() or n.dtype == torch.bool:
-        raise ValueError(f"num_new must be (B,) = ({B},) integer counts of real tokens, "
-                         f"got {tuple(n.shape)} {n.dtype}")
-    counts = n.tolist()     # one device sync: lengths live on the host too, for the checks and slicing
+        raise ValueError(f"num_new must be (B,) = ({B},) integer counts of real tokens, got {tuple(n.shape)} {n.dtype}")
+    counts = n.tolist()  # one device sync: lengths live on the host too, for the checks and slicing
     bad = [(b, c) for b, c in enumerate(counts) if not 0 <= c <= T]
     if bad:
         b, c = bad[0]
@@ -165,21 +176,32 @@ class LayerCacheBase:
     and as a host list, so checks and slicing never wait for the device.
     """
 
-    def __init__(self, batch_size: int, num_kv_heads: int, slots: int, head_dim: int, *,
-                 dtype: torch.dtype, device, kv_dtype, static: bool = False):
+    def __init__(
+        self,
+        batch_size: int,
+        num_kv_heads: int,
+        slots: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device,
+        kv_dtype,
+        static: bool = False,
+    ):
         self.batch_size, self.num_kv_heads, self.head_dim = batch_size, num_kv_heads, head_dim
         self.dtype, self.static = dtype, static
         self.kv_dtype = "int8" if is_int8(kv_dtype) else None
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.store = KVStore(batch_size, num_kv_heads, slots, head_dim, dtype=dtype,
-                             device=self.device, int8=self.kv_dtype == "int8")
-        self._len = torch.zeros(batch_size, dtype=torch.long, device=self.device)   # (B,) tokens seen
-        self._host = [0] * batch_size       # the same on the host
-        self._uniform = True                 # all _host equal
+        self.store = KVStore(
+            batch_size, num_kv_heads, slots, head_dim, dtype=dtype, device=self.device, int8=self.kv_dtype == "int8"
+        )
+        self._len = torch.zeros(batch_size, dtype=torch.long, device=self.device)  # (B,) tokens seen
+        self._host = [0] * batch_size  # the same on the host
+        self._uniform = True  # all _host equal
 
     def positions(self, num_new: int) -> Tensor:
         """(B, T) absolute positions of the next T tokens: L_b + t."""
-        if not self.static and self._uniform:           # `static` first: a compiled step never reads _uniform
+        if not self.static and self._uniform:  # `static` first: a compiled step never reads _uniform
             L = self._host[0]
             return torch.arange(L, L + num_new, device=self.device).expand(self.batch_size, num_new)
         return self._len[:, None] + torch.arange(num_new, device=self.device)
@@ -229,12 +251,30 @@ class LayerCacheBase:
 class ContiguousLayerCache(LayerCacheBase):
     """One layer's cache, slot = position; implements `LayerKVCache` (positions, update)."""
 
-    def __init__(self, batch_size: int, num_kv_heads: int, max_seq_len: int, head_dim: int, *,
-                 dtype: torch.dtype = torch.float32, device=None, kv_dtype=None, static: bool = False):
-        super().__init__(batch_size, num_kv_heads, max_seq_len, head_dim, dtype=dtype, device=device,
-                         kv_dtype=kv_dtype, static=static)
+    def __init__(
+        self,
+        batch_size: int,
+        num_kv_heads: int,
+        max_seq_len: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+        kv_dtype=None,
+        static: bool = False,
+    ):
+        super().__init__(
+            batch_size,
+            num_kv_heads,
+            max_seq_len,
+            head_dim,
+            dtype=dtype,
+            device=device,
+            kv_dtype=kv_dtype,
+            static=static,
+        )
         self.max_seq_len = max_seq_len
-        if static:   # made here, not at import: torch.compiler.disable imports dynamo (~1 s)
+        if static:  # made here, not at import: torch.compiler.disable imports dynamo (~1 s)
             self._book_outside_graph = torch.compiler.disable(self._book)
 
     def update(self, k: Tensor, v: Tensor, num_new: Tensor | None = None):
@@ -251,7 +291,7 @@ class ContiguousLayerCache(LayerCacheBase):
             return self._write_masked(k, v, T, n_t)
         L, uniform = self._host[0], self._uniform
         counts = self._book(T, num_new)
-        if counts is None and uniform:                                  # the fast path: no mask, no scatter
+        if counts is None and uniform:  # the fast path: no mask, no scatter
             self.store.write_slice(L, k, v)
             self._len += T
             return self.store.read(L + T)
@@ -261,21 +301,22 @@ class ContiguousLayerCache(LayerCacheBase):
     def _check_fits(self, n: list[int]) -> None:
         for b, (L, c) in enumerate(zip(self._host, n)):
             if L + c > self.max_seq_len:
-                raise ValueError(f"append of {c} tokens to sequence {b} at length {L} exceeds "
-                                 f"max_seq_len={self.max_seq_len}")
+                raise ValueError(
+                    f"append of {c} tokens to sequence {b} at length {L} exceeds max_seq_len={self.max_seq_len}"
+                )
 
     def _write_masked(self, k: Tensor, v: Tensor, T: int, n_t: Tensor | None):
         """The ragged/static path: scatter at L_b + t, read with a per-sequence causal mask."""
-        pos = self._len[:, None] + torch.arange(T, device=self.device)    # (B, T) slot = position
+        pos = self._len[:, None] + torch.arange(T, device=self.device)  # (B, T) slot = position
         if n_t is None:
             self.store.write_at(pos, k, v)
             end = self._len + T
         else:
             b, t = (torch.arange(T, device=self.device) < n_t[:, None]).nonzero(as_tuple=True)
-            self.store.write_tokens(b, t, pos[b, t], k, v)              # padding tokens are not kept
+            self.store.write_tokens(b, t, pos[b, t], k, v)  # padding tokens are not kept
             end = self._len + n_t
-        S = self.max_seq_len if self.static else max(1, max(self._host))   # S=1 keeps a 0-key read legal
-        mask = causal_visibility(pos, end, S)                               # (B, 1, T, S)
+        S = self.max_seq_len if self.static else max(1, max(self._host))  # S=1 keeps a 0-key read legal
+        mask = causal_visibility(pos, end, S)  # (B, 1, T, S)
         self._len.copy_(end)
         return self.store.read(S, attn_mask=mask)
 
@@ -298,6 +339,7 @@ class LayeredCache:
     With one layer the stack itself is a `LayerKVCache`, so it can be passed
     straight to one `MultiHeadAttention(cache=...)`.
     """
+
     layers: list
 
     def layer(self, i: int):
@@ -361,16 +403,46 @@ class ContiguousKVCache(LayeredCache):
             change between steps (for torch.compile / CUDA graphs).
     """
 
-    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
-                 *, dtype: torch.dtype = torch.float32, device=None, kv_dtype=None, static: bool = False):
-        check_dims(num_layers=num_layers, batch_size=batch_size, num_kv_heads=num_kv_heads,
-                   max_seq_len=max_seq_len, head_dim=head_dim)
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        max_seq_len: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+        kv_dtype=None,
+        static: bool = False,
+    ):
+        check_dims(
+            num_layers=num_layers,
+            batch_size=batch_size,
+            num_kv_heads=num_kv_heads,
+            max_seq_len=max_seq_len,
+            head_dim=head_dim,
+        )
         self.batch_size, self.num_kv_heads, self.max_seq_len, self.head_dim = (
-            batch_size, num_kv_heads, max_seq_len, head_dim)
+            batch_size,
+            num_kv_heads,
+            max_seq_len,
+            head_dim,
+        )
         self.dtype, self.static = dtype, static
-        self.layers = [ContiguousLayerCache(batch_size, num_kv_heads, max_seq_len, head_dim, dtype=dtype,
-                                            device=device, kv_dtype=kv_dtype, static=static)
-                       for _ in range(num_layers)]
+        self.layers = [
+            ContiguousLayerCache(
+                batch_size,
+                num_kv_heads,
+                max_seq_len,
+                head_dim,
+                dtype=dtype,
+                device=device,
+                kv_dtype=kv_dtype,
+                static=static,
+            )
+            for _ in range(num_layers)
+        ]
         self.kv_dtype = self.layers[0].kv_dtype
 
     def book(self, num_new: int) -> None:
@@ -392,6 +464,8 @@ class ContiguousKVCache(LayeredCache):
         return self.memory_bytes() / (self.batch_size * self.max_seq_len)
 
     def __repr__(self) -> str:
-        return (f"ContiguousKVCache(num_layers={self.num_layers}, batch_size={self.batch_size}, "
-                f"num_kv_heads={self.num_kv_heads}, max_seq_len={self.max_seq_len}, head_dim={self.head_dim}, "
-                f"dtype={self.dtype}, kv_dtype={self.kv_dtype}, static={self.static})")
+        return (
+            f"ContiguousKVCache(num_layers={self.num_layers}, batch_size={self.batch_size}, "
+            f"num_kv_heads={self.num_kv_heads}, max_seq_len={self.max_seq_len}, head_dim={self.head_dim}, "
+            f"dtype={self.dtype}, kv_dtype={self.kv_dtype}, static={self.static})"
+        )

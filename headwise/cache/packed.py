@@ -26,6 +26,7 @@ of 112-300 tokens (1 thread): runs 33 ms, through the tiled read plan 75 ms. Wha
 is reading K/V: a 256-token SmolLM2 sequence holds 12 MB of fp32 K/V over 30 layers, so
 at 64 sequences a step reads more K/V than weights.
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,8 +49,18 @@ class PackedStep(PackedReads, Step):
     at positions starts[b] .. starts[b] + num_new[b] - 1. Built by `PagedKVCache.packed`.
     """
 
-    def __init__(self, cache, seq_ids, tables, starts, counts, pending, *,
-                 defer_prefix: bool = False, logits_indices: Tensor | None = None):
+    def __init__(
+        self,
+        cache,
+        seq_ids,
+        tables,
+        starts,
+        counts,
+        pending,
+        *,
+        defer_prefix: bool = False,
+        logits_indices: Tensor | None = None,
+    ):
         dev, bs = cache.device, cache.block_size
         self.cache, self.seq_ids, self.num_new, self.starts = cache, list(seq_ids), list(counts), list(starts)
         self.B, self.N = len(seq_ids), sum(counts)
@@ -58,15 +69,15 @@ class PackedStep(PackedReads, Step):
             self.offsets.append(self.offsets[-1] + n)
         positions = [p for L, n in zip(starts, counts) for p in range(L, L + n)]
         slots = [t[p // bs] * bs + p % bs for t, L, n in zip(tables, starts, counts) for p in range(L, L + n)]
-        self._positions = torch.tensor(positions, dtype=torch.long, device=dev)[None]    # (1, N)
-        self._slots = torch.tensor(slots, dtype=torch.long, device=dev)                  # (N,)
+        self._positions = torch.tensor(positions, dtype=torch.long, device=dev)[None]  # (1, N)
+        self._slots = torch.tensor(slots, dtype=torch.long, device=dev)  # (N,)
         self._pending, self._written, self.defer_prefix = pending, set(), defer_prefix
         self.num_kv_heads, self.head_dim, self.dtype, self.device = cache.num_kv_heads, cache.head_dim, cache.dtype, dev
-        self._tables = [list(t) for t in tables]                      # as of this step
+        self._tables = [list(t) for t in tables]  # as of this step
         self.parts = self._plan(self._tables)
         self._views: dict[int, list[tuple[Tensor, Tensor]]] = {}
         self.mask_memo: dict[tuple, Tensor] = {}
-        self.logits_indices = logits_indices                          # (R,) pack rows or None: see Step
+        self.logits_indices = logits_indices  # (R,) pack rows or None: see Step
 
     @property
     def input_positions(self) -> Tensor:
@@ -90,7 +101,7 @@ class PackedStep(PackedReads, Step):
                 dec.append(b)
         if grid:
             r0, r1 = min(r for _, r, _ in grid), max(r for _, r, _ in grid)
-            if len(grid) >= 2 and r1 - r0 + 1 <= 2 * len(grid):     # few empty regions in between
+            if len(grid) >= 2 and r1 - r0 + 1 <= 2 * len(grid):  # few empty regions in between
                 slot = [r - r0 for _, r, _ in grid]
                 dense = slot == list(range(len(grid))) and r1 - r0 + 1 == len(grid)
                 gather = None if dense else torch.tensor(slot, dtype=torch.long, device=cache.device)
@@ -102,8 +113,9 @@ class PackedStep(PackedReads, Step):
         if runs:
             parts.append(self._rows_part("runs", [b for b, _ in runs], None, [span for _, span in runs]))
         if dec:
-            sub = cache._read_plan([self.seq_ids[b] for b in dec], [tables[b] for b in dec],
-                                   [self.starts[b] for b in dec], [1] * len(dec))
+            sub = cache._read_plan(
+                [self.seq_ids[b] for b in dec], [tables[b] for b in dec], [self.starts[b] for b in dec], [1] * len(dec)
+            )
             parts.append(self._rows_part("decodes", dec, sub, None))
         for b, n in enumerate(self.num_new):
             if n > 1:
@@ -124,10 +136,11 @@ class PackedStep(PackedReads, Step):
         if views is None:
             cache = self.cache
             L, Hkv, D = cache.num_layers, cache.num_kv_heads, cache.head_dim
-            K = cache._k[0].view(L, 1, Hkv, -1, D)                       # (L, 1, Hkv, NB * bs, D)
+            K = cache._k[0].view(L, 1, Hkv, -1, D)  # (L, 1, Hkv, NB * bs, D)
             V = cache._v[0].view(L, 1, Hkv, -1, D)
-            views = self._views[i] = [(K[:, :, :, s0:s0 + n], V[:, :, :, s0:s0 + n])
-                                      for s0, n in self.parts[i].spans]
+            views = self._views[i] = [
+                (K[:, :, :, s0 : s0 + n], V[:, :, :, s0 : s0 + n]) for s0, n in self.parts[i].spans
+            ]
         return views
 
     def region_views(self, layer: int, i: int) -> tuple[Tensor, Tensor]:
@@ -139,7 +152,7 @@ class PackedStep(PackedReads, Step):
         size, stride = (grid.count, Hkv, grid.width, D), (R * bs * D, NB * bs * D, D, 1)
         kv = []
         for planes in (cache._k, cache._v):
-            plane = planes[0][layer]                                               # (Hkv, NB, bs, D)
+            plane = planes[0][layer]  # (Hkv, NB, bs, D)
             kv.append(plane.as_strided(size, stride, plane.storage_offset() + grid.r0 * R * bs * D))
         return kv[0], kv[1]
 
@@ -150,8 +163,12 @@ class PackedStep(PackedReads, Step):
         if part.reads is None:
             rows = part.index.tolist() if part.index is not None else list(range(part.start, part.stop))
             seqs = [self.offsets.index(r) for r in rows]
-            sub = self.cache._read_plan([self.seq_ids[b] for b in seqs], [self._tables[b] for b in seqs],
-                                        [self.starts[b] for b in seqs], [1] * len(seqs))
+            sub = self.cache._read_plan(
+                [self.seq_ids[b] for b in seqs],
+                [self._tables[b] for b in seqs],
+                [self.starts[b] for b in seqs],
+                [1] * len(seqs),
+            )
             part = self.parts[i] = part._replace(reads=sub)
         return part.reads
 
@@ -161,7 +178,7 @@ class PackedStep(PackedReads, Step):
             raise IndexError(f"layer {i} out of range: this cache has num_layers={self.cache.num_layers}")
         return PackedLayerStep(self, i)
 
-    def positions(self, num_new: int) -> Tensor:        # single-layer caches: the step is the layer
+    def positions(self, num_new: int) -> Tensor:  # single-layer caches: the step is the layer
         return self._only().positions(num_new)
 
     def update(self, k: Tensor, v: Tensor, num_new: Tensor | None = None) -> "PackedRead":
@@ -200,8 +217,10 @@ class PackedLayerStep:
     def positions(self, num_new: int) -> Tensor:
         """(1, N) absolute positions of the packed tokens, each in its own sequence."""
         if num_new != self.step.N:
-            raise ValueError(f"positions({num_new}) but this packed step holds N={self.step.N} tokens "
-                             f"(num_new={self.step.num_new} for {self.step.seq_ids})")
+            raise ValueError(
+                f"positions({num_new}) but this packed step holds N={self.step.N} tokens "
+                f"(num_new={self.step.num_new} for {self.step.seq_ids})"
+            )
         return self.step._positions
 
     def update(self, k: Tensor, v: Tensor, num_new: Tensor | None = None) -> "PackedRead":
@@ -209,16 +228,22 @@ class PackedLayerStep:
         step, cache = self.step, self.step.cache
         want = (1, cache.num_kv_heads, step.N, cache.head_dim)
         if num_new is not None:
-            raise ValueError("a packed step has no padding: call the model without attention_mask "
-                             "(each sequence's tokens are delimited by the step itself)")
+            raise ValueError(
+                "a packed step has no padding: call the model without attention_mask "
+                "(each sequence's tokens are delimited by the step itself)"
+            )
         for name, x in (("k", k), ("v", v)):
             if not isinstance(x, Tensor) or tuple(x.shape) != want:
                 got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-                raise ValueError(f"{name} must be (1, Hkv, N, D) = {want} for this packed step of "
-                                 f"{step.B} sequences (num_new={step.num_new}), got {got}")
+                raise ValueError(
+                    f"{name} must be (1, Hkv, N, D) = {want} for this packed step of "
+                    f"{step.B} sequences (num_new={step.num_new}), got {got}"
+                )
             if x.dtype != cache.dtype:
-                raise TypeError(f"{name} has dtype {x.dtype} but this cache holds {cache.dtype}; "
-                                f"build the cache with dtype={x.dtype} or cast the model")
+                raise TypeError(
+                    f"{name} has dtype {x.dtype} but this cache holds {cache.dtype}; "
+                    f"build the cache with dtype={x.dtype} or cast the model"
+                )
         cache._write(self.layer_index, step._slots, None, k, v)
         step._mark_written(self.layer_index)
         return PackedRead(step, self.layer_index)
@@ -235,10 +260,22 @@ class PackedRead:
         """This read's K/V as the backends see them (`headwise.attention.explain(q, read.kv)`)."""
         return LayerKV(self.step, self.layer)
 
-    def attend(self, q: Tensor, *, attn_mask: Tensor | None = None, key_padding_mask: Tensor | None = None,
-               is_causal: bool = False, kv_map: Tensor | None = None, alibi_slopes: Tensor | None = None,
-               scale: float | None = None, dropout_p: float = 0.0, backend: str = "auto",
-               need_weights: bool = False, return_lse: bool = False, window=None):
+    def attend(
+        self,
+        q: Tensor,
+        *,
+        attn_mask: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        is_causal: bool = False,
+        kv_map: Tensor | None = None,
+        alibi_slopes: Tensor | None = None,
+        scale: float | None = None,
+        dropout_p: float = 0.0,
+        backend: str = "auto",
+        need_weights: bool = False,
+        return_lse: bool = False,
+        window=None,
+    ):
         """q (1, H, N, D) -> (1, H, N, D) (AttentionOutput with return_lse; lse (1, H, N)).
 
         Each token attends to its own sequence only: to every cached key and, with is_causal,
@@ -246,6 +283,18 @@ class PackedRead:
         (backend="math" runs the gathering reference per part). Masks over the packed axis
         are not supported: a per-sequence mask belongs to a padded `PagedKVCache.batch` step.
         """
-        return attend_kv(q, self.kv, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
-                         kv_map=kv_map, alibi_slopes=alibi_slopes, scale=scale, dropout_p=dropout_p,
-                         backend=backend, need_weights=need_weights, return_lse=return_lse, window=window)
+        return attend_kv(
+            q,
+            self.kv,
+            attn_mask=attn_mask,
+            key_padding_mask=key_padding_mask,
+            is_causal=is_causal,
+            kv_map=kv_map,
+            alibi_slopes=alibi_slopes,
+            scale=scale,
+            dropout_p=dropout_p,
+            backend=backend,
+            need_weights=need_weights,
+            return_lse=return_lse,
+            window=window,
+        )

@@ -30,6 +30,7 @@ How steps read the blocks, with measurements: paged_step.py.
 int8 (`kv_dtype="int8"`): int8 K/V plus an fp32 scale per (token, head)
 (quantized.py); a read dequantizes one tile at a time, never the whole sequence.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,7 +55,7 @@ TILE_TOKENS = 1024
 class UnknownSequence(KeyError):
     """A sequence id the cache does not hold."""
 
-    def __str__(self) -> str:      # KeyError's str() would quote the whole message
+    def __str__(self) -> str:  # KeyError's str() would quote the whole message
         return str(self.args[0])
 
 
@@ -62,9 +63,9 @@ class UnknownSequence(KeyError):
 class _Seq:
     blocks: list[int] = field(default_factory=list)
     length: int = 0
-    hashes: list[int] = field(default_factory=list)   # chain hash of each full block whose tokens we know
+    hashes: list[int] = field(default_factory=list)  # chain hash of each full block whose tokens we know
     partial: list[int] = field(default_factory=list)  # token ids after the last hashed block
-    hashable: bool = True                             # every token so far came with its id
+    hashable: bool = True  # every token so far came with its id
 
     def copy(self) -> "_Seq":
         return _Seq(list(self.blocks), self.length, list(self.hashes), list(self.partial), self.hashable)
@@ -85,16 +86,36 @@ class PagedKVCache:
             decodes of such sequences as one strided view (packed.py).
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 block_size: int = 16, dtype: torch.dtype = torch.float32, device=None, kv_dtype=None, *,
-                 tile_tokens: int = TILE_TOKENS, spread: bool = False, region_blocks: int | None = None):
-        for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                          ("num_blocks", num_blocks), ("block_size", block_size), ("tile_tokens", tile_tokens)):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+        kv_dtype=None,
+        *,
+        tile_tokens: int = TILE_TOKENS,
+        spread: bool = False,
+        region_blocks: int | None = None,
+    ):
+        for name, val in (
+            ("num_layers", num_layers),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("tile_tokens", tile_tokens),
+        ):
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         if not dtype.is_floating_point:
-            raise TypeError(f"dtype is the compute dtype of K/V and must be floating point, got {dtype}; "
-                            f"for an int8 cache pass kv_dtype='int8'")
+            raise TypeError(
+                f"dtype is the compute dtype of K/V and must be floating point, got {dtype}; "
+                f"for an int8 cache pass kv_dtype='int8'"
+            )
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.block_size, self.dtype = block_size, dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -102,20 +123,24 @@ class PagedKVCache:
         self.tile_blocks = max(1, tile_tokens // block_size)
         self.spread = bool(spread)
         if region_blocks is not None and (not isinstance(region_blocks, int) or not 1 <= region_blocks <= num_blocks):
-            raise ValueError(f"region_blocks must be None or an int in [1, num_blocks={num_blocks}], "
-                             f"got {region_blocks!r}")
+            raise ValueError(
+                f"region_blocks must be None or an int in [1, num_blocks={num_blocks}], got {region_blocks!r}"
+            )
         self.region_blocks = region_blocks
         self.pool = BlockPool(num_blocks, block_size)
-        shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)    # (L, Hkv, NB, bs, D)
+        shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)  # (L, Hkv, NB, bs, D)
 
-        def planes():   # zeros, not empty: masked slots still meet a 0 weight, and NaN * 0 = NaN
+        def planes():  # zeros, not empty: masked slots still meet a 0 weight, and NaN * 0 = NaN
             if self.kv_dtype == "int8":
-                return (torch.zeros(shape, dtype=torch.int8, device=self.device),
-                        torch.zeros(shape[:-1] + (1,), dtype=SCALE_DTYPE, device=self.device))
+                return (
+                    torch.zeros(shape, dtype=torch.int8, device=self.device),
+                    torch.zeros(shape[:-1] + (1,), dtype=SCALE_DTYPE, device=self.device),
+                )
             return (torch.zeros(shape, dtype=dtype, device=self.device),)
+
         self._k, self._v = planes(), planes()
         self._seqs: dict[Hashable, _Seq] = {}
-        self._scratch: dict[tuple[int, int], Tensor] = {}   # gather buffers, reused tile to tile
+        self._scratch: dict[tuple[int, int], Tensor] = {}  # gather buffers, reused tile to tile
 
     # ------------------------------------------------------------------ sequences
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int] | None = None) -> int:
@@ -131,7 +156,7 @@ class PagedKVCache:
             toks = [int(t) for t in token_ids]
             bs, parent = self.block_size, None
             for i in range((len(toks) - 1) // bs if toks else 0):
-                key = prefix_key(parent, toks[i * bs:(i + 1) * bs])
+                key = prefix_key(parent, toks[i * bs : (i + 1) * bs])
                 block = self.pool.lookup(key)
                 if block is None:
                     break
@@ -199,8 +224,10 @@ class PagedKVCache:
         except (KeyError, TypeError):
             held = list(self._seqs)
             shown = ", ".join(map(repr, held[:8])) + (", ..." if len(held) > 8 else "")
-            raise UnknownSequence(f"unknown sequence id {seq_id!r}: the cache holds {len(held)} "
-                                  f"sequence(s) [{shown}]; call add_sequence first") from None
+            raise UnknownSequence(
+                f"unknown sequence id {seq_id!r}: the cache holds {len(held)} "
+                f"sequence(s) [{shown}]; call add_sequence first"
+            ) from None
 
     @staticmethod
     def _count(n, seq_id) -> int:
@@ -225,9 +252,14 @@ class PagedKVCache:
         return needed
 
     # ------------------------------------------------------------------ a step
-    def batch(self, seq_ids: Sequence[Hashable], num_new: int | Sequence[int] = 1,
-              token_ids: Sequence[Sequence[int] | None] | None = None, *,
-              logits_indices=None) -> "PagedStep":
+    def batch(
+        self,
+        seq_ids: Sequence[Hashable],
+        num_new: int | Sequence[int] = 1,
+        token_ids: Sequence[Sequence[int] | None] | None = None,
+        *,
+        logits_indices=None,
+    ) -> "PagedStep":
         """Reserve slots for the next tokens of each listed sequence and return the step that
         the model's layers read and write through (`step.layer(i)`).
 
@@ -244,9 +276,15 @@ class PagedKVCache:
         seq_ids, tables, starts, counts, pending = self._reserve(seq_ids, num_new, token_ids, "batch")
         return PagedStep(self, seq_ids, tables, starts, counts, pending, logits_indices=logits_indices)
 
-    def packed(self, seq_ids: Sequence[Hashable], num_new: Sequence[int],
-               token_ids: Sequence[Sequence[int] | None] | None = None, *, defer_prefix: bool = False,
-               logits_indices=None):
+    def packed(
+        self,
+        seq_ids: Sequence[Hashable],
+        num_new: Sequence[int],
+        token_ids: Sequence[Sequence[int] | None] | None = None,
+        *,
+        defer_prefix: bool = False,
+        logits_indices=None,
+    ):
         """Like `batch`, but the step's tokens are packed on one axis, with no padding: the
         model gets input_ids (1, N), N = sum(num_new), sequence 0's new tokens first, and
         each layer k, v (1, Hkv, N, D) (see packed.py). Decodes (1 token) and prefill
@@ -259,8 +297,9 @@ class PagedKVCache:
         row of each sequence that samples a token), a `Step` field.
         """
         seq_ids, tables, starts, counts, pending = self._reserve(seq_ids, num_new, token_ids, "packed")
-        return PackedStep(self, seq_ids, tables, starts, counts, pending, defer_prefix=defer_prefix,
-                          logits_indices=logits_indices)
+        return PackedStep(
+            self, seq_ids, tables, starts, counts, pending, defer_prefix=defer_prefix, logits_indices=logits_indices
+        )
 
     def _reserve(self, seq_ids, num_new, token_ids, what: str):
         """Check a step, then reserve its slots (all or nothing) and advance the lengths.
@@ -281,8 +320,10 @@ class PagedKVCache:
             raise ValueError("num_new is 0 for every sequence: nothing to compute")
         if what == "packed" and min(counts) == 0:
             idle = [s for s, n in zip(seq_ids, counts) if n == 0]
-            raise ValueError(f"a packed step computes at least one token per sequence; num_new is 0 for {idle}: "
-                             f"leave those sequences out")
+            raise ValueError(
+                f"a packed step computes at least one token per sequence; num_new is 0 for {idle}: "
+                f"leave those sequences out"
+            )
         if token_ids is not None:
             token_ids = list(token_ids)
             if len(token_ids) != B:
@@ -292,8 +333,13 @@ class PagedKVCache:
                     raise ValueError(f"token_ids for sequence {s!r} has {len(toks)} ids but num_new is {n}")
         needed = self._needed(seqs, counts)
         if needed > self.pool.num_free:
-            raise CacheFull(needed, self.pool.num_free, f"appending {counts} tokens to {seq_ids}",
-                            self.block_size, self.pool.num_blocks)
+            raise CacheFull(
+                needed,
+                self.pool.num_free,
+                f"appending {counts} tokens to {seq_ids}",
+                self.block_size,
+                self.pool.num_blocks,
+            )
 
         # Past this point nothing can fail: reserve blocks, copy shared partial blocks, advance.
         bs, starts, pending = self.block_size, [], []
@@ -301,18 +347,20 @@ class PagedKVCache:
             starts.append(seq.length)
             if n == 0:
                 continue
-            if seq.length % bs and self.pool.refcount(seq.blocks[-1]) > 1:     # copy-on-write
+            if seq.length % bs and self.pool.refcount(seq.blocks[-1]) > 1:  # copy-on-write
                 old = seq.blocks[-1]
-                new = self.pool.allocate(1, prefer=seq.blocks[-2] if len(seq.blocks) > 1 else None,
-                                         spread=self.spread)[0]
+                new = self.pool.allocate(1, prefer=seq.blocks[-2] if len(seq.blocks) > 1 else None, spread=self.spread)[
+                    0
+                ]
                 for plane in (*self._k, *self._v):
                     plane[:, :, new].copy_(plane[:, :, old])
                 self.pool.release(old)
                 seq.blocks[-1] = new
             grow = -(-(seq.length + n) // bs) - len(seq.blocks)
             if grow > 0:
-                seq.blocks += self.pool.allocate(grow, prefer=seq.blocks[-1] if seq.blocks else None,
-                                                 spread=self.spread, region=self.region_blocks)
+                seq.blocks += self.pool.allocate(
+                    grow, prefer=seq.blocks[-1] if seq.blocks else None, spread=self.spread, region=self.region_blocks
+                )
             seq.length += n
             toks = token_ids[b] if token_ids is not None else None
             if toks is None or not seq.hashable:
@@ -334,14 +382,13 @@ class PagedKVCache:
         for planes, x in ((self._k, k), (self._v, v)):
             parts = quantize_int8(x) if self.kv_dtype else (x,)
             for plane, part in zip(planes, parts):
-                src = part.permute(1, 0, 2, 3).reshape(Hkv, B * T, part.shape[-1])   # (Hkv, B*T, D|1)
+                src = part.permute(1, 0, 2, 3).reshape(Hkv, B * T, part.shape[-1])  # (Hkv, B*T, D|1)
                 if src_index is not None:
-                    src = src.index_select(1, src_index)                            # real tokens only
-                dst = plane[layer].view(Hkv, -1, plane.shape[-1])                   # (Hkv, NB*bs, D|1)
+                    src = src.index_select(1, src_index)  # real tokens only
+                dst = plane[layer].view(Hkv, -1, plane.shape[-1])  # (Hkv, NB*bs, D|1)
                 dst.index_copy_(1, slots, src.to(plane.dtype))
 
-    def _tile(self, layer: int, seg: Tile, B: int, dtype: torch.dtype,
-              scratch: bool = True) -> tuple[Tensor, Tensor]:
+    def _tile(self, layer: int, seg: Tile, B: int, dtype: torch.dtype, scratch: bool = True) -> tuple[Tensor, Tensor]:
         """K and V of one segment, (B, Hkv, k1 - k0, D): a view, or one gather per plane.
 
         scratch: gather into buffers the cache keeps (valid until the next call). A fresh
@@ -353,14 +400,17 @@ class PagedKVCache:
         for which, planes in enumerate((self._k, self._v)):
             parts = []
             for i, p in enumerate(planes):
-                src = p[layer]                                                     # (Hkv, NB, bs, D|1)
+                src = p[layer]  # (Hkv, NB, bs, D|1)
                 if seg.index is None:
-                    parts.append(src[:, seg.first:seg.first + seg.count])
+                    parts.append(src[:, seg.first : seg.first + seg.count])
                     continue
-                shape = (src.shape[0], seg.index.numel(), *src.shape[2:])         # (Hkv, B*count, bs, D|1)
+                shape = (src.shape[0], seg.index.numel(), *src.shape[2:])  # (Hkv, B*count, bs, D|1)
                 buf = self._scratch_for((which, i), shape, src.dtype) if scratch else None
-                parts.append(torch.index_select(src, 1, seg.index, out=buf) if buf is not None
-                             else src.index_select(1, seg.index))
+                parts.append(
+                    torch.index_select(src, 1, seg.index, out=buf)
+                    if buf is not None
+                    else src.index_select(1, seg.index)
+                )
             x = dequantize_int8(parts[0], parts[1], dtype) if self.kv_dtype else parts[0]
             x = x.reshape(self.num_kv_heads, B, seg.count * self.block_size, self.head_dim)
             out.append(x.transpose(0, 1)[:, :, :n])
@@ -391,7 +441,9 @@ class PagedKVCache:
         return k[0], v[0]
 
     def __repr__(self) -> str:
-        return (f"PagedKVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, num_blocks={self.num_blocks}, block_size={self.block_size}, "
-                f"dtype={self.dtype}, kv_dtype={self.kv_dtype}, sequences={len(self._seqs)}, "
-                f"free_blocks={self.num_free_blocks})")
+        return (
+            f"PagedKVCache(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, num_blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"dtype={self.dtype}, kv_dtype={self.kv_dtype}, sequences={len(self._seqs)}, "
+            f"free_blocks={self.num_free_blocks})"
+        )

@@ -18,6 +18,7 @@ flex_attention over the whole pool with a page-table mask_mod (compiled, 7-14 s)
 10.2 ms (128-key KV blocks) and 13.3 ms (16-key blocks) against SDPA's 2.6-3.0 ms on
 the same keys, so it is not used.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -49,30 +50,43 @@ class PagedStep(BlockReads, Step):
     starts[b] + t, of which the first num_new[b] are real (the rest right padding).
     """
 
-    def __init__(self, cache: "PagedKVCache", seq_ids, tables, starts, counts, pending, *, write: bool = True,
-                 logits_indices: Tensor | None = None):
+    def __init__(
+        self,
+        cache: "PagedKVCache",
+        seq_ids,
+        tables,
+        starts,
+        counts,
+        pending,
+        *,
+        write: bool = True,
+        logits_indices: Tensor | None = None,
+    ):
         """write=False: a read plan only (a part of a packed step, which writes for it)."""
         dev, bs = cache.device, cache.block_size
         self.cache, self.seq_ids, self.num_new, self.starts = cache, seq_ids, counts, starts
         B, T = len(seq_ids), max(counts)
         self.B, self.T = B, T
-        self.ends = [L + n for L, n in zip(starts, counts)]                  # keys per sequence after the step
-        self.S = max(self.ends)                                              # padded key axis
+        self.ends = [L + n for L, n in zip(starts, counts)]  # keys per sequence after the step
+        self.S = max(self.ends)  # padded key axis
         self._pending, self._written = pending, set()
         if write:
             slots = [t[p // bs] * bs + p % bs for t, L, n in zip(tables, starts, counts) for p in range(L, L + n)]
             self._slots = torch.tensor(slots, dtype=torch.long, device=dev)
             ragged = any(n != T for n in counts)
-            self._src_index = (torch.tensor([b * T + t for b, n in enumerate(counts) for t in range(n)],
-                                            dtype=torch.long, device=dev) if ragged else None)
+            self._src_index = (
+                torch.tensor([b * T + t for b, n in enumerate(counts) for t in range(n)], dtype=torch.long, device=dev)
+                if ragged
+                else None
+            )
         self.block_size, self.num_kv_heads, self.head_dim = bs, cache.num_kv_heads, cache.head_dim
         self.dtype, self.device, self.kv_dtype = cache.dtype, dev, cache.kv_dtype
-        self.tables = [list(t) for t in tables]                               # as of this step
+        self.tables = [list(t) for t in tables]  # as of this step
         self.groups = self._plan(self.tables)
         # Tile masks that depend on the step alone (validity, causality), built by the first
         # layer and reused by the others: (k0, k1, rows, G, causal, dtype) -> (mask, dead rows).
         self.mask_memo: dict[tuple, tuple[Tensor | None, Tensor | None]] = {}
-        self.logits_indices = logits_indices                                  # (R,) or None: see Step
+        self.logits_indices = logits_indices  # (R,) or None: see Step
 
     @property
     def input_positions(self) -> Tensor:
@@ -115,7 +129,7 @@ class PagedStep(BlockReads, Step):
         nb = -(-S // bs)
         cap = nb if self.T == 1 and not cache.kv_dtype else tile
         segs: list[Tile] = []
-        pend, i = None, 0                     # pend: first of the scattered blocks not yet emitted
+        pend, i = None, 0  # pend: first of the scattered blocks not yet emitted
         while i < nb:
             j = i + 1
             while j < nb and table[j] == table[j - 1] + 1:
@@ -134,8 +148,9 @@ class PagedStep(BlockReads, Step):
             segs += self._gathers([table], pend, nb, S)
         return segs
 
-    def read_tile(self, layer: int, tile: Tile, B: int, dtype: torch.dtype,
-                  scratch: bool = True) -> tuple[Tensor, Tensor]:
+    def read_tile(
+        self, layer: int, tile: Tile, B: int, dtype: torch.dtype, scratch: bool = True
+    ) -> tuple[Tensor, Tensor]:
         return self.cache._tile(layer, tile, B, dtype, scratch)
 
     # ------------------------------------------------------------------ layers
@@ -144,7 +159,7 @@ class PagedStep(BlockReads, Step):
             raise IndexError(f"layer {i} out of range: this cache has num_layers={self.cache.num_layers}")
         return PagedLayerStep(self, i)
 
-    def positions(self, num_new: int) -> Tensor:        # single-layer caches: the step is the layer
+    def positions(self, num_new: int) -> Tensor:  # single-layer caches: the step is the layer
         return self._only().positions(num_new)
 
     def update(self, k: Tensor, v: Tensor, num_new: Tensor | None = None) -> "PagedRead":
@@ -175,8 +190,10 @@ class PagedLayerStep:
     def positions(self, num_new: int) -> Tensor:
         """(B, T) absolute positions of this step's tokens."""
         if num_new != self.step.T:
-            raise ValueError(f"positions({num_new}) but this step holds T={self.step.T} tokens per sequence "
-                             f"(max of num_new={self.step.num_new})")
+            raise ValueError(
+                f"positions({num_new}) but this step holds T={self.step.T} tokens per sequence "
+                f"(max of num_new={self.step.num_new})"
+            )
         return self.step.query_positions
 
     def update(self, k: Tensor, v: Tensor, num_new: Tensor | None = None) -> "PagedRead":
@@ -188,23 +205,31 @@ class PagedLayerStep:
                 got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
                 raise ValueError(f"{name} must be (B, Hkv, T, D) = {want}, got {got}")
             if x.shape[1] != cache.num_kv_heads:
-                raise ValueError(f"{name} has {x.shape[1]} KV heads but this cache holds "
-                                 f"num_kv_heads={cache.num_kv_heads} ({name} shape {tuple(x.shape)})")
+                raise ValueError(
+                    f"{name} has {x.shape[1]} KV heads but this cache holds "
+                    f"num_kv_heads={cache.num_kv_heads} ({name} shape {tuple(x.shape)})"
+                )
             if x.shape[3] != cache.head_dim:
                 raise ValueError(f"{name} has head dim {x.shape[3]} but this cache holds head_dim={cache.head_dim}")
             if tuple(x.shape) != want:
-                raise ValueError(f"{name} has shape {tuple(x.shape)} but this step is (B, Hkv, T, D) = {want}: "
-                                 f"{step.B} sequences {step.seq_ids}, T = max(num_new={step.num_new})")
+                raise ValueError(
+                    f"{name} has shape {tuple(x.shape)} but this step is (B, Hkv, T, D) = {want}: "
+                    f"{step.B} sequences {step.seq_ids}, T = max(num_new={step.num_new})"
+                )
             if x.dtype != cache.dtype:
-                raise TypeError(f"{name} has dtype {x.dtype} but this cache holds {cache.dtype}; "
-                                f"build the cache with dtype={x.dtype} or cast the model")
+                raise TypeError(
+                    f"{name} has dtype {x.dtype} but this cache holds {cache.dtype}; "
+                    f"build the cache with dtype={x.dtype} or cast the model"
+                )
             if x.device != cache.device:
                 raise ValueError(f"{name} is on {x.device} but this cache lives on {cache.device}")
         if num_new is not None:
             got = torch.as_tensor(num_new).reshape(-1).tolist()
             if got != step.num_new:
-                raise ValueError(f"num_new={got} (from the padding mask) but this step reserved "
-                                 f"num_new={step.num_new} for {step.seq_ids}")
+                raise ValueError(
+                    f"num_new={got} (from the padding mask) but this step reserved "
+                    f"num_new={step.num_new} for {step.seq_ids}"
+                )
         cache._write(self.layer_index, step._slots, step._src_index, k, v)
         step._mark_written(self.layer_index)
         return PagedRead(step, self.layer_index)
@@ -221,10 +246,22 @@ class PagedRead:
         """This read's K/V as the backends see them (`headwise.attention.explain(q, read.kv)`)."""
         return LayerKV(self.step, self.layer)
 
-    def attend(self, q: Tensor, *, attn_mask: Tensor | None = None, key_padding_mask: Tensor | None = None,
-               is_causal: bool = False, kv_map: Tensor | None = None, alibi_slopes: Tensor | None = None,
-               scale: float | None = None, dropout_p: float = 0.0, backend: str = "auto",
-               need_weights: bool = False, return_lse: bool = False, window=None):
+    def attend(
+        self,
+        q: Tensor,
+        *,
+        attn_mask: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        is_causal: bool = False,
+        kv_map: Tensor | None = None,
+        alibi_slopes: Tensor | None = None,
+        scale: float | None = None,
+        dropout_p: float = 0.0,
+        backend: str = "auto",
+        need_weights: bool = False,
+        return_lse: bool = False,
+        window=None,
+    ):
         """q (B, H, T, D) -> (B, H, T, D), or AttentionOutput(out, lse, weights) with return_lse /
         need_weights, as `headwise.attend`.
 
@@ -236,6 +273,18 @@ class PagedRead:
         reference (weights, dropout); "auto", "paged" and every other registered name run
         the in-place tiled read (a layer's backend choice does not apply to blocks).
         """
-        return attend_kv(q, self.kv, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
-                         kv_map=kv_map, alibi_slopes=alibi_slopes, scale=scale, dropout_p=dropout_p,
-                         backend=backend, need_weights=need_weights, return_lse=return_lse, window=window)
+        return attend_kv(
+            q,
+            self.kv,
+            attn_mask=attn_mask,
+            key_padding_mask=key_padding_mask,
+            is_causal=is_causal,
+            kv_map=kv_map,
+            alibi_slopes=alibi_slopes,
+            scale=scale,
+            dropout_p=dropout_p,
+            backend=backend,
+            need_weights=need_weights,
+            return_lse=return_lse,
+            window=window,
+        )

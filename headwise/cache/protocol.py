@@ -15,6 +15,7 @@ own read object with the same `attend` method, which hands the `paged` backend a
 description of where the step's K/V live (`headwise.attention.kv`), so blocks are
 read in place. The protocol itself is `headwise.attention.kv.LayerKVCache`.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -29,15 +30,23 @@ __all__ = ["CacheRead", "LayerKVCache", "merge_padding", "merge_visibility"]
 
 
 class CacheRead(NamedTuple):
-    k: Tensor                                # (B, Hkv, S, D): cached keys followed by the new ones
-    v: Tensor                                # (B, Hkv, S, Dv)
-    key_padding_mask: Tensor | None = None   # (B, S) bool, True = slot holds no real key
-    attn_mask: Tensor | None = None          # (B, 1, T, S) bool, True = may attend; when given it
-                                             # already encodes causality (ragged batches), and
-                                             # is_causal is not applied on top
+    k: Tensor  # (B, Hkv, S, D): cached keys followed by the new ones
+    v: Tensor  # (B, Hkv, S, Dv)
+    key_padding_mask: Tensor | None = None  # (B, S) bool, True = slot holds no real key
+    attn_mask: Tensor | None = None  # (B, 1, T, S) bool, True = may attend; when given it
+    # already encodes causality (ragged batches), and
+    # is_causal is not applied on top
 
-    def attend(self, q: Tensor, *, attn_mask=None, key_padding_mask=None, is_causal=False,
-               kv_map: Tensor | None = None, **kwargs):
+    def attend(
+        self,
+        q: Tensor,
+        *,
+        attn_mask=None,
+        key_padding_mask=None,
+        is_causal=False,
+        kv_map: Tensor | None = None,
+        **kwargs,
+    ):
         """headwise.attend over the cached keys; user masks are combined with the cache's.
 
         attn_mask here is over (T, S) of the cached sequence; key_padding_mask (B, S).
@@ -57,8 +66,9 @@ def merge_padding(a: Tensor | None, b: Tensor | None) -> Tensor | None:
     if a is None or b is None:
         return a if b is None else b
     if a.shape != b.shape:
-        raise ValueError(f"key_padding_mask has shape {tuple(a.shape)} but the cache holds keys "
-                         f"{tuple(b.shape)} (B, S)")
+        raise ValueError(
+            f"key_padding_mask has shape {tuple(a.shape)} but the cache holds keys {tuple(b.shape)} (B, S)"
+        )
     return a | b
 
 

@@ -20,6 +20,7 @@ pass over S*Hkv*D int8 values (written out in the compute dtype) before attentio
 runs. That is the same order as attention itself; int8 saves memory, not time,
 until an attention kernel reads int8 directly.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from torch import Tensor
 
 from .protocol import CacheRead
 
-SCALE_DTYPE = torch.float32     # see the module docstring for why not fp16
+SCALE_DTYPE = torch.float32  # see the module docstring for why not fp16
 SCALE_BYTES = 4
 INT8_KV_DTYPES = ("int8", torch.int8)
 
@@ -41,8 +42,8 @@ def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
     dequantizes to zeros).
     """
     xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True) / 127.0                      # (..., 1)
-    q = torch.round(xf / scale.clamp_min(torch.finfo(torch.float32).tiny))    # |q| <= 127 by construction
+    scale = xf.abs().amax(dim=-1, keepdim=True) / 127.0  # (..., 1)
+    q = torch.round(xf / scale.clamp_min(torch.finfo(torch.float32).tiny))  # |q| <= 127 by construction
     return q.clamp_(-127, 127).to(torch.int8), scale.to(SCALE_DTYPE)
 
 
@@ -71,18 +72,22 @@ class Int8CacheRead:
     Dequantization is deferred to `attend` so that a cache update alone never pays
     the O(S) read.
     """
+
     k_q: Tensor
     k_scale: Tensor
     v_q: Tensor
     v_scale: Tensor
-    dtype: torch.dtype                       # the compute dtype K/V come back in
-    key_padding_mask: Tensor | None = None   # (B, S) bool, True = slot holds no real key
-    attn_mask: Tensor | None = None          # (B, 1, T, S) bool, True = may attend (encodes causality)
+    dtype: torch.dtype  # the compute dtype K/V come back in
+    key_padding_mask: Tensor | None = None  # (B, S) bool, True = slot holds no real key
+    attn_mask: Tensor | None = None  # (B, 1, T, S) bool, True = may attend (encodes causality)
 
     def dequantize(self) -> CacheRead:
-        return CacheRead(dequantize_int8(self.k_q, self.k_scale, self.dtype),
-                         dequantize_int8(self.v_q, self.v_scale, self.dtype),
-                         self.key_padding_mask, self.attn_mask)
+        return CacheRead(
+            dequantize_int8(self.k_q, self.k_scale, self.dtype),
+            dequantize_int8(self.v_q, self.v_scale, self.dtype),
+            self.key_padding_mask,
+            self.attn_mask,
+        )
 
     @property
     def k(self) -> Tensor:
@@ -105,6 +110,7 @@ def kv_bytes_per_token(config, dtype: str | torch.dtype = "bf16") -> int:
     `dtype` may be a name ("bf16", "fp32", "int8") or a torch.dtype.
     """
     from ..plan import kv_bytes_per_token as planned
+
     name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
     payload = planned(config, name)
     if name.strip().lower() == "int8":

@@ -16,6 +16,7 @@ and only then are its last W real tokens written into the ring. A decode step
 (T = 1) evicts only position L - W, which its query does not see, so it writes
 first and reads the ring in place.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,31 +31,42 @@ from .quantized import Int8CacheRead
 
 def slot_positions(lengths: Tensor, W: int) -> Tensor:
     """(B, W): absolute position held by each slot after `lengths` tokens; negative = empty."""
-    last = lengths[:, None] - 1                                    # (B, 1) newest position
+    last = lengths[:, None] - 1  # (B, 1) newest position
     s = torch.arange(W, device=lengths.device)
-    return last - torch.remainder(last - s, W)                     # largest p <= last with p % W == s
+    return last - torch.remainder(last - s, W)  # largest p <= last with p % W == s
 
 
 @dataclass(frozen=True)
 class RingRead:
     """A read whose keys are in ring order, not position order."""
+
     read: CacheRead | Int8CacheRead
 
     def attend(self, q: Tensor, *, alibi_slopes: Tensor | None = None, **kwargs):
         if alibi_slopes is not None:
             # ALiBi adds -slope * (query index - key index), taking index = position; ring order breaks that.
-            raise ValueError("ALiBi needs keys in position order; SlidingWindowCache holds them in ring "
-                             "order. Use ContiguousKVCache with a window mask for ALiBi models")
+            raise ValueError(
+                "ALiBi needs keys in position order; SlidingWindowCache holds them in ring "
+                "order. Use ContiguousKVCache with a window mask for ALiBi models"
+            )
         return self.read.attend(q, **kwargs)
 
 
 class SlidingWindowLayerCache(LayerCacheBase):
     """One layer's ring of `window` slots; implements `LayerKVCache` (positions, update)."""
 
-    def __init__(self, batch_size: int, num_kv_heads: int, window: int, head_dim: int, *,
-                 dtype: torch.dtype = torch.float32, device=None, kv_dtype=None):
-        super().__init__(batch_size, num_kv_heads, window, head_dim, dtype=dtype, device=device,
-                         kv_dtype=kv_dtype)
+    def __init__(
+        self,
+        batch_size: int,
+        num_kv_heads: int,
+        window: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+        kv_dtype=None,
+    ):
+        super().__init__(batch_size, num_kv_heads, window, head_dim, dtype=dtype, device=device, kv_dtype=kv_dtype)
         self.window = window
 
     def update(self, k: Tensor, v: Tensor, num_new: Tensor | None = None) -> RingRead:
@@ -64,31 +76,32 @@ class SlidingWindowLayerCache(LayerCacheBase):
         counts = self._book(T, num_new)
         n = [T] * self.batch_size if counts is None else counts
 
-        if T == 1 and counts is None:                               # decode: write, then read the ring in place
+        if T == 1 and counts is None:  # decode: write, then read the ring in place
             self.store.write_at((self._len % W)[:, None], k, v)
             self._len += 1
             end = self._len
-            if min(self._host) >= W:                                # every slot holds one of the last W keys
+            if min(self._host) >= W:  # every slot holds one of the last W keys
                 return RingRead(self.store.read(W))
-            filled = slot_positions(end, W) >= 0                    # (B, W)
+            filled = slot_positions(end, W) >= 0  # (B, W)
             return RingRead(self.store.read(W, attn_mask=filled[:, None, None, :]))
 
-        ring_k, ring_v = self.store.dense()                         # (B, Hkv, W, D): positions < L
-        keys = torch.cat([ring_k, self.store.round_trip(k)], dim=2)            # (B, Hkv, W + T, D)
+        ring_k, ring_v = self.store.dense()  # (B, Hkv, W, D): positions < L
+        keys = torch.cat([ring_k, self.store.round_trip(k)], dim=2)  # (B, Hkv, W + T, D)
         values = torch.cat([ring_v, self.store.round_trip(v)], dim=2)
         t = torch.arange(T, device=self.device)
-        n_t = torch.tensor(n, dtype=torch.long, device=self.device)            # (B,)
-        qpos = self._len[:, None] + t                                           # (B, T)
-        kpos = torch.cat([slot_positions(self._len, W),
-                          torch.where(t < n_t[:, None], qpos, -1)], dim=1)      # (B, W + T), < 0 = no key
-        rel = qpos[:, :, None] - kpos[:, None, :]                                # (B, T, W + T)
-        mask = (kpos[:, None, :] >= 0) & (rel >= 0) & (rel < W)                  # causal, in the window
+        n_t = torch.tensor(n, dtype=torch.long, device=self.device)  # (B,)
+        qpos = self._len[:, None] + t  # (B, T)
+        kpos = torch.cat(
+            [slot_positions(self._len, W), torch.where(t < n_t[:, None], qpos, -1)], dim=1
+        )  # (B, W + T), < 0 = no key
+        rel = qpos[:, :, None] - kpos[:, None, :]  # (B, T, W + T)
+        mask = (kpos[:, None, :] >= 0) & (rel >= 0) & (rel < W)  # causal, in the window
 
-        keep = (t >= n_t[:, None] - W) & (t < n_t[:, None])         # the last W real tokens survive
+        keep = (t >= n_t[:, None] - W) & (t < n_t[:, None])  # the last W real tokens survive
         b, tt = keep.nonzero(as_tuple=True)
-        self.store.write_tokens(b, tt, qpos[b, tt] % W, k, v)       # distinct slots per sequence
+        self.store.write_tokens(b, tt, qpos[b, tt] % W, k, v)  # distinct slots per sequence
         self._len += n_t
-        return RingRead(CacheRead(keys, values, attn_mask=mask[:, None]))      # mask (B, 1, T, W + T)
+        return RingRead(CacheRead(keys, values, attn_mask=mask[:, None]))  # mask (B, 1, T, W + T)
 
 
 class SlidingWindowCache(LayeredCache):
@@ -97,17 +110,34 @@ class SlidingWindowCache(LayeredCache):
     No `trim`: evicted tokens cannot come back. kv_dtype="int8" stores int8 + scales.
     """
 
-    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, window: int, head_dim: int,
-                 *, dtype: torch.dtype = torch.float32, device=None, kv_dtype=None):
-        check_dims(num_layers=num_layers, batch_size=batch_size, num_kv_heads=num_kv_heads,
-                   window=window, head_dim=head_dim)
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        window: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+        kv_dtype=None,
+    ):
+        check_dims(
+            num_layers=num_layers, batch_size=batch_size, num_kv_heads=num_kv_heads, window=window, head_dim=head_dim
+        )
         self.batch_size, self.num_kv_heads, self.window, self.head_dim = batch_size, num_kv_heads, window, head_dim
         self.dtype = dtype
-        self.layers = [SlidingWindowLayerCache(batch_size, num_kv_heads, window, head_dim, dtype=dtype,
-                                               device=device, kv_dtype=kv_dtype) for _ in range(num_layers)]
+        self.layers = [
+            SlidingWindowLayerCache(
+                batch_size, num_kv_heads, window, head_dim, dtype=dtype, device=device, kv_dtype=kv_dtype
+            )
+            for _ in range(num_layers)
+        ]
         self.kv_dtype = self.layers[0].kv_dtype
 
     def __repr__(self) -> str:
-        return (f"SlidingWindowCache(num_layers={self.num_layers}, batch_size={self.batch_size}, "
-                f"num_kv_heads={self.num_kv_heads}, window={self.window}, head_dim={self.head_dim}, "
-                f"dtype={self.dtype}, kv_dtype={self.kv_dtype})")
+        return (
+            f"SlidingWindowCache(num_layers={self.num_layers}, batch_size={self.batch_size}, "
+            f"num_kv_heads={self.num_kv_heads}, window={self.window}, head_dim={self.head_dim}, "
+            f"dtype={self.dtype}, kv_dtype={self.kv_dtype})"
+        )

@@ -9,6 +9,7 @@ the pool, max_model_len) are derived by `resolve` / `max_model_len`; the pool is
 planner's formula (`headwise.plan.kv_pool_blocks`), so `headwise plan` and the engine agree.
 No torch here: the server's config and the planner import this without loading it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,15 +31,15 @@ def _positive(value) -> bool:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_num_seqs: int = 64                  # sequences running at once (each holds KV blocks)
-    num_blocks: int | None = None           # KV pool size in blocks; None: sized from memory_budget_bytes
-    block_size: int = 16                    # tokens per KV block: a prefix is shared in whole blocks
-    max_num_batched_tokens: int = 512       # tokens computed per step (decodes + prefill chunks)
-    kv_dtype: str | None = None             # None (the model's dtype) or "int8" (~1/4 of fp32's bytes)
-    max_waiting_requests: int = 256         # beyond this add_request raises QueueFull (a server's 429)
-    max_waiting_tokens: int | None = None   # prompt tokens waiting; None = 4x what the KV pool holds
+    max_num_seqs: int = 64  # sequences running at once (each holds KV blocks)
+    num_blocks: int | None = None  # KV pool size in blocks; None: sized from memory_budget_bytes
+    block_size: int = 16  # tokens per KV block: a prefix is shared in whole blocks
+    max_num_batched_tokens: int = 512  # tokens computed per step (decodes + prefill chunks)
+    kv_dtype: str | None = None  # None (the model's dtype) or "int8" (~1/4 of fp32's bytes)
+    max_waiting_requests: int = 256  # beyond this add_request raises QueueFull (a server's 429)
+    max_waiting_tokens: int | None = None  # prompt tokens waiting; None = 4x what the KV pool holds
     memory_budget_bytes: int | None = None  # bytes for the pool when num_blocks is None (None: 1 GiB, at
-                                            # most a quarter of the memory available)
+    # most a quarter of the memory available)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "block_size", "max_num_batched_tokens", "max_waiting_requests"):
@@ -50,13 +51,14 @@ class EngineConfig:
             if value is not None and not _positive(value):
                 raise ValueError(f"{name} must be a positive int or None (sized for you), got {value!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} < max_num_seqs="
-                             f"{self.max_num_seqs}: every running sequence needs a token of the step budget to "
-                             f"decode; raise max_num_batched_tokens or lower max_num_seqs")
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} < max_num_seqs="
+                f"{self.max_num_seqs}: every running sequence needs a token of the step budget to "
+                f"decode; raise max_num_batched_tokens or lower max_num_seqs"
+            )
         kv = str(self.kv_dtype).removeprefix("torch.") if self.kv_dtype is not None else None
         if kv not in KV_DTYPES:
-            raise ValueError(f"kv_dtype must be None (store K/V in the compute dtype) or 'int8', "
-                             f"got {self.kv_dtype!r}")
+            raise ValueError(f"kv_dtype must be None (store K/V in the compute dtype) or 'int8', got {self.kv_dtype!r}")
         object.__setattr__(self, "kv_dtype", kv)
 
     @classmethod
@@ -80,16 +82,18 @@ class EngineConfig:
             blocks = kv_pool_blocks(model_config, self.memory_budget_bytes, block_size=self.block_size, dtype=kv)
             if blocks < 1:
                 per_token = kv_pool_bytes_per_token(model_config, kv)
-                raise ValueError(f"memory_budget_bytes={self.memory_budget_bytes} does not hold one KV block "
-                                 f"({per_token * self.block_size} bytes: {self.block_size} tokens x {per_token} "
-                                 f"bytes per token); give more, or a smaller block_size")
+                raise ValueError(
+                    f"memory_budget_bytes={self.memory_budget_bytes} does not hold one KV block "
+                    f"({per_token * self.block_size} bytes: {self.block_size} tokens x {per_token} "
+                    f"bytes per token); give more, or a smaller block_size"
+                )
             return blocks
         try:
             available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError):
             available = 4 * DEFAULT_KV_BUDGET
         budget = min(DEFAULT_KV_BUDGET, available // 4)
-        wanted = self.max_num_seqs * -(-model_config.max_positions // self.block_size)   # no use for more
+        wanted = self.max_num_seqs * -(-model_config.max_positions // self.block_size)  # no use for more
         return max(1, min(wanted, kv_pool_blocks(model_config, budget, block_size=self.block_size, dtype=kv)))
 
     def resolve(self, model_config, dtype) -> "EngineConfig":

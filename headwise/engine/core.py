@@ -19,6 +19,7 @@ once, even while a step that includes the request runs: that step's writes into 
 blocks are dropped with its result, and no block is handed out again before the step
 ends, since only the stepping thread allocates.
 """
+
 from __future__ import annotations
 
 import collections
@@ -39,6 +40,7 @@ from .scheduler import Scheduler
 
 class TokenOutput(NamedTuple):
     """A token a step sampled for a request (already appended to it)."""
+
     request: Request
     token: int
     logprobs: TokenLogprobs | None
@@ -49,26 +51,38 @@ class EngineCore:
         cfg = getattr(model, "config", None)
         if cfg is None or not getattr(cfg, "causal", False) or not getattr(cfg, "lm_head", False):
             kind = getattr(cfg, "arch", type(model).__name__)
-            raise ValueError(f"the engine serves decoder language models (llama, gpt2 families); got {kind!r}, "
-                             f"which has no causal LM head (use headwise.embed for encoders)")
+            raise ValueError(
+                f"the engine serves decoder language models (llama, gpt2 families); got {kind!r}, "
+                f"which has no causal LM head (use headwise.embed for encoders)"
+            )
         param = next(model.parameters())
         self.model, self.device, self.dtype = model, param.device, param.dtype
-        self.config = (config or EngineConfig()).resolve(cfg, self.dtype)      # every size known from here
+        self.config = (config or EngineConfig()).resolve(cfg, self.dtype)  # every size known from here
         self.max_model_len: int = self.config.max_model_len(cfg)
         c = self.config
         # Sequences start at fixed-stride regions of the pool while there is room (decodes of all of
         # them read as one strided view), else mid-way into the largest free stretch (each stays one
         # consecutive run, read in place); see cache/packed.py.
-        self.cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, c.num_blocks, c.block_size,
-                                  dtype=self.dtype, device=self.device, kv_dtype=c.kv_dtype, spread=True,
-                                  region_blocks=max(1, c.num_blocks // c.max_num_seqs))
-        self.scheduler = Scheduler(self.cache, max_num_seqs=c.max_num_seqs,
-                                   max_num_batched_tokens=c.max_num_batched_tokens)
+        self.cache = PagedKVCache(
+            cfg.num_layers,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            c.num_blocks,
+            c.block_size,
+            dtype=self.dtype,
+            device=self.device,
+            kv_dtype=c.kv_dtype,
+            spread=True,
+            region_blocks=max(1, c.num_blocks // c.max_num_seqs),
+        )
+        self.scheduler = Scheduler(
+            self.cache, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens
+        )
         self.runner = ModelRunner(model, self.cache)
         self.lock = lock if lock is not None else threading.RLock()
-        self.counts = collections.Counter()      # steps, prefill_tokens, output_tokens
+        self.counts = collections.Counter()  # steps, prefill_tokens, output_tokens
         self.seconds = {"schedule": 0.0, "forward": 0.0, "output": 0.0}
-        self.rate = 0.0                          # tokens computed per second, smoothed (a queue's retry hint)
+        self.rate = 0.0  # tokens computed per second, smoothed (a queue's retry hint)
 
     # ------------------------------------------------------------------ requests
     def check(self, ids: list[int], params: SamplingParams) -> None:
@@ -78,23 +92,26 @@ class EngineCore:
         if bad:
             raise ValueError(f"token ids {bad[:5]} are out of range for this model's vocabulary of {V}")
         if len(ids) + params.max_new_tokens > self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; with max_new_tokens={params.max_new_tokens} that "
-                             f"exceeds max_model_len={self.max_model_len} (the model's context of "
-                             f"{self.model.config.max_positions} tokens, or the KV pool's {self.cache.num_blocks} "
-                             f"blocks x {self.config.block_size} tokens)")
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; with max_new_tokens={params.max_new_tokens} that "
+                f"exceeds max_model_len={self.max_model_len} (the model's context of "
+                f"{self.model.config.max_positions} tokens, or the KV pool's {self.cache.num_blocks} "
+                f"blocks x {self.config.block_size} tokens)"
+            )
 
     def request(self, group: RequestGroup, index: int, stop_ids: frozenset = frozenset()) -> Request:
         """Completion `index` of a group, with its sampling state (seeded generator, seen ids)."""
         params, ids = group.params, group.prompt_token_ids
         gen = None
-        if params.seed is not None:       # as generate(): completion i draws from seed + i
+        if params.seed is not None:  # as generate(): completion i draws from seed + i
             gen = torch.Generator(device=self.device).manual_seed(params.seed + index)
         seen = None
         if params.repetition_penalty != 1.0:
             seen = torch.zeros(self.model.config.vocab_size, dtype=torch.bool, device=self.device)
             seen[torch.tensor(ids, device=self.device)] = True
-        return Request(group, index, frozenset(stop_ids) | frozenset(params.stop_token_ids), gen, seen,
-                       token_ids=list(ids))
+        return Request(
+            group, index, frozenset(stop_ids) | frozenset(params.stop_token_ids), gen, seen, token_ids=list(ids)
+        )
 
     def add(self, request: Request) -> None:
         with self.lock:
@@ -116,15 +133,17 @@ class EngineCore:
             plan = self.scheduler.schedule()
             if not plan.chunks:
                 sched = self.scheduler
-                if sched.waiting and not sched.running and not plan.preempted:   # would loop forever
+                if sched.waiting and not sched.running and not plan.preempted:  # would loop forever
                     r = sched.waiting[0]
-                    raise RuntimeError(f"cannot schedule request {r.group.request_id!r} ({r.num_tokens} tokens) "
-                                       f"with every block free ({self.cache.num_free_blocks} of "
-                                       f"{self.cache.num_blocks}); this is a bug")
+                    raise RuntimeError(
+                        f"cannot schedule request {r.group.request_id!r} ({r.num_tokens} tokens) "
+                        f"with every block free ({self.cache.num_free_blocks} of "
+                        f"{self.cache.num_blocks}); this is a bug"
+                    )
                 return process([]) if process is not None else []
             batch = self.runner.prepare(plan.chunks)
         t1 = time.perf_counter()
-        logits = self.runner.run(batch)                                        # (R, V) or None
+        logits = self.runner.run(batch)  # (R, V) or None
         with self.lock:
             batch.step.commit()
             t2 = time.perf_counter()
@@ -133,12 +152,15 @@ class EngineCore:
             self.counts["steps"] += 1
             for c in batch.chunks:
                 if not (c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens):
-                    self.counts["prefill_tokens"] += c.num_tokens      # not a decode: prompt/recompute
+                    self.counts["prefill_tokens"] += c.num_tokens  # not a decode: prompt/recompute
                 if c.request.status is Status.RUNNING:
                     c.request.num_computed_tokens = c.start + c.num_tokens
             # rows of requests aborted while the forward ran are dropped here
-            picked = [(i, c.request) for i, c in enumerate(c for c in batch.chunks if c.sample)
-                      if c.request.status is Status.RUNNING]
+            picked = [
+                (i, c.request)
+                for i, c in enumerate(c for c in batch.chunks if c.sample)
+                if c.request.status is Status.RUNNING
+            ]
             outputs = []
             if picked:
                 with torch.inference_mode():

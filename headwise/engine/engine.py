@@ -14,6 +14,7 @@ Threads: the core's lock guards the scheduler, the cache's bookkeeping, the requ
 the counters; the forward runs outside it. So `add_request` and `abort` never wait for a
 forward, and an abort frees the request's blocks at once (core.py says why that is safe).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,7 +33,7 @@ from .request import RequestGroup, RequestOutput, Status, StreamPiece
 from .scheduler import QueueFull
 from .stats import SAMPLES, EngineStats, Samples
 
-KEEP_OUTPUTS = 1024         # finished outputs kept for `result()` (streams keep none)
+KEEP_OUTPUTS = 1024  # finished outputs kept for `result()` (streams keep none)
 
 
 class Engine:
@@ -50,27 +51,28 @@ class Engine:
             raise TypeError(f"config must be a headwise.engine.EngineConfig, got {type(config).__name__}")
         unknown = sorted(set(limits) - set(EngineConfig.fields()))
         if unknown:
-            raise TypeError(f"unknown engine setting(s) {', '.join(unknown)}; "
-                            f"known: {', '.join(EngineConfig.fields())}")
-        self._lock = threading.RLock()              # scheduler, cache bookkeeping, requests, counters
+            raise TypeError(
+                f"unknown engine setting(s) {', '.join(unknown)}; known: {', '.join(EngineConfig.fields())}"
+            )
+        self._lock = threading.RLock()  # scheduler, cache bookkeeping, requests, counters
         self.core = EngineCore(model, config.replace(**limits) if limits else config, lock=self._lock)
         self.model, self.tokenizer = model, getattr(model, "tokenizer", None)
         self.output = OutputProcessor(self.tokenizer)
         self._wake = threading.Condition(self._lock)
-        self._step_mutex = threading.Lock()         # one step at a time (thread or generate())
+        self._step_mutex = threading.Lock()  # one step at a time (thread or generate())
         self._groups: dict[str, RequestGroup] = {}  # unfinished requests
         self._outputs: collections.OrderedDict[str, RequestOutput] = collections.OrderedDict()
-        self._outbox: collections.deque = collections.deque()   # (group, piece or error) not yet delivered
-        self._delivering = threading.RLock()        # (a sink's failure aborts, which flushes again)
+        self._outbox: collections.deque = collections.deque()  # (group, piece or error) not yet delivered
+        self._delivering = threading.RLock()  # (a sink's failure aborts, which flushes again)
         self._thread: threading.Thread | None = None
         self._stop = False
         self._error: BaseException | None = None
         self._ttft = collections.deque(maxlen=SAMPLES)
         self._itl = collections.deque(maxlen=SAMPLES)
-        self._counts = collections.Counter()        # prompt_tokens, finished, aborted, decode_tokens
-        self._decode_seconds = 0.0                  # first token to last, summed over finished requests
+        self._counts = collections.Counter()  # prompt_tokens, finished, aborted, decode_tokens
+        self._decode_seconds = 0.0  # first token to last, summed over finished requests
 
-    config = property(lambda self: self.core.config)          # resolved: every None sized for the model
+    config = property(lambda self: self.core.config)  # resolved: every None sized for the model
     cache = property(lambda self: self.core.cache)
     scheduler = property(lambda self: self.core.scheduler)
     max_model_len = property(lambda self: self.core.max_model_len)
@@ -81,8 +83,14 @@ class Engine:
     max_waiting_tokens = property(lambda self: self.config.max_waiting_tokens)
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt, sampling: SamplingParams | None = None, *, request_id: str | None = None,
-                    on_piece: Callable[[StreamPiece], None] | None = None) -> str:
+    def add_request(
+        self,
+        prompt,
+        sampling: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        on_piece: Callable[[StreamPiece], None] | None = None,
+    ) -> str:
         """Queue one prompt (text, token ids or chat messages); returns its request id.
 
         on_piece(piece) gets each `StreamPiece` in order (or an exception if the engine fails),
@@ -104,8 +112,10 @@ class Engine:
             raise ValueError(f"sampling must be a headwise.SamplingParams, got {type(params).__name__}")
         self.core.check(ids, params)
         if params.n * len(ids) > self.max_waiting_tokens:
-            raise ValueError(f"the prompt takes {params.n} x {len(ids)} tokens, more than the waiting queue ever "
-                             f"holds (max_waiting_tokens={self.max_waiting_tokens})")
+            raise ValueError(
+                f"the prompt takes {params.n} x {len(ids)} tokens, more than the waiting queue ever "
+                f"holds (max_waiting_tokens={self.max_waiting_tokens})"
+            )
         rid = uuid.uuid4().hex if request_id is None else str(request_id)
         group = RequestGroup(rid, ids, params, sink)
         stops = self.output.stop_ids(params)
@@ -134,8 +144,10 @@ class Engine:
         if len(waiting) + 1 > self.max_waiting_requests:
             why = f"{len(waiting)} requests are waiting (max_waiting_requests={self.max_waiting_requests})"
         elif tokens + new > self.max_waiting_tokens:
-            why = (f"{tokens} prompt tokens are waiting and this request adds {new} "
-                   f"(max_waiting_tokens={self.max_waiting_tokens})")
+            why = (
+                f"{tokens} prompt tokens are waiting and this request adds {new} "
+                f"(max_waiting_tokens={self.max_waiting_tokens})"
+            )
         if why:
             rate = self.core.rate
             retry = min(60.0, max(1.0, tokens / rate)) if rate > 0 else 1.0
@@ -155,8 +167,9 @@ class Engine:
             for r in group.children:
                 if r.status is not Status.FINISHED:
                     self.core.finish(r, "abort")
-                    self._outbox.append((group, StreamPiece("", [], r.index, None, "abort", r.num_prompt_tokens,
-                                                            r.num_output_tokens)))
+                    self._outbox.append(
+                        (group, StreamPiece("", [], r.index, None, "abort", r.num_prompt_tokens, r.num_output_tokens))
+                    )
             self._counts["aborted"] += 1
             self._close(group)
         self._flush()
@@ -190,8 +203,9 @@ class Engine:
             if group is None:
                 if request_id in self._outputs:
                     return self._outputs[request_id]
-                raise KeyError(f"no request {request_id!r} (unknown, or finished more than "
-                               f"{KEEP_OUTPUTS} requests ago)")
+                raise KeyError(
+                    f"no request {request_id!r} (unknown, or finished more than {KEEP_OUTPUTS} requests ago)"
+                )
         if not group.done.wait(timeout):
             raise TimeoutError(f"request {request_id!r} did not finish within {timeout} s")
         if group.error is not None:
@@ -228,8 +242,11 @@ class Engine:
                         shown = time.perf_counter()
                         done = sum(x.done.is_set() for x in groups)
                         toks = sum(c.num_output_tokens for x in groups for c in x.children)
-                        print(f"[engine] {done}/{len(groups)} requests, {toks} tokens, "
-                              f"{toks / (shown - t0):.1f} tok/s", file=sys.stderr, flush=True)
+                        print(
+                            f"[engine] {done}/{len(groups)} requests, {toks} tokens, {toks / (shown - t0):.1f} tok/s",
+                            file=sys.stderr,
+                            flush=True,
+                        )
         except BaseException:
             for g in groups:
                 self.abort(g.request_id)
@@ -237,8 +254,9 @@ class Engine:
         return [g.output() for g in groups]
 
     # ------------------------------------------------------------------ streaming
-    async def stream(self, prompt, sampling: SamplingParams | None = None, *,
-                     request_id: str | None = None) -> AsyncIterator[StreamPiece]:
+    async def stream(
+        self, prompt, sampling: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> AsyncIterator[StreamPiece]:
         """Stream one request's pieces (async generator). Validates and queues at the first
         __anext__ (QueueFull / ValueError raise there) and starts the engine thread if needed.
         Closing the generator early (a client that went away) aborts the request and frees
@@ -250,7 +268,7 @@ class Engine:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
         group = self._add(self._one_prompt(prompt), sampling, request_id, sink, limits=True)
-        group.keep_output = False           # its reader has every piece: nothing to keep for result()
+        group.keep_output = False  # its reader has every piece: nothing to keep for result()
         done = False
         try:
             self.start()
@@ -270,7 +288,7 @@ class Engine:
         """Hand the outbox's pieces to their sinks, outside the lock, in the order they were made
         (a step's last token before an abort that came after it); a sink that fails (its event
         loop closed) gets its request aborted."""
-        with self._delivering:                      # one deliverer at a time; never taken under _lock
+        with self._delivering:  # one deliverer at a time; never taken under _lock
             while True:
                 with self._lock:
                     if not self._outbox:
@@ -309,11 +327,18 @@ class Engine:
             r.last_token_at = now
             text = r.text
             text.push(token)
-            if text.finish_reason is not None:      # the text knows more: a stop string ends it even on
-                self.core.finish(r, text.finish_reason)         # its last allowed token ("stop", not "length")
+            if text.finish_reason is not None:  # the text knows more: a stop string ends it even on
+                self.core.finish(r, text.finish_reason)  # its last allowed token ("stop", not "length")
                 r.finish_reason = text.finish_reason
-            piece = StreamPiece(text.new_text(), [token], r.index, [lp] if lp is not None else None,
-                                r.finish_reason, r.num_prompt_tokens, r.num_output_tokens)
+            piece = StreamPiece(
+                text.new_text(),
+                [token],
+                r.index,
+                [lp] if lp is not None else None,
+                r.finish_reason,
+                r.num_prompt_tokens,
+                r.num_output_tokens,
+            )
             self._outbox.append((r.group, piece))
             if r.status is Status.FINISHED and r.group.finished:
                 self._counts["finished"] += 1
@@ -341,7 +366,7 @@ class Engine:
                     return
             try:
                 self.step()
-            except BaseException as e:      # noqa: BLE001 - every waiting caller must hear of it
+            except BaseException as e:  # noqa: BLE001 - every waiting caller must hear of it
                 self._fail(e)
                 return
 
@@ -382,18 +407,34 @@ class Engine:
             free, core, sched = self.cache.num_free_blocks, self.core.counts, self.scheduler
             c = self._counts
             return EngineStats(
-                running=len(sched.running), waiting=len(sched.waiting),
-                kv_blocks_used=self.cache.num_blocks - free, kv_blocks_free=free,
-                kv_blocks_total=self.cache.num_blocks, kv_block_size=self.block_size,
-                preemptions=sched.num_preemptions, prefix_cache_queries=sched.prefix_queries,
-                prefix_cache_hits=sched.prefix_hits, prompt_tokens=c["prompt_tokens"],
-                prefill_tokens=core["prefill_tokens"], output_tokens=core["output_tokens"],
-                requests_finished=c["finished"], requests_aborted=c["aborted"], steps=core["steps"],
-                step_seconds=dict(self.core.seconds), ttft_s=Samples(self._ttft), itl_s=Samples(self._itl),
-                decode_tokens_per_second=(c["decode_tokens"] / self._decode_seconds
-                                          if c["decode_tokens"] and self._decode_seconds > 0 else None))
+                running=len(sched.running),
+                waiting=len(sched.waiting),
+                kv_blocks_used=self.cache.num_blocks - free,
+                kv_blocks_free=free,
+                kv_blocks_total=self.cache.num_blocks,
+                kv_block_size=self.block_size,
+                preemptions=sched.num_preemptions,
+                prefix_cache_queries=sched.prefix_queries,
+                prefix_cache_hits=sched.prefix_hits,
+                prompt_tokens=c["prompt_tokens"],
+                prefill_tokens=core["prefill_tokens"],
+                output_tokens=core["output_tokens"],
+                requests_finished=c["finished"],
+                requests_aborted=c["aborted"],
+                steps=core["steps"],
+                step_seconds=dict(self.core.seconds),
+                ttft_s=Samples(self._ttft),
+                itl_s=Samples(self._itl),
+                decode_tokens_per_second=(
+                    c["decode_tokens"] / self._decode_seconds
+                    if c["decode_tokens"] and self._decode_seconds > 0
+                    else None
+                ),
+            )
 
     def __repr__(self) -> str:
-        return (f"Engine({type(self.model).__name__}, max_num_seqs={self.max_num_seqs}, "
-                f"max_num_batched_tokens={self.max_num_batched_tokens}, blocks={self.cache.num_blocks}x"
-                f"{self.block_size}, max_model_len={self.max_model_len})")
+        return (
+            f"Engine({type(self.model).__name__}, max_num_seqs={self.max_num_seqs}, "
+            f"max_num_batched_tokens={self.max_num_batched_tokens}, blocks={self.cache.num_blocks}x"
+            f"{self.block_size}, max_model_len={self.max_model_len})"
+        )

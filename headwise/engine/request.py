@@ -6,6 +6,7 @@ way). A `Request` has no prefill or decode phase, only a count: the model has co
 the first `num_computed_tokens` of `token_ids` (prompt, then generated ids); a step
 computes some more, and when it reaches the end the next token is sampled.
 """
+
 from __future__ import annotations
 
 import enum
@@ -20,30 +21,31 @@ from ..generation.sampling import SamplingParams, TokenLogprobs
 
 
 class Status(enum.Enum):
-    WAITING = "waiting"        # queued, or preempted and queued again (its K/V freed)
-    RUNNING = "running"        # holds blocks in the cache; scheduled every step it can be
+    WAITING = "waiting"  # queued, or preempted and queued again (its K/V freed)
+    RUNNING = "running"  # holds blocks in the cache; scheduled every step it can be
     FINISHED = "finished"
 
 
 @dataclass
 class StreamPiece:
     """What one step added to one completion (`index`) of a streamed request."""
-    text: str                                 # new text; never splits a UTF-8 character, and text that
-                                              # could still turn into a stop string is held back
-    token_ids: list[int]                      # new token ids (a final stop/EOS id included)
-    index: int = 0                            # completion index when sampling.n > 1
-    logprobs: list[TokenLogprobs] | None = None   # one per new token, if sampling.logprobs is set
-    finish_reason: str | None = None          # None until the last piece: "stop" | "length" | "abort"
+
+    text: str  # new text; never splits a UTF-8 character, and text that
+    # could still turn into a stop string is held back
+    token_ids: list[int]  # new token ids (a final stop/EOS id included)
+    index: int = 0  # completion index when sampling.n > 1
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, if sampling.logprobs is set
+    finish_reason: str | None = None  # None until the last piece: "stop" | "length" | "abort"
     num_prompt_tokens: int = 0
-    num_output_tokens: int = 0                # generated so far by this completion
+    num_output_tokens: int = 0  # generated so far by this completion
 
 
 @dataclass
 class CompletionOutput:
     index: int
     text: str
-    token_ids: list[int]                      # generated ids (a final stop/EOS id included)
-    finish_reason: str | None                 # "stop" | "length" | "abort"
+    token_ids: list[int]  # generated ids (a final stop/EOS id included)
+    finish_reason: str | None  # "stop" | "length" | "abort"
     logprobs: list[TokenLogprobs] | None = None
 
 
@@ -51,8 +53,8 @@ class CompletionOutput:
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]           # one per completion (sampling.n)
-    num_cached_tokens: int = 0                # prompt tokens served by the prefix cache on admission
+    outputs: list[CompletionOutput]  # one per completion (sampling.n)
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache on admission
 
     @property
     def text(self) -> str:
@@ -70,47 +72,60 @@ class RequestOutput:
 class RequestGroup:
     """One add_request call: a prompt, its sampling, its n completions, and where pieces go."""
 
-    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams,
-                 sink: Callable[[StreamPiece], None] | None):
+    def __init__(
+        self, request_id: str, prompt: list[int], params: SamplingParams, sink: Callable[[StreamPiece], None] | None
+    ):
         self.request_id, self.prompt_token_ids, self.params, self.sink = request_id, prompt, params, sink
         self.arrival = time.perf_counter()
         self.children: list[Request] = []
-        self.done = threading.Event()         # set when every completion has finished
-        self.error: BaseException | None = None   # set if the engine failed while this ran
-        self.keep_output = True               # kept for Engine.result() once finished (streams: no)
+        self.done = threading.Event()  # set when every completion has finished
+        self.error: BaseException | None = None  # set if the engine failed while this ran
+        self.keep_output = True  # kept for Engine.result() once finished (streams: no)
 
     @property
     def finished(self) -> bool:
         return all(c.status is Status.FINISHED for c in self.children)
 
     def output(self) -> RequestOutput:
-        outs = [CompletionOutput(c.index, c.text.text if c.text is not None else "", list(c.output_token_ids),
-                                 c.finish_reason, list(c.logprobs) if self.params.logprobs is not None else None)
-                for c in self.children]
-        return RequestOutput(self.request_id, list(self.prompt_token_ids), outs,
-                             max((c.num_cached_tokens for c in self.children), default=0))
+        outs = [
+            CompletionOutput(
+                c.index,
+                c.text.text if c.text is not None else "",
+                list(c.output_token_ids),
+                c.finish_reason,
+                list(c.logprobs) if self.params.logprobs is not None else None,
+            )
+            for c in self.children
+        ]
+        return RequestOutput(
+            self.request_id,
+            list(self.prompt_token_ids),
+            outs,
+            max((c.num_cached_tokens for c in self.children), default=0),
+        )
 
 
 @dataclass(eq=False)
 class Request:
     """One completion of a prompt, as the scheduler and the engine core see it: token ids only."""
+
     group: RequestGroup
     index: int
-    stop_ids: frozenset = frozenset()         # sampled ids that end it: stop_token_ids, EOS
+    stop_ids: frozenset = frozenset()  # sampled ids that end it: stop_token_ids, EOS
     generator: torch.Generator | None = None  # per-request seed: sampling.seed + index
-    seen: torch.Tensor | None = None          # (V,) bool, for the repetition penalty: prompt + output ids
-    token_ids: list[int] = field(default_factory=list)   # prompt + generated ids
-    num_computed_tokens: int = 0              # leading token_ids whose K/V the cache holds
-    num_cached_tokens: int = 0                # of those, found by prefix on first admission
+    seen: torch.Tensor | None = None  # (V,) bool, for the repetition penalty: prompt + output ids
+    token_ids: list[int] = field(default_factory=list)  # prompt + generated ids
+    num_computed_tokens: int = 0  # leading token_ids whose K/V the cache holds
+    num_cached_tokens: int = 0  # of those, found by prefix on first admission
     status: Status = Status.WAITING
     num_preemptions: int = 0
-    output_token_ids: list[int] = field(default_factory=list)   # generated ids (a final stop/EOS id included)
+    output_token_ids: list[int] = field(default_factory=list)  # generated ids (a final stop/EOS id included)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, if sampling.logprobs
-    finish_reason: str | None = None          # "stop" | "length" | "abort" once finished
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     first_token_at: float | None = None
     last_token_at: float | None = None
-    text: object | None = None                # the front end's TextSequence (detokenizer, stop strings);
-                                              # the core never reads it
+    text: object | None = None  # the front end's TextSequence (detokenizer, stop strings);
+    # the core never reads it
 
     @property
     def seq_id(self) -> tuple[str, int]:

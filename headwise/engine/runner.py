@@ -10,6 +10,7 @@ SmolLM2's weights per row) on those R rows only and returns logits (R, V).
     batch = runner.prepare(chunks)      # under the engine's lock: reserves slots in the pool
     logits = runner.run(batch)          # (R, V) fp32; outside the lock
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,10 +25,11 @@ from .scheduler import Chunk
 @dataclass
 class Batch:
     """One step's model input. rows[i] is the pack row whose logits sample chunk sampled[i]."""
+
     chunks: list[Chunk]
-    input_ids: Tensor               # (1, N) long
-    step: object                    # PackedStep: positions, block tables, logits_indices
-    rows: Tensor                    # (R,) long, flat rows of the pack (0 * N + t)
+    input_ids: Tensor  # (1, N) long
+    step: object  # PackedStep: positions, block tables, logits_indices
+    rows: Tensor  # (R,) long, flat rows of the pack (0 * N + t)
 
     @property
     def num_tokens(self) -> int:
@@ -41,14 +43,14 @@ class ModelRunner:
 
     def prepare(self, chunks: list[Chunk]) -> Batch:
         """Reserve the chunks' slots in the cache and build the step (call under the engine's lock)."""
-        news = [c.request.token_ids[c.start:c.start + c.num_tokens] for c in chunks]
+        news = [c.request.token_ids[c.start : c.start + c.num_tokens] for c in chunks]
         rows, off = [], 0
         for c in chunks:
             off += c.num_tokens
             if c.sample:
                 rows.append(off - 1)
         input_ids = torch.tensor([[t for new in news for t in new]], dtype=torch.long, device=self.device)  # (1, N)
-        sel = torch.tensor(rows, dtype=torch.long, device=self.device)                                    # (R,)
+        sel = torch.tensor(rows, dtype=torch.long, device=self.device)  # (R,)
         seq_ids, counts = [c.request.seq_id for c in chunks], [c.num_tokens for c in chunks]
         # A step of prefill chunks only samples nothing, but the model must run for the K/V it
         # writes: ask for one row (the last) rather than all N, and drop it.
@@ -60,5 +62,5 @@ class ModelRunner:
         """-> logits (R, V) fp32 of the batch's sampled rows, in chunk order; None when R = 0
         (every chunk is a prefill that does not reach its request's end yet)."""
         with torch.inference_mode():
-            logits = self.model(batch.input_ids, batch.step)                    # (R, V)
+            logits = self.model(batch.input_ids, batch.step)  # (R, V)
         return logits if batch.rows.numel() else None

@@ -5,6 +5,7 @@ goes through `headwise.generation.sample` with its own parameters and its own
 torch.Generator (seeded requests draw the same tokens whatever else shares the step).
 Logprobs are taken on the unmodified distribution, as `generate()` does.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,9 +27,9 @@ def sample_rows(logits: Tensor, requests: list[Request]) -> tuple[list[int], lis
     for i, r in enumerate(requests):
         if tokens[i] is None:
             seen = r.seen[None] if r.seen is not None else None
-            tokens[i] = int(sample(logits[i:i + 1], r.params, seen=seen, generator=r.generator))
+            tokens[i] = int(sample(logits[i : i + 1], r.params, seen=seen, generator=r.generator))
     logprobs: list[TokenLogprobs | None] = [None] * R
     for i, r in enumerate(requests):
         if r.params.logprobs is not None:
-            logprobs[i] = token_logprobs(logits[i:i + 1], torch.tensor([tokens[i]]), r.params.logprobs)[0]
+            logprobs[i] = token_logprobs(logits[i : i + 1], torch.tensor([tokens[i]]), r.params.logprobs)[0]
     return tokens, logprobs

@@ -17,6 +17,7 @@ goes back to the front of the queue with num_computed_tokens = 0, to be recomput
 (prompt + what it generated so far; its full blocks often survive in the prefix table).
 Recomputing the same tokens gives the same K/V, so greedy outputs do not change.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -39,6 +40,7 @@ class QueueFull(RuntimeError):
 class Chunk(NamedTuple):
     """Tokens [start, start + num_tokens) of `request` computed this step; `sample`: the chunk
     reaches the end of the request's tokens, so the next token is drawn from its last row."""
+
     request: Request
     start: int
     num_tokens: int
@@ -47,7 +49,7 @@ class Chunk(NamedTuple):
 
 @dataclass
 class SchedulerOutput:
-    chunks: list[Chunk]                 # decodes first, then prefill chunks (the order of the pack)
+    chunks: list[Chunk]  # decodes first, then prefill chunks (the order of the pack)
     preempted: list[Request]
 
     @property
@@ -60,10 +62,10 @@ class Scheduler:
         self.cache = cache
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []          # in admission order: the last is preempted first
+        self.running: list[Request] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
-        self.prefix_queries = 0                   # tokens looked up in the prefix table on admission
-        self.prefix_hits = 0                      # of those, found (not recomputed)
+        self.prefix_queries = 0  # tokens looked up in the prefix table on admission
+        self.prefix_hits = 0  # of those, found (not recomputed)
 
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> None:
@@ -94,7 +96,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = Status.WAITING
-        self.waiting.appendleft(request)          # first back in: it is older than what waits
+        self.waiting.appendleft(request)  # first back in: it is older than what waits
         self.num_preemptions += 1
 
     # ------------------------------------------------------------------ a step
@@ -103,7 +105,7 @@ class Scheduler:
         decodes, prefills, preempted = [], [], []
         decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
         for r in list(self.running):
-            if r.status is not Status.RUNNING:                    # preempted as a victim below
+            if r.status is not Status.RUNNING:  # preempted as a victim below
                 continue
             left = r.num_tokens - r.num_computed_tokens
             if left == 1:
@@ -115,7 +117,7 @@ class Scheduler:
                 continue
             need = cache.blocks_needed(r.seq_id, n)
             while reserved + need > cache.num_free_blocks:
-                victim = self.running[-1]                         # the newest; never one already scheduled
+                victim = self.running[-1]  # the newest; never one already scheduled
                 if victim is not r and victim.num_tokens - victim.num_computed_tokens == 1:
                     decodes_left -= 1
                 self._preempt(victim)
@@ -135,11 +137,11 @@ class Scheduler:
         cache = self.cache
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             r = self.waiting[0]
-            hit = cache.add_sequence(r.seq_id, r.token_ids)      # shares full blocks found by prefix
+            hit = cache.add_sequence(r.seq_id, r.token_ids)  # shares full blocks found by prefix
             n = min(r.num_tokens - hit, budget)
             need = cache.blocks_needed(r.seq_id, n)
             if reserved + need > cache.num_free_blocks:
-                cache.free(r.seq_id)                              # undo: the shared blocks go back
+                cache.free(r.seq_id)  # undo: the shared blocks go back
                 break
             self.waiting.popleft()
             if r.num_preemptions == 0:

@@ -1,9 +1,10 @@
 """What `Engine.stats()` returns: counts, pool use, time per part of a step, latency percentiles."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-SAMPLES = 4096              # latency samples kept (ttft, inter-token): the most recent ones
+SAMPLES = 4096  # latency samples kept (ttft, inter-token): the most recent ones
 
 
 class Samples(list):
@@ -15,41 +16,44 @@ class Samples(list):
         if not xs:
             return {"count": 0, "p50": None, "p90": None, "p99": None}
 
-        def pct(q):                                 # nearest rank
+        def pct(q):  # nearest rank
             return xs[min(len(xs) - 1, max(0, -(-len(xs) * q // 100) - 1))]
+
         return {"count": len(xs), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
 
     def __repr__(self) -> str:
         d = self.summary()
         if not d["count"]:
             return "Samples(count=0)"
-        return f"Samples(count={d['count']}, " + ", ".join(f"{k}={d[k] * 1e3:.1f}ms" for k in ("p50", "p90", "p99")) + ")"
+        return (
+            f"Samples(count={d['count']}, " + ", ".join(f"{k}={d[k] * 1e3:.1f}ms" for k in ("p50", "p90", "p99")) + ")"
+        )
 
 
 @dataclass
 class EngineStats:
-    running: int                    # sequences holding KV blocks (a request with n > 1 counts n)
-    waiting: int                    # sequences queued, preempted ones included
+    running: int  # sequences holding KV blocks (a request with n > 1 counts n)
+    waiting: int  # sequences queued, preempted ones included
     kv_blocks_used: int
     kv_blocks_free: int
     kv_blocks_total: int
     kv_block_size: int
     preemptions: int
-    prefix_cache_queries: int       # prompt tokens looked up in the prefix table on admission
-    prefix_cache_hits: int          # of those, found: their K/V was shared, not recomputed
-    prompt_tokens: int              # accepted requests' prompt tokens
-    prefill_tokens: int             # prompt (and recomputed) tokens run through the model: an aborted
-                                    # request that never got scheduled adds none
-    output_tokens: int              # generated tokens
-    requests_finished: int          # stop or length
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix table on admission
+    prefix_cache_hits: int  # of those, found: their K/V was shared, not recomputed
+    prompt_tokens: int  # accepted requests' prompt tokens
+    prefill_tokens: int  # prompt (and recomputed) tokens run through the model: an aborted
+    # request that never got scheduled adds none
+    output_tokens: int  # generated tokens
+    requests_finished: int  # stop or length
     requests_aborted: int
     steps: int
     step_seconds: dict[str, float]  # time spent per part of all steps: schedule (+ building the packed
-                                    # step), forward, output (sampling, detokenizing, bookkeeping)
-    ttft_s: Samples                 # recent time-to-first-token samples, seconds (repr: percentiles)
-    itl_s: Samples                  # recent inter-token latency samples, seconds
-    decode_tokens_per_second: float | None   # tokens after each request's first / the time they took,
-                                             # over finished/aborted requests; None before any had 2 tokens
+    # step), forward, output (sampling, detokenizing, bookkeeping)
+    ttft_s: Samples  # recent time-to-first-token samples, seconds (repr: percentiles)
+    itl_s: Samples  # recent inter-token latency samples, seconds
+    decode_tokens_per_second: float | None  # tokens after each request's first / the time they took,
+    # over finished/aborted requests; None before any had 2 tokens
 
     def as_dict(self) -> dict:
         """Plain numbers: the latency samples as {"count", "p50", "p90", "p99"}."""

@@ -1,4 +1,5 @@
 """Sampling and single-process generation."""
+
 from .generate import GenerationResult, generate
 from .sampling import SamplingParams, filter_logits, sample
 

@@ -5,36 +5,54 @@ A chat model's prompt goes through its chat template unless --raw; each reply en
 a line on stderr saying why it stopped. In `chat`, Ctrl-C stops the reply and keeps the
 conversation; Ctrl-C or Ctrl-D at the prompt quits.
 """
+
 from __future__ import annotations
 
 import signal
 import sys
 import time
 
-from ..argtypes import (Formatter, backend_name, fail, model_for, nonneg_float, nonneg_int, positive_float,
-                        positive_int, probability, unit_interval)
+from ..argtypes import (
+    Formatter,
+    backend_name,
+    fail,
+    model_for,
+    nonneg_float,
+    nonneg_int,
+    positive_float,
+    positive_int,
+    probability,
+    unit_interval,
+)
 
 SAMPLING_HELP = "sampling: --temperature 0 is greedy (the default here, reproducible)"
-_WHY = {"stop": "the model ended its turn, or a --stop string", "length": "reached --max-new-tokens",
-        "interrupted": "Ctrl-C"}
+_WHY = {
+    "stop": "the model ended its turn, or a --stop string",
+    "length": "reached --max-new-tokens",
+    "interrupted": "Ctrl-C",
+}
 
 
 def _load(args, task: str):
     """The model, or None after printing why it cannot serve this command."""
     from ..models.loading import load
+
     prog = f"headwise {args.command}"
     t0 = time.perf_counter()
     try:
         model = load(args.model, dtype=None, backend=args.backend)
-    except (OSError, ValueError, LookupError) as e:     # missing files, bad checkpoints, uninstalled builtins
+    except (OSError, ValueError, LookupError) as e:  # missing files, bad checkpoints, uninstalled builtins
         fail(prog, e)
         return None
     if getattr(model, "tokenizer", None) is None:
         fail(prog, f"{args.model} has no tokenizer (tokenizer.json or vocab.txt); the CLI needs one to read text")
         return None
     if bool(getattr(model.config, "causal", False)) != (task == "chat"):
-        what = "a decoder; use `headwise generate` or `headwise chat`" if task == "embed" else \
-            "an encoder (an embedding model); use `headwise embed`"
+        what = (
+            "a decoder; use `headwise generate` or `headwise chat`"
+            if task == "embed"
+            else "an encoder (an embedding model); use `headwise embed`"
+        )
         fail(prog, f"{args.model} is {what}")
         return None
     print(f"[loaded {args.model} in {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
@@ -43,9 +61,17 @@ def _load(args, task: str):
 
 def _sampling(args):
     from .sampling import SamplingParams
-    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          stop=tuple(args.stop or ()), seed=args.seed)
+
+    return SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        stop=tuple(args.stop or ()),
+        seed=args.seed,
+    )
 
 
 def _prompt_ids(model, prompt) -> list[int]:
@@ -59,6 +85,7 @@ def _prompt_ids(model, prompt) -> list[int]:
 def _stream_reply(model, prompt, params) -> tuple[str, str]:
     """Stream one reply to stdout -> (its text, finish reason). Ctrl-C ends it early ("interrupted")."""
     from .generate import generate
+
     ids = _prompt_ids(model, prompt)
     t0 = time.perf_counter()
     pieces, first, reason = [], None, "interrupted"
@@ -80,8 +107,12 @@ def _stream_reply(model, prompt, params) -> tuple[str, str]:
     dt = time.perf_counter() - (first or t0)
     rate = f"{n / dt:.1f}" if n and dt > 0 else "-"
     print(flush=True)
-    print(f"[finish_reason: {reason} ({_WHY[reason]}); prompt {len(ids)} tokens, {n} generated, {rate} tokens/s, "
-          f"first token after {(first or t0) - t0:.2f} s]", file=sys.stderr, flush=True)
+    print(
+        f"[finish_reason: {reason} ({_WHY[reason]}); prompt {len(ids)} tokens, {n} generated, {rate} tokens/s, "
+        f"first token after {(first or t0) - t0:.2f} s]",
+        file=sys.stderr,
+        flush=True,
+    )
     return text, reason
 
 
@@ -100,15 +131,19 @@ def run_chat(args) -> int:
     if model is None:
         return 2
     if model.tokenizer.chat_template is None:
-        return fail("headwise chat", f"{args.model} has no chat template; use `headwise generate --raw` for "
-                                     "plain continuation")
+        return fail(
+            "headwise chat", f"{args.model} has no chat template; use `headwise generate --raw` for plain continuation"
+        )
     system = [{"role": "system", "content": args.system}] if args.system else []
     history = list(system)
     # Ctrl-C must reach us even when the parent started us with SIGINT ignored (nohup, some test
     # runners, `cmd &` in a non-interactive shell): Python then never installs its handler.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    print(f"chat with {args.model}: Ctrl-C stops a reply (the conversation stays), /reset clears it; "
-          "an empty line, Ctrl-C or Ctrl-D at the prompt quits", file=sys.stderr)
+    print(
+        f"chat with {args.model}: Ctrl-C stops a reply (the conversation stays), /reset clears it; "
+        "an empty line, Ctrl-C or Ctrl-D at the prompt quits",
+        file=sys.stderr,
+    )
     while True:
         try:
             line = input("you> ").strip()
@@ -123,11 +158,12 @@ def run_chat(args) -> int:
         history.append({"role": "user", "content": line})
         print("bot> ", end="", flush=True)
         text, _ = _stream_reply(model, history, _sampling(args))
-        history.append({"role": "assistant", "content": text})   # an interrupted reply stays, as it was shown
+        history.append({"role": "assistant", "content": text})  # an interrupted reply stays, as it was shown
 
 
 def run_embed(args) -> int:
     from ..embeddings import embed
+
     model = _load(args, "embed")
     if model is None:
         return 2
@@ -146,8 +182,13 @@ def run_embed(args) -> int:
 
 
 def _common(p, default_model: str, task: str):
-    p.add_argument("model", nargs="?", default=default_model, type=model_for(task),
-                   help="builtin name (see `headwise models`), checkpoint directory or .gguf file")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=default_model,
+        type=model_for(task),
+        help="builtin name (see `headwise models`), checkpoint directory or .gguf file",
+    )
     p.add_argument("--backend", default="auto", type=backend_name, help="attention backend (see `headwise backends`)")
 
 
@@ -164,10 +205,13 @@ def _sampling_args(p):
 
 
 def add_cli(sub) -> None:
-    p = sub.add_parser("generate", help="stream a completion from a decoder model, then print tokens/s",
-                       description="Generate text with a decoder model; streams as it goes. A chat model's "
-                                   "prompt goes through its chat template (one user message) unless --raw.",
-                       formatter_class=Formatter)
+    p = sub.add_parser(
+        "generate",
+        help="stream a completion from a decoder model, then print tokens/s",
+        description="Generate text with a decoder model; streams as it goes. A chat model's "
+        "prompt goes through its chat template (one user message) unless --raw.",
+        formatter_class=Formatter,
+    )
     _common(p, "smollm2-135m-instruct", "chat")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--raw", action="store_true", help="plain continuation of the prompt, no chat template")
@@ -175,18 +219,24 @@ def add_cli(sub) -> None:
     _sampling_args(p)
     p.set_defaults(func=run_generate)
 
-    p = sub.add_parser("chat", help="interactive streaming chat that keeps history",
-                       description="Chat in the terminal through the model's chat template. Ctrl-C stops a "
-                                   "reply and keeps the conversation; Ctrl-C or Ctrl-D at the prompt quits.",
-                       formatter_class=Formatter)
+    p = sub.add_parser(
+        "chat",
+        help="interactive streaming chat that keeps history",
+        description="Chat in the terminal through the model's chat template. Ctrl-C stops a "
+        "reply and keeps the conversation; Ctrl-C or Ctrl-D at the prompt quits.",
+        formatter_class=Formatter,
+    )
     _common(p, "smollm2-135m-instruct", "chat")
     p.add_argument("--system", default=None, help="system prompt")
     _sampling_args(p)
     p.set_defaults(func=run_chat)
 
-    p = sub.add_parser("embed", help="sentence embeddings and their cosine similarities",
-                       description="Embed texts with an encoder (mean pooling + L2 normalize).",
-                       formatter_class=Formatter)
+    p = sub.add_parser(
+        "embed",
+        help="sentence embeddings and their cosine similarities",
+        description="Embed texts with an encoder (mean pooling + L2 normalize).",
+        formatter_class=Formatter,
+    )
     _common(p, "all-minilm-l6-v2", "embed")
     p.add_argument("--text", action="append", required=True, help="a text to embed (repeatable)")
     p.set_defaults(func=run_embed)

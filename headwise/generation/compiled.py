@@ -14,6 +14,7 @@ oneDNN as `PackedLinear` does. For one graph with no recompiles per step:
 Freezing folds the weights into the graph as constants: edit a compiled model's weights and
 its compiled step does not see it (call `reset_compiled(model)`). Prefill stays eager.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,8 +33,10 @@ def compiled_decode_step(model):
     per model (dynamo guards recompile it for a new batch size or cache size)."""
     step = model.__dict__.get(_ATTR)
     if step is None:
+
         def decode(ids, cache):
             return model(ids, cache=cache)[:, -1]
+
         step = torch.compile(decode, dynamic=False, fullgraph=True, options={"freezing": True})
         model.__dict__[_ATTR] = step
     return step
@@ -44,13 +47,15 @@ def static_cache(model, batch_size: int, slots: int, *, dtype, device):
     across calls because dynamo guards on the identity of the cache's Python members: a
     fresh cache per call would recompile the step every call."""
     from ..cache import ContiguousKVCache
+
     caches = model.__dict__.setdefault(_CACHES, {})
     key = (batch_size, slots, dtype, str(device))
     cache = caches.get(key)
     if cache is None:
         cfg = model.config
-        cache = caches[key] = ContiguousKVCache(cfg.num_layers, batch_size, cfg.num_kv_heads, slots, cfg.head_dim,
-                                                dtype=dtype, device=device, static=True)
+        cache = caches[key] = ContiguousKVCache(
+            cfg.num_layers, batch_size, cfg.num_kv_heads, slots, cfg.head_dim, dtype=dtype, device=device, static=True
+        )
     cache.reset()
     return cache
 

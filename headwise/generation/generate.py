@@ -6,6 +6,7 @@ prefill asks for the logits of each prompt's last real token only (the output
 layer is ~20% of SmolLM2's weights per row). Prompts, text and stop strings go
 through the output processor (output.py), as in the engine and the server.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +23,8 @@ from .sampling import SamplingParams, TokenLogprobs, sample, token_logprobs
 @dataclass
 class GenerationResult:
     text: str
-    token_ids: list[int]                      # generated ids (a final EOS/stop id included)
-    finish_reason: str                        # "stop" (EOS, stop id or stop string) or "length"
+    token_ids: list[int]  # generated ids (a final EOS/stop id included)
+    finish_reason: str  # "stop" (EOS, stop id or stop string) or "length"
     prompt_token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None
     prefill_seconds: float = 0.0
@@ -37,8 +38,9 @@ class GenerationResult:
         return n / self.decode_seconds if n >= 1 and self.decode_seconds > 0 else None
 
 
-def generate(model, prompt, sampling: SamplingParams | None = None, *, stream: bool = False,
-             compile: bool = False, **fields):
+def generate(
+    model, prompt, sampling: SamplingParams | None = None, *, stream: bool = False, compile: bool = False, **fields
+):
     """Generate from a decoder model.
 
     prompt: text, token ids, chat messages ([{"role": ..., "content": ...}]), or a
@@ -61,8 +63,7 @@ def generate(model, prompt, sampling: SamplingParams | None = None, *, stream: b
         if not single or params.n != 1:
             raise ValueError("stream=True takes one prompt with n=1")
         return _stream(model, prompts[0], params, compile)
-    results = list(_run(model, [p for p in prompts for _ in range(params.n)], params, streaming=False,
-                        compile=compile))
+    results = list(_run(model, [p for p in prompts for _ in range(params.n)], params, streaming=False, compile=compile))
     return results[0] if single and params.n == 1 else results
 
 
@@ -80,14 +81,17 @@ def _stream(model, prompt: list[int], params: SamplingParams, compile: bool = Fa
 
 def _run(model, prompts: Sequence[list[int]], params: SamplingParams, streaming: bool, compile: bool = False):
     from ..cache import ContiguousKVCache
+
     cfg = model.config
     B = len(prompts)
     lengths = [len(p) for p in prompts]
     limit = cfg.max_positions
     for i, n in enumerate(lengths):
         if n + params.max_new_tokens > limit:
-            raise ValueError(f"prompt {i} has {n} tokens; with max_new_tokens={params.max_new_tokens} that "
-                             f"exceeds the model's context of {limit} tokens")
+            raise ValueError(
+                f"prompt {i} has {n} tokens; with max_new_tokens={params.max_new_tokens} that "
+                f"exceeds the model's context of {limit} tokens"
+            )
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     out = OutputProcessor(getattr(model, "tokenizer", None))
@@ -100,14 +104,15 @@ def _run(model, prompts: Sequence[list[int]], params: SamplingParams, streaming:
     T0 = max(lengths)
     if compile:
         from .compiled import compiled_decode_step, static_cache, static_cache_size
+
         step_fn = compiled_decode_step(model)
-        cache = static_cache(model, B, static_cache_size(T0 + params.max_new_tokens, limit), dtype=dtype,
-                             device=device)
+        cache = static_cache(model, B, static_cache_size(T0 + params.max_new_tokens, limit), dtype=dtype, device=device)
     else:
         step_fn = None
-        cache = ContiguousKVCache(cfg.num_layers, B, cfg.num_kv_heads, T0 + params.max_new_tokens, cfg.head_dim,
-                                  dtype=dtype, device=device)
-    ids = torch.zeros(B, T0, dtype=torch.long, device=device)                  # (B, T0), right-padded
+        cache = ContiguousKVCache(
+            cfg.num_layers, B, cfg.num_kv_heads, T0 + params.max_new_tokens, cfg.head_dim, dtype=dtype, device=device
+        )
+    ids = torch.zeros(B, T0, dtype=torch.long, device=device)  # (B, T0), right-padded
     for b, p in enumerate(prompts):
         ids[b, : len(p)] = torch.tensor(p, device=device)
     seen = None
@@ -118,18 +123,24 @@ def _run(model, prompts: Sequence[list[int]], params: SamplingParams, streaming:
 
     t0 = time.perf_counter()
     with torch.inference_mode():
-        lens = torch.tensor(lengths, device=device)                                    # (B,)
-        rows = torch.arange(B, device=device) * T0 + lens - 1     # each prompt's last real token, b*T0 + t
+        lens = torch.tensor(lengths, device=device)  # (B,)
+        rows = torch.arange(B, device=device) * T0 + lens - 1  # each prompt's last real token, b*T0 + t
         step = cache.step(T0, num_new=None if min(lengths) == T0 else lens, logits_indices=rows)
-        last = model(ids, step)                                                        # (B, V)
+        last = model(ids, step)  # (B, V)
         t_prefill = time.perf_counter() - t0
         t1 = time.perf_counter()
         for step in range(params.max_new_tokens):
             if gens[0] is None:
-                nxt = sample(last, params, seen=seen)                                   # (B,)
+                nxt = sample(last, params, seen=seen)  # (B,)
             else:
-                nxt = torch.cat([sample(last[b:b + 1], params, seen=None if seen is None else seen[b:b + 1],
-                                        generator=gens[b]) for b in range(B)])
+                nxt = torch.cat(
+                    [
+                        sample(
+                            last[b : b + 1], params, seen=None if seen is None else seen[b : b + 1], generator=gens[b]
+                        )
+                        for b in range(B)
+                    ]
+                )
             if params.logprobs is not None:
                 for s, lp in zip(seqs, token_logprobs(last, nxt, params.logprobs)):
                     if s.finish_reason is None:
@@ -144,14 +155,21 @@ def _run(model, prompts: Sequence[list[int]], params: SamplingParams, streaming:
             if all(s.finish_reason for s in seqs):
                 break
             if step_fn is None:
-                last = model(nxt[:, None], cache.step(1))[:, -1]                      # (B, V)
+                last = model(nxt[:, None], cache.step(1))[:, -1]  # (B, V)
             else:
-                cache.book(1)                                   # host bookkeeping, outside the graph
+                cache.book(1)  # host bookkeeping, outside the graph
                 last = step_fn(nxt[:, None], cache)
         t_decode = time.perf_counter() - t1
     if streaming:
         yield seqs[0].new_text()
         return seqs[0].finish_reason or "length"
     for s in seqs:
-        yield GenerationResult(s.text, s.token_ids, s.finish_reason or "length", s.prompt,
-                               s.logprobs if params.logprobs is not None else None, t_prefill, t_decode)
+        yield GenerationResult(
+            s.text,
+            s.token_ids,
+            s.finish_reason or "length",
+            s.prompt,
+            s.logprobs if params.logprobs is not None else None,
+            t_prefill,
+            t_decode,
+        )

@@ -10,6 +10,7 @@ chat template; generated ids are detokenized incrementally (a piece never splits
 character); stop strings are found as the text grows, even when they straddle tokens, and
 while streaming, text that could still become a stop string is held back.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ class StopScan:
         best = None
         for j, s in enumerate(self.stops):
             k, fail, n = self.state[j], self.fail[j], len(s)
-            if k == 0 and s[0] not in piece:          # the common case, at C speed
+            if k == 0 and s[0] not in piece:  # the common case, at C speed
                 self.compared += len(piece)
                 continue
             for i, c in enumerate(piece):
@@ -49,7 +50,7 @@ class StopScan:
                 self.compared += 1
                 if s[k] == c:
                     k += 1
-                if k == n:                            # earliest end is the earliest start for this stop
+                if k == n:  # earliest end is the earliest start for this stop
                     begin = start + i + 1 - n
                     best = begin if best is None else min(best, begin)
                     break
@@ -76,13 +77,14 @@ def _failure(s: str) -> list[int]:
 @dataclass
 class TextSequence:
     """One sequence's output while decoding: token ids, text, stop detection, finish reason."""
+
     prompt: list[int]
     params: SamplingParams
     stop_ids: frozenset
-    decoder: object | None                    # StreamDecoder (push(id) -> str, flush()), None: no text
+    decoder: object | None  # StreamDecoder (push(id) -> str, flush()), None: no text
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    emitted: int = 0                          # chars of text already streamed
+    emitted: int = 0  # chars of text already streamed
     finish_reason: str | None = None
     logprobs: list = field(default_factory=list)
     stops: StopScan | None = None
@@ -114,7 +116,7 @@ class TextSequence:
         end = len(self.text)
         if self.finish_reason is None:
             end -= self.stops.held()
-        piece = self.text[self.emitted:end]
+        piece = self.text[self.emitted : end]
         self.emitted = max(self.emitted, end)
         return piece
 
@@ -126,9 +128,11 @@ def is_chat(x) -> bool:
 def stop_ids(tok, params: SamplingParams) -> frozenset:
     """Token ids that end a sequence: stop_token_ids, plus the tokenizer's end-of-turn/EOS ids
     unless ignore_eos (a model without a tokenizer has no EOS here)."""
-    return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos or tok is None
-                                               else frozenset(getattr(tok, "stop_token_ids", None)
-                                                              or {tok.eos_token_id}))
+    return frozenset(params.stop_token_ids) | (
+        frozenset()
+        if params.ignore_eos or tok is None
+        else frozenset(getattr(tok, "stop_token_ids", None) or {tok.eos_token_id})
+    )
 
 
 def stream_decoder(tok):
@@ -136,6 +140,7 @@ def stream_decoder(tok):
     if tok is None:
         return None
     from ..models.tokenizer import StreamDecoder
+
     return StreamDecoder(tok)
 
 
@@ -161,11 +166,15 @@ class OutputProcessor:
         """-> (list of token-id prompts, single?) from str / ids / chat messages, or a list of them.
         A tensor of ids is one prompt when 1-D (T,) and a batch when 2-D (B, T)."""
         if isinstance(prompt, torch.Tensor) and (prompt.dim() not in (1, 2) or prompt.is_floating_point()):
-            raise ValueError(f"a tensor prompt must hold integer token ids, (T,) or (B, T); got {prompt.dtype} "
-                             f"{tuple(prompt.shape)}")
-        single = isinstance(prompt, str) or is_chat(prompt) or (
-            isinstance(prompt, torch.Tensor) and prompt.dim() == 1) or (
-            isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], int))
+            raise ValueError(
+                f"a tensor prompt must hold integer token ids, (T,) or (B, T); got {prompt.dtype} {tuple(prompt.shape)}"
+            )
+        single = (
+            isinstance(prompt, str)
+            or is_chat(prompt)
+            or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1)
+            or (isinstance(prompt, (list, tuple)) and len(prompt) > 0 and isinstance(prompt[0], int))
+        )
         items = [prompt] if single else list(prompt)
         if not items:
             raise ValueError("no prompts given")
@@ -187,8 +196,9 @@ class OutputProcessor:
 
     def sequence(self, prompt: list[int], params: SamplingParams, stops: frozenset | None = None) -> TextSequence:
         """The text state of one completion of `prompt`."""
-        return TextSequence(prompt, params, self.stop_ids(params) if stops is None else stops,
-                            stream_decoder(self.tokenizer))
+        return TextSequence(
+            prompt, params, self.stop_ids(params) if stops is None else stops, stream_decoder(self.tokenizer)
+        )
 
     def _tok(self, what: str):
         if self.tokenizer is None:

@@ -6,6 +6,7 @@ temperature, then top-k, top-p and min-p filters, then a draw from the softmax.
 temperature == 0 means greedy. Filters never remove the most likely token, so
 at least one candidate always survives.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ import torch
 from torch import Tensor
 
 
-GREEDY_BELOW = 1e-5     # temperatures under this sample greedily
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 # OpenAI allows 4 stop strings; vLLM any number. 16 of up to 1,000 characters keeps the
 # per-token stop check (on the engine thread, for every sequence) small.
 MAX_STOPS = 16
@@ -24,17 +25,17 @@ MAX_STOP_CHARS = 1000
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 256
-    temperature: float = 1.0          # 0 (or < 1e-5) = greedy (argmax)
-    top_k: int = 0                    # keep the k most likely tokens; 0 = off
-    top_p: float = 1.0                # keep the smallest set with cumulative probability >= top_p
-    min_p: float = 0.0                # keep tokens with p >= min_p * p_max (Nguyen et al. 2024)
-    repetition_penalty: float = 1.0   # CTRL (Keskar et al. 2019): divide positive logits of seen tokens
-    stop: tuple[str, ...] = ()        # stop strings; the text is cut before them
+    temperature: float = 1.0  # 0 (or < 1e-5) = greedy (argmax)
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_p: float = 1.0  # keep the smallest set with cumulative probability >= top_p
+    min_p: float = 0.0  # keep tokens with p >= min_p * p_max (Nguyen et al. 2024)
+    repetition_penalty: float = 1.0  # CTRL (Keskar et al. 2019): divide positive logits of seen tokens
+    stop: tuple[str, ...] = ()  # stop strings; the text is cut before them
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
-    n: int = 1                        # completions per prompt
-    logprobs: int | None = None       # return the chosen token's logprob and this many alternatives
+    n: int = 1  # completions per prompt
+    logprobs: int | None = None  # return the chosen token's logprob and this many alternatives
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -52,8 +53,11 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
             (all(s for s in self.stop), "stop strings must be non-empty"),
             (len(self.stop) <= MAX_STOPS, f"at most {MAX_STOPS} stop strings are allowed, got {len(self.stop)}"),
-            (all(len(s) <= MAX_STOP_CHARS for s in self.stop), f"stop strings may have at most {MAX_STOP_CHARS} "
-             f"characters, got one of {max(map(len, self.stop), default=0)}"),
+            (
+                all(len(s) <= MAX_STOP_CHARS for s in self.stop),
+                f"stop strings may have at most {MAX_STOP_CHARS} "
+                f"characters, got one of {max(map(len, self.stop), default=0)}",
+            ),
         ]
         for ok, msg in checks:
             if not ok:
@@ -77,7 +81,7 @@ def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: flo
     """Set filtered-out entries of logits (B, V) to -inf. Temperature is applied before."""
     neg_inf = torch.finfo(logits.dtype).min if logits.dtype != torch.float32 else float("-inf")
     if top_k and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[..., -1:]                   # (B, 1)
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, neg_inf)
     if top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -92,11 +96,12 @@ def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: flo
     return logits
 
 
-def sample(logits: Tensor, params: SamplingParams, *, seen: Tensor | None = None,
-           generator: torch.Generator | None = None) -> Tensor:
+def sample(
+    logits: Tensor, params: SamplingParams, *, seen: Tensor | None = None, generator: torch.Generator | None = None
+) -> Tensor:
     """Pick one token per row of logits (B, V) -> (B,) long."""
     logits = logits.float()
-    if seen is not None:   # an extreme penalty can overflow: keep every logit finite
+    if seen is not None:  # an extreme penalty can overflow: keep every logit finite
         big = torch.finfo(torch.float32).max
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty).clamp(-big, big)
     if params.greedy:
@@ -113,12 +118,12 @@ def sample(logits: Tensor, params: SamplingParams, *, seen: Tensor | None = None
 class TokenLogprobs:
     token_id: int
     logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)   # (token_id, logprob), most likely first
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), most likely first
 
 
 def token_logprobs(logits: Tensor, token_ids: Tensor, k: int) -> list[TokenLogprobs]:
     """Logprobs of the chosen tokens under the unmodified distribution, plus the top k."""
-    logp = logits.float().log_softmax(dim=-1)                                 # (B, V)
+    logp = logits.float().log_softmax(dim=-1)  # (B, V)
     chosen = logp.gather(-1, token_ids[:, None]).squeeze(-1)
     out = []
     top_v, top_i = logp.topk(k, dim=-1) if k else (None, None)

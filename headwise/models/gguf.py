@@ -9,6 +9,7 @@ Parsing is slow in pure Python (the reader walks a 49k-token vocabulary and its
 merges one string at a time), so `read_gguf` keeps the converted model in a
 cache (`gguf_cache.py`) and reads that on later loads.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,8 +30,13 @@ class GGUFError(ValueError):
     """The file is not a GGUF headwise can read; the message names the file and the part."""
 
 
-def read_gguf(path: str | os.PathLike, dtype: torch.dtype | None = None, *, use_cache: bool = True,
-              cache_dir: str | os.PathLike | None = None) -> tuple[dict, dict[str, Tensor], Tokenizer]:
+def read_gguf(
+    path: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    *,
+    use_cache: bool = True,
+    cache_dir: str | os.PathLike | None = None,
+) -> tuple[dict, dict[str, Tensor], Tokenizer]:
     """Read a GGUF: (HF config dict, {HF name: tensor}, Tokenizer).
 
     dtype: tensors come back fp32 (exact dequantized values) unless given.
@@ -75,7 +81,7 @@ def _reader_class():
                 raw = self.__dict__["_plain"] = self.data.view(np.ndarray)
             dtype = np.dtype(dtype)
             count = int(count)
-            arr = raw[offset:offset + dtype.itemsize * count].view(dtype)[:count]
+            arr = raw[offset : offset + dtype.itemsize * count].view(dtype)[:count]
             order = self.byte_order if override_order is None else override_order
             return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))
 
@@ -90,30 +96,36 @@ def open_gguf(path: str | os.PathLike):
     if magic != b"GGUF":
         raise GGUFError(f"{path} is not a GGUF file: it starts with {magic!r}, not b'GGUF'")
     import gguf
+
     try:
         try:
             reader = _reader_class()(path)
-        except TypeError:     # a future gguf changed `_get`'s signature: the stock reader is slower but fine
+        except TypeError:  # a future gguf changed `_get`'s signature: the stock reader is slower but fine
             reader = gguf.GGUFReader(path)
-    except Exception as e:    # noqa: BLE001 -- numpy/struct/unicode errors all mean the same here
+    except Exception as e:  # noqa: BLE001 -- numpy/struct/unicode errors all mean the same here
         # A short file fails inside the reader: an index past the end of the map, or a
         # reshape of a tensor whose bytes are missing.
-        raise GGUFError(f"{path} ({path.stat().st_size} bytes) cannot be read as GGUF "
-                        f"({type(e).__name__}: {e}); the file is truncated or corrupt") from None
+        raise GGUFError(
+            f"{path} ({path.stat().st_size} bytes) cannot be read as GGUF "
+            f"({type(e).__name__}: {e}); the file is truncated or corrupt"
+        ) from None
     size = path.stat().st_size
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
-            raise GGUFError(f"{path}: tensor {t.name} needs bytes up to {t.data_offset + t.n_bytes} but the "
-                            f"file has {size}; it is truncated")
+            raise GGUFError(
+                f"{path}: tensor {t.name} needs bytes up to {t.data_offset + t.n_bytes} but the "
+                f"file has {size}; it is truncated"
+            )
     return reader
 
 
-_BIG_ARRAY = 1024     # longer arrays (vocab, merges, token types) are read only when asked for
+_BIG_ARRAY = 1024  # longer arrays (vocab, merges, token types) are read only when asked for
 
 
 def read_metadata(reader) -> dict:
     """Every key -> Python value, except long arrays, which map to None (see `_strings`/`_numbers`)."""
     import gguf
+
     VT = gguf.GGUFValueType
     meta = {}
     for key, field in reader.fields.items():
@@ -161,13 +173,19 @@ def gguf_tokenizer(reader, meta: dict, path: Path) -> Tokenizer:
     types = _numbers(f["tokenizer.ggml.token_type"]).tolist() if "tokenizer.ggml.token_type" in f else None
     try:
         return Tokenizer.from_gguf_vocab(
-            model=meta.get("tokenizer.ggml.model"), pre=meta.get("tokenizer.ggml.pre"), tokens=tokens,
-            merges=merges, token_types=types, bos_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_id=meta.get("tokenizer.ggml.eos_token_id"), pad_id=meta.get("tokenizer.ggml.padding_token_id"),
+            model=meta.get("tokenizer.ggml.model"),
+            pre=meta.get("tokenizer.ggml.pre"),
+            tokens=tokens,
+            merges=merges,
+            token_types=types,
+            bos_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_id=meta.get("tokenizer.ggml.eos_token_id"),
+            pad_id=meta.get("tokenizer.ggml.padding_token_id"),
             unk_id=meta.get("tokenizer.ggml.unknown_token_id"),
             add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
             add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-            chat_template=meta.get("tokenizer.chat_template"))
+            chat_template=meta.get("tokenizer.chat_template"),
+        )
     except ValueError as e:
         raise GGUFError(f"{path}: {e}") from None
 
@@ -180,7 +198,7 @@ _LLAMA_GLOBAL = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LLAMA_BLOCK = {                     # blk.{i}.<key>.weight -> model.layers.{i}.<value>.weight
+_LLAMA_BLOCK = {  # blk.{i}.<key>.weight -> model.layers.{i}.<value>.weight
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -207,14 +225,18 @@ def llama_config(meta: dict, tensor_names: set[str], tokenizer: Tokenizer, path:
         return meta[f"{a}.{key}"]
 
     C, H = need("embedding_length"), need("attention.head_count")
-    Hkv = meta.get(f"{a}.attention.head_count_kv", H)        # absent means MHA
+    Hkv = meta.get(f"{a}.attention.head_count_kv", H)  # absent means MHA
     D = meta.get(f"{a}.attention.key_length", C // H)
     if meta.get(f"{a}.rope.dimension_count", D) != D:
-        raise GGUFError(f"{path}: rope.dimension_count={meta[f'{a}.rope.dimension_count']} != head_dim={D}; "
-                        "partial rotary is not a llama layout")
+        raise GGUFError(
+            f"{path}: rope.dimension_count={meta[f'{a}.rope.dimension_count']} != head_dim={D}; "
+            "partial rotary is not a llama layout"
+        )
     if "rope_freqs.weight" in tensor_names:
-        raise GGUFError(f"{path} has rope_freqs.weight (Llama-3.1-style per-frequency RoPE factors), "
-                        "which headwise does not apply yet")
+        raise GGUFError(
+            f"{path} has rope_freqs.weight (Llama-3.1-style per-frequency RoPE factors), "
+            "which headwise does not apply yet"
+        )
     rope_scaling = None
     kind = meta.get(f"{a}.rope.scaling.type")
     if kind not in (None, "none"):
@@ -233,11 +255,11 @@ def llama_config(meta: dict, tensor_names: set[str], tokenizer: Tokenizer, path:
         "head_dim": D,
         "hidden_act": "silu",
         "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32(meta.get(f"{a}.rope.freq_base", 10000.0)),     # llama.cpp's default
+        "rope_theta": _f32(meta.get(f"{a}.rope.freq_base", 10000.0)),  # llama.cpp's default
         "rope_scaling": rope_scaling,
         "max_position_embeddings": need("context_length"),
         "vocab_size": meta.get(f"{a}.vocab_size", tokenizer.vocab_size),
-        "tie_word_embeddings": tied,        # llama.cpp drops output.weight when it equals the embedding
+        "tie_word_embeddings": tied,  # llama.cpp drops output.weight when it equals the embedding
         "attention_bias": any(n.endswith(".attn_q.bias") for n in tensor_names),
         "mlp_bias": False,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
@@ -250,7 +272,7 @@ def llama_config(meta: dict, tensor_names: set[str], tokenizer: Tokenizer, path:
 def _hf_name(name: str) -> str | None:
     if name in _LLAMA_GLOBAL:
         return _LLAMA_GLOBAL[name]
-    parts = name.split(".")          # blk.{i}.{kind}.{weight|bias}
+    parts = name.split(".")  # blk.{i}.{kind}.{weight|bias}
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LLAMA_BLOCK:
         return f"model.layers.{parts[1]}.{_LLAMA_BLOCK[parts[2]]}.{parts[3]}"
     return None
@@ -260,10 +282,20 @@ def _expected_shape(hf: str, cfg: dict) -> tuple[int, ...]:
     C, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
     kind = hf.rsplit(".", 2)[-2] if hf.startswith("model.layers.") else hf
-    table = {"model.embed_tokens.weight": (V, C), "lm_head.weight": (V, C), "model.norm.weight": (C,),
-             "input_layernorm": (C,), "post_attention_layernorm": (C,),
-             "q_proj": (q, C), "k_proj": (kv, C), "v_proj": (kv, C), "o_proj": (C, q),
-             "gate_proj": (I, C), "up_proj": (I, C), "down_proj": (C, I)}
+    table = {
+        "model.embed_tokens.weight": (V, C),
+        "lm_head.weight": (V, C),
+        "model.norm.weight": (C,),
+        "input_layernorm": (C,),
+        "post_attention_layernorm": (C,),
+        "q_proj": (q, C),
+        "k_proj": (kv, C),
+        "v_proj": (kv, C),
+        "o_proj": (C, q),
+        "gate_proj": (I, C),
+        "up_proj": (I, C),
+        "down_proj": (C, I),
+    }
     shape = table[kind]
     return shape[:1] if hf.endswith(".bias") else shape
 
@@ -297,19 +329,22 @@ def llama_tensors(reader, cfg: dict, path: Path) -> dict[str, Tensor]:
         for t in reader.tensors:
             hf = _hf_name(t.name)
             if hf is None:
-                raise GGUFError(f"{path}: tensor {t.name} has no Hugging Face name in the llama table "
-                                "(headwise/models/gguf.py _LLAMA_BLOCK)")
-            shape = tuple(int(s) for s in reversed(t.shape.tolist()))     # ggml lists the fastest dim first
+                raise GGUFError(
+                    f"{path}: tensor {t.name} has no Hugging Face name in the llama table "
+                    "(headwise/models/gguf.py _LLAMA_BLOCK)"
+                )
+            shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # ggml lists the fastest dim first
             want = _expected_shape(hf, cfg)
             if shape != want:
-                raise GGUFError(f"{path}: tensor {t.name} has shape {shape}, but the config implies {want} "
-                                f"for {hf}")
+                raise GGUFError(f"{path}: tensor {t.name} has shape {shape}, but the config implies {want} for {hf}")
             try:
                 w = dequantize(t.data, t.tensor_type, shape)
             except (UnsupportedQuantType, ValueError) as e:
-                raise GGUFError(f"{path}: tensor {t.name} is stored as {type_name(t.tensor_type)}, which "
-                                f"headwise cannot dequantize ({e}). Supported: {', '.join(supported_types())} "
-                                "and what gguf.quants.dequantize handles") from None
+                raise GGUFError(
+                    f"{path}: tensor {t.name} is stored as {type_name(t.tensor_type)}, which "
+                    f"headwise cannot dequantize ({e}). Supported: {', '.join(supported_types())} "
+                    "and what gguf.quants.dequantize handles"
+                ) from None
             if ".attn_q." in t.name:
                 w = unpermute_qk(w, cfg["num_attention_heads"])
             elif ".attn_k." in t.name:

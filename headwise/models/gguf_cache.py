@@ -13,6 +13,7 @@ every file's size. An entry that fails those checks or fails to parse is reporte
 rebuilt. Weights are stored fp32 (the exact dequantized values) and come back
 memory-mapped by safetensors. `headwise cache` lists the entries; --clean removes them.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,15 +29,18 @@ from torch import Tensor
 from ..paths import default_cache_dir
 from .tokenizer import Tokenizer
 
-CACHE_VERSION = 1     # bump when the conversion changes, so old entries are not reused
+CACHE_VERSION = 1  # bump when the conversion changes, so old entries are not reused
 _MANIFEST = "manifest.json"
 
 
 def content_key(path: Path, cache_dir: Path) -> str:
     """SHA-256 of the file's bytes (hex), memoized under cache_dir/gguf-sources by path, size, mtime and inode."""
     st = path.stat()
-    memo = cache_dir / "gguf-sources" / hashlib.sha256(
-        f"{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}".encode()).hexdigest()[:32]
+    memo = (
+        cache_dir
+        / "gguf-sources"
+        / hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}".encode()).hexdigest()[:32]
+    )
     try:
         return memo.read_text().strip()
     except OSError:
@@ -50,9 +54,9 @@ def content_key(path: Path, cache_dir: Path) -> str:
         memo.parent.mkdir(parents=True, exist_ok=True)
         tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
         tmp.write_text(key)
-        os.replace(tmp, memo)                    # atomic: a reader sees the whole key or none
+        os.replace(tmp, memo)  # atomic: a reader sees the whole key or none
     except OSError:
-        pass                                     # an unwritable cache only costs a re-hash next time
+        pass  # an unwritable cache only costs a re-hash next time
     return key
 
 
@@ -77,12 +81,12 @@ def read(entry: Path) -> tuple[dict, dict[str, Tensor], Tokenizer] | None:
             if actual != size:
                 raise ValueError(f"{name} has {actual} bytes, manifest says {size}")
         from safetensors.torch import load_file
+
         tensors = load_file(entry / "model.safetensors")
         config = json.loads((entry / "config.json").read_text())
         tokenizer = Tokenizer.from_dir(entry)
-    except Exception as e:    # noqa: BLE001 -- any failure means the same: rebuild from the GGUF
-        warnings.warn(f"GGUF cache entry {entry} is unusable ({type(e).__name__}: {e}); rebuilding it",
-                      stacklevel=3)
+    except Exception as e:  # noqa: BLE001 -- any failure means the same: rebuild from the GGUF
+        warnings.warn(f"GGUF cache entry {entry} is unusable ({type(e).__name__}: {e}); rebuilding it", stacklevel=3)
         return None
     return config, tensors, tokenizer
 
@@ -90,6 +94,7 @@ def read(entry: Path) -> tuple[dict, dict[str, Tensor], Tokenizer] | None:
 def write(entry: Path, config: dict, tensors: dict[str, Tensor], tokenizer: Tokenizer) -> None:
     """Store a conversion; failure to write is a warning, never an error (the load itself worked)."""
     from safetensors.torch import save_file
+
     tmp = None
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
@@ -97,19 +102,21 @@ def write(entry: Path, config: dict, tensors: dict[str, Tensor], tokenizer: Toke
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
         tokenizer.save(tmp)
-        os.chmod(tmp, 0o755)                     # mkdtemp makes it private; a shared cache should not be
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a shared cache should not be
         files = {f.name: f.stat().st_size for f in tmp.iterdir()}
         (tmp / _MANIFEST).write_text(json.dumps({"version": CACHE_VERSION, "files": files}))
-        if entry.exists():                       # the unusable entry `read` reported
+        if entry.exists():  # the unusable entry `read` reported
             shutil.rmtree(entry, ignore_errors=True)
         try:
-            os.rename(tmp, entry)                # atomic: readers see all of it or none
+            os.rename(tmp, entry)  # atomic: readers see all of it or none
         except OSError:
-            if not (entry / _MANIFEST).is_file():   # not a concurrent writer winning the race
+            if not (entry / _MANIFEST).is_file():  # not a concurrent writer winning the race
                 raise
     except OSError as e:
-        warnings.warn(f"could not write the GGUF cache at {entry} ({e}); the model loaded, "
-                      "but the next load converts again", stacklevel=3)
+        warnings.warn(
+            f"could not write the GGUF cache at {entry} ({e}); the model loaded, but the next load converts again",
+            stacklevel=3,
+        )
     finally:
         if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -11,6 +11,7 @@ Each family file holds one visible table, HF name -> `To(headwise name, HF shape
 all listed in one error), transposes and fuses, builds the model on the meta device
 and loads with `assign=True`, so the weights exist once, never twice.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -29,13 +30,27 @@ from .packing import pack_linears
 
 # model_type -> family module; architectures[0] is the fallback key.
 FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2", "bert": "bert"}
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                 "GPT2LMHeadModel": "gpt2", "GPT2Model": "gpt2", "BertModel": "bert",
-                 "BertForMaskedLM": "bert", "BertForPreTraining": "bert"}
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "GPT2LMHeadModel": "gpt2",
+    "GPT2Model": "gpt2",
+    "BertModel": "bert",
+    "BertForMaskedLM": "bert",
+    "BertForPreTraining": "bert",
+}
 
-_HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu",
-                   "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
-_TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")   # what Tokenizer.from_dir reads
+_HF_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "relu": "relu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+}
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")  # what Tokenizer.from_dir reads
 
 
 class To(NamedTuple):
@@ -46,6 +61,7 @@ class To(NamedTuple):
     shape: the HF tensor's shape, asserted before anything is converted.
     transpose: HF stores it (in, out) (GPT-2's Conv1D); nn.Linear wants (out, in).
     """
+
     name: str
     shape: tuple[int, ...]
     transpose: bool = False
@@ -60,8 +76,9 @@ class CheckpointError(ValueError):
 
 def need(hf: dict, key: str):
     if hf.get(key) is None:
-        raise CheckpointError(f"config has no {key!r} (model_type={hf.get('model_type')!r}); "
-                              f"it is required to build the model")
+        raise CheckpointError(
+            f"config has no {key!r} (model_type={hf.get('model_type')!r}); it is required to build the model"
+        )
     return hf[key]
 
 
@@ -85,7 +102,8 @@ def family_of(hf_config: dict):
     if kind is None:
         raise CheckpointError(
             f"unknown architecture: model_type={hf_config.get('model_type')!r}, architectures={archs}; "
-            f"supported model_type: {', '.join(FAMILIES)}")
+            f"supported model_type: {', '.join(FAMILIES)}"
+        )
     return importlib.import_module(f"{__package__}.{FAMILIES[kind]}")
 
 
@@ -111,8 +129,15 @@ def _listing(title: str, items: list[str], limit: int = 12) -> str:
     return f"  {title} ({len(items)}):\n" + "\n".join(f"    {x}" for x in items[:limit]) + more
 
 
-def convert(table: dict[str, To], tensors: dict[str, Tensor], *, num_layers: int,
-            ignored: tuple[str, ...] = (), dtype: torch.dtype | None = None, what: str = "checkpoint") -> dict:
+def convert(
+    table: dict[str, To],
+    tensors: dict[str, Tensor],
+    *,
+    num_layers: int,
+    ignored: tuple[str, ...] = (),
+    dtype: torch.dtype | None = None,
+    what: str = "checkpoint",
+) -> dict:
     """Apply a family table to HF-named tensors: check, transpose, fuse, cast.
 
     Returns the headwise state dict. Raises CheckpointError listing every missing,
@@ -122,14 +147,20 @@ def convert(table: dict[str, To], tensors: dict[str, Tensor], *, num_layers: int
     """
     expanded = _expand(table, num_layers)
     missing = [n for n in expanded if n not in tensors]
-    bad = [f"{n}: {tuple(tensors[n].shape)}, expected {tuple(to.shape)}"
-           for n, to in expanded.items() if n in tensors and tuple(tensors[n].shape) != tuple(to.shape)]
+    bad = [
+        f"{n}: {tuple(tensors[n].shape)}, expected {tuple(to.shape)}"
+        for n, to in expanded.items()
+        if n in tensors and tuple(tensors[n].shape) != tuple(to.shape)
+    ]
     unused = [n for n in tensors if n not in expanded and not any(fnmatch.fnmatchcase(n, p) for p in ignored)]
     if missing or bad or unused:
         parts = [_listing("missing", missing)] if missing else []
         parts += [_listing("wrong shape", bad)] if bad else []
-        parts += [_listing("unused (not in the table; a different architecture or a head we do not build?)",
-                           unused)] if unused else []
+        parts += (
+            [_listing("unused (not in the table; a different architecture or a head we do not build?)", unused)]
+            if unused
+            else []
+        )
         raise CheckpointError(f"{what} does not match its config:\n" + "\n".join(parts))
 
     group_size = Counter(_PART.match(to.name).group(1) for to in expanded.values() if _PART.match(to.name))
@@ -146,7 +177,7 @@ def convert(table: dict[str, To], tensors: dict[str, Tensor], *, num_layers: int
             continue
         name, k = m.group(1), int(m.group(2))
         groups.setdefault(name, {})[k] = t
-        if len(groups[name]) == group_size[name]:            # fuse as soon as a group is whole
+        if len(groups[name]) == group_size[name]:  # fuse as soon as a group is whole
             blocks = groups.pop(name)
             if sorted(blocks) != list(range(len(blocks))):
                 raise AssertionError(f"table bug: {name} has row blocks {sorted(blocks)}")
@@ -169,15 +200,29 @@ def _default_dtype(tensors: dict[str, Tensor]) -> torch.dtype:
 def as_dtype(dtype) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
-    names = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
-             "half": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+    names = {
+        "fp32": torch.float32,
+        "float32": torch.float32,
+        "fp16": torch.float16,
+        "float16": torch.float16,
+        "half": torch.float16,
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+    }
     if str(dtype).lower() not in names:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(names)} (or a torch.dtype)")
     return names[str(dtype).lower()]
 
 
-def from_hf(hf_config: dict, tensors: dict[str, Tensor], *, dtype=None, backend: str = "auto",
-            source: str | None = None, pack: bool = True) -> nn.Module:
+def from_hf(
+    hf_config: dict,
+    tensors: dict[str, Tensor],
+    *,
+    dtype=None,
+    backend: str = "auto",
+    source: str | None = None,
+    pack: bool = True,
+) -> nn.Module:
     """HF config dict + HF-named tensors -> a headwise model (eval mode). `tensors` is not modified.
 
     dtype: None keeps the checkpoint's float dtype; or a torch.dtype / "bf16" / "fp16" / "fp32".
@@ -188,30 +233,41 @@ def from_hf(hf_config: dict, tensors: dict[str, Tensor], *, dtype=None, backend:
     return _build(hf_config, dict(tensors), dtype=dtype, backend=backend, source=source, pack=pack)
 
 
-def _build(hf_config: dict, tensors: dict[str, Tensor], *, dtype, backend: str, source: str | None,
-           pack: bool = True) -> nn.Module:
+def _build(
+    hf_config: dict, tensors: dict[str, Tensor], *, dtype, backend: str, source: str | None, pack: bool = True
+) -> nn.Module:
     """from_hf on a dict it owns: entries are popped as they are used, so peak memory stays
     near one copy of the weights (plus one layer's fused tensors)."""
     family = family_of(hf_config)
     rename = getattr(family, "hf_name", None)
-    if rename is not None:                                    # normalize prefixes, emptying the old dict
+    if rename is not None:  # normalize prefixes, emptying the old dict
         tensors = {rename(k): tensors.pop(k) for k in list(tensors)}
     cfg = family.config_from_hf(hf_config, set(tensors))
     dtype = as_dtype(dtype) or _default_dtype(tensors)
-    what = f"{source or 'checkpoint'} ({hf_config.get('model_type') or cfg.arch}, {cfg.num_layers} layers, " \
-           f"C={cfg.d_model}, H={cfg.num_heads}, Hkv={cfg.num_kv_heads}, D={cfg.head_dim})"
-    state = convert(family.weight_table(cfg), tensors, num_layers=cfg.num_layers, ignored=family.ignored(cfg),
-                    dtype=dtype, what=what)
+    what = (
+        f"{source or 'checkpoint'} ({hf_config.get('model_type') or cfg.arch}, {cfg.num_layers} layers, "
+        f"C={cfg.d_model}, H={cfg.num_heads}, Hkv={cfg.num_kv_heads}, D={cfg.head_dim})"
+    )
+    state = convert(
+        family.weight_table(cfg),
+        tensors,
+        num_layers=cfg.num_layers,
+        ignored=family.ignored(cfg),
+        dtype=dtype,
+        what=what,
+    )
     del tensors
 
     with torch.device("meta"):
         model = family.Model(cfg, backend=backend)
-    expected = dict(model.named_parameters())               # tied aliases appear once
+    expected = dict(model.named_parameters())  # tied aliases appear once
     wrong = sorted(n for n, t in state.items() if n in expected and t.shape != expected[n].shape)
-    if set(state) != set(expected) or wrong:                # the table and the model disagree: a bug here
-        raise AssertionError(f"{family.__name__} table does not build the model: not produced "
-                             f"{sorted(set(expected) - set(state))}, unknown {sorted(set(state) - set(expected))}, "
-                             f"wrong shape {wrong}")
+    if set(state) != set(expected) or wrong:  # the table and the model disagree: a bug here
+        raise AssertionError(
+            f"{family.__name__} table does not build the model: not produced "
+            f"{sorted(set(expected) - set(state))}, unknown {sorted(set(state) - set(expected))}, "
+            f"wrong shape {wrong}"
+        )
     model.load_state_dict(state, assign=True, strict=False)
     model.tie_weights()
     model.init_buffers()
@@ -232,8 +288,10 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict, dict[str, Tensor], s
     cfg_file = d / "config.json"
     if not cfg_file.is_file():
         found = ", ".join(sorted(p.name for p in d.iterdir())) or "nothing"
-        raise FileNotFoundError(f"no config.json in {d} (found: {found}); a checkpoint directory needs the "
-                                f"HF config.json next to its weights")
+        raise FileNotFoundError(
+            f"no config.json in {d} (found: {found}); a checkpoint directory needs the "
+            f"HF config.json next to its weights"
+        )
     try:
         hf_config = json.loads(cfg_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -241,8 +299,10 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict, dict[str, Tensor], s
 
     if (d / "model.safetensors").is_file():
         return hf_config, _read_safetensors(d / "model.safetensors"), str(d / "model.safetensors")
-    for index_name, reader in (("model.safetensors.index.json", _read_safetensors),
-                               ("pytorch_model.bin.index.json", _read_bin)):
+    for index_name, reader in (
+        ("model.safetensors.index.json", _read_safetensors),
+        ("pytorch_model.bin.index.json", _read_bin),
+    ):
         index = d / index_name
         if index.is_file():
             try:
@@ -253,8 +313,10 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict, dict[str, Tensor], s
             for shard in sorted(set(weight_map.values())):
                 if not (d / shard).is_file():
                     names = [n for n, s in weight_map.items() if s == shard]
-                    raise FileNotFoundError(f"{index} lists shard {shard} (for {len(names)} tensors, e.g. "
-                                            f"{names[0]}) but {d / shard} does not exist")
+                    raise FileNotFoundError(
+                        f"{index} lists shard {shard} (for {len(names)} tensors, e.g. "
+                        f"{names[0]}) but {d / shard} does not exist"
+                    )
                 part = reader(d / shard)
                 absent = [n for n, s in weight_map.items() if s == shard and n not in part]
                 if absent:
@@ -264,13 +326,16 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict, dict[str, Tensor], s
     if (d / "pytorch_model.bin").is_file():
         return hf_config, _read_bin(d / "pytorch_model.bin"), str(d / "pytorch_model.bin")
     found = ", ".join(sorted(p.name for p in d.iterdir()))
-    raise FileNotFoundError(f"no weights in {d} (found: {found}); expected model.safetensors, "
-                            f"model.safetensors.index.json + shards, or pytorch_model.bin")
+    raise FileNotFoundError(
+        f"no weights in {d} (found: {found}); expected model.safetensors, "
+        f"model.safetensors.index.json + shards, or pytorch_model.bin"
+    )
 
 
 def _read_safetensors(file: Path) -> dict[str, Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
+
     try:
         return load_file(str(file))
     except (SafetensorError, OSError, ValueError) as e:
@@ -279,8 +344,8 @@ def _read_safetensors(file: Path) -> dict[str, Tensor]:
 
 def _read_bin(file: Path) -> dict[str, Tensor]:
     try:
-        sd = torch.load(str(file), map_location="cpu", weights_only=True)   # no pickle code execution
-    except Exception as e:   # torch raises several types for corrupt or unsafe pickles
+        sd = torch.load(str(file), map_location="cpu", weights_only=True)  # no pickle code execution
+    except Exception as e:  # torch raises several types for corrupt or unsafe pickles
         raise CheckpointError(f"{file} is not a readable PyTorch state dict (weights_only=True): {e}") from None
     if not isinstance(sd, dict) or not all(isinstance(v, Tensor) for v in sd.values()):
         raise CheckpointError(f"{file} does not hold a flat name -> tensor state dict")
@@ -314,24 +379,33 @@ def load(path_or_name: str | os.PathLike, *, dtype=None, backend: str = "auto", 
         try:
             path = resolve(name)
         except (LookupError, ValueError) as e:
-            raise FileNotFoundError(f"{name!r} is neither a checkpoint directory, a .gguf file nor "
-                                    f"a builtin model name: {e}") from None
+            raise FileNotFoundError(
+                f"{name!r} is neither a checkpoint directory, a .gguf file nor a builtin model name: {e}"
+            ) from None
     # config.name (what errors and reports say) is the name as typed, not the GGUF's general.name
     # ("SmolLM2 135M Instruct") or the config.json's _name_or_path
     if path.is_file() and path.suffix == ".gguf":
         from .gguf import read_gguf
+
         hf_config, tensors, tokenizer = read_gguf(path)
-        model = _build({**hf_config, "_name_or_path": name}, tensors, dtype=dtype, backend=backend,
-                       source=name if name == str(path) else f"{name} ({path})", pack=pack)
+        model = _build(
+            {**hf_config, "_name_or_path": name},
+            tensors,
+            dtype=dtype,
+            backend=backend,
+            source=name if name == str(path) else f"{name} ({path})",
+            pack=pack,
+        )
         model.tokenizer = tokenizer
         return model
     if not path.is_dir():
         raise ValueError(f"{path} is a file; pass its checkpoint directory (config.json + weights) or a .gguf file")
     hf_config, tensors, source = read_checkpoint(path)
-    model = _build({**hf_config, "_name_or_path": name}, tensors, dtype=dtype, backend=backend, source=source,
-                   pack=pack)
+    model = _build(
+        {**hf_config, "_name_or_path": name}, tensors, dtype=dtype, backend=backend, source=source, pack=pack
+    )
     model.tokenizer = _tokenizer_for(path)
-    st_config = path / "sentence_bert_config.json"     # sentence-transformers truncates to this length
+    st_config = path / "sentence_bert_config.json"  # sentence-transformers truncates to this length
     if st_config.is_file():
         model.max_seq_length = json.loads(st_config.read_text()).get("max_seq_length")
     return model

@@ -17,6 +17,7 @@ a second copy in its blocked layout (made on the first such forward): for so few
 streams the weight faster than oneDNN does. A model that prefills and decodes holds three
 copies of each weight: the parameter, oneDNN's and the blocked one.
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,7 +28,7 @@ from torch import Tensor, nn
 
 from .. import kernels
 
-PACKED_DTYPES = (torch.float32,)     # bf16 without native bf16 units is slower than fp32 here anyway
+PACKED_DTYPES = (torch.float32,)  # bf16 without native bf16 units is slower than fp32 here anyway
 # oneDNN's batch-size hint when packing: any number of rows works, but a hint of 16 made the
 # 8-row decode step 1.3x faster than a hint of 1 here, and left prefill unchanged.
 PACK_HINT = 16
@@ -38,12 +39,11 @@ def packing_available() -> str | None:
     """None if oneDNN prepacked linears run (and agree with F.linear) here, else why not."""
     try:
         w, x = torch.randn(8, 4), torch.randn(2, 3, 4)
-        y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, 1),
-                                               None, "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, 1), None, "none", [], "")
         if not torch.allclose(y, F.linear(x, w), atol=1e-5):
             return "oneDNN's linear disagrees with F.linear"
         return None
-    except (AttributeError, RuntimeError, NotImplementedError) as e:   # no mkldnn build, or the ops moved
+    except (AttributeError, RuntimeError, NotImplementedError) as e:  # no mkldnn build, or the ops moved
         return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
 
@@ -66,14 +66,22 @@ class PackedLinear(nn.Linear):
         """Whether a prepacked copy may serve x: a CPU forward in a packed dtype, no gradient
         wanted, not being traced by torch.compile (inductor packs on its own when freezing)."""
         w = self.weight
-        return (x.is_cpu and x.dtype == w.dtype and w.dtype in PACKED_DTYPES
-                and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-                and not torch.compiler.is_compiling())
+        return (
+            x.is_cpu
+            and x.dtype == w.dtype
+            and w.dtype in PACKED_DTYPES
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+            and not torch.compiler.is_compiling()
+        )
 
     def _few_rows(self, x: Tensor) -> bool:
         """Whether x (already past _prepacked_ok) goes to the small-row kernel."""
-        return (x.dtype is torch.float32 and x.is_contiguous() and x.numel() <= kernels.MAX_ROWS * x.shape[-1]
-                and kernels.kernels_unavailable() is None)
+        return (
+            x.dtype is torch.float32
+            and x.is_contiguous()
+            and x.numel() <= kernels.MAX_ROWS * x.shape[-1]
+            and kernels.kernels_unavailable() is None
+        )
 
     def small_rows_ok(self, x: Tensor) -> bool:
         """Whether `x` goes to the small-row kernel: fp32 CPU, contiguous, at most

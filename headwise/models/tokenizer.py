@@ -8,6 +8,7 @@ One `Tokenizer` wraps a `tokenizers.Tokenizer` built from any of:
 `save(dir)` writes the first form, so a GGUF's tokenizer can be cached and read
 back in milliseconds. The engine never sees text (DESIGN: the engine speaks ids).
 """
+
 from __future__ import annotations
 
 import json
@@ -21,33 +22,60 @@ from tokenizers import Tokenizer as Backend
 
 # Token texts that end a turn in common chat formats; llama.cpp treats these as
 # end-of-generation too (llama-vocab.cpp, "eog" tokens).
-_END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>",
-                "<|end|>", "<|eom_id|>", "</s>")
+_END_OF_TURN = (
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<end_of_turn>",
+    "<|end|>",
+    "<|eom_id|>",
+    "</s>",
+)
 
 # llama.cpp's `tokenizer.ggml.pre` -> how its merges were learned to be split.
 # GPT-2's ByteLevel regex is the default; SmolLM/StarCoder additionally split
 # every digit on its own (their tokenizer.json: Digits(individual_digits=True)
 # before ByteLevel; llama.cpp's LLAMA_VOCAB_PRE_TYPE_SMOLLM does the same).
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def _byte_level(pre: str | None) -> pre_tokenizers.PreTokenizer:
     if pre in (None, "default", "gpt2", "gpt-2", "mpt", "olmo", "jais"):
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"):
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    split = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
-             "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}.get(pre)
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    split = {
+        "llama3": _LLAMA3_SPLIT,
+        "llama-bpe": _LLAMA3_SPLIT,
+        "llama-v3": _LLAMA3_SPLIT,
+        "qwen2": _QWEN2_SPLIT,
+        "deepseek-r1-qwen": _QWEN2_SPLIT,
+    }.get(pre)
     if split is None:
-        raise ValueError(f"GGUF pre-tokenizer {pre!r} is not known here; known: gpt2, smollm, starcoder, "
-                         "llama3, llama-bpe, qwen2 and their aliases. Add its split regex to "
-                         "headwise/models/tokenizer.py (llama.cpp's llama-vocab.cpp lists them).")
-    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        raise ValueError(
+            f"GGUF pre-tokenizer {pre!r} is not known here; known: gpt2, smollm, starcoder, "
+            "llama3, llama-bpe, qwen2 and their aliases. Add its split regex to "
+            "headwise/models/tokenizer.py (llama.cpp's llama-vocab.cpp lists them)."
+        )
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
 
 
 def _gpt2_bytes_to_chars() -> dict[int, str]:
@@ -76,17 +104,25 @@ class Tokenizer:
     splitting, merges, added/special tokens and the BOS/EOS post-processor.
     """
 
-    def __init__(self, backend: Backend, *, bos_token: str | None = None, eos_token: str | None = None,
-                 pad_token: str | None = None, unk_token: str | None = None,
-                 chat_template: str | None = None, model_max_length: int | None = None,
-                 config: dict | None = None):
-        backend.no_truncation()    # a tokenizer.json may pin truncation/padding (MiniLM: 128);
-        backend.no_padding()       # callers batch and truncate themselves, as transformers does
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+        unk_token: str | None = None,
+        chat_template: str | None = None,
+        model_max_length: int | None = None,
+        config: dict | None = None,
+    ):
+        backend.no_truncation()  # a tokenizer.json may pin truncation/padding (MiniLM: 128);
+        backend.no_padding()  # callers batch and truncate themselves, as transformers does
         self.backend = backend
         self.bos_token, self.eos_token, self.pad_token, self.unk_token = bos_token, eos_token, pad_token, unk_token
         self.chat_template = chat_template
         self.model_max_length = model_max_length
-        self.config = dict(config or {})   # what `save` writes to tokenizer_config.json
+        self.config = dict(config or {})  # what `save` writes to tokenizer_config.json
 
     # ---- construction -------------------------------------------------------------
 
@@ -95,8 +131,9 @@ class Tokenizer:
         """A model directory: tokenizer.json if present, else a WordPiece vocab.txt."""
         path = Path(path)
         if not path.is_dir():
-            raise FileNotFoundError(f"{path} is not a directory; expected a model directory with "
-                                    "tokenizer.json or vocab.txt")
+            raise FileNotFoundError(
+                f"{path} is not a directory; expected a model directory with tokenizer.json or vocab.txt"
+            )
         config = _read_json(path / "tokenizer_config.json")
         for name in ("special_tokens_map.json",):
             for key, value in _read_json(path / name).items():
@@ -108,12 +145,18 @@ class Tokenizer:
         else:
             raise FileNotFoundError(f"{path} has neither tokenizer.json nor vocab.txt")
         template = config.get("chat_template")
-        if (path / "chat_template.jinja").is_file():       # transformers >= 4.49 saves it separately
+        if (path / "chat_template.jinja").is_file():  # transformers >= 4.49 saves it separately
             template = (path / "chat_template.jinja").read_text()
-        return cls(backend, bos_token=_token_text(config.get("bos_token")),
-                   eos_token=_token_text(config.get("eos_token")), pad_token=_token_text(config.get("pad_token")),
-                   unk_token=_token_text(config.get("unk_token")), chat_template=template,
-                   model_max_length=_max_length(config), config=config)
+        return cls(
+            backend,
+            bos_token=_token_text(config.get("bos_token")),
+            eos_token=_token_text(config.get("eos_token")),
+            pad_token=_token_text(config.get("pad_token")),
+            unk_token=_token_text(config.get("unk_token")),
+            chat_template=template,
+            model_max_length=_max_length(config),
+            config=config,
+        )
 
     @classmethod
     def from_wordpiece_vocab(cls, vocab_path: str | Path, *, config: dict | None = None) -> "Tokenizer":
@@ -125,35 +168,63 @@ class Tokenizer:
         config = dict(config or {})
         lines = Path(vocab_path).read_text(encoding="utf-8").split("\n")
         if lines and lines[-1] == "":
-            lines.pop()                                  # the file ends with a newline, not an empty token
+            lines.pop()  # the file ends with a newline, not an empty token
         vocab = {token: i for i, token in enumerate(lines)}
-        specials = {k: _token_text(config.get(k)) or d for k, d in
-                    (("unk_token", "[UNK]"), ("sep_token", "[SEP]"), ("pad_token", "[PAD]"),
-                     ("cls_token", "[CLS]"), ("mask_token", "[MASK]"))}
+        specials = {
+            k: _token_text(config.get(k)) or d
+            for k, d in (
+                ("unk_token", "[UNK]"),
+                ("sep_token", "[SEP]"),
+                ("pad_token", "[PAD]"),
+                ("cls_token", "[CLS]"),
+                ("mask_token", "[MASK]"),
+            )
+        }
         for key, token in specials.items():
             if token not in vocab:
                 raise ValueError(f"{vocab_path}: {key} {token!r} is not in the vocabulary")
         backend = Backend(models.WordPiece(vocab, unk_token=specials["unk_token"], max_input_chars_per_word=100))
         backend.normalizer = normalizers.BertNormalizer(
-            clean_text=True, handle_chinese_chars=config.get("tokenize_chinese_chars", True),
-            strip_accents=config.get("strip_accents"), lowercase=config.get("do_lower_case", True))
+            clean_text=True,
+            handle_chinese_chars=config.get("tokenize_chinese_chars", True),
+            strip_accents=config.get("strip_accents"),
+            lowercase=config.get("do_lower_case", True),
+        )
         backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         cls_, sep = specials["cls_token"], specials["sep_token"]
         backend.post_processor = processors.TemplateProcessing(
-            single=f"{cls_}:0 $A:0 {sep}:0", pair=f"{cls_}:0 $A:0 {sep}:0 $B:1 {sep}:1",
-            special_tokens=[(cls_, vocab[cls_]), (sep, vocab[sep])])
+            single=f"{cls_}:0 $A:0 {sep}:0",
+            pair=f"{cls_}:0 $A:0 {sep}:0 $B:1 {sep}:1",
+            special_tokens=[(cls_, vocab[cls_]), (sep, vocab[sep])],
+        )
         backend.decoder = decoders.WordPiece(prefix="##")
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials.values()])
         config.update(specials)
-        return cls(backend, pad_token=specials["pad_token"], unk_token=specials["unk_token"],
-                   model_max_length=_max_length(config), config=config)
+        return cls(
+            backend,
+            pad_token=specials["pad_token"],
+            unk_token=specials["unk_token"],
+            model_max_length=_max_length(config),
+            config=config,
+        )
 
     @classmethod
-    def from_gguf_vocab(cls, *, model: str, tokens: Sequence[str], merges: Sequence[str],
-                        token_types: Sequence[int] | None = None, pre: str | None = None,
-                        bos_id: int | None = None, eos_id: int | None = None, pad_id: int | None = None,
-                        unk_id: int | None = None, add_bos: bool = False, add_eos: bool = False,
-                        chat_template: str | None = None) -> "Tokenizer":
+    def from_gguf_vocab(
+        cls,
+        *,
+        model: str,
+        tokens: Sequence[str],
+        merges: Sequence[str],
+        token_types: Sequence[int] | None = None,
+        pre: str | None = None,
+        bos_id: int | None = None,
+        eos_id: int | None = None,
+        pad_id: int | None = None,
+        unk_id: int | None = None,
+        add_bos: bool = False,
+        add_eos: bool = False,
+        chat_template: str | None = None,
+    ) -> "Tokenizer":
         """Byte-level BPE from a GGUF's `tokenizer.ggml.*` metadata.
 
         model: `tokenizer.ggml.model`; only "gpt2" (byte-level BPE) is built here.
@@ -163,8 +234,10 @@ class Tokenizer:
         token, 4 (USER_DEFINED) -> added token that is matched whole.
         """
         if model != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {model!r} is not supported yet; only 'gpt2' "
-                             "(byte-level BPE) is. SentencePiece ('llama') vocabularies need their scores.")
+            raise ValueError(
+                f"GGUF tokenizer model {model!r} is not supported yet; only 'gpt2' "
+                "(byte-level BPE) is. SentencePiece ('llama') vocabularies need their scores."
+            )
         # Some converters store a token as raw text ("\n\n", "<｜end▁of▁sentence｜>") instead of in
         # the ByteLevel alphabet; BPE could never produce it, so spell it the byte-level way (as
         # transformers' GGUF loader does) and keep special handling to tokens that need none.
@@ -177,32 +250,63 @@ class Tokenizer:
         backend.pre_tokenizer = _byte_level(pre)
         backend.decoder = decoders.ByteLevel()
         types = list(token_types) if token_types is not None else []
-        backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)       # CONTROL
-                                    for i, t in enumerate(types) if t == 3 and spelled[i] == tokens[i]])
-        backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)              # USER_DEFINED
-                            for i, t in enumerate(types) if t == 4 and spelled[i] == tokens[i]])
+        backend.add_special_tokens(
+            [
+                AddedToken(tokens[i], special=True, normalized=False)  # CONTROL
+                for i, t in enumerate(types)
+                if t == 3 and spelled[i] == tokens[i]
+            ]
+        )
+        backend.add_tokens(
+            [
+                AddedToken(tokens[i], special=False, normalized=False)  # USER_DEFINED
+                for i, t in enumerate(types)
+                if t == 4 and spelled[i] == tokens[i]
+            ]
+        )
 
         def text(i):
             return spelled[i] if i is not None and 0 <= i < len(tokens) else None
+
         bos, eos = text(bos_id), text(eos_id)
-        if add_bos or add_eos:                           # llama.cpp's add_bos/add_eos flags, baked in
-            single = " ".join([f"{bos}:0"] * (add_bos and bos is not None) + ["$A:0"]
-                              + [f"{eos}:0"] * (add_eos and eos is not None))
+        if add_bos or add_eos:  # llama.cpp's add_bos/add_eos flags, baked in
+            single = " ".join(
+                [f"{bos}:0"] * (add_bos and bos is not None) + ["$A:0"] + [f"{eos}:0"] * (add_eos and eos is not None)
+            )
             used = {t for t, on in ((bos, add_bos), (eos, add_eos)) if on and t is not None}
             backend.post_processor = processors.TemplateProcessing(
-                single=single, special_tokens=[(t, vocab[t]) for t in used])
-        config = {"bos_token": bos, "eos_token": eos, "pad_token": text(pad_id), "unk_token": text(unk_id),
-                  "add_bos_token": add_bos, "add_eos_token": add_eos}
-        return cls(backend, bos_token=bos, eos_token=eos, pad_token=text(pad_id), unk_token=text(unk_id),
-                   chat_template=chat_template, config=config)
+                single=single, special_tokens=[(t, vocab[t]) for t in used]
+            )
+        config = {
+            "bos_token": bos,
+            "eos_token": eos,
+            "pad_token": text(pad_id),
+            "unk_token": text(unk_id),
+            "add_bos_token": add_bos,
+            "add_eos_token": add_eos,
+        }
+        return cls(
+            backend,
+            bos_token=bos,
+            eos_token=eos,
+            pad_token=text(pad_id),
+            unk_token=text(unk_id),
+            chat_template=chat_template,
+            config=config,
+        )
 
     def save(self, path: str | Path) -> None:
         """Write tokenizer.json + tokenizer_config.json (with the chat template) into `path`."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(path / "tokenizer.json"))
-        config = dict(self.config, bos_token=self.bos_token, eos_token=self.eos_token,
-                      pad_token=self.pad_token, unk_token=self.unk_token)
+        config = dict(
+            self.config,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            pad_token=self.pad_token,
+            unk_token=self.unk_token,
+        )
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
         (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1, ensure_ascii=False))
@@ -257,8 +361,13 @@ class Tokenizer:
 
     # ---- chat ----------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, **kwargs: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str:
         """Render a conversation as the model expects it, as transformers does.
 
         messages: [{"role": "user", "content": "Hi"}, ...]. kwargs reach the
@@ -266,20 +375,30 @@ class Tokenizer:
         """
         template = chat_template or self.chat_template
         if template is None:
-            raise ValueError("this tokenizer has no chat template (none in tokenizer_config.json or the "
-                             "GGUF); pass chat_template=")
-        context = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token,
-                   "unk_token": self.unk_token, **kwargs}
+            raise ValueError(
+                "this tokenizer has no chat template (none in tokenizer_config.json or the GGUF); pass chat_template="
+            )
+        context = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "pad_token": self.pad_token,
+            "unk_token": self.unk_token,
+            **kwargs,
+        }
         import jinja2
+
         try:
-            return _compile(template).render(messages=list(messages),
-                                             add_generation_prompt=add_generation_prompt, **context)
+            return _compile(template).render(
+                messages=list(messages), add_generation_prompt=add_generation_prompt, **context
+            )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
 
     def __repr__(self) -> str:
-        return (f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token!r}, eos={self.eos_token!r}, "
-                f"pad={self.pad_token!r}, chat_template={'yes' if self.chat_template else 'no'})")
+        return (
+            f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token!r}, eos={self.eos_token!r}, "
+            f"pad={self.pad_token!r}, chat_template={'yes' if self.chat_template else 'no'})"
+        )
 
 
 _COMPILED: dict[str, Any] = {}
@@ -293,11 +412,13 @@ def _compile(template: str):
 
         def raise_exception(message):
             import jinja2
+
             raise jinja2.exceptions.TemplateError(message)
 
         def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                              sort_keys=sort_keys)
+            return json.dumps(
+                value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+            )
 
         # trim_blocks/lstrip_blocks as transformers sets them: templates are written for these
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
@@ -323,7 +444,7 @@ class StreamDecoder:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
-        self._prefix = 0        # ids[_prefix:_read] were emitted; decoded again only as context
+        self._prefix = 0  # ids[_prefix:_read] were emitted; decoded again only as context
         self._read = 0
 
     def _decode(self, ids: list[int]) -> str:
@@ -332,19 +453,19 @@ class StreamDecoder:
     def push(self, token_id: int) -> str:
         """Add one id; return the newly completed text ('' while a character is unfinished)."""
         self.ids.append(int(token_id))
-        done = self._decode(self.ids[self._prefix:self._read])
-        text = self._decode(self.ids[self._prefix:])
+        done = self._decode(self.ids[self._prefix : self._read])
+        text = self._decode(self.ids[self._prefix :])
         if text.endswith("\ufffd") or not text.startswith(done):
             return ""
         self._prefix, self._read = self._read, len(self.ids)
-        return text[len(done):]
+        return text[len(done) :]
 
     def flush(self) -> str:
         """Whatever is held back (a stream that ends inside a character gives U+FFFD here)."""
-        done = self._decode(self.ids[self._prefix:self._read])
-        text = self._decode(self.ids[self._prefix:])
+        done = self._decode(self.ids[self._prefix : self._read])
+        text = self._decode(self.ids[self._prefix :])
         self._prefix = self._read = len(self.ids)
-        return text[len(done):]
+        return text[len(done) :]
 
 
 def _read_json(path: Path) -> dict:
@@ -353,4 +474,4 @@ def _read_json(path: Path) -> dict:
 
 def _max_length(config: dict) -> int | None:
     n = config.get("model_max_length")
-    return int(n) if isinstance(n, (int, float)) and n < 1e12 else None   # HF writes 1e30 for "no limit"
+    return int(n) if isinstance(n, (int, float)) and n < 1e12 else None  # HF writes 1e30 for "no limit"

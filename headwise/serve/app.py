@@ -9,6 +9,7 @@ model's reason, when some failed). If every local model fails, the server stops 
 `headwise serve` exits 1 with the reasons. Shutdown (SIGTERM, after uvicorn has let
 in-flight requests finish) stops the engines.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,8 +29,18 @@ from .gateway import Gateway
 from .local import LocalRuntime, Loader, default_loader, load_all
 from .metrics import Metrics
 from .middleware import ApiKeyAuth, BodySizeLimit, install_log_filters
-from .schemas import (ERRORS, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion,
-                      CompletionRequest, EmbeddingRequest, EmbeddingResponse, ModelList, sse_docs)
+from .schemas import (
+    ERRORS,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    ModelList,
+    sse_docs,
+)
 
 log = logging.getLogger("headwise.serve")
 
@@ -44,8 +55,8 @@ class ServeState:
         self.client: httpx.AsyncClient | None = None
         self.gateway: Gateway | None = None
         self.started = int(time.time())
-        self.fatal: str | None = None                   # why the server gave up (every model failed)
-        self.stop_server = None                         # set by `headwise serve`: ends uvicorn's loop
+        self.fatal: str | None = None  # why the server gave up (every model failed)
+        self.stop_server = None  # set by `headwise serve`: ends uvicorn's loop
         self._drain_timer: threading.Timer | None = None
 
     def loaded(self, runtimes) -> None:
@@ -79,7 +90,7 @@ class ServeState:
 
 
 def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastAPI:
-    protect_metrics = config.server.metrics_need_key()     # a ConfigError before anything starts
+    protect_metrics = config.server.metrics_need_key()  # a ConfigError before anything starts
     install_log_filters()
     state = ServeState(config, loader)
 
@@ -94,15 +105,20 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
             if state.gateway is not None:
                 state.gateway.draining = True
             if state._drain_timer is not None:
-                state._drain_timer.cancel()             # uvicorn is done waiting: nothing left to cut
+                state._drain_timer.cancel()  # uvicorn is done waiting: nothing left to cut
             timeout = config.server.drain_timeout
             await asyncio.to_thread(lambda: [rt.shutdown(timeout) for rt in state.runtimes.values()])
             await state.client.aclose()
 
     # redirect_slashes=False: "POST /v1/chat/completions/" is a 404 with the envelope, not a 307
     # that clients follow as a GET or not at all
-    app = FastAPI(title="headwise", version=_version(), lifespan=lifespan, redirect_slashes=False,
-                  description="OpenAI-compatible API over headwise's engine and upstream providers.")
+    app = FastAPI(
+        title="headwise",
+        version=_version(),
+        lifespan=lifespan,
+        redirect_slashes=False,
+        description="OpenAI-compatible API over headwise's engine and upstream providers.",
+    )
     app.state.serve = state
     errors.install(app)
 
@@ -117,7 +133,7 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
             return errors.error_response(503, f"no model could be loaded: {detail}", code="model_failed")
         if any(s == "loading" for s in status.values()):
             return errors.error_response(503, f"not ready: {detail}", code="loading", retry_after=2)
-        if failed:                                      # the others serve
+        if failed:  # the others serve
             return {"status": "degraded", "models": status, "errors": failed}
         return {"status": "ok", "models": status}
 
@@ -132,7 +148,7 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
         for name, owner in state.gateway.names():
             entry = {"id": name, "object": "model", "created": state.started, "owned_by": owner}
             rt = state.runtimes.get(name)
-            if rt is not None:                          # local: loading | ready | failed (+ why)
+            if rt is not None:  # local: loading | ready | failed (+ why)
                 entry["status"] = rt.state
                 if rt.state == "failed":
                     entry["error"] = rt.error
@@ -149,8 +165,9 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
         state.metrics.request(req.model, endpoint, resp.status_code)
         return resp
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletion,
-              responses={**sse_docs(ChatCompletionChunk), **ERRORS})
+    @app.post(
+        "/v1/chat/completions", response_model=ChatCompletion, responses={**sse_docs(ChatCompletionChunk), **ERRORS}
+    )
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         return await dispatch("chat", req, request)
 
@@ -168,8 +185,9 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
         if app.openapi_schema is None:
             schema = FastAPI.openapi(app)
             if config.server.keys():
-                schema.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http",
-                                                                                     "scheme": "bearer"}}
+                schema.setdefault("components", {})["securitySchemes"] = {
+                    "bearer": {"type": "http", "scheme": "bearer"}
+                }
                 for path, ops in schema["paths"].items():
                     if path.startswith("/v1/") or (protect_metrics and path == "/metrics"):
                         for op in ops.values():
@@ -186,4 +204,5 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
 
 def _version() -> str:
     from .. import __version__
+
     return __version__

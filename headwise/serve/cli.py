@@ -10,6 +10,7 @@ or [server] api_key_env / api_keys in the config; with none, the API is open.
 SIGTERM: stop accepting, let in-flight requests finish (up to [server] drain_timeout),
 stop the engines, exit 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,18 +23,30 @@ def add_cli(sub) -> None:
     import argparse
 
     from ..argtypes import model_for
-    p = sub.add_parser("serve", help="serve models behind the OpenAI API (gateway over local engines and "
-                                     "upstream providers)", description=__doc__.split("\n\n", 1)[1],
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("models", nargs="*", metavar="MODEL", type=model_for(None),
-                   help="builtin name, .gguf file or checkpoint directory (default: the two builtin models)")
+
+    p = sub.add_parser(
+        "serve",
+        help="serve models behind the OpenAI API (gateway over local engines and upstream providers)",
+        description=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "models",
+        nargs="*",
+        metavar="MODEL",
+        type=model_for(None),
+        help="builtin name, .gguf file or checkpoint directory (default: the two builtin models)",
+    )
     p.add_argument("--config", help="gateway TOML (see examples/gateway.toml), instead of MODEL arguments")
     p.add_argument("--host", help="bind address (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=_port, help="port (default 8000)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    p.add_argument("--self-check", action="store_true",
-                   help="once the models are ready, send one chat request (streamed) and one embeddings request "
-                        "through the server's own API and print the answers (what `make run` shows)")
+    p.add_argument(
+        "--self-check",
+        action="store_true",
+        help="once the models are ready, send one chat request (streamed) and one embeddings request "
+        "through the server's own API and print the answers (what `make run` shows)",
+    )
     p.set_defaults(func=run)
 
 
@@ -77,8 +90,11 @@ def run(args) -> int:
     from .config import ConfigError, default_config, load_config, models_config
 
     if args.config and args.models:
-        print(f"headwise serve: error: give MODEL arguments ({' '.join(args.models)}) or --config {args.config}, "
-              "not both; list the models in the config's [models] tables instead", file=sys.stderr)
+        print(
+            f"headwise serve: error: give MODEL arguments ({' '.join(args.models)}) or --config {args.config}, "
+            "not both; list the models in the config's [models] tables instead",
+            file=sys.stderr,
+        )
         return 2
     try:
         if args.config:
@@ -98,19 +114,32 @@ def run(args) -> int:
         return 2
     s = config.server
     from .timeouts import timed_h11
-    uv = uvicorn.Config(app, host=s.host, port=s.port, log_level=args.log_level, lifespan="on",
-                        timeout_graceful_shutdown=s.drain_timeout, http=timed_h11(s.header_timeout, s.body_timeout))
+
+    uv = uvicorn.Config(
+        app,
+        host=s.host,
+        port=s.port,
+        log_level=args.log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=s.drain_timeout,
+        http=timed_h11(s.header_timeout, s.body_timeout),
+    )
     server = _server_class()(uv, app.state.serve)
-    app.state.serve.stop_server = lambda: _stop_when_started(server)                # every model failed
+    app.state.serve.stop_server = lambda: _stop_when_started(server)  # every model failed
     base = f"http://{'[' + s.host + ']' if ':' in s.host else s.host}:{s.port}"
     auth = " (API keys required: Authorization: Bearer <key>)" if s.keys() else ""
-    print(f"headwise serve: {base}/v1 -> models {', '.join(config.model_names())}{auth}; "
-          f"{base}/health turns 200 once they have loaded", flush=True)
+    print(
+        f"headwise serve: {base}/v1 -> models {', '.join(config.model_names())}{auth}; "
+        f"{base}/health turns 200 once they have loaded",
+        flush=True,
+    )
     if args.self_check:
         import threading
-        logging.getLogger("httpx").addFilter(lambda record: record.threadName != "self-check")   # its own requests
-        threading.Thread(target=_self_check, args=(base, config, s.keys(), app.state.serve), daemon=True,
-                         name="self-check").start()
+
+        logging.getLogger("httpx").addFilter(lambda record: record.threadName != "self-check")  # its own requests
+        threading.Thread(
+            target=_self_check, args=(base, config, s.keys(), app.state.serve), daemon=True, name="self-check"
+        ).start()
     server.run()
     if app.state.serve.fatal:
         print(f"headwise serve: {app.state.serve.fatal}", file=sys.stderr, flush=True)
@@ -122,6 +151,7 @@ def _stop_when_started(server, wait_s: float = 30.0) -> None:
     """End uvicorn's loop (from the loader thread). A stop asked before startup has finished makes
     uvicorn return without its shutdown phase, and the cancelled lifespan logs a traceback: wait."""
     import time
+
     deadline = time.monotonic() + wait_s
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -131,26 +161,37 @@ def _stop_when_started(server, wait_s: float = 30.0) -> None:
 def _examples(base: str, chat_model: str | None, embed_model: str | None, key: bool) -> str:
     import importlib.util
     import shlex
+
     auth = ' -H "Authorization: Bearer $HEADWISE_API_KEY"' if key else ""
     lines = ["", "Try it (paste into another terminal):", ""]
     if chat_model:
-        body = ('{"model": "%s", "messages": [{"role": "user", "content": "What is multi-head attention?"}], '
-                '"max_tokens": 48, "temperature": 0}' % chat_model)
-        lines += [f"curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\",
-                  f"  -d '{body}'", ""]
+        body = (
+            '{"model": "%s", "messages": [{"role": "user", "content": "What is multi-head attention?"}], '
+            '"max_tokens": 48, "temperature": 0}' % chat_model
+        )
+        lines += [f"curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\", f"  -d '{body}'", ""]
     api_key = "os.environ['HEADWISE_API_KEY']" if key else '"unused"'
     # this interpreter, not whatever `python` another terminal finds: it has headwise's environment
     if importlib.util.find_spec("openai") is None:
         lines += [f"{shlex.quote(sys.executable)} -m pip install openai    # the client the snippet below uses"]
-    lines += [f"{shlex.quote(sys.executable)} - <<'EOF'", *(["import os"] if key else []), "from openai import OpenAI",
-              f'client = OpenAI(base_url="{base}/v1", api_key={api_key})']
+    lines += [
+        f"{shlex.quote(sys.executable)} - <<'EOF'",
+        *(["import os"] if key else []),
+        "from openai import OpenAI",
+        f'client = OpenAI(base_url="{base}/v1", api_key={api_key})',
+    ]
     if chat_model:
-        lines += [f'for chunk in client.chat.completions.create(model="{chat_model}", stream=True, max_tokens=48,',
-                  '        messages=[{"role": "user", "content": "Write a haiku about attention heads."}]):',
-                  '    print(chunk.choices[0].delta.content or "", end="", flush=True)', "print()"]
+        lines += [
+            f'for chunk in client.chat.completions.create(model="{chat_model}", stream=True, max_tokens=48,',
+            '        messages=[{"role": "user", "content": "Write a haiku about attention heads."}]):',
+            '    print(chunk.choices[0].delta.content or "", end="", flush=True)',
+            "print()",
+        ]
     if embed_model:
-        lines += [f'e = client.embeddings.create(model="{embed_model}", input=["a cat", "a kitten"]).data',
-                  'print(sum(a * b for a, b in zip(e[0].embedding, e[1].embedding)))   # cosine (normalized)']
+        lines += [
+            f'e = client.embeddings.create(model="{embed_model}", input=["a cat", "a kitten"]).data',
+            "print(sum(a * b for a, b in zip(e[0].embedding, e[1].embedding)))   # cosine (normalized)",
+        ]
     lines += ["EOF", ""]
     return "\n".join(lines)
 
@@ -159,13 +200,15 @@ def _wait_loaded(state) -> None:
     """Wait in-process until no local model is loading: polling /health would put one access-log
     line per poll between the banner and the answers."""
     import time
+
     while not state.fatal and not state.draining and any(rt.state == "loading" for rt in state.runtimes.values()):
         time.sleep(0.2)
 
 
 def _task(config, name: str) -> str | None:
-    """"chat" or "embed" for a local model whose kind shows without loading it; None otherwise."""
+    """ "chat" or "embed" for a local model whose kind shows without loading it; None otherwise."""
     from ..argtypes import model_task
+
     model = config.models.get(name)
     return model_task(model.source) if model else None
 
@@ -190,12 +233,11 @@ def _self_check(base: str, config, keys, state=None) -> None:
                 if r.status_code == 200:
                     break
                 if r.status_code == 503 and r.json().get("error", {}).get("code") in ("model_failed", "draining"):
-                    print(f"headwise serve --self-check: {r.json()['error']['message']}", file=sys.stderr,
-                          flush=True)
-                    return                                  # it will not get better: stop waiting
+                    print(f"headwise serve --self-check: {r.json()['error']['message']}", file=sys.stderr, flush=True)
+                    return  # it will not get better: stop waiting
             except httpx.TransportError:
                 pass
-            except ValueError:                              # not JSON: keep polling
+            except ValueError:  # not JSON: keep polling
                 pass
             time.sleep(0.5)
         else:
@@ -207,11 +249,19 @@ def _self_check(base: str, config, keys, state=None) -> None:
         embed_model = next((m for m in models if kinds[m] == "embed"), None)
         if chat_model:
             question = "What is multi-head attention, in one sentence?"
-            header = f"\n[self-check] POST /v1/chat/completions (stream) model={chat_model}\nuser: {question}\n" \
-                     "assistant: "                  # printed with the first piece: after the access-log line
+            header = (
+                f"\n[self-check] POST /v1/chat/completions (stream) model={chat_model}\nuser: {question}\n"
+                "assistant: "
+            )  # printed with the first piece: after the access-log line
             t0, first, last, n = time.perf_counter(), None, None, 0
-            body = {"model": chat_model, "messages": [{"role": "user", "content": question}], "max_tokens": 60,
-                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            body = {
+                "model": chat_model,
+                "messages": [{"role": "user", "content": question}],
+                "max_tokens": 60,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             with client.stream("POST", "/v1/chat/completions", json=body) as r:
                 for line in r.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -229,7 +279,7 @@ def _self_check(base: str, config, keys, state=None) -> None:
                         n = chunk["usage"]["completion_tokens"]
             if first:
                 # decode rate over the tokens after the first; none to speak of for a 1-token reply
-                rate = (f", then {(n - 1) / (last - first):.1f} tokens/s" if n >= 2 and last > first else "")
+                rate = f", then {(n - 1) / (last - first):.1f} tokens/s" if n >= 2 and last > first else ""
                 print(f"\n[{n} tokens; first after {(first - t0) * 1e3:.0f} ms{rate}]", flush=True)
         if embed_model:
             texts = ["The bank approved the loan.", "The lender agreed to the credit.", "The river bank flooded."]

@@ -18,6 +18,7 @@ a model; the gateway resolves that name to a route (an alias, a local model, or
 
 Upstream URLs come only from here, never from a request.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -30,7 +31,7 @@ from urllib.parse import urlparse
 
 from ..engine.config import EngineConfig
 
-CACHE_KINDS = ("paged", "int8")          # the engine's block pool, fp32/model dtype or int8 K/V
+CACHE_KINDS = ("paged", "int8")  # the engine's block pool, fp32/model dtype or int8 K/V
 METRICS_AUTH = ("auto", "always", "never")
 
 
@@ -44,29 +45,33 @@ ENGINE_KEYS = tuple(k for k in EngineConfig.fields() if k != "kv_dtype")
 
 @dataclass(frozen=True)
 class LocalModel:
-    name: str                           # what clients send as "model"
-    source: str                         # builtin name or checkpoint dir / .gguf path
-    backend: str = "auto"               # attention backend (headwise.attention registry)
-    cache: str = "paged"                # paged | int8 -> the engine's kv_dtype
-    dtype: str | None = None            # None keeps the checkpoint's (the GGUF is dequantized to fp32)
+    name: str  # what clients send as "model"
+    source: str  # builtin name or checkpoint dir / .gguf path
+    backend: str = "auto"  # attention backend (headwise.attention registry)
+    cache: str = "paged"  # paged | int8 -> the engine's kv_dtype
+    dtype: str | None = None  # None keeps the checkpoint's (the GGUF is dequantized to fp32)
     # the engine's limits (max_num_seqs, num_blocks, block_size, max_num_batched_tokens, max_waiting_requests,
     # max_waiting_tokens, memory_budget_bytes): keys of [models.NAME] in the file, validated by EngineConfig
     engine: EngineConfig = field(default_factory=EngineConfig)
-    max_model_len: int | None = None    # cap the context below the model's own
+    max_model_len: int | None = None  # cap the context below the model's own
     # per request, checked before any tokenizing (which costs ~1 s per MB, on a worker thread)
-    max_input_chars: int = 2_000_000    # characters of text over all messages / prompts / inputs
-    max_embedding_tokens: int = 300_000     # tokens over all inputs of one embeddings request (OpenAI's)
+    max_input_chars: int = 2_000_000  # characters of text over all messages / prompts / inputs
+    max_embedding_tokens: int = 300_000  # tokens over all inputs of one embeddings request (OpenAI's)
 
     def __post_init__(self):
         where = f"[models.{self.name}]"
         if self.cache == "contiguous":
-            raise ConfigError(f"{where} cache = 'contiguous' cannot be served: continuous batching needs the "
-                              "paged block pool (a contiguous cache reserves max length per sequence up front; "
-                              "headwise.generate uses it). Choose paged or int8")
+            raise ConfigError(
+                f"{where} cache = 'contiguous' cannot be served: continuous batching needs the "
+                "paged block pool (a contiguous cache reserves max length per sequence up front; "
+                "headwise.generate uses it). Choose paged or int8"
+            )
         if self.cache not in CACHE_KINDS:
             raise ConfigError(f"{where} cache = {self.cache!r}; choose one of {', '.join(CACHE_KINDS)}")
         if not isinstance(self.engine, EngineConfig):
-            raise ConfigError(f"{where} engine must be a headwise.engine.EngineConfig, got {type(self.engine).__name__}")
+            raise ConfigError(
+                f"{where} engine must be a headwise.engine.EngineConfig, got {type(self.engine).__name__}"
+            )
         object.__setattr__(self, "engine", self.engine.replace(kv_dtype="int8" if self.cache == "int8" else None))
         for key in ("max_input_chars", "max_embedding_tokens"):
             if getattr(self, key) < 1:
@@ -94,9 +99,9 @@ def _local_model(name: str, table: dict) -> LocalModel:
 @dataclass(frozen=True)
 class Provider:
     name: str
-    base_url: str                       # ".../v1": endpoints are appended ("/chat/completions")
+    base_url: str  # ".../v1": endpoints are appended ("/chat/completions")
     models: tuple[str, ...]
-    api_key_env: str | None = None      # env var holding the upstream key
+    api_key_env: str | None = None  # env var holding the upstream key
     timeout: float = 60.0
 
     def __post_init__(self):
@@ -104,7 +109,7 @@ class Provider:
         if url.scheme not in ("http", "https") or not url.netloc:
             raise ConfigError(f"[providers.{self.name}] base_url = {self.base_url!r} is not an http(s) URL")
         if not self.models:
-            raise ConfigError(f"[providers.{self.name}] lists no models; add models = [\"...\"]")
+            raise ConfigError(f'[providers.{self.name}] lists no models; add models = ["..."]')
 
     @property
     def api_key(self) -> str | None:
@@ -113,7 +118,7 @@ class Provider:
 
 @dataclass(frozen=True)
 class Target:
-    target: str                         # a local model name or "provider/model"
+    target: str  # a local model name or "provider/model"
     weight: float = 1.0
 
 
@@ -121,11 +126,11 @@ class Target:
 class Route:
     name: str
     targets: tuple[Target, ...]
-    fallbacks: tuple[str, ...] = ()     # tried in order once the weighted targets have failed
-    retries: int = 1                    # extra weighted draws after the first target fails
-    timeout: float = 60.0               # seconds to wait for a target's first byte
-    cooldown_failures: int = 3          # consecutive failures that put a target in cooldown
-    cooldown_seconds: float = 30.0      # ... for this long
+    fallbacks: tuple[str, ...] = ()  # tried in order once the weighted targets have failed
+    retries: int = 1  # extra weighted draws after the first target fails
+    timeout: float = 60.0  # seconds to wait for a target's first byte
+    cooldown_failures: int = 3  # consecutive failures that put a target in cooldown
+    cooldown_seconds: float = 30.0  # ... for this long
 
     def __post_init__(self):
         where = f"[routes.{self.name}]"
@@ -134,23 +139,22 @@ class Route:
         if any(t.weight <= 0 for t in self.targets):
             raise ConfigError(f"{where} target weights must be > 0")
         if self.retries < 0 or self.cooldown_failures < 1 or self.timeout <= 0 or self.cooldown_seconds < 0:
-            raise ConfigError(f"{where} needs retries >= 0, cooldown_failures >= 1, timeout > 0, "
-                              "cooldown_seconds >= 0")
+            raise ConfigError(f"{where} needs retries >= 0, cooldown_failures >= 1, timeout > 0, cooldown_seconds >= 0")
 
 
 @dataclass(frozen=True)
 class ServerSettings:
-    host: str = "127.0.0.1"             # loopback unless told otherwise
+    host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 8000
-    api_keys: tuple[str, ...] = ()      # prefer api_key_env: keys in a file end up in backups
-    api_key_env: str | None = "HEADWISE_API_KEYS"   # comma-separated keys; unset/empty = no auth
-    max_body_bytes: int = 4 * 2 ** 20   # FastAPI has no limit of its own
-    drain_timeout: float = 30.0         # SIGTERM: seconds in-flight requests get to finish
+    api_keys: tuple[str, ...] = ()  # prefer api_key_env: keys in a file end up in backups
+    api_key_env: str | None = "HEADWISE_API_KEYS"  # comma-separated keys; unset/empty = no auth
+    max_body_bytes: int = 4 * 2**20  # FastAPI has no limit of its own
+    drain_timeout: float = 30.0  # SIGTERM: seconds in-flight requests get to finish
     # a client that sends part of a request and goes silent (slowloris) gets 408 and a closed
     # connection: headers must arrive within header_timeout s, the body within body_timeout s
     header_timeout: float = 30.0
     body_timeout: float = 60.0
-    metrics_auth: str = "auto"          # /metrics needs a key: auto (with keys, beyond loopback) | always | never
+    metrics_auth: str = "auto"  # /metrics needs a key: auto (with keys, beyond loopback) | always | never
 
     def __post_init__(self):
         for key in ("header_timeout", "body_timeout"):
@@ -170,8 +174,10 @@ class ServerSettings:
             return False
         if not self.keys():
             if self.metrics_auth == "always":
-                raise ConfigError("[server] metrics_auth = 'always' but no API keys are set: set "
-                                  f"{self.api_key_env or 'api_key_env'} or api_keys, or use metrics_auth = 'auto'")
+                raise ConfigError(
+                    "[server] metrics_auth = 'always' but no API keys are set: set "
+                    f"{self.api_key_env or 'api_key_env'} or api_keys, or use metrics_auth = 'auto'"
+                )
             return False
         return self.metrics_auth == "always" or not _loopback(self.host)
 
@@ -195,8 +201,10 @@ class ServeConfig:
         for route in self.routes.values():
             for name in [t.target for t in route.targets] + list(route.fallbacks):
                 if name not in known:
-                    raise ConfigError(f"[routes.{route.name}] target {name!r} is neither a local model nor "
-                                      f"provider/model; known: {', '.join(sorted(known)) or 'none'}")
+                    raise ConfigError(
+                        f"[routes.{route.name}] target {name!r} is neither a local model nor "
+                        f"provider/model; known: {', '.join(sorted(known)) or 'none'}"
+                    )
         clash = set(self.routes) & known
         if clash:
             raise ConfigError(f"route names {sorted(clash)} hide models of the same name; rename the routes")
@@ -218,12 +226,16 @@ def models_config(sources: list[str], host: str | None = None, port: int | None 
     """`headwise serve MODEL...`: each builtin name, .gguf file or checkpoint directory served under
     its own name (the builtin's name, else the file or folder name; a repeat gets -2, -3, ...)."""
     from ..models.builtin import BUILTIN, _canonical
+
     server = ServerSettings(**{k: v for k, v in (("host", host), ("port", port)) if v is not None})
     models: dict[str, LocalModel] = {}
     for source in sources:
         path = Path(source).expanduser()
-        base = _canonical(source) if _canonical(source) in BUILTIN and not path.exists() else \
-            (path.stem if path.suffix == ".gguf" else path.resolve().name)
+        base = (
+            _canonical(source)
+            if _canonical(source) in BUILTIN and not path.exists()
+            else (path.stem if path.suffix == ".gguf" else path.resolve().name)
+        )
         name, n = base, 1
         while name in models:
             n += 1
@@ -261,8 +273,9 @@ def parse_config(data: dict) -> ServeConfig:
     for name, t in data.get("routes", {}).items():
         t = dict(t)
         raw = t.get("targets", ())
-        t["targets"] = tuple(Target(x) if isinstance(x, str) else _take(x, Target, f"[routes.{name}] targets")
-                             for x in raw)
+        t["targets"] = tuple(
+            Target(x) if isinstance(x, str) else _take(x, Target, f"[routes.{name}] targets") for x in raw
+        )
         t["fallbacks"] = tuple(t.get("fallbacks", ()))
         routes[name] = _take(t, Route, f"[routes.{name}]", name=name)
     if not models and not providers:

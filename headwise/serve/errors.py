@@ -6,6 +6,7 @@ FastAPI's 422 for a malformed body becomes 400 (a client mistake, named field by
 field); Starlette's 404/405 get the envelope too; anything unexpected is a 500 whose
 message hides the details (they go to the log).
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,10 +21,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 log = logging.getLogger("headwise.serve")
 
 # status -> OpenAI's error type for it
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-          429: "rate_limit_error", 500: "server_error", 502: "upstream_error", 503: "service_unavailable",
-          504: "upstream_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "upstream_error",
+}
 
 
 class APIError(Exception):
@@ -33,19 +43,29 @@ class APIError(Exception):
     a client's own mistake (400) is not retried, it would fail everywhere.
     """
 
-    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
-                 type: str | None = None, retry_after: float | None = None, retryable: bool | None = None,
-                 body: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        type: str | None = None,
+        retry_after: float | None = None,
+        retryable: bool | None = None,
+        body: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
         self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
         self.retry_after = retry_after
         self.retryable = retryable if retryable is not None else status in (429, 502, 503, 504)
-        self._body = body                       # an upstream's own envelope, passed on unchanged
+        self._body = body  # an upstream's own envelope, passed on unchanged
 
     def body(self) -> dict:
-        return self._body or {"error": {"message": self.message, "type": self.type, "param": self.param,
-                                        "code": self.code}}
+        return self._body or {
+            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        }
 
     def headers(self) -> dict[str, str]:
         if self.retry_after is None:
@@ -82,9 +102,12 @@ def _relevant(errors: list[dict]) -> list[tuple[str, dict]]:
     valid string", and the same for each item of the list) only bury it: drop those."""
     located = [(_loc(e.get("loc", ())), e) for e in errors]
     specific = {w for w, e in located if not e.get("type", "").endswith("_type")}
-    return [(w, e) for w, e in located
-            if not e.get("type", "").endswith("_type")
-            or not any(w == s or w.startswith(s + "[") or w.startswith(s + ".") for s in specific)]
+    return [
+        (w, e)
+        for w, e in located
+        if not e.get("type", "").endswith("_type")
+        or not any(w == s or w.startswith(s + "[") or w.startswith(s + ".") for s in specific)
+    ]
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -96,9 +119,12 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         if e.get("type") == "json_invalid":
             msg = "the body is not valid JSON"
         elif e.get("type") == "extra_forbidden":
-            msg = "unknown field (upstream URLs and keys come only from the server's config)" \
-                if where.split(".")[-1] in ("base_url", "api_base", "api_key", "url", "endpoint", "upstream",
-                                            "provider") else "unknown field"
+            msg = (
+                "unknown field (upstream URLs and keys come only from the server's config)"
+                if where.split(".")[-1]
+                in ("base_url", "api_base", "api_key", "url", "endpoint", "upstream", "provider")
+                else "unknown field"
+            )
         parts.append(f"{where}: {msg}" if where else msg)
     more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
     return "; ".join(parts) + more, param
@@ -121,8 +147,11 @@ def install(app: FastAPI) -> None:
             path = request.url.path
             hint = f" (did you mean {path.rstrip('/')}?)" if path.endswith("/") and len(path) > 1 else ""
             message = f"no route {request.method} {path}{hint}; see /docs for the API"
-        return JSONResponse(APIError(exc.status_code, message).body(), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            APIError(exc.status_code, message).body(),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

@@ -13,6 +13,7 @@ when the stream ends, not when it starts.
 A plain model name is a route of one target with no retries and no cooldown.
 Upstream URLs and keys come only from the config.
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,12 +40,12 @@ class LocalTarget:
     def __init__(self, name: str, runtime):
         self.name, self.runtime = name, runtime
 
-    async def handle(self, endpoint: str, req, body: dict, request: Request, model: str, timeout, metrics,
-                     settle=None):
+    async def handle(self, endpoint: str, req, body: dict, request: Request, model: str, timeout, metrics, settle=None):
         # A stream's response starts only with its first piece: until then, a client that hangs up
         # must abort its queued requests at once, not after their prefill.
-        return await until_disconnect(HANDLERS[endpoint](self.runtime, req, model, request, timeout=timeout,
-                                                         metrics=metrics), request)
+        return await until_disconnect(
+            HANDLERS[endpoint](self.runtime, req, model, request, timeout=timeout, metrics=metrics), request
+        )
 
 
 @dataclass
@@ -54,8 +55,14 @@ class _Health:
 
 
 class Gateway:
-    def __init__(self, config: ServeConfig, runtimes: dict, client: httpx.AsyncClient, metrics=None,
-                 rng: random.Random | None = None):
+    def __init__(
+        self,
+        config: ServeConfig,
+        runtimes: dict,
+        client: httpx.AsyncClient,
+        metrics=None,
+        rng: random.Random | None = None,
+    ):
         self.config, self.metrics, self.rng = config, metrics, rng or random.Random()
         self.targets: dict = {name: LocalTarget(name, rt) for name, rt in runtimes.items()}
         for p in config.providers.values():
@@ -73,8 +80,12 @@ class Gateway:
             return self.config.routes[name]
         if name in self.targets:
             return Route(name, (Target(name),), retries=0)
-        raise APIError(404, f"model {name!r} does not exist here; available: {', '.join(n for n, _ in self.names())}",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"model {name!r} does not exist here; available: {', '.join(n for n, _ in self.names())}",
+            param="model",
+            code="model_not_found",
+        )
 
     def cooling(self, target: str, now: float) -> bool:
         return self.health[target].cooled_until > now
@@ -102,7 +113,7 @@ class Gateway:
     def _health(self, route: Route, target: str, ok: bool) -> None:
         """The circuit breaker: a success resets the target's failures; enough in a row cool it down."""
         if route.name not in self.config.routes:
-            return                                  # plain model names have no circuit breaker
+            return  # plain model names have no circuit breaker
         h = self.health[target]
         if ok:
             h.failures, h.cooled_until = 0, 0.0
@@ -120,16 +131,24 @@ class Gateway:
         route = self.route(req.model)
         configured = route.name in self.config.routes
         timeout = route.timeout if configured else None
-        body = req.model_dump(mode="json", exclude_unset=True)     # what the client set, validated
+        body = req.model_dump(mode="json", exclude_unset=True)  # what the client set, validated
         last: APIError | None = None
         for name in self.plan(route):
             target = self.targets[name]
-            later = isinstance(target, UpstreamTarget) and bool(body.get("stream"))   # settles when it ends
+            later = isinstance(target, UpstreamTarget) and bool(body.get("stream"))  # settles when it ends
             try:
-                resp = await target.handle(endpoint, req, body, request, req.model, timeout, self.metrics,
-                                           settle=functools.partial(self._health, route, name))
+                resp = await target.handle(
+                    endpoint,
+                    req,
+                    body,
+                    request,
+                    req.model,
+                    timeout,
+                    self.metrics,
+                    settle=functools.partial(self._health, route, name),
+                )
             except APIError as e:
-                if not e.retryable:                 # the client's mistake: says nothing about the target
+                if not e.retryable:  # the client's mistake: says nothing about the target
                     self._attempt(route, name, "client_error")
                     raise
                 self._attempt(route, name, "error")

@@ -9,6 +9,7 @@ the server stops (`load_all`'s on_done). Requests reach the engine as token ids:
 (serve/openai) render chat templates and tokenize off the event loop; the engine's output
 processor (generation/output.py) turns the ids it samples into text and stop strings.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,8 +23,8 @@ from .errors import APIError
 
 log = logging.getLogger("headwise.serve")
 
-Loader = Callable[[LocalModel], object]     # LocalModel -> a loaded headwise model
-EMBED_BATCH = 16        # texts per embedding micro-batch: ~0.1-0.5 s of MiniLM on a CPU core, a fair turn
+Loader = Callable[[LocalModel], object]  # LocalModel -> a loaded headwise model
+EMBED_BATCH = 16  # texts per embedding micro-batch: ~0.1-0.5 s of MiniLM on a CPU core, a fair turn
 
 
 def weights_key(spec: LocalModel) -> tuple:
@@ -33,6 +34,7 @@ def weights_key(spec: LocalModel) -> tuple:
 
 def default_loader(spec: LocalModel):
     import headwise
+
     return headwise.load(spec.source, dtype=spec.dtype, backend=spec.backend)
 
 
@@ -41,14 +43,14 @@ class LocalRuntime:
 
     def __init__(self, spec: LocalModel, loader: Loader = default_loader):
         self.spec, self.loader = spec, loader
-        self.state = "loading"              # loading | ready | failed | stopped
+        self.state = "loading"  # loading | ready | failed | stopped
         self.error: str | None = None
         self.model = self.tokenizer = self.engine = None
-        self.kind: str | None = None        # "generate" (decoder) | "embed" (encoder), known once loaded
+        self.kind: str | None = None  # "generate" (decoder) | "embed" (encoder), known once loaded
         self.max_model_len = 0
         self.loaded_at = time.time()
         self._embed_lock = threading.Lock()
-        self._embed_turn: asyncio.Lock | None = None     # whose micro-batch runs next (embed)
+        self._embed_turn: asyncio.Lock | None = None  # whose micro-batch runs next (embed)
         self._restart_lock = threading.Lock()
 
     @property
@@ -71,7 +73,8 @@ class LocalRuntime:
                 raise ValueError(f"{self.spec.source} has no tokenizer; the API needs one to read text")
             if not reused:
                 from ..models.packing import prepack
-                prepack(model)              # the first request should not pay for reordering weights
+
+                prepack(model)  # the first request should not pay for reordering weights
                 if shared is not None:
                     shared[key] = model
             if getattr(model.config, "causal", True):
@@ -83,14 +86,20 @@ class LocalRuntime:
                 self.max_model_len = model.config.max_positions
                 self.kind = "embed"
             self.state = "ready"
-            log.info("model %s ready (%s, %.1f s%s)", self.name, self.kind, time.perf_counter() - t0,
-                     "; weights shared with an earlier variant" if reused else "")
-        except Exception as e:                      # the server stays up and reports it
+            log.info(
+                "model %s ready (%s, %.1f s%s)",
+                self.name,
+                self.kind,
+                time.perf_counter() - t0,
+                "; weights shared with an earlier variant" if reused else "",
+            )
+        except Exception as e:  # the server stays up and reports it
             self.state, self.error = "failed", f"{type(e).__name__}: {e}"
             log.error("model %s failed to load: %s", self.name, self.error)
 
     def _make_engine(self, model):
         from ..engine import Engine
+
         return Engine(model, config=self.spec.engine)
 
     def shutdown(self, timeout: float | None = None) -> None:
@@ -102,20 +111,24 @@ class LocalRuntime:
     def require(self, kind: str, endpoint: str) -> None:
         """503 while loading/failed, 400 when the model cannot do this endpoint."""
         if self.state == "loading":
-            raise APIError(503, f"model {self.name!r} is still loading; retry shortly", code="model_loading",
-                           retry_after=2)
+            raise APIError(
+                503, f"model {self.name!r} is still loading; retry shortly", code="model_loading", retry_after=2
+            )
         if self.state != "ready":
-            raise APIError(503, f"model {self.name!r} is unavailable: {self.error or self.state}",
-                           code="model_unavailable")
+            raise APIError(
+                503, f"model {self.name!r} is unavailable: {self.error or self.state}", code="model_unavailable"
+            )
         if self.kind != kind:
             use = "/v1/embeddings" if self.kind == "embed" else "/v1/chat/completions or /v1/completions"
-            raise APIError(400, f"model {self.name!r} cannot serve {endpoint}; use {use}", param="model",
-                           code="wrong_endpoint")
+            raise APIError(
+                400, f"model {self.name!r} cannot serve {endpoint}; use {use}", param="model", code="wrong_endpoint"
+            )
 
     async def stream(self, prompt: list[int], sampling, request_id: str) -> AsyncIterator:
         """The engine's stream, QueueFull -> 429 + Retry-After, ValueError -> 400, a failed
         engine -> 500 (and a fresh engine for the requests that follow)."""
         from ..engine import QueueFull
+
         engine = self.engine
         gen = engine.stream(prompt, sampling, request_id=request_id)
         try:
@@ -125,17 +138,24 @@ class LocalRuntime:
                 except StopAsyncIteration:
                     return
                 except QueueFull as e:
-                    raise APIError(429, f"model {self.name!r} is at capacity ({e}); retry after the given time",
-                                   code="queue_full", retry_after=getattr(e, "retry_after", 1.0)) from None
+                    raise APIError(
+                        429,
+                        f"model {self.name!r} is at capacity ({e}); retry after the given time",
+                        code="queue_full",
+                        retry_after=getattr(e, "retry_after", 1.0),
+                    ) from None
                 except ValueError as e:
                     raise APIError(400, str(e), code="invalid_request") from None
                 except RuntimeError as e:
                     self._restart_if_dead(engine, e)
-                    raise APIError(500, f"model {self.name!r} failed on this request ({e.__cause__ or e}); "
-                                        "its engine was restarted", code="engine_error") from None
+                    raise APIError(
+                        500,
+                        f"model {self.name!r} failed on this request ({e.__cause__ or e}); its engine was restarted",
+                        code="engine_error",
+                    ) from None
                 yield piece
         finally:
-            engine.abort(request_id)                # no-op once finished; frees blocks at once otherwise
+            engine.abort(request_id)  # no-op once finished; frees blocks at once otherwise
             await gen.aclose()
 
     def _restart_if_dead(self, engine, error: BaseException) -> None:
@@ -143,9 +163,9 @@ class LocalRuntime:
         fine, so build a new engine instead of leaving the model down until a restart."""
         with self._restart_lock:
             if engine is not self.engine:
-                return                                  # another request already replaced it
+                return  # another request already replaced it
             try:
-                engine.start()                          # raises only when the engine has failed
+                engine.start()  # raises only when the engine has failed
                 return
             except RuntimeError:
                 pass
@@ -174,14 +194,15 @@ class LocalRuntime:
         from ..embeddings import embed
 
         def run(chunk):
-            with self._embed_lock:                  # a cancelled request's batch may still be running
+            with self._embed_lock:  # a cancelled request's batch may still be running
                 return embed(self.model, chunk)
+
         if self._embed_turn is None:
-            self._embed_turn = asyncio.Lock()       # made on the server's loop
+            self._embed_turn = asyncio.Lock()  # made on the server's loop
         out = []
         for start in range(0, len(texts), batch_size):
             async with self._embed_turn:
-                out.append(await asyncio.to_thread(run, texts[start:start + batch_size]))
+                out.append(await asyncio.to_thread(run, texts[start : start + batch_size]))
         return torch.cat(out)
 
     def stats(self) -> dict:
@@ -190,16 +211,19 @@ class LocalRuntime:
         return self.engine.stats().as_dict()
 
 
-def load_all(runtimes: list[LocalRuntime],
-             on_done: Callable[[list[LocalRuntime]], None] | None = None) -> threading.Thread:
+def load_all(
+    runtimes: list[LocalRuntime], on_done: Callable[[list[LocalRuntime]], None] | None = None
+) -> threading.Thread:
     """Load every model, one after the other, in a daemon thread (the server answers meanwhile);
     variants of the same weights share one model. Then on_done(runtimes)."""
+
     def run():
         shared: dict = {}
         for rt in runtimes:
             rt.load(shared)
         if on_done is not None:
             on_done(runtimes)
+
     t = threading.Thread(target=run, name="headwise-loader", daemon=True)
     t.start()
     return t

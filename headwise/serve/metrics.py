@@ -6,6 +6,7 @@ engine's own counters (running, waiting, KV blocks used/free, preemptions, prefi
 hits, tokens, ...) are read from `Engine.stats()` at scrape time, one gauge per field,
 labelled by model, so a new stats field shows up without touching this file.
 """
+
 from __future__ import annotations
 
 import re
@@ -51,21 +52,45 @@ def _flatten(stats: dict, prefix: str = ""):
 class Metrics:
     def __init__(self, runtimes: dict):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("headwise_requests", "API requests by model, endpoint and HTTP status",
-                                ["model", "endpoint", "status"], registry=r)
-        self.ttft = Histogram("headwise_time_to_first_token_seconds", "request arrival to first generated text",
-                              ["model"], buckets=_LATENCY, registry=r)
-        self.itl = Histogram("headwise_inter_token_latency_seconds", "time between generated tokens",
-                             ["model"], buckets=_LATENCY, registry=r)
-        self.e2e = Histogram("headwise_e2e_request_latency_seconds", "request arrival to last token",
-                             ["model"], buckets=_E2E, registry=r)
-        self.attempts = Counter("headwise_gateway_attempts", "gateway attempts by route, target and outcome",
-                                ["route", "target", "outcome"], registry=r)
-        self.cooling = Gauge("headwise_gateway_target_cooling_down", "1 while a target is skipped after failures",
-                             ["target"], registry=r)
-        self.faults = Counter("headwise_gateway_upstream_faults", "broken upstream answers by target and kind "
-                              "(invalid_json, bad_shape, truncated, error_event, broken, oversized)",
-                              ["target", "kind"], registry=r)
+        self.requests = Counter(
+            "headwise_requests",
+            "API requests by model, endpoint and HTTP status",
+            ["model", "endpoint", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "headwise_time_to_first_token_seconds",
+            "request arrival to first generated text",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "headwise_inter_token_latency_seconds",
+            "time between generated tokens",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "headwise_e2e_request_latency_seconds", "request arrival to last token", ["model"], buckets=_E2E, registry=r
+        )
+        self.attempts = Counter(
+            "headwise_gateway_attempts",
+            "gateway attempts by route, target and outcome",
+            ["route", "target", "outcome"],
+            registry=r,
+        )
+        self.cooling = Gauge(
+            "headwise_gateway_target_cooling_down", "1 while a target is skipped after failures", ["target"], registry=r
+        )
+        self.faults = Counter(
+            "headwise_gateway_upstream_faults",
+            "broken upstream answers by target and kind "
+            "(invalid_json, bad_shape, truncated, error_event, broken, oversized)",
+            ["target", "kind"],
+            registry=r,
+        )
         r.register(EngineCollector(runtimes))
 
     def token_piece(self, model: str, streams, piece) -> None:

@@ -4,6 +4,7 @@ that keep secrets out of the log.
 Pure ASGI (not BaseHTTPMiddleware) so streaming responses and client-disconnect
 messages pass through untouched.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -21,12 +22,14 @@ _QUERY = re.compile(r"\?([^\s\"'#]*)")
 def redact_query(text: str) -> str:
     """'/v1/models?api_key=sk-1&limit=3' -> '/v1/models?api_key=[redacted]&limit=3': the value of
     every query parameter whose name looks like a credential (key, token, secret, password, ...)."""
+
     def params(m: re.Match) -> str:
         parts = []
         for part in m.group(1).split("&"):
             name, eq, _ = part.partition("=")
             parts.append(f"{name}=[redacted]" if eq and SECRET_PARAM.search(name) else part)
         return "?" + "&".join(parts)
+
     return _QUERY.sub(params, text) if "?" in text else text
 
 
@@ -36,8 +39,10 @@ class RedactQuery(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
-            record.args = tuple(redact_query(a) if isinstance(a, str) else
-                                redact_query(str(a)) if type(a).__name__ == "URL" else a for a in record.args)
+            record.args = tuple(
+                redact_query(a) if isinstance(a, str) else redact_query(str(a)) if type(a).__name__ == "URL" else a
+                for a in record.args
+            )
         elif not record.args and isinstance(record.msg, str):
             record.msg = redact_query(record.msg)
         return True
@@ -55,8 +60,12 @@ class HideResponseHeaders(logging.Filter):
 
 def install_log_filters() -> None:
     """Once per process (create_app calls it; uvicorn's logging setup keeps logger filters)."""
-    for name, cls in (("uvicorn.access", RedactQuery), ("httpx", RedactQuery),
-                      ("httpcore.http11", HideResponseHeaders), ("httpcore.http2", HideResponseHeaders)):
+    for name, cls in (
+        ("uvicorn.access", RedactQuery),
+        ("httpx", RedactQuery),
+        ("httpcore.http11", HideResponseHeaders),
+        ("httpcore.http2", HideResponseHeaders),
+    ):
         logger = logging.getLogger(name)
         if not any(isinstance(f, cls) for f in logger.filters):
             logger.addFilter(cls())
@@ -79,8 +88,11 @@ class BodySizeLimit:
         self.app, self.max_bytes = app, max_bytes
 
     def _too_large(self) -> APIError:
-        return APIError(413, f"request body is larger than the server's limit of {self.max_bytes} bytes "
-                             "([server] max_body_bytes)", code="request_too_large")
+        return APIError(
+            413,
+            f"request body is larger than the server's limit of {self.max_bytes} bytes ([server] max_body_bytes)",
+            code="request_too_large",
+        )
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -112,7 +124,7 @@ class BodySizeLimit:
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()          # afterwards: http.disconnect when the client leaves
+            return await receive()  # afterwards: http.disconnect when the client leaves
 
         await self.app(scope, replay, send)
 

@@ -10,6 +10,7 @@ Types are strict, as OpenAI's are: `"logprobs": "yes"` or `"max_tokens": "5"` is
 the field, not coerced (a number field still takes an integer: 1 for 1.0). Responses are
 declared for the docs and schema checks; handlers build plain dicts.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
@@ -19,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..generation.sampling import MAX_STOP_CHARS, MAX_STOPS
 
 NonEmpty = Annotated[str, Field(min_length=1)]
-TokenId = Annotated[int, Field(ge=0, le=2 ** 31 - 1)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Stop = Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOPS)], None]
 
@@ -30,29 +31,30 @@ class Strict(BaseModel):
 
 
 class StreamOptions(Strict):
-    include_usage: Optional[bool] = None        # a last chunk with usage and no choices
+    include_usage: Optional[bool] = None  # a last chunk with usage and no choices
 
 
 class SamplingFields(Strict):
     """Fields chat and completions share; the vLLM extensions (top_k, min_p,
     repetition_penalty, ignore_eos, stop_token_ids) map onto headwise.SamplingParams."""
+
     model: NonEmpty
     max_tokens: Optional[Annotated[int, Field(ge=1)]] = None
-    temperature: Optional[Annotated[float, Field(ge=0, le=2)]] = None    # below 1e-5: greedy, as vLLM
+    temperature: Optional[Annotated[float, Field(ge=0, le=2)]] = None  # below 1e-5: greedy, as vLLM
     top_p: Optional[Annotated[float, Field(gt=0, le=1)]] = None
     n: Optional[Annotated[int, Field(ge=1, le=16)]] = None
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     stop: Stop = None
-    seed: Optional[Annotated[int, Field(ge=0, le=2 ** 63 - 1)]] = None
-    presence_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None    # only 0 is served
-    frequency_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None   # only 0 is served
-    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None   # only {} is served
+    seed: Optional[Annotated[int, Field(ge=0, le=2**63 - 1)]] = None
+    presence_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None  # only 0 is served
+    frequency_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None  # only 0 is served
+    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None  # only {} is served
     user: Optional[str] = None
     # vLLM-style extensions
     top_k: Optional[Annotated[int, Field(ge=0)]] = None
     min_p: Optional[Annotated[float, Field(ge=0, le=1)]] = None
-    repetition_penalty: Optional[Annotated[float, Field(ge=0.01, le=10)]] = None   # tinier: logits overflow
+    repetition_penalty: Optional[Annotated[float, Field(ge=0.01, le=10)]] = None  # tinier: logits overflow
     ignore_eos: Optional[bool] = None
     stop_token_ids: Optional[Annotated[list[TokenId], Field(max_length=64)]] = None
 
@@ -81,7 +83,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: Optional[bool] = None
     top_logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
     response_format: Optional[ResponseFormat] = None
-    tools: Optional[list[dict]] = None                          # only [] is served: no tool calling here
+    tools: Optional[list[dict]] = None  # only [] is served: no tool calling here
     tool_choice: Optional[Union[Literal["none", "auto"], dict]] = None
     parallel_tool_calls: Optional[bool] = None
     metadata: Optional[dict[str, str]] = None
@@ -90,27 +92,33 @@ class ChatCompletionRequest(SamplingFields):
 
 
 # ---------------------------------------------------------------- completions
-Prompt = Union[str, Annotated[list[str], Field(min_length=1, max_length=64)],
-               Annotated[list[TokenId], Field(min_length=1)],
-               Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=64)]]
+Prompt = Union[
+    str,
+    Annotated[list[str], Field(min_length=1, max_length=64)],
+    Annotated[list[TokenId], Field(min_length=1)],
+    Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=64)],
+]
 
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
     logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
-    echo: Optional[bool] = None                                 # only false is served
-    suffix: Optional[str] = None                                # only null is served
-    best_of: Optional[Annotated[int, Field(ge=1, le=16)]] = None   # only == n is served
+    echo: Optional[bool] = None  # only false is served
+    suffix: Optional[str] = None  # only null is served
+    best_of: Optional[Annotated[int, Field(ge=1, le=16)]] = None  # only == n is served
 
 
 # ---------------------------------------------------------------- embeddings
 class EmbeddingRequest(Strict):
     model: NonEmpty
-    input: Union[str, Annotated[list[str], Field(min_length=1, max_length=2048)],
-                 Annotated[list[TokenId], Field(min_length=1)],
-                 Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]]
-    encoding_format: Literal["float", "base64"] = "float"      # the openai client asks for base64
-    dimensions: Optional[Annotated[int, Field(ge=1)]] = None   # only the model's own width
+    input: Union[
+        str,
+        Annotated[list[str], Field(min_length=1, max_length=2048)],
+        Annotated[list[TokenId], Field(min_length=1)],
+        Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)],
+    ]
+    encoding_format: Literal["float", "base64"] = "float"  # the openai client asks for base64
+    dimensions: Optional[Annotated[int, Field(ge=1)]] = None  # only the model's own width
     user: Optional[str] = None
 
 
@@ -176,6 +184,7 @@ class ChatChunkChoice(_ChatChoiceBase):
 
 class ChatCompletionChunk(_ResponseBase):
     """One SSE event of a chat stream (`data: {...}`); the stream ends with `data: [DONE]`."""
+
     object: Literal["chat.completion.chunk"]
     choices: list[ChatChunkChoice]
 
@@ -202,7 +211,7 @@ class Completion(_ResponseBase):
 class Embedding(BaseModel):
     object: Literal["embedding"]
     index: int
-    embedding: Union[list[float], str]         # str: base64 of little-endian float32
+    embedding: Union[list[float], str]  # str: base64 of little-endian float32
 
 
 class EmbeddingResponse(BaseModel):
@@ -240,5 +249,15 @@ ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 500, 50
 
 def sse_docs(chunk: type[BaseModel]) -> dict:
     """The 200 answer of a streaming-capable endpoint: JSON, or SSE events of `chunk`."""
-    return {200: {"content": {"text/event-stream": {"schema": {"type": "string", "description":
-                  f"stream=true: `data: <{chunk.__name__}>` events, then `data: [DONE]`"}}}}}
+    return {
+        200: {
+            "content": {
+                "text/event-stream": {
+                    "schema": {
+                        "type": "string",
+                        "description": f"stream=true: `data: <{chunk.__name__}>` events, then `data: [DONE]`",
+                    }
+                }
+            }
+        }
+    }

@@ -13,6 +13,7 @@ body_s)` is uvicorn's h11 protocol plus two clocks:
 When a clock runs out and no answer has started, the client gets 408 with the OpenAI error
 envelope and the connection is closed. Pass the class to uvicorn.Config(http=...).
 """
+
 from __future__ import annotations
 
 import json
@@ -22,11 +23,21 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
 def _408(what: str, seconds: float) -> bytes:
-    body = json.dumps({"error": {"message": f"the request's {what} did not arrive within {seconds:g} s "
-                                            f"([server] {what}_timeout); the connection is closed",
-                                 "type": "invalid_request_error", "param": None, "code": "request_timeout"}}).encode()
-    head = (f"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            "connection: close\r\n\r\n").encode()
+    body = json.dumps(
+        {
+            "error": {
+                "message": f"the request's {what} did not arrive within {seconds:g} s "
+                f"([server] {what}_timeout); the connection is closed",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "request_timeout",
+            }
+        }
+    ).encode()
+    head = (
+        f"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        "connection: close\r\n\r\n"
+    ).encode()
     return head + body
 
 
@@ -43,7 +54,7 @@ def timed_h11(header_timeout: float, body_timeout: float) -> type[H11Protocol]:
             self._update_clocks()
 
         def on_response_complete(self) -> None:
-            super().on_response_complete()          # may start the next pipelined request
+            super().on_response_complete()  # may start the next pipelined request
             self._update_clocks()
 
         def connection_lost(self, exc) -> None:
@@ -58,14 +69,13 @@ def timed_h11(header_timeout: float, body_timeout: float) -> type[H11Protocol]:
             if theirs is h11.IDLE:
                 # between requests: uvicorn's keep-alive timer covers silence; a started request is ours
                 if self._header_clock is None and self.conn.trailing_data[0]:
-                    self._header_clock = self.loop.call_later(header_timeout, self._expired, "header",
-                                                              header_timeout)
+                    self._header_clock = self.loop.call_later(header_timeout, self._expired, "header", header_timeout)
                 return
             self._stop("_header_clock")
             if theirs is h11.SEND_BODY:
                 if self._body_clock is None:
                     self._body_clock = self.loop.call_later(body_timeout, self._expired, "body", body_timeout)
-            else:                                   # DONE (or closed/error): the request is in
+            else:  # DONE (or closed/error): the request is in
                 self._stop("_body_clock")
 
         def _stop(self, name: str) -> None:
@@ -78,12 +88,16 @@ def timed_h11(header_timeout: float, body_timeout: float) -> type[H11Protocol]:
             setattr(self, f"_{what}_clock", None)
             if self.transport.is_closing():
                 return
-            self.logger.info("closing a connection from %s: its request %s took over %g s",
-                             "%s:%d" % self.client if self.client else "a client", what, seconds)
+            self.logger.info(
+                "closing a connection from %s: its request %s took over %g s",
+                "%s:%d" % self.client if self.client else "a client",
+                what,
+                seconds,
+            )
             cycle = self.cycle if what == "body" else None
             if cycle is None or not cycle.response_started:
                 self.transport.write(_408(what, seconds))
-            if cycle is not None:                   # the app sees http.disconnect and stops reading
+            if cycle is not None:  # the app sees http.disconnect and stops reading
                 cycle.disconnected = True
                 cycle.message_event.set()
             self.transport.close()

@@ -9,6 +9,7 @@ A fault found before the first byte is a 502 (retryable: the route may try elsew
 found later ends the stream with an error event and `data: [DONE]`. Either way the target
 is told (`settle(False)`), so faults count toward its cooldown as a 5xx does.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,9 +28,9 @@ from .openai.common import SSE_DONE, sse
 log = logging.getLogger("headwise.serve")
 
 PATHS = {"chat": "/chat/completions", "completions": "/completions", "embeddings": "/embeddings"}
-SHAPE = {"chat": "choices", "completions": "choices", "embeddings": "data"}   # the list a 200 must have
-MAX_EVENT_BYTES = 1 << 20               # one SSE event; beyond this the upstream is not sending events
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_.\[\]]{0,63}")   # context_length_exceeded, messages[0].content
+SHAPE = {"chat": "choices", "completions": "choices", "embeddings": "data"}  # the list a 200 must have
+MAX_EVENT_BYTES = 1 << 20  # one SSE event; beyond this the upstream is not sending events
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_.\[\]]{0,63}")  # context_length_exceeded, messages[0].content
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _LINE = re.compile(rb"\r\n|\n|\r")
 
@@ -67,14 +68,14 @@ class Events:
         while True:
             m = _EVENT_END.search(self.buf)
             if m:
-                raw, self.buf = self.buf[:m.start()], self.buf[m.end():]
+                raw, self.buf = self.buf[: m.start()], self.buf[m.end() :]
                 if raw.strip():
                     return self._check(raw)
                 continue
             if len(self.buf) > MAX_EVENT_BYTES:
                 raise Fault("oversized", f"sent an event over {MAX_EVENT_BYTES} bytes")
             chunk = await anext(self.chunks, None)
-            if chunk is None:                   # the end: a last event may lack its blank line
+            if chunk is None:  # the end: a last event may lack its blank line
                 raw, self.buf = self.buf, b""
                 return self._check(raw) if raw.strip() else None
             self.buf += chunk
@@ -95,8 +96,12 @@ class Events:
             raise Fault("invalid_json", "sent a stream event that is not a JSON object")
         if "error" in event:
             fields = plain_fields(event["error"], self.secret)
-            raise Fault("error_event", "reported an error inside the stream", code=fields.pop("code", "upstream_error"),
-                        **fields)
+            raise Fault(
+                "error_event",
+                "reported an error inside the stream",
+                code=fields.pop("code", "upstream_error"),
+                **fields,
+            )
         return b"".join(b"data: " + d + b"\n" for d in data) + b"\n"
 
 
@@ -117,22 +122,38 @@ class UpstreamTarget:
         fields = plain_fields(body.get("error") if isinstance(body, dict) else None, self.provider.api_key)
         log.warning("upstream %s answered %d (%d bytes; its text is not relayed)", self.name, status, len(content))
         where = f"upstream {self.name}"
-        if status in (400, 413, 422):               # the client's request: the same anywhere, not retried
+        if status in (400, 413, 422):  # the client's request: the same anywhere, not retried
             named = f" ({fields['param']})" if "param" in fields else ""
             hint = "the request is too large for it" if status == 413 else f"check the request's fields{named}"
             said = f", {fields['code']}" if "code" in fields else ""
-            return APIError(400 if status == 422 else status, f"{where} rejected the request ({status}{said}): {hint}",
-                            code=fields.get("code"), param=fields.get("param"), type=fields.get("type"))
+            return APIError(
+                400 if status == 422 else status,
+                f"{where} rejected the request ({status}{said}): {hint}",
+                code=fields.get("code"),
+                param=fields.get("param"),
+                type=fields.get("type"),
+            )
         if status == 429:
             retry = headers.get("retry-after")
-            return APIError(429, f"{where} is rate limiting (429); retry later", code="upstream_rate_limited",
-                            retry_after=float(retry) if retry and retry.isdigit() else None)
-        if status in (401, 403):                    # our configured key, not the client's
-            return APIError(502, f"{where} refused the configured key ({status}); check {self.provider.api_key_env}",
-                            code="upstream_auth")
+            return APIError(
+                429,
+                f"{where} is rate limiting (429); retry later",
+                code="upstream_rate_limited",
+                retry_after=float(retry) if retry and retry.isdigit() else None,
+            )
+        if status in (401, 403):  # our configured key, not the client's
+            return APIError(
+                502,
+                f"{where} refused the configured key ({status}); check {self.provider.api_key_env}",
+                code="upstream_auth",
+            )
         if status == 404:
-            return APIError(502, f"{where} answered 404; check [providers.{self.provider.name}] base_url and that "
-                                 f"it serves model {self.model!r}", code="upstream_error")
+            return APIError(
+                502,
+                f"{where} answered 404; check [providers.{self.provider.name}] base_url and that "
+                f"it serves model {self.model!r}",
+                code="upstream_error",
+            )
         return APIError(502, f"{where} failed ({status}); its own logs have the details", code="upstream_error")
 
     def _fault(self, fault: Fault, metrics, status: int = 502) -> APIError:
@@ -150,25 +171,29 @@ class UpstreamTarget:
             raise Fault("bad_shape", f"answered 200 with JSON that has no {SHAPE[endpoint]!r} list")
         return content
 
-    async def handle(self, endpoint: str, req, body: dict, request: Request, model: str, timeout, metrics,
-                     settle=None):
+    async def handle(self, endpoint: str, req, body: dict, request: Request, model: str, timeout, metrics, settle=None):
         """-> the answer. A stream reports how it ended through settle(ok); a client that
         hangs up reports nothing."""
         url = self.provider.base_url.rstrip("/") + PATHS[endpoint]
         key = self.provider.api_key
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         limit = timeout or self.provider.timeout
-        upstream = self.client.build_request("POST", url, json={**body, "model": self.model}, headers=headers,
-                                             timeout=httpx.Timeout(self.provider.timeout, connect=limit))
+        upstream = self.client.build_request(
+            "POST",
+            url,
+            json={**body, "model": self.model},
+            headers=headers,
+            timeout=httpx.Timeout(self.provider.timeout, connect=limit),
+        )
         resp, streaming = None, False
         try:
-            async with asyncio.timeout(limit):      # until the first byte
+            async with asyncio.timeout(limit):  # until the first byte
                 resp = await self.client.send(upstream, stream=True)
                 if resp.status_code != 200:
                     raise self._error(resp.status_code, await resp.aread(), resp.headers)
                 if not body.get("stream"):
                     return Response(self._checked(endpoint, await resp.aread()), media_type="application/json")
-                events = Events(resp.aiter_bytes(), key)    # decoded: the upstream may gzip, our answer does not
+                events = Events(resp.aiter_bytes(), key)  # decoded: the upstream may gzip, our answer does not
                 head = [await events.next()]
                 while head[-1] == b":\n\n":
                     head.append(await events.next())
@@ -178,11 +203,13 @@ class UpstreamTarget:
         except Fault as f:
             raise self._fault(f, metrics) from None
         except TimeoutError:
-            raise APIError(504, f"upstream {self.name} sent nothing within {limit:g} s",
-                           code="upstream_timeout") from None
+            raise APIError(
+                504, f"upstream {self.name} sent nothing within {limit:g} s", code="upstream_timeout"
+            ) from None
         except httpx.HTTPError as e:
-            raise APIError(502, f"upstream {self.name} is unreachable ({type(e).__name__})",
-                           code="upstream_unreachable") from None
+            raise APIError(
+                502, f"upstream {self.name} is unreachable ({type(e).__name__})", code="upstream_unreachable"
+            ) from None
         finally:
             if resp is not None and not streaming:
                 await resp.aclose()
@@ -204,11 +231,15 @@ class UpstreamTarget:
                 yield SSE_DONE
             except httpx.HTTPError as e:
                 ended = True
-                yield sse(self._fault(Fault("broken", f"broke off the stream ({type(e).__name__})",
-                                            code="upstream_error"), metrics).body())
+                yield sse(
+                    self._fault(
+                        Fault("broken", f"broke off the stream ({type(e).__name__})", code="upstream_error"), metrics
+                    ).body()
+                )
                 yield SSE_DONE
             finally:
-                await resp.aclose()                 # a client that hangs up closes the upstream stream too
+                await resp.aclose()  # a client that hangs up closes the upstream stream too
                 if ended and settle:
                     settle(ok)
+
         return StreamingResponse(relay(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

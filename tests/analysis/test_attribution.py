@@ -1,5 +1,6 @@
 """Value-weighted norms against nn.MultiheadAttention's own weights, rollout and the
 "hints, not explanations" measurement on hand-made patterns."""
+
 import torch
 
 from headwise.analysis import Capture, attached, rollout, value_norms, weighted_norms
@@ -19,17 +20,17 @@ def test_value_weighted_norms_match_the_formula_on_torch_mha():
     cap = Capture(("pattern", "v"))
     with attached(ours, capture=cap):
         ours(x)
-    got = weighted_norms(cap.pattern[0], value_norms(ours, cap.v[0]))            # (B, H, T, S)
+    got = weighted_norms(cap.pattern[0], value_norms(ours, cap.v[0]))  # (B, H, T, S)
 
-    _, a = mha(x, x, x, need_weights=True, average_attn_weights=False)           # PyTorch's weights
-    w_v, b_v = mha.in_proj_weight[2 * C:], mha.in_proj_bias[2 * C:]
+    _, a = mha(x, x, x, need_weights=True, average_attn_weights=False)  # PyTorch's weights
+    w_v, b_v = mha.in_proj_weight[2 * C :], mha.in_proj_bias[2 * C :]
     w_o = mha.out_proj.weight
     want = torch.empty(2, H, 5, 5)
     for b in range(2):
         for h in range(H):
             rows = slice(h * D, (h + 1) * D)
             for j in range(5):
-                f = w_o[:, rows] @ (w_v[rows] @ x[b, j] + b_v[rows])             # f_h(x_j), (C,)
+                f = w_o[:, rows] @ (w_v[rows] @ x[b, j] + b_v[rows])  # f_h(x_j), (C,)
                 for i in range(5):
                     want[b, h, i, j] = (a[b, h, i, j] * f).norm()
     assert torch.allclose(cap.pattern[0], a, atol=1e-6)
@@ -38,7 +39,7 @@ def test_value_weighted_norms_match_the_formula_on_torch_mha():
 
 def test_rollout_follows_the_paper():
     T = 4
-    eye = torch.eye(T)[None, None]                                   # (1, 1, T, T)
+    eye = torch.eye(T)[None, None]  # (1, 1, T, T)
     uniform = torch.full((1, 2, T, T), 1 / T)
     # a layer that attends only to itself changes nothing
     assert torch.allclose(rollout([eye, eye]), torch.eye(T)[None])
@@ -59,11 +60,11 @@ def test_hint_flag_catches_a_heavily_attended_token_with_no_value():
     the weight share is the norm share (ratio 1)."""
     T, D, C = 5, 4, 8
     layer = MultiHeadAttention(C, 2, head_dim=D)
-    torch.nn.init.eye_(layer.out_proj.weight)                        # W_O = [I | 0]-ish: norms pass through
+    torch.nn.init.eye_(layer.out_proj.weight)  # W_O = [I | 0]-ish: norms pass through
     p = torch.full((1, 2, T, T), 0.2 / (T - 1))
     p[..., 0] = 0.8
     v = torch.ones(1, 2, T, D)
-    v[0, 0, 0] = 0.0                                                 # head 0: token 0 carries nothing
+    v[0, 0, 0] = 0.0  # head 0: token 0 carries nothing
     acc = HintAccumulator([2])
     acc.add(0, layer, p, v, torch.ones(1, T, dtype=torch.bool))
     res = acc.result()

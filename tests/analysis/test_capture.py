@@ -1,5 +1,6 @@
 """Captured patterns and per-head outputs against Hugging Face transformers (eager attention,
 output_attentions) with the same weights: real MiniLM and a random GQA Llama."""
+
 import pytest
 import torch
 
@@ -19,10 +20,12 @@ def _hf_batch(batch):
 @torch.no_grad()
 def test_minilm_patterns_match_transformers(minilm, minilm_hf):
     batch, cap = capture(minilm, SENTENCES, points=("pattern", "z", "result"))
-    assert not batch.mask.all()                                    # padded rows: the mask is exercised
+    assert not batch.mask.all()  # padded rows: the mask is exercised
     outs = {}
-    hooks = [layer.attention.output.dense.register_forward_hook(
-        lambda m, i, o, l=l: outs.__setitem__(l, o)) for l, layer in enumerate(minilm_hf.encoder.layer)]
+    hooks = [
+        layer.attention.output.dense.register_forward_hook(lambda m, i, o, l=l: outs.__setitem__(l, o))
+        for l, layer in enumerate(minilm_hf.encoder.layer)
+    ]
     try:
         ref = minilm_hf(batch.ids, attention_mask=batch.mask, output_attentions=True)
     finally:
@@ -30,10 +33,10 @@ def test_minilm_patterns_match_transformers(minilm, minilm_hf):
             h.remove()
     valid = batch.valid
     assert len(cap.pattern) == len(ref.attentions) == 6
-    for l, want in enumerate(ref.attentions):                      # (B, H, T, S)
+    for l, want in enumerate(ref.attentions):  # (B, H, T, S)
         got = cap.pattern[l]
         assert got.shape == want.shape == (3, 12, batch.ids.shape[1], batch.ids.shape[1])
-        assert (got - want).abs().amax(dim=(1, 3))[valid].max() <= TOL   # padded query rows are undefined in HF
+        assert (got - want).abs().amax(dim=(1, 3))[valid].max() <= TOL  # padded query rows are undefined in HF
         # per-head contributions add up to the attention output (before the residual + norm)
         layer = attention_layers(minilm)[l]
         total = cap.result[l].sum(2) + layer.out_proj.bias
@@ -47,16 +50,16 @@ def test_gqa_llama_patterns_match_transformers(tiny_llama, backend):
     model = headwise.load(path, backend=backend)
     ids = torch.randint(0, 96, (2, 14), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
-    mask[1, 9:] = 0                                                # right padding on row 1
+    mask[1, 9:] = 0  # right padding on row 1
     batch = from_ids([ids[0].tolist(), ids[1, :9].tolist()])
-    batch.ids[1, 9:] = ids[1, 9:]                                  # same ids as HF sees under the padding
+    batch.ids[1, 9:] = ids[1, 9:]  # same ids as HF sees under the padding
     _, cap = capture(model, batch, points=("pattern", "q", "k", "v", "z"))
     ref = hf(ids, attention_mask=mask, output_attentions=True)
     for l, want in enumerate(ref.attentions):
         assert cap.q[l].shape == (2, 6, 14, 8) and cap.k[l].shape == cap.v[l].shape == (2, 2, 14, 8)
         got = cap.pattern[l]
         assert (got - want).abs().amax(dim=(1, 3))[mask.bool()].max() <= TOL
-        assert got[1, :, :, 9:].abs().max() == 0                   # padding is never attended
+        assert got[1, :, :, 9:].abs().max() == 0  # padding is never attended
 
 
 @torch.no_grad()
@@ -85,7 +88,7 @@ def test_hooks_are_removed_even_on_error(minilm):
                 pass
     assert all(m.hook is None for m in layers)
     with torch.no_grad():
-        forward(minilm, batch)                                     # runs clean afterwards
+        forward(minilm, batch)  # runs clean afterwards
 
 
 def test_capture_rejects_bad_requests(minilm):

@@ -1,4 +1,5 @@
 """attached(...) checks its per-layer arguments before it touches the model."""
+
 import pytest
 import torch
 from torch import nn
@@ -15,8 +16,11 @@ def five_layers():
 
 @pytest.mark.parametrize("bad", ["means", b"means", {0: torch.zeros(2, 8)}, 3.0])
 def test_replace_must_be_a_list_per_layer(five_layers, bad):
-    with pytest.raises(TypeError, match=r"replace must be a list with one entry per attention layer \(5 here\)"
-                                        r".*mean_outputs"):
+    with pytest.raises(
+        TypeError,
+        match=r"replace must be a list with one entry per attention layer \(5 here\)"
+        r".*mean_outputs",
+    ):
         with attached(five_layers, mask=[torch.zeros(2)] * 5, replace=bad):
             pass
     assert all(layer.hook is None for layer in five_layers)
@@ -40,5 +44,5 @@ def test_a_valid_replace_is_what_the_head_outputs(five_layers):
     x, r = torch.randn(1, 3, 16), torch.randn(2, 8)
     with torch.no_grad(), attached(five_layers, mask=[torch.zeros(2)] + [None] * 4, replace=[r] + [None] * 4):
         y = layer(x)
-    ref = nn.functional.linear(r.reshape(1, 16), layer.out_proj.weight, layer.out_proj.bias)   # heads in order
+    ref = nn.functional.linear(r.reshape(1, 16), layer.out_proj.weight, layer.out_proj.bias)  # heads in order
     assert torch.allclose(y, ref.expand(1, 3, 16), atol=1e-5)

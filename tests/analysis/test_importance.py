@@ -1,4 +1,5 @@
 """Head importance against finite differences; ablation by mask against real pruning."""
+
 import pytest
 import torch
 
@@ -35,7 +36,7 @@ def test_importance_matches_finite_differences_decoder(tiny_llama):
     _, path = tiny_llama
     model = headwise.load(path, dtype=torch.float64)
     g = torch.Generator().manual_seed(3)
-    batch = from_ids([torch.randint(0, 96, (n,), generator=g).tolist() for n in (12, 9, 12)])   # padded row
+    batch = from_ids([torch.randint(0, 96, (n,), generator=g).tolist() for n in (12, 9, 12)])  # padded row
     imp = head_importance(model, [batch])
     want = _finite_difference(model, batch)
     assert imp.examples == 3
@@ -52,7 +53,7 @@ def test_importance_matches_finite_differences_encoder(tiny_bert_dir):
     want = _finite_difference(model, batch, target)
     for got, ref in zip(imp.raw, want):
         assert torch.allclose(got, ref, rtol=2e-3, atol=1e-5), (got, ref)
-    assert all((r > 0).all() for r in imp.raw)           # the retrieval loss has a gradient at xi = 1
+    assert all((r > 0).all() for r in imp.raw)  # the retrieval loss has a gradient at xi = 1
 
 
 @torch.no_grad()
@@ -66,7 +67,7 @@ def test_mask_ablation_equals_physical_pruning_gqa(tiny_llama):
         masked = forward(model, batch)
     pruned = prune_heads(model, plan_from(removed, model))
     layers = attention_layers(pruned)
-    assert (layers[0].num_heads, layers[0].num_kv_heads) == (2, 1)       # KV head 0 went with its group
+    assert (layers[0].num_heads, layers[0].num_kv_heads) == (2, 1)  # KV head 0 went with its group
     assert (layers[1].num_heads, layers[1].num_kv_heads) == (4, 2) and layers[1].kv_map is not None
     got = forward(pruned, batch)
     assert (got - masked)[batch.valid].abs().max() <= 1e-5
@@ -75,6 +76,7 @@ def test_mask_ablation_equals_physical_pruning_gqa(tiny_llama):
 @torch.no_grad()
 def test_mask_ablation_equals_pruning_on_minilm(minilm):
     from headwise.analysis.prune import clone
+
     model = clone(minilm)
     batch = encode(model, SENTENCES)
     removed = {(0, 3), (2, 0), (2, 11), (5, 6), (5, 7)}
@@ -82,7 +84,7 @@ def test_mask_ablation_equals_pruning_on_minilm(minilm):
         masked = embeddings(model, batch)
     got = embeddings(prune_heads(model, plan_from(removed, model)), batch)
     assert (got - masked).abs().max() <= 1e-5
-    assert not torch.allclose(got, embeddings(minilm, batch), atol=1e-3)   # it did change the model
+    assert not torch.allclose(got, embeddings(minilm, batch), atol=1e-3)  # it did change the model
 
 
 @torch.no_grad()
@@ -96,30 +98,41 @@ def test_mean_ablation_adds_the_mean_through_w_o():
         y_zero = layer(x)
     with attached(layer, mask=zero, replace=rep):
         y_mean = layer(x)
-    w_o = layer.out_proj.weight                                          # (C, H*D)
+    w_o = layer.out_proj.weight  # (C, H*D)
     assert torch.allclose(y_mean, y_zero + w_o[:, 4:8] @ mean[1], atol=1e-6)
     cap = Capture(("z",))
     with attached(layer, capture=cap):
         layer(x)
 
-    class Wrap(torch.nn.Module):                                         # mean_outputs on a "model"
+    class Wrap(torch.nn.Module):  # mean_outputs on a "model"
         def __init__(self):
             super().__init__()
             self.attn = layer
 
         def forward(self, ids, attention_mask=None):
             return self.attn(x[: ids.shape[0], : ids.shape[1]])
+
     means = mean_outputs(Wrap(), [from_ids([[0] * 5, [0] * 5])])
     assert torch.allclose(means[0], cap.z[0].mean(dim=(0, 2)), atol=1e-6)
 
 
 def test_removal_orders_keep_a_head_per_layer_and_thresholds():
     order = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
-    assert take(order, 4, [3, 2]) == {(0, 0), (0, 1), (1, 0)}           # (0, 2) would empty layer 0
-    cv = Curves([0.1, 0.2, 0.3], {}, "m", "u", {"a": [
-        {"drop": 0.001, "fraction_removed": 0.1}, {"drop": 0.02, "fraction_removed": 0.2},
-        {"drop": 0.004, "fraction_removed": 0.3}]})
-    assert cv.removable("a", 0.01) == 0.1                                # not 0.3: the drop crossed at 0.2
+    assert take(order, 4, [3, 2]) == {(0, 0), (0, 1), (1, 0)}  # (0, 2) would empty layer 0
+    cv = Curves(
+        [0.1, 0.2, 0.3],
+        {},
+        "m",
+        "u",
+        {
+            "a": [
+                {"drop": 0.001, "fraction_removed": 0.1},
+                {"drop": 0.02, "fraction_removed": 0.2},
+                {"drop": 0.004, "fraction_removed": 0.3},
+            ]
+        },
+    )
+    assert cv.removable("a", 0.01) == 0.1  # not 0.3: the drop crossed at 0.2
     assert cv.removable("a", 0.05) == 0.3
     with pytest.raises(ValueError, match="mask has"):
         with attached(torch.nn.Sequential(headwise.MultiHeadAttention(8, 2)), mask=[]):

@@ -1,4 +1,5 @@
 """Pruning heads across a model for real: shapes, parameter counts, save and reload."""
+
 import json
 
 import pytest
@@ -17,7 +18,7 @@ def test_gqa_prune_save_reload(tiny_llama_tok_dir, tmp_path):
     model = headwise.load(tiny_llama_tok_dir)
     C, D = 48, 8
     before = param_count(model)
-    plan = {0: [3, 4, 5, 0], 1: [2]}          # layer 0: KV group 1 entirely + one head of group 0
+    plan = {0: [3, 4, 5, 0], 1: [2]}  # layer 0: KV group 1 entirely + one head of group 0
     prune_heads(model, plan)
     a0, a1 = attention_layers(model)
     assert (a0.num_heads, a0.num_kv_heads, a0.head_ids) == (2, 1, [1, 2])
@@ -33,12 +34,13 @@ def test_gqa_prune_save_reload(tiny_llama_tok_dir, tmp_path):
     assert param_count(back) == param_count(model)
     assert back.tokenizer.encode(SENTENCES[0]) == model.tokenizer.encode(SENTENCES[0])
     assert torch.equal(forward(back, batch), want)
-    assert back.lm_head.weight is back.embed.weight          # tied weights stay tied
+    assert back.lm_head.weight is back.embed.weight  # tied weights stay tied
 
 
 @torch.no_grad()
 def test_bert_prune_save_reload(minilm, tmp_path):
     from headwise.analysis.prune import clone
+
     model = prune_heads(clone(minilm), {0: [0, 1], 3: list(range(11))})
     save_pruned(model, tmp_path / "m")
     back = load_pruned(tmp_path / "m")
@@ -53,12 +55,12 @@ def test_prune_errors(tiny_llama, tmp_path):
     model = headwise.load(path)
     with pytest.raises(ValueError, match="removes every head of layer 1"):
         prune_heads(model, {0: [1], 1: list(range(6))})
-    assert attention_layers(model)[0].num_heads == 6           # nothing was touched
+    assert attention_layers(model)[0].num_heads == 6  # nothing was touched
     with pytest.raises(ValueError, match="layer 7 is out of range"):
         prune_heads(model, {7: [0]})
     with pytest.raises(FileNotFoundError, match="not a directory written by save_pruned"):
         load_pruned(tmp_path)
     prune_heads(model, {1: [0]})
-    prune_heads(model, {1: [0, 2]})                              # already-pruned ids are ignored
+    prune_heads(model, {1: [0, 2]})  # already-pruned ids are ignored
     assert attention_layers(model)[1].head_ids == [1, 3, 4, 5]
     assert forward(model, from_ids([[1, 2, 3]])).shape == (1, 3, 96)

@@ -1,5 +1,6 @@
 """`headwise analyze` end to end on small models: files, figures, JSON, and the HTML page
 driven in Debian's chromium by playwright (no network request, no console error)."""
+
 import json
 from pathlib import Path
 
@@ -19,21 +20,37 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def bert_report(tiny_bert_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("report")
-    rc = main(["analyze", str(tiny_bert_dir), "--out", str(out), "--fit", "24", "--heldout", "24", "--seeds", "2",
-               "--fractions", "0.25,0.5", "--quiet"])
+    rc = main(
+        [
+            "analyze",
+            str(tiny_bert_dir),
+            "--out",
+            str(out),
+            "--fit",
+            "24",
+            "--heldout",
+            "24",
+            "--seeds",
+            "2",
+            "--fractions",
+            "0.25,0.5",
+            "--quiet",
+        ]
+    )
     assert rc == 0
     return out
 
 
 def _check_pngs(out: Path):
     import matplotlib.image as mpimg
+
     names = ["patterns.png", "roles.png", "ablation.png", "weights_vs_norms.png", "importance.png"]
     for name in names:
         data = (out / name).read_bytes()
         assert data[:8] == PNG_MAGIC
         img = mpimg.imread(out / name)
         assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
-        assert img[..., :3].std() > 0.01                       # not a blank canvas
+        assert img[..., :3].std() > 0.01  # not a blank canvas
 
 
 def test_encoder_report_files(bert_report):
@@ -44,14 +61,13 @@ def test_encoder_report_files(bert_report):
     p = np.array(res["view"]["pattern"])
     assert p.shape == (2, 4, T, T) and np.allclose(p.sum(-1), 1, atol=1e-3)
     ab = res["ablation"]
-    assert set(ab["curves"]) == {"importance", "importance_per_layer", "importance_mean_ablation", "random0",
-                                 "random1"}
+    assert set(ab["curves"]) == {"importance", "importance_per_layer", "importance_mean_ablation", "random0", "random1"}
     assert set(ab["removable"]) == {"drop", "drop_retrieval"}
     pr = res["pruning"]
     assert pr["params_after"] < pr["params_before"] and pr["reload_max_abs_diff"] == 0.0
     assert pr["quality_after"]["cosine"] == pytest.approx(pr["quality_masked"]["cosine"], abs=1e-5)
     assert (bert_report / "pruned" / "model.safetensors").is_file()
-    assert "<script src" not in (bert_report / "report.html").read_text()   # everything inline
+    assert "<script src" not in (bert_report / "report.html").read_text()  # everything inline
 
 
 def test_decoder_report(tiny_llama_tok_dir, tmp_path):
@@ -62,7 +78,7 @@ def test_decoder_report(tiny_llama_tok_dir, tmp_path):
     _check_pngs(tmp_path)
     assert files["html"].is_file()
     assert res["view"]["causal"] and res["ablation"]["metric"] == "perplexity"
-    p = np.array(res["view"]["pattern"])                      # causal: nothing above the diagonal
+    p = np.array(res["view"]["pattern"])  # causal: nothing above the diagonal
     assert np.abs(np.triu(p, k=1)).max() == 0
     assert res["corpus"]["fit_tokens"] == 2 * 48 and res["pruning"]["params_after"] < res["model"]["params"]
 
@@ -70,6 +86,7 @@ def test_decoder_report(tiny_llama_tok_dir, tmp_path):
 def test_html_page_in_chromium(bert_report):
     assert CHROMIUM.exists(), "Debian's chromium is missing: `make test` installs it (apt-get install chromium)"
     from playwright.sync_api import sync_playwright
+
     data = json.loads((bert_report / "analysis.json").read_text())
     view = data["view"]
     requests, problems = [], []
@@ -93,38 +110,48 @@ def test_html_page_in_chromium(bert_report):
             assert text.startswith("layer 1, head 2, weights:")
             assert f'"{view["tokens"][3]}" (3) -> "{view["tokens"][best]}" ({best}) {row[best]:.3f}' in text
             edges = page.locator("line.edge")
-            shown = {int(edges.nth(k).get_attribute("data-j")): float(edges.nth(k).get_attribute("data-w"))
-                     for k in range(edges.count())}
+            shown = {
+                int(edges.nth(k).get_attribute("data-j")): float(edges.nth(k).get_attribute("data-w"))
+                for k in range(edges.count())
+            }
             assert {int(edges.nth(k).get_attribute("data-i")) for k in range(edges.count())} == {3}
             assert shown == pytest.approx({j: w for j, w in enumerate(row) if w >= 0.01}, abs=1e-5)
-            assert set(page.text_content("#labels").split(", ")) == \
-                set(data["roles"]["heads"][1][2]["labels"] or ["none"])
+            assert set(page.text_content("#labels").split(", ")) == set(
+                data["roles"]["heads"][1][2]["labels"] or ["none"]
+            )
 
-            page.select_option("#mode", "norms")                        # the view follows the norms
+            page.select_option("#mode", "norms")  # the view follows the norms
             nrow = view["norms"][1][2][3]
             nbest = int(np.argmax(nrow))
-            assert f'norms: "{view["tokens"][3]}" (3) -> "{view["tokens"][nbest]}" ({nbest}) {nrow[nbest]:.3f}' \
+            assert (
+                f'norms: "{view["tokens"][3]}" (3) -> "{view["tokens"][nbest]}" ({nbest}) {nrow[nbest]:.3f}'
                 in page.text_content("#readout")
+            )
 
-            page.select_option("#head", "mean")                         # average over heads
+            page.select_option("#head", "mean")  # average over heads
             page.select_option("#mode", "pattern")
             mean_row = np.mean([view["pattern"][1][h][3] for h in range(4)], axis=0)
-            assert f'({int(np.argmax(mean_row))}) {mean_row.max():.3f}' in page.text_content("#readout")
+            assert f"({int(np.argmax(mean_row))}) {mean_row.max():.3f}" in page.text_content("#readout")
 
-            page.select_option("#mode", "rollout")                      # through all layers
+            page.select_option("#mode", "rollout")  # through all layers
             rrow = view["rollout"][3]
             assert page.text_content("#readout").startswith(
-                f'rollout: "{view["tokens"][3]}" (3) -> "{view["tokens"][int(np.argmax(rrow))]}"')
+                f'rollout: "{view["tokens"][3]}" (3) -> "{view["tokens"][int(np.argmax(rrow))]}"'
+            )
             page.select_option("#mode", "pattern")
 
-            page.click(".ltok[data-i='3']")                               # unpick: every row's edges again
+            page.click(".ltok[data-i='3']")  # unpick: every row's edges again
             assert "pick a token" in page.text_content("#readout")
-            assert len({page.locator("line.edge").nth(k).get_attribute("data-i")
-                        for k in range(page.locator("line.edge").count())}) == len(view["tokens"])
+            assert len(
+                {
+                    page.locator("line.edge").nth(k).get_attribute("data-i")
+                    for k in range(page.locator("line.edge").count())
+                }
+            ) == len(view["tokens"])
             assert page.locator("#summary table").count() >= 1
         finally:
             browser.close()
-    assert requests == [url]                                            # the page itself, nothing else
+    assert requests == [url]  # the page itself, nothing else
     assert problems == []
 
 

@@ -1,4 +1,5 @@
 """Role detectors on planted heads (weights set by hand) and on a trained induction head."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -10,8 +11,8 @@ from headwise.analysis import capture, from_ids, head_roles
 from headwise.analysis.roles import ROLES, THRESHOLDS, induction_batch, induction_scores
 from headwise.attention import MultiHeadAttention
 
-T = 24            # tokens per row; ids are positions, embedded one-hot
-BETA = 60.0       # score of the planted key: the softmax puts ~all mass there
+T = 24  # tokens per row; ids are positions, embedded one-hot
+BETA = 60.0  # score of the planted key: the softmax puts ~all mass there
 
 
 def _queries(rule, C):
@@ -25,13 +26,13 @@ def _queries(rule, C):
     return w
 
 
-PLANTED_CAUSAL = {          # head -> (rule, expected labels)
+PLANTED_CAUSAL = {  # head -> (rule, expected labels)
     0: (lambda i: [i - 1], ["previous"]),
     1: (lambda i: [0], ["sink"]),
     2: (lambda i: [i - 3], ["offset -3"]),
     3: (lambda i: [i - 1, i - 2, i - 3], ["local"]),
-    4: (lambda i: [1], ["long_range"]),               # always the earliest non-sink token
-    5: (lambda i: [], ["broad"]),                      # q = 0: uniform over what it sees
+    4: (lambda i: [1], ["long_range"]),  # always the earliest non-sink token
+    5: (lambda i: [], ["broad"]),  # q = 0: uniform over what it sees
 }
 PLANTED_BIDIRECTIONAL = {
     0: (lambda i: [i + 1], ["next"]),
@@ -50,7 +51,7 @@ class Planted(nn.Module):
         self.causal = causal
         H = len(plan)
         self.layers = nn.ModuleList(MultiHeadAttention(T, H, head_dim=T) for _ in range(layers))
-        scale = T ** 0.5                                          # undo 1/sqrt(D)
+        scale = T**0.5  # undo 1/sqrt(D)
         with torch.no_grad():
             for attn in self.layers:
                 wq = torch.cat([_queries(rule, T) * scale for rule, _ in plan.values()])
@@ -64,13 +65,14 @@ class Planted(nn.Module):
         return [attn(x, is_causal=self.causal, key_padding_mask=kpm) for attn in self.layers]
 
 
-@pytest.mark.parametrize("causal,plan", [(True, PLANTED_CAUSAL), (False, PLANTED_BIDIRECTIONAL)],
-                         ids=["causal", "bidirectional"])
+@pytest.mark.parametrize(
+    "causal,plan", [(True, PLANTED_CAUSAL), (False, PLANTED_BIDIRECTIONAL)], ids=["causal", "bidirectional"]
+)
 def test_planted_heads_get_their_label_and_no_other(causal, plan):
     model = Planted(plan, causal)
-    batch = from_ids([list(range(T))] * 2 + [list(range(T - 5))])   # one padded row
+    batch = from_ids([list(range(T))] * 2 + [list(range(T - 5))])  # one padded row
     _, cap = capture(model, batch)
-    assert cap.pattern[0][0, 0, 5, 4] > 0.99 if causal else cap.pattern[0][0, 0, 5, 6] > 0.99   # planted as meant
+    assert cap.pattern[0][0, 0, 5, 4] > 0.99 if causal else cap.pattern[0][0, 0, 5, 6] > 0.99  # planted as meant
     roles = head_roles(model, [batch], induction=False)
     for layer in range(2):
         for h, (_, want) in plan.items():
@@ -124,8 +126,8 @@ def _repeats(B, g):
         n = int(torch.randint(4, 13, (), generator=g))
         s = int(torch.randint(0, CTX - 2 * n + 1, (), generator=g))
         seg = torch.randperm(V, generator=g)[:n]
-        x[b, s:s + n] = x[b, s + n:s + 2 * n] = seg
-        target[b, s + n:s + 2 * n - 1] = True          # position p predicts token p + 1
+        x[b, s : s + n] = x[b, s + n : s + 2 * n] = seg
+        target[b, s + n : s + 2 * n - 1] = True  # position p predicts token p + 1
     return x, target
 
 
@@ -135,7 +137,7 @@ def test_trained_two_layer_model_grows_an_induction_head_the_detector_finds():
     model = AttnOnly()
     before = head_roles(model, [], induction=True, n_induction=12, vocab=(0, V))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    for step in range(1500):                         # the phase change comes after ~300 steps
+    for step in range(1500):  # the phase change comes after ~300 steps
         x, t = _repeats(64, g)
         logits = model(x)[:, :-1]
         loss = F.cross_entropy(logits[t[:, :-1]], x[:, 1:][t[:, :-1]])
@@ -148,14 +150,17 @@ def test_trained_two_layer_model_grows_an_induction_head_the_detector_finds():
     model.eval()
     roles = head_roles(model, [], induction=True, n_induction=12, vocab=(0, V))
     ind = roles.scores["induction"]
-    assert float(ind[1].max()) > 0.5                  # a second-layer head looks back at "what came next"
+    assert float(ind[1].max()) > 0.5  # a second-layer head looks back at "what came next"
     found = [(l, h) for l in range(2) for h in range(4) if "induction" in roles.labels(l, h)]
-    assert found and all(l == 1 for l, _ in found)   # induction needs composition: layer 1 only
+    assert found and all(l == 1 for l, _ in found)  # induction needs composition: layer 1 only
     assert not any("induction" in before.labels(l, h) for l in range(2) for h in range(4))
     # the score is the mass on the token after the earlier occurrence, read off the pattern
     b, start = induction_batch(model, n=12, rows=4, seed=1, vocab=(0, V))
     _, cap = capture(model, b)
     l, h = found[0]
     p = cap.pattern[l][:, h]
-    assert torch.allclose(induction_scores(cap.pattern[l], start, 12)[h],
-                          torch.stack([p[:, start + 12 + t, start + t + 1] for t in range(11)]).mean(), atol=1e-6)
+    assert torch.allclose(
+        induction_scores(cap.pattern[l], start, 12)[h],
+        torch.stack([p[:, start + 12 + t, start + t + 1] for t in range(11)]).mean(),
+        atol=1e-6,
+    )

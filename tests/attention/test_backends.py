@@ -1,4 +1,5 @@
 """Every backend against the math reference, over hypothesis-drawn shapes and masks."""
+
 import pytest
 import torch
 from hypothesis import given
@@ -8,7 +9,7 @@ from headwise.attention import attend, backends, explain, weights_from_lse
 from headwise.attention.backends.chunked import chunked_attention
 from headwise.attention.spec import make_spec
 
-FAST = [b for b in backends() if b not in ("math", "flash", "paged")]   # flash needs CUDA; paged reads caches
+FAST = [b for b in backends() if b not in ("math", "flash", "paged")]  # flash needs CUDA; paged reads caches
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
@@ -16,7 +17,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 def problems(draw, dtype=torch.float32):
     B = draw(st.integers(1, 3))
     Hkv = draw(st.sampled_from([1, 2, 3]))
-    G = draw(st.sampled_from([1, 2, 3]))                     # MHA when 1, MQA when Hkv == 1
+    G = draw(st.sampled_from([1, 2, 3]))  # MHA when 1, MQA when Hkv == 1
     H = Hkv * G
     T = draw(st.integers(1, 33))
     S = draw(st.integers(1, 45))
@@ -30,7 +31,7 @@ def problems(draw, dtype=torch.float32):
     if draw(st.booleans()):
         kpm = torch.rand(B, S, generator=g) < 0.3
         if draw(st.booleans()):
-            kpm[0] = True                                    # a fully padded sequence: zeros, not NaN
+            kpm[0] = True  # a fully padded sequence: zeros, not NaN
         kw["key_padding_mask"] = kpm
     mask_kind = draw(st.sampled_from([None, "bool", "float"]))
     if mask_kind:
@@ -66,7 +67,7 @@ def test_backend_matches_math_fp32(backend, p):
 def test_backend_matches_math_bf16(backend, p):
     q, k, v, kw = p
     if explain(q, k, v, backend=backend, **kw).chosen is None:
-        return   # e.g. sdpa declines ALiBi in bf16; auto then picks another backend (tested below)
+        return  # e.g. sdpa declines ALiBi in bf16; auto then picks another backend (tested below)
     _check_close(attend(q, k, v, backend=backend, **kw), attend(q, k, v, backend="math", **kw), torch.bfloat16)
 
 
@@ -104,7 +105,7 @@ def test_gradients_match_math(backend, p):
     q, k, v, kw = p
     for got, ref in zip(_grads(q, k, v, kw, backend), _grads(q, k, v, kw, "math")):
         assert not torch.isnan(got).any()
-        assert (got - ref).abs().max().item() <= 2e-5 * max(1.0, ref.abs().max().item())   # fp32 rounding
+        assert (got - ref).abs().max().item() <= 2e-5 * max(1.0, ref.abs().max().item())  # fp32 rounding
 
 
 @given(p=problems())
@@ -112,7 +113,7 @@ def test_chunked_lse_gradient(p):
     """The LSE output is differentiable too (chunked backward adds d lse / d s = p)."""
     q, k, v, kw = p
     kw.pop("key_padding_mask", None)
-    kw.pop("attn_mask", None)                  # keep every row finite so lse.sum() is defined
+    kw.pop("attn_mask", None)  # keep every row finite so lse.sum() is defined
     kw.pop("window", None)
 
     def grads(backend):

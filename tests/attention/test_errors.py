@@ -1,4 +1,5 @@
 """Bad input gets an error that names the problem."""
+
 import pytest
 import torch
 
@@ -52,7 +53,9 @@ def test_mask_shapes():
 
 def test_unknown_backend_lists_valid_ones():
     q, k, v = qkv()
-    with pytest.raises(ValueError, match="unknown attention backend 'fast'; valid backends: auto, flash, sdpa, chunked, paged, math"):
+    with pytest.raises(
+        ValueError, match="unknown attention backend 'fast'; valid backends: auto, flash, sdpa, chunked, paged, math"
+    ):
         attend(q, k, v, backend="fast")
 
 

@@ -1,4 +1,5 @@
 """The GQA fold and the LSE merge, each written once and shared by the backends."""
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -28,7 +29,7 @@ def test_folded_attention_equals_per_head_attention_with_repeated_kv():
     B, H, Hkv, T, S, D = 2, 6, 2, 3, 7, 4
     q, k, v = torch.randn(B, H, T, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
     kr, vr = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
-    ref = torch.softmax(q @ kr.transpose(-2, -1) / D ** 0.5, dim=-1) @ vr
+    ref = torch.softmax(q @ kr.transpose(-2, -1) / D**0.5, dim=-1) @ vr
     torch.testing.assert_close(attend(q, k, v, backend="math"), ref, atol=1e-6, rtol=1e-6)
 
 
@@ -39,7 +40,7 @@ def test_merging_two_key_parts_equals_attention_over_all_keys(S, cut, causal):
     that see nothing in one part (causal) take the other part whole."""
     cut = min(cut, S - 1)
     q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, S, 8), torch.randn(1, 2, S, 8)
-    pos = torch.arange(S - 4, S)[:, None]                     # bottom-right causal positions of the queries
+    pos = torch.arange(S - 4, S)[:, None]  # bottom-right causal positions of the queries
     keys = torch.arange(S)[None]
     mask = (keys <= pos) if causal else torch.ones(4, S, dtype=torch.bool)
     whole = attend(q, k, v, attn_mask=mask, backend="math", return_lse=True)
@@ -63,13 +64,14 @@ def test_chunked_merges_its_tiles_with_the_shared_merge(monkeypatch):
     out = attend(q, k, v, backend="chunked")
     ref = attend(q, k, v, backend="math")
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    assert len(calls) == 1                  # one 256-key tile
+    assert len(calls) == 1  # one 256-key tile
     calls.clear()
     out = chunked_backend.chunked_attention(q, k, v, _spec(q, k, v), block_k=16).out
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    assert len(calls) == 3                  # 40 keys in tiles of 16: three parts
+    assert len(calls) == 3  # 40 keys in tiles of 16: three parts
 
 
 def _spec(q, k, v):
     from headwise.attention.spec import make_spec
+
     return make_spec(q, k, v)

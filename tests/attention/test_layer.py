@@ -1,4 +1,5 @@
 """MultiHeadAttention against PyTorch's own modules and the seed's textbook module."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ class SeedMultiHeadAttention(nn.Module):
         q = self.w_q(q).view(b, -1, self.num_heads, self.d_k).transpose(1, 2)
         k = self.w_k(k).view(b, -1, self.num_heads, self.d_k).transpose(1, 2)
         v = self.w_v(v).view(b, -1, self.num_heads, self.d_k).transpose(1, 2)
-        scores = torch.matmul(q, k.transpose(-2, -1)) / (self.d_k ** 0.5)
+        scores = torch.matmul(q, k.transpose(-2, -1)) / (self.d_k**0.5)
         if mask is not None:
             scores = scores.masked_fill(mask == 0, float("-inf"))
         attn = self.dropout(F.softmax(scores, dim=-1))
@@ -48,7 +49,7 @@ def test_from_torch_matches_nn_multihead_attention(bias, backend):
     x = torch.randn(3, 10, 64)
     kpm = torch.zeros(3, 10, dtype=torch.bool)
     kpm[1, 6:] = True
-    blocked = torch.rand(10, 10) > 0.7                     # nn.MultiheadAttention: True = masked out
+    blocked = torch.rand(10, 10) > 0.7  # nn.MultiheadAttention: True = masked out
     blocked.fill_diagonal_(False)
     with torch.no_grad():
         assert _err(mha(x, x, x, need_weights=False)[0], ours(x)) <= 1e-5
@@ -56,7 +57,7 @@ def test_from_torch_matches_nn_multihead_attention(bias, backend):
         assert _err(ref, ours(x, key_padding_mask=kpm, attn_mask=~blocked)) <= 1e-5
         float_mask = torch.randn(10, 10)
         assert _err(mha(x, x, x, attn_mask=float_mask)[0], ours(x, attn_mask=float_mask)) <= 1e-5
-        per_head = torch.rand(3 * 8, 10, 10) > 0.8         # torch's (B*H, T, S) layout
+        per_head = torch.rand(3 * 8, 10, 10) > 0.8  # torch's (B*H, T, S) layout
         per_head[:, torch.arange(10), torch.arange(10)] = False
         assert _err(mha(x, x, x, attn_mask=per_head)[0], ours(x, attn_mask=~per_head)) <= 1e-5
         causal = nn.Transformer.generate_square_subsequent_mask(10)
@@ -99,7 +100,7 @@ def test_to_torch_round_trip(bias):
     x, mem = torch.randn(2, 6, 64), torch.randn(2, 11, 64)
     with torch.no_grad():
         assert _err(mha(x, x, x)[0], ours(x)) <= 1e-5
-        assert _err(mha(x, mem, mem)[0], ours(x, mem)) <= 1e-5        # cross attention, fused weights
+        assert _err(mha(x, mem, mem)[0], ours(x, mem)) <= 1e-5  # cross attention, fused weights
         back = MultiHeadAttention.from_torch(mha)
     for a, b in zip(ours.state_dict().values(), back.state_dict().values()):
         assert torch.equal(a, b)
@@ -118,12 +119,12 @@ def test_load_projections_from_seed_module(backend):
 
 def test_parameter_counts():
     C = 128
-    assert sum(p.numel() for p in MultiHeadAttention(C, 8).parameters()) == 4 * C * C       # the seed's 4*C^2
+    assert sum(p.numel() for p in MultiHeadAttention(C, 8).parameters()) == 4 * C * C  # the seed's 4*C^2
     H, Hkv = 8, 2
     n = sum(p.numel() for p in MultiHeadAttention(C, H, Hkv).parameters())
-    assert n == 2 * C * C + 2 * C * C * Hkv // H                                               # GQA
+    assert n == 2 * C * C + 2 * C * C * Hkv // H  # GQA
     linears = [nn.Linear(C, C), nn.Linear(C, C * Hkv // H), nn.Linear(C, C * Hkv // H), nn.Linear(C, C)]
-    assert n == sum(lin.weight.numel() for lin in linears)                                     # four textbook Linears
+    assert n == sum(lin.weight.numel() for lin in linears)  # four textbook Linears
 
 
 def test_gqa_layer_equals_mha_with_repeated_kv_heads():
@@ -131,19 +132,22 @@ def test_gqa_layer_equals_mha_with_repeated_kv_heads():
     gqa = MultiHeadAttention(64, 8, 2).eval()
     mha = MultiHeadAttention(64, 8).eval()
     wq, wk, wv, wo = gqa.projection_weights()
-    rep = lambda w: w.view(2, 8, 64).repeat_interleave(4, dim=0).reshape(64, 64)   # noqa: E731
+    rep = lambda w: w.view(2, 8, 64).repeat_interleave(4, dim=0).reshape(64, 64)  # noqa: E731
     mha.load_projections(wq, rep(wk), rep(wv), wo)
     x = torch.randn(2, 9, 64)
     with torch.no_grad():
         assert _err(gqa(x, is_causal=True), mha(x, is_causal=True)) <= 1e-5
 
 
-@pytest.mark.parametrize("H,Hkv,remove", [
-    (8, 8, [1, 4, 5]),            # MHA
-    (8, 2, [0, 1, 2, 3]),         # GQA: a whole KV group goes
-    (9, 3, [0, 4]),               # GQA: query heads within groups (uneven groups remain)
-    (6, 1, [2, 5]),               # MQA
-])
+@pytest.mark.parametrize(
+    "H,Hkv,remove",
+    [
+        (8, 8, [1, 4, 5]),  # MHA
+        (8, 2, [0, 1, 2, 3]),  # GQA: a whole KV group goes
+        (9, 3, [0, 4]),  # GQA: query heads within groups (uneven groups remain)
+        (6, 1, [2, 5]),  # MQA
+    ],
+)
 def test_prune_heads_equals_zeroing_them(H, Hkv, remove):
     m = MultiHeadAttention(48, H, Hkv, head_dim=8, bias=True).eval()
     for p in m.parameters():
@@ -160,9 +164,10 @@ def test_prune_heads_equals_zeroing_them(H, Hkv, remove):
     assert m.num_heads == H - len(remove)
     assert m.out_proj.weight.shape == (48, (H - len(remove)) * 8)
     dropped_kv = Hkv - m.num_kv_heads
-    assert before - sum(p.numel() for p in m.parameters()) == \
-        len(remove) * 8 * (48 + 1) + len(remove) * 8 * 48 + dropped_kv * 2 * 8 * (48 + 1)
-    m.prune_heads(remove)                             # already pruned: nothing changes
+    assert before - sum(p.numel() for p in m.parameters()) == len(remove) * 8 * (48 + 1) + len(
+        remove
+    ) * 8 * 48 + dropped_kv * 2 * 8 * (48 + 1)
+    m.prune_heads(remove)  # already pruned: nothing changes
     assert m.num_heads == H - len(remove)
 
 
@@ -195,10 +200,10 @@ class _TinyCache:
 
     def update(self, k, v, num_new=None):
         T = k.shape[2]
-        self.k[:, :, self.len:self.len + T] = k
-        self.v[:, :, self.len:self.len + T] = v
+        self.k[:, :, self.len : self.len + T] = k
+        self.v[:, :, self.len : self.len + T] = v
         self.len += T
-        return CacheRead(self.k[:, :, :self.len], self.v[:, :, :self.len])
+        return CacheRead(self.k[:, :, : self.len], self.v[:, :, : self.len])
 
 
 @pytest.mark.parametrize("H,Hkv", [(8, 8), (8, 2), (8, 1)])
@@ -209,6 +214,6 @@ def test_decoding_through_cache_protocol_equals_full_pass(H, Hkv, backend):
     with torch.no_grad():
         full = m(x, is_causal=True)
         cache = _TinyCache(2, Hkv, 64 // H, 16)
-        steps = [m(x[:, :5], is_causal=True, cache=cache)]            # chunked prefill, then decode
-        steps += [m(x[:, t:t + 1], is_causal=True, cache=cache) for t in range(5, 12)]
+        steps = [m(x[:, :5], is_causal=True, cache=cache)]  # chunked prefill, then decode
+        steps += [m(x[:, t : t + 1], is_causal=True, cache=cache) for t in range(5, 12)]
     assert _err(torch.cat(steps, dim=1), full) <= 1e-5

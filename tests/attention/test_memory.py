@@ -6,6 +6,7 @@ peak minus the RSS before the call is the op's extra memory. (ru_maxrss would
 not do: a child inherits its parent's peak across fork/exec.) The bound is 1/50 of one fp32 score matrix, B*H*T*S*4 bytes; the seed's
 path holds at least that (scores, then softmax output, then the mask fill).
 """
+
 import json
 import subprocess
 import sys
@@ -36,8 +37,13 @@ print(json.dumps({"extra_bytes": peak - before, "finite": bool(torch.isfinite(ou
 
 
 def extra_memory(backend: str, T: int, causal: bool) -> dict:
-    res = subprocess.run([sys.executable, "-c", CHILD, backend, str(T), "1" if causal else "0"],
-                         capture_output=True, text=True, timeout=600, check=True)
+    res = subprocess.run(
+        [sys.executable, "-c", CHILD, backend, str(T), "1" if causal else "0"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -45,7 +51,7 @@ def extra_memory(backend: str, T: int, causal: bool) -> dict:
 @pytest.mark.parametrize("causal", [True, False])
 def test_extra_memory_at_8192_is_under_a_fiftieth_of_the_score_matrix(backend, causal):
     T = 8192
-    score_matrix = 1 * 12 * T * T * 4                         # 3 GiB in fp32
+    score_matrix = 1 * 12 * T * T * 4  # 3 GiB in fp32
     got = extra_memory(backend, T, causal)
     assert got["finite"]
     assert got["extra_bytes"] <= score_matrix / 50, f"{backend}: {got['extra_bytes'] / 2**20:.1f} MiB extra"

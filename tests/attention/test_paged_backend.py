@@ -6,6 +6,7 @@ decodes and prefill chunks side by side - is read through the registry. The refe
 the math backend over the K/V this test kept itself, one sequence at a time, bottom-right
 causal, so it shares no code with the cache or the paged backend.
 """
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -18,14 +19,22 @@ from headwise.cache.paged import PagedKVCache
 from headwise.cache.quantized import dequantize_int8, quantize_int8
 
 D = 8
-HEADS = [(2, 2), (4, 2), (4, 1), (6, 2), (3, 1)]          # MHA, GQA, MQA, G=3, MQA with G=3
-LAYOUTS = ["default", "spread", "regions"]               # how the pool places blocks
+HEADS = [(2, 2), (4, 2), (4, 1), (6, 2), (3, 1)]  # MHA, GQA, MQA, G=3, MQA with G=3
+LAYOUTS = ["default", "spread", "regions"]  # how the pool places blocks
 
 
 def make_cache(Hkv, block_size, tile_blocks, layout, num_blocks=256, kv_dtype=None):
-    return PagedKVCache(1, Hkv, D, num_blocks, block_size=block_size, tile_tokens=tile_blocks * block_size,
-                        spread=layout == "spread", region_blocks=8 if layout == "regions" else None,
-                        kv_dtype=kv_dtype)
+    return PagedKVCache(
+        1,
+        Hkv,
+        D,
+        num_blocks,
+        block_size=block_size,
+        tile_tokens=tile_blocks * block_size,
+        spread=layout == "spread",
+        region_blocks=8 if layout == "regions" else None,
+        kv_dtype=kv_dtype,
+    )
 
 
 def as_read(cache, x):
@@ -51,7 +60,7 @@ def grow(cache, kept, seq_ids, rounds, g):
 
 def reference(q_rows, kept, s, H):
     """math backend over sequence s's K/V as kept by the test: q_rows (H, n, D) -> (H, n, D)."""
-    k = torch.cat(kept[s][0], dim=1)[None]                  # (1, Hkv, L, D)
+    k = torch.cat(kept[s][0], dim=1)[None]  # (1, Hkv, L, D)
     v = torch.cat(kept[s][1], dim=1)[None]
     return attend(q_rows[None], k, v, is_causal=True, backend="math")[0]
 
@@ -64,8 +73,9 @@ def problems(draw):
     n_seqs = draw(st.integers(1, 4))
     rounds = draw(st.lists(st.lists(st.integers(0, 9), min_size=n_seqs, max_size=n_seqs), min_size=1, max_size=4))
     # this step: a decode (1), a prefill chunk (> 1), or nothing, per sequence; at least one
-    new = draw(st.lists(st.sampled_from([0, 1, 1, 2, 5, 11]), min_size=n_seqs, max_size=n_seqs)
-               .filter(lambda xs: any(xs)))
+    new = draw(
+        st.lists(st.sampled_from([0, 1, 1, 2, 5, 11]), min_size=n_seqs, max_size=n_seqs).filter(lambda xs: any(xs))
+    )
     layout = draw(st.sampled_from(LAYOUTS))
     seed = draw(st.integers(0, 2**16))
     return H, Hkv, block_size, tile_blocks, n_seqs, rounds, new, layout, seed
@@ -112,10 +122,10 @@ def test_packed_step_matches_math(kernel, p):
     res = read.attend(q, is_causal=True, return_lse=True)
     off = 0
     for s, n in zip(ids, ns):
-        kept[s][0].append(k[0, :, off:off + n])
-        kept[s][1].append(v[0, :, off:off + n])
-        ref = reference(q[0, :, off:off + n], kept, s, H)
-        torch.testing.assert_close(res.out[0, :, off:off + n], ref, atol=1e-5, rtol=1e-5)
+        kept[s][0].append(k[0, :, off : off + n])
+        kept[s][1].append(v[0, :, off : off + n])
+        ref = reference(q[0, :, off : off + n], kept, s, H)
+        torch.testing.assert_close(res.out[0, :, off : off + n], ref, atol=1e-5, rtol=1e-5)
         off += n
     assert torch.isfinite(res.lse).all()
 
@@ -172,8 +182,8 @@ def test_registry_shows_the_paged_backend_and_why_others_pass():
     assert all("paged cache's blocks" in " ".join(e.rejected[n]) for n in ("flash", "sdpa", "chunked", "math"))
     e = explain(q, read.kv, need_weights=True)
     assert e.chosen is None and "returns no weights" in " ".join(e.rejected["paged"])
-    assert explain(q, read.kv, need_weights=True, backend="math").chosen == "math"    # gathers, then the reference
-    w = read.attend(q, need_weights=True, backend="math").weights                      # (1, 4, 3, 3)
+    assert explain(q, read.kv, need_weights=True, backend="math").chosen == "math"  # gathers, then the reference
+    w = read.attend(q, need_weights=True, backend="math").weights  # (1, 4, 3, 3)
     assert torch.allclose(w.sum(-1), torch.ones(1, 4, 3))
     t = torch.randn(1, 2, 3, D)
     e = explain(q, t, t)
@@ -197,10 +207,10 @@ def test_forked_and_int8_sequences_match_math(kernel, p, int8, fork_at):
         cache.add_sequence(s)
     grow(cache, kept, seq_ids, rounds[:fork_at], g)
     src = seq_ids[0]
-    cache.fork(src, "fork")                                   # shares every block of s0 so far
+    cache.fork(src, "fork")  # shares every block of s0 so far
     kept["fork"] = (list(kept[src][0]), list(kept[src][1]))
     seq_ids.append("fork")
-    grow(cache, kept, seq_ids, [[*r, r[0]] for r in rounds[fork_at:]], g)     # both sides grow alike
+    grow(cache, kept, seq_ids, [[*r, r[0]] for r in rounds[fork_at:]], g)  # both sides grow alike
     ids = [s for s, n in zip(seq_ids, [*new, 1]) if n]
     ns = [n for n in [*new, 1] if n]
     N = sum(ns)
@@ -209,12 +219,13 @@ def test_forked_and_int8_sequences_match_math(kernel, p, int8, fork_at):
     out = cache.packed(ids, ns).layer(0).update(k, v).attend(q, is_causal=True)
     off = 0
     for s, n in zip(ids, ns):
-        kept[s][0].append(as_read(cache, k[0, :, off:off + n]))
-        kept[s][1].append(as_read(cache, v[0, :, off:off + n]))
-        torch.testing.assert_close(out[0, :, off:off + n], reference(q[0, :, off:off + n], kept, s, H),
-                                   atol=1e-5, rtol=1e-5)
+        kept[s][0].append(as_read(cache, k[0, :, off : off + n]))
+        kept[s][1].append(as_read(cache, v[0, :, off : off + n]))
+        torch.testing.assert_close(
+            out[0, :, off : off + n], reference(q[0, :, off : off + n], kept, s, H), atol=1e-5, rtol=1e-5
+        )
         off += n
-    cache.pool.check([cache.block_table(s) for s in seq_ids])      # refcounts add up after the copies
+    cache.pool.check([cache.block_table(s) for s in seq_ids])  # refcounts add up after the copies
 
 
 def test_growing_in_turns_scatters_the_tables():

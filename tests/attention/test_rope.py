@@ -1,4 +1,5 @@
 """RoPE against the complex-number formulation of the RoFormer paper / Meta's Llama."""
+
 import torch
 
 from headwise import RotaryEmbedding
@@ -24,7 +25,7 @@ def test_halves_layout_is_a_permutation_of_interleaved():
     """HF's rotate_half layout equals the interleaved one after permuting channels (the
     permutation HF applies when converting Meta checkpoints)."""
     D = 16
-    perm = torch.cat([torch.arange(0, D, 2), torch.arange(1, D, 2)])    # interleaved -> halves
+    perm = torch.cat([torch.arange(0, D, 2), torch.arange(1, D, 2)])  # interleaved -> halves
     x = torch.randn(1, 2, 7, D)
     pos = torch.arange(7)
     a = RotaryEmbedding(D, interleaved=True)(x, pos)[..., perm]
@@ -35,7 +36,7 @@ def test_halves_layout_is_a_permutation_of_interleaved():
 def test_scores_depend_only_on_relative_position():
     rope = RotaryEmbedding(64)
     q, k = torch.randn(1, 1, 1, 64), torch.randn(1, 1, 1, 64)
-    s = lambda m, n: (rope(q, torch.tensor([m])) * rope(k, torch.tensor([n]))).sum()   # noqa: E731
+    s = lambda m, n: (rope(q, torch.tensor([m])) * rope(k, torch.tensor([n]))).sum()  # noqa: E731
     assert torch.allclose(s(3, 1), s(103, 101), atol=1e-4)
     assert torch.allclose(s(7, 7), (q * k).sum(), atol=1e-4)
 

@@ -6,6 +6,7 @@ sequence holds: the K/V stored for every token is a function of the token
 prefix up to it, so a block wrongly shared, overwritten or reused shows up as
 a wrong value, and a prefix hit must read exactly what recomputing would write.
 """
+
 import pytest
 import torch
 from hypothesis import event, settings
@@ -39,16 +40,16 @@ def test_allocation_fails_cleanly_naming_the_numbers():
     with pytest.raises(CacheFull, match=r"needs 2 new blocks but only 1 are free") as e:
         pool.allocate(2)
     assert (e.value.needed, e.value.free) == (2, 1)
-    assert pool.num_free == 1                     # nothing was taken
+    assert pool.num_free == 1  # nothing was taken
 
 
 def test_prefer_continues_a_run():
     pool = BlockPool(8)
-    pool.allocate(1)                              # 0
-    other = pool.allocate(1)                      # 1
+    pool.allocate(1)  # 0
+    other = pool.allocate(1)  # 1
     assert pool.allocate(2, prefer=other[0]) == [2, 3]
     pool.release(2)
-    assert pool.allocate(1, prefer=1) == [2]      # the block after 1 is free again
+    assert pool.allocate(1, prefer=1) == [2]  # the block after 1 is free again
 
 
 def test_prefix_blocks_stay_cached_after_free_and_are_evicted_last():
@@ -56,15 +57,15 @@ def test_prefix_blocks_stay_cached_after_free_and_are_evicted_last():
     b = pool.allocate(1)[0]
     key = prefix_key(None, [7, 8])
     assert pool.register(b, key) and pool.lookup(key) == b
-    assert not pool.register(pool.allocate(1)[0], key)      # same prefix computed twice: first one kept
+    assert not pool.register(pool.allocate(1)[0], key)  # same prefix computed twice: first one kept
     pool.release(b)
     assert pool.lookup(key) == b and pool.num_cached_free == 1 and pool.num_free == 2
-    pool.share(b)                                            # a prefix hit revives it
+    pool.share(b)  # a prefix hit revives it
     assert pool.refcount(b) == 1 and pool.num_free == 1
     pool.release(b)
-    plain = pool.allocate(1)[0]                              # plain free blocks go first...
+    plain = pool.allocate(1)[0]  # plain free blocks go first...
     assert plain != b and pool.lookup(key) == b
-    assert pool.allocate(1) == [b]                           # ...then the cached one, losing its key
+    assert pool.allocate(1) == [b]  # ...then the cached one, losing its key
     assert pool.lookup(key) is None and pool.key_of(b) is None
 
 
@@ -78,14 +79,14 @@ def test_register_needs_a_held_block():
 
 # ------------------------------------------------------------------ the stateful test
 BS, NUM_BLOCKS = 4, 12
-VOCAB = st.integers(0, 1)          # two tokens: prefixes repeat often
-SYSTEM = [[], [0, 1, 1, 0, 1, 0, 0, 1], [0, 1, 1, 0, 0, 0]]   # shared prompt starts: prefix hits
+VOCAB = st.integers(0, 1)  # two tokens: prefixes repeat often
+SYSTEM = [[], [0, 1, 1, 0, 1, 0, 0, 1], [0, 1, 1, 0, 0, 0]]  # shared prompt starts: prefix hits
 PROMPTS = st.builds(lambda head, tail: head + tail, st.sampled_from(SYSTEM), st.lists(VOCAB, max_size=6))
 
 
 def kv_of(tokens, p):
     """What the 'model' writes for position p of a sequence: a function of tokens[:p+1]."""
-    h = float(hash(tuple(tokens[:p + 1])) % 100003)
+    h = float(hash(tuple(tokens[: p + 1])) % 100003)
     return [h, float(p)], [h + 0.5, -float(p)]
 
 
@@ -95,7 +96,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.cache = PagedKVCache(1, 1, 2, NUM_BLOCKS, block_size=BS)
-        self.tokens = {}               # seq id -> every token it holds (the model)
+        self.tokens = {}  # seq id -> every token it holds (the model)
         self.next_id = 0
 
     def _new_id(self):
@@ -103,8 +104,11 @@ class PagedCacheMachine(RuleBasedStateMachine):
         return self.next_id
 
     def _snapshot(self):
-        return ({s: self.cache.block_table(s) for s in self.tokens}, self.cache.num_free_blocks,
-                {s: self.cache.read_sequence(s) for s in self.tokens})
+        return (
+            {s: self.cache.block_table(s) for s in self.tokens},
+            self.cache.num_free_blocks,
+            {s: self.cache.read_sequence(s) for s in self.tokens},
+        )
 
     def _append(self, ids, new_tokens, with_ids):
         """One step: reserve, then write K/V computed from the model. Returns False on CacheFull."""
@@ -177,8 +181,11 @@ class PagedCacheMachine(RuleBasedStateMachine):
         s = self.fork(src)
         if s != src:
             who = data.draw(st.sampled_from([[s], [src], [s, src]]))
-            self._append(who, [data.draw(st.lists(VOCAB, min_size=1, max_size=5)) for _ in who],
-                         with_ids=data.draw(st.booleans()))
+            self._append(
+                who,
+                [data.draw(st.lists(VOCAB, min_size=1, max_size=5)) for _ in who],
+                with_ids=data.draw(st.booleans()),
+            )
         return s
 
     @rule(s=consumes(seqs))
@@ -196,8 +203,8 @@ class PagedCacheMachine(RuleBasedStateMachine):
             for b in t:
                 held[b] = held.get(b, 0) + 1
         for b in range(NUM_BLOCKS):
-            assert pool.refcount(b) == held.get(b, 0), f"block {b}"     # refcount == tables holding it
-        assert self.cache.num_free_blocks + len(held) == NUM_BLOCKS       # no block leaked
+            assert pool.refcount(b) == held.get(b, 0), f"block {b}"  # refcount == tables holding it
+        assert self.cache.num_free_blocks + len(held) == NUM_BLOCKS  # no block leaked
         for s, t in tables.items():
             assert self.cache.length(s) == len(self.tokens[s])
             assert len(t) == -(-len(self.tokens[s]) // BS)

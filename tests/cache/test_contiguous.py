@@ -4,6 +4,7 @@ The oracle is the same layer with no cache (is_causal=True) over the whole
 sequence, or, for ragged batches, over each sequence alone: it shares nothing
 with the cache but the weights.
 """
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -15,7 +16,7 @@ from headwise.config import ModelConfig
 from headwise.plan import kv_bytes_per_token as planned_bytes
 
 C, T_FULL = 32, 12
-HEADS = [(4, 4), (4, 2), (4, 1)]                     # MHA, GQA, MQA
+HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA
 
 
 def err(a, b):
@@ -34,7 +35,7 @@ def run_chunks(m, x, cache, chunks):
     """Feed x (B, T, C) through the cache in consecutive chunks; outputs concatenated (B, T, C)."""
     outs, t = [], 0
     for n in chunks:
-        outs.append(m(x[:, t:t + n], is_causal=True, cache=cache))
+        outs.append(m(x[:, t : t + n], is_causal=True, cache=cache))
         t += n
     return torch.cat(outs, dim=1)
 
@@ -60,13 +61,13 @@ def run_ragged(m, xs, cache, chunks):
     for i in range(max(len(c) for c in chunks)):
         n = [c[i] if i < len(c) else 0 for c in chunks]
         T = max(n)
-        x = torch.randn(B, T, C) * 3                      # padding is junk, never zeros
+        x = torch.randn(B, T, C) * 3  # padding is junk, never zeros
         for b in range(B):
-            x[b, :n[b]] = xs[b][done[b]:done[b] + n[b]]
-        kpm = torch.arange(T)[None, :] >= torch.tensor(n)[:, None]     # (B, T) True = padding
+            x[b, : n[b]] = xs[b][done[b] : done[b] + n[b]]
+        kpm = torch.arange(T)[None, :] >= torch.tensor(n)[:, None]  # (B, T) True = padding
         y = m(x, is_causal=True, key_padding_mask=kpm, cache=cache)
         for b in range(B):
-            outs[b].append(y[b, :n[b]])
+            outs[b].append(y[b, : n[b]])
             done[b] += n[b]
     assert cache.lengths.tolist() == done
     return [torch.cat(o) for o in outs]
@@ -111,7 +112,7 @@ def test_padded_prefill_then_decode_on_every_backend(backend):
     torch.manual_seed(0)
     m = layer(4, 2, True, backend=backend)
     lengths = [5, 2, 7]
-    xs = [torch.randn(L + 4, C) for L in lengths]          # prompt, then 4 decode steps
+    xs = [torch.randn(L + 4, C) for L in lengths]  # prompt, then 4 decode steps
     prompt = torch.zeros(3, 7, C)
     for b, L in enumerate(lengths):
         prompt[b, :L] = xs[b][:L]
@@ -119,8 +120,10 @@ def test_padded_prefill_then_decode_on_every_backend(backend):
     cache = cache_for(m, 3)
     with torch.no_grad():
         y = m(prompt, is_causal=True, key_padding_mask=kpm, cache=cache)
-        steps = [m(torch.stack([x[L + i] for x, L in zip(xs, lengths)])[:, None], is_causal=True, cache=cache)
-                 for i in range(4)]
+        steps = [
+            m(torch.stack([x[L + i] for x, L in zip(xs, lengths)])[:, None], is_causal=True, cache=cache)
+            for i in range(4)
+        ]
         for b, L in enumerate(lengths):
             got = torch.cat([y[b, :L], *[s[b] for s in steps]])
             assert err(got, m(xs[b][None], is_causal=True)[0]) <= 1e-5
@@ -140,7 +143,7 @@ def test_layers_of_a_model_each_use_their_own_cache():
     cache = ContiguousKVCache(3, 2, 2, 16, 8)
     with torch.no_grad():
         full = model(x)
-        got = torch.cat([model(x[:, :4], cache)] + [model(x[:, t:t + 1], cache) for t in range(4, 9)], dim=1)
+        got = torch.cat([model(x[:, :4], cache)] + [model(x[:, t : t + 1], cache) for t in range(4, 9)], dim=1)
     assert err(got, full) <= 1e-5
     assert cache.lengths.tolist() == [9, 9]
     assert all(cache.layer(i).lengths.tolist() == [9, 9] for i in range(3))
@@ -157,7 +160,7 @@ def test_uniform_decode_writes_in_place_and_reads_a_view_without_masks():
         read = cache.update(k, torch.randn(2, 2, 1, 8))
     assert isinstance(read, CacheRead)
     assert read.attn_mask is None and read.key_padding_mask is None
-    assert read.k.shape == (2, 2, 8, 8) and read.k.data_ptr() == ptr == kbuf.data_ptr()   # a view, no copy
+    assert read.k.shape == (2, 2, 8, 8) and read.k.data_ptr() == ptr == kbuf.data_ptr()  # a view, no copy
     assert torch.equal(read.k[:, :, -1:], k)
     assert torch.equal(cache.positions(2), torch.tensor([[8, 9], [8, 9]]))
 
@@ -167,9 +170,13 @@ def test_ragged_read_masks_each_sequence_causally():
     cache.update(torch.randn(2, 1, 3, 4), torch.randn(2, 1, 3, 4), torch.tensor([3, 1]))
     assert torch.equal(cache.positions(2), torch.tensor([[3, 4], [1, 2]]))
     read = cache.update(torch.randn(2, 1, 2, 4), torch.randn(2, 1, 2, 4))
-    assert read.k.shape == (2, 1, 5, 4)                                 # up to the longest sequence
-    expected = torch.tensor([[[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]],        # seq 0: positions 3, 4
-                             [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]]).bool()  # seq 1: positions 1, 2
+    assert read.k.shape == (2, 1, 5, 4)  # up to the longest sequence
+    expected = torch.tensor(
+        [
+            [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]],  # seq 0: positions 3, 4
+            [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0]],
+        ]
+    ).bool()  # seq 1: positions 1, 2
     assert torch.equal(read.attn_mask[:, 0], expected)
 
 
@@ -180,8 +187,9 @@ def test_static_reads_never_change_shape():
 
 
 def test_memory_bytes_matches_the_planner():
-    cfg = ModelConfig("t", "llama", vocab_size=10, d_model=64, num_layers=3, num_heads=8, d_ff=64,
-                      max_positions=64, num_kv_heads=2)                 # Hkv=2, D=8
+    cfg = ModelConfig(
+        "t", "llama", vocab_size=10, d_model=64, num_layers=3, num_heads=8, d_ff=64, max_positions=64, num_kv_heads=2
+    )  # Hkv=2, D=8
     for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         cache = ContiguousKVCache(3, 4, 2, 16, 8, dtype=dtype)
         assert cache.memory_bytes() == 2 * 3 * 4 * 2 * 16 * 8 * torch.finfo(dtype).bits // 8
@@ -197,7 +205,7 @@ def test_trim_then_continue_equals_full_pass_over_the_kept_prefix():
     cache = cache_for(m, 2)
     with torch.no_grad():
         m(x[:, :8], is_causal=True, cache=cache)
-        cache.trim(5)                                           # e.g. rejected speculative tokens
+        cache.trim(5)  # e.g. rejected speculative tokens
         got = run_chunks(m, other, cache, [1, 2])
         ref = m(torch.cat([x[:, :5], other], dim=1), is_causal=True)[:, 5:]
     assert err(got, ref) <= 1e-5
@@ -212,7 +220,7 @@ def test_reorder_copies_beams_and_reset_forgets():
     cache = cache_for(m, 2)
     with torch.no_grad():
         m(x, is_causal=True, cache=cache)
-        cache.reorder([1, 1])                                  # both beams continue from sequence 1
+        cache.reorder([1, 1])  # both beams continue from sequence 1
         got = m(nxt, is_causal=True, cache=cache)
         ref = m(torch.cat([x[1:].expand(2, -1, -1), nxt], dim=1), is_causal=True)[:, -1:]
         assert err(got, ref) <= 1e-5
@@ -229,7 +237,7 @@ def test_append_past_max_seq_len_names_the_sequence_and_numbers():
     cache.update(torch.randn(2, 2, 14, 8), torch.randn(2, 2, 14, 8), torch.tensor([10, 14]))
     with pytest.raises(ValueError, match=r"^append of 5 tokens to sequence 1 at length 14 exceeds max_seq_len=16$"):
         cache.update(torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8))
-    assert cache.lengths.tolist() == [10, 14]                # nothing was written
+    assert cache.lengths.tolist() == [10, 14]  # nothing was written
     cache.update(torch.randn(2, 2, 2, 8), torch.randn(2, 2, 2, 8))
     assert cache.lengths.tolist() == [12, 16]
 
@@ -294,6 +302,7 @@ def test_torch_compile_decode_step_matches_eager_and_compiles_once():
     A static cache gives every decode step the same shapes, and its host-side length
     bookkeeping runs outside the graph, so later steps reuse the first compilation."""
     from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
     torch.manual_seed(0)
     m = layer(4, 2, True)
@@ -305,8 +314,8 @@ def test_torch_compile_decode_step_matches_eager_and_compiles_once():
         m(x[:, :4], is_causal=True, cache=compiled_cache)
         got, ref = [], []
         for t in range(4, 10):
-            got.append(step(x[:, t:t + 1]))
-            ref.append(m(x[:, t:t + 1], is_causal=True, cache=eager_cache))
+            got.append(step(x[:, t : t + 1]))
+            ref.append(m(x[:, t : t + 1], is_causal=True, cache=eager_cache))
             if t == 4:
                 graphs = counters["stats"]["unique_graphs"]
         assert counters["stats"]["unique_graphs"] == graphs, "a decode step recompiled"

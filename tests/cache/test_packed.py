@@ -4,6 +4,7 @@ The oracle is the same MultiHeadAttention with no cache over each whole sequence
 (is_causal=True). A packed step lays several sequences' new tokens on one axis, decodes
 and prefill chunks mixed; every token must get exactly what the full pass gives it.
 """
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -25,8 +26,16 @@ def run_schedule(m, xs, schedule, num_blocks=64, backend=None, spread=False, kin
     """Feed sequences xs[name] (1, T, C) by packed steps; schedule: list of {name: num_new}.
     Returns each sequence's outputs (1, T, C), concatenated over steps. kinds: a set that
     collects how the steps' parts were read ("runs", "decodes", "chunk")."""
-    cache = PagedKVCache(1, m.num_kv_heads, m.head_dim, num_blocks, block_size=BS, tile_tokens=TILE, spread=spread,
-                         region_blocks=region_blocks)
+    cache = PagedKVCache(
+        1,
+        m.num_kv_heads,
+        m.head_dim,
+        num_blocks,
+        block_size=BS,
+        tile_tokens=TILE,
+        spread=spread,
+        region_blocks=region_blocks,
+    )
     done = {s: 0 for s in xs}
     outs = {s: [] for s in xs}
     for s in xs:
@@ -37,14 +46,14 @@ def run_schedule(m, xs, schedule, num_blocks=64, backend=None, spread=False, kin
         for step in schedule:
             ids = [s for s, n in step.items() if n]
             counts = [step[s] for s in ids]
-            x = torch.cat([xs[s][:, done[s]:done[s] + n] for s, n in zip(ids, counts)], dim=1)   # (1, N, C)
+            x = torch.cat([xs[s][:, done[s] : done[s] + n] for s, n in zip(ids, counts)], dim=1)  # (1, N, C)
             step = cache.packed(ids, counts)
             if kinds is not None:
                 kinds.update(p.kind for p in step.parts)
             y = m(x, is_causal=True, cache=step)
             off = 0
             for s, n in zip(ids, counts):
-                outs[s].append(y[:, off:off + n])
+                outs[s].append(y[:, off : off + n])
                 off += n
                 done[s] += n
     pool = cache.pool
@@ -67,9 +76,11 @@ def test_decodes_and_prefill_chunks_in_one_step_match_full_passes(H, Hkv, kernel
         monkeypatch.setattr(packed, "RUNS_OK", False)
     m = layer(H, Hkv)
     xs = {s: torch.randn(1, T, C) for s, T in (("a", 21), ("b", 9), ("c", 30), ("d", 2))}
-    schedule = [{"a": 10, "b": 9, "c": 5, "d": 1},       # prefill chunks of different lengths
-                {"a": 1, "d": 1, "c": 12},                # one-token rows (read as decodes) and a chunk
-                {"a": 10, "c": 13}]
+    schedule = [
+        {"a": 10, "b": 9, "c": 5, "d": 1},  # prefill chunks of different lengths
+        {"a": 1, "d": 1, "c": 12},  # one-token rows (read as decodes) and a chunk
+        {"a": 10, "c": 13},
+    ]
     check(m, xs, run_schedule(m, xs, schedule))
 
 
@@ -100,15 +111,16 @@ def test_decodes_of_region_aligned_sequences_read_as_one_strided_view(occupancy)
     xs = {s: torch.randn(1, T, C) for s, T in zip("abcd", lengths)}
     first = {s: x.shape[1] - 3 for s, x in xs.items()}
     schedule = [dict(first)] + [{s: 1 for s in xs}] * 3
-    if occupancy == "sparse":       # z fills region 1 and stops; a, c, d, b decode in regions 0, 2, 3, 4
+    if occupancy == "sparse":  # z fills region 1 and stops; a, c, d, b decode in regions 0, 2, 3, 4
         xs["z"] = torch.randn(1, 6, C)
-        schedule = [{"a": first["a"], "z": 6}, {"c": first["c"], "d": first["d"]}, {"b": first["b"]}] + \
-                   [{s: 1 for s in "abcd"}] * 3
+        schedule = [{"a": first["a"], "z": 6}, {"c": first["c"], "d": first["d"]}, {"b": first["b"]}] + [
+            {s: 1 for s in "abcd"}
+        ] * 3
     kinds = set()
     outs = run_schedule(m, xs, schedule, num_blocks=40, spread=True, region_blocks=4, kinds=kinds)
     check(m, xs, outs)
     assert "regions" in kinds
-    assert ("runs" in kinds) == (occupancy == "mixed")       # b (30 tokens) outgrew its 16-token region
+    assert ("runs" in kinds) == (occupancy == "mixed")  # b (30 tokens) outgrew its 16-token region
 
 
 def test_spread_keeps_growing_sequences_consecutive():
@@ -118,24 +130,24 @@ def test_spread_keeps_growing_sequences_consecutive():
         cache = PagedKVCache(1, 1, 2, 64, block_size=2, spread=spread)
         for s in "abcd":
             cache.add_sequence(s)
-            cache.packed([s], [3])                               # 2 blocks each
+            cache.packed([s], [3])  # 2 blocks each
         for _ in range(8):
-            cache.packed(list("abcd"), [1] * 4)                  # grow together by 4 blocks
+            cache.packed(list("abcd"), [1] * 4)  # grow together by 4 blocks
         tables = [cache.block_table(s) for s in "abcd"]
         assert all((t == list(range(t[0], t[0] + len(t)))) == consecutive for t in tables[:3])
         cache.pool.check(tables)
     pool = paged.BlockPool(16)
-    assert pool.allocate(2, spread=True) == [0, 1]               # nothing before: start at the start
-    assert pool.allocate(1, spread=True) == [2 + 14 // 2]        # middle of the stretch 2..15
-    assert pool.allocate(1, prefer=1, spread=True) == [2]        # a run continues where it can
+    assert pool.allocate(2, spread=True) == [0, 1]  # nothing before: start at the start
+    assert pool.allocate(1, spread=True) == [2 + 14 // 2]  # middle of the stretch 2..15
+    assert pool.allocate(1, prefer=1, spread=True) == [2]  # a run continues where it can
     pool = paged.BlockPool(16)
-    assert pool.allocate(2, region=4) == [0, 1]                  # new sequences start free regions
+    assert pool.allocate(2, region=4) == [0, 1]  # new sequences start free regions
     assert pool.allocate(1, region=4) == [4]
-    pool.allocate(1, prefer=4)                                   # 5
+    pool.allocate(1, prefer=4)  # 5
     assert pool.allocate(3, region=4) == [8, 9, 10]
     pool.release(4)
-    assert pool.allocate(1, region=4, spread=True) == [12]       # region 1 still holds block 5
-    assert pool.allocate(1, region=4) == [2]                     # no free region left: first free block
+    assert pool.allocate(1, region=4, spread=True) == [12]  # region 1 still holds block 5
+    assert pool.allocate(1, region=4) == [2]  # no free region left: first free block
 
 
 def test_decode_rows_not_contiguous_in_the_pack():
@@ -162,15 +174,14 @@ def test_any_schedule_matches_full_passes(data):
     m = layer(4, 2)
     lengths = data.draw(st.lists(st.integers(1, 24), min_size=1, max_size=5))
     xs = {f"s{i}": torch.randn(1, T, C) for i, T in enumerate(lengths)}
-    chunks = {}     # each sequence: its chunk sizes, and the step it starts at (arrivals)
+    chunks = {}  # each sequence: its chunk sizes, and the step it starts at (arrivals)
     for s, x in xs.items():
         T = x.shape[1]
         cuts = sorted(data.draw(st.sets(st.integers(1, T - 1), max_size=4)) if T > 1 else [])
         bounds = [0, *cuts, T]
         chunks[s] = (data.draw(st.integers(0, 3)), [b - a for a, b in zip(bounds, bounds[1:])])
     last = max(start + len(c) for start, c in chunks.values())
-    schedule = [{s: c[j - start] for s, (start, c) in chunks.items() if 0 <= j - start < len(c)}
-                for j in range(last)]
+    schedule = [{s: c[j - start] for s, (start, c) in chunks.items() if 0 <= j - start < len(c)} for j in range(last)]
     schedule = [step for step in schedule if step]
     check(m, xs, run_schedule(m, xs, schedule))
 
@@ -182,7 +193,7 @@ def test_prefix_registration_waits_for_commit_when_deferred():
     kv = torch.ones(1, 1, 4, 2)
     step.layer(0).update(kv, kv)
     step.layer(1).update(kv, kv)
-    assert cache.add_sequence("early", [1, 2, 3, 4, 5]) == 0     # written, not yet committed
+    assert cache.add_sequence("early", [1, 2, 3, 4, 5]) == 0  # written, not yet committed
     assert step.commit() == 2
     assert cache.add_sequence("late", [1, 2, 3, 4, 5]) == 4
 
@@ -193,7 +204,7 @@ def test_commit_skips_blocks_freed_during_the_step():
     step = cache.packed(["a"], [4], [[1, 2, 3, 4]], defer_prefix=True)
     kv = torch.ones(1, 1, 4, 2)
     step.layer(0).update(kv, kv)
-    cache.free("a")                                               # aborted while the step ran
+    cache.free("a")  # aborted while the step ran
     assert step.commit() == 0
     assert cache.pool.num_free == 8
     cache.pool.check()

@@ -4,6 +4,7 @@ The oracle is the same layer with no cache (is_causal=True) over each whole
 sequence: it shares nothing with the paged cache but the weights. Small blocks
 (4 tokens) and small tiles (8 tokens) make every read cross blocks and tiles.
 """
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -19,7 +20,7 @@ from headwise.cache.protocol import LayerKVCache
 from headwise.cache.paged import PagedKVCache
 
 C, BS, TILE = 32, 4, 8
-HEADS = [(4, 4), (4, 2), (4, 1)]                     # MHA, GQA, MQA
+HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA
 HEAD_IDS = ["MHA", "GQA", "MQA"]
 
 
@@ -48,7 +49,7 @@ def feed(m, cache, seq_id, x, chunks, fragment=None):
     outs, t = [], 0
     with torch.no_grad():
         for n in chunks:
-            outs.append(m(x[:, t:t + n], is_causal=True, cache=cache.batch([seq_id], n)))
+            outs.append(m(x[:, t : t + n], is_causal=True, cache=cache.batch([seq_id], n)))
             t += n
             if fragment is not None:
                 k = torch.zeros(1, m.num_kv_heads, BS, m.head_dim)
@@ -86,9 +87,9 @@ def test_token_by_token_decode_matches_full_pass(H, Hkv, rope, read_path):
     out = feed(m, cache, "s", x, [1] * 23, fragment=frag)
     assert err(out, full(m, x)) <= 1e-5
     segs = cache.batch(["s"]).groups[0].segments
-    if read_path == "views":                              # consecutive blocks: one view, no copy
+    if read_path == "views":  # consecutive blocks: one view, no copy
         assert [s.index for s in segs] == [None]
-    else:                                                 # scattered blocks: tiles of TILE keys
+    else:  # scattered blocks: tiles of TILE keys
         assert all(s.index is not None and s.k1 - s.k0 <= TILE for s in segs)
 
 
@@ -129,14 +130,14 @@ def test_sequences_of_different_lengths_decode_together(H, Hkv, tile):
             x[b, :L], pad[b, :L] = xs[b][0, :L], False
         y = m(x, is_causal=True, key_padding_mask=pad, cache=cache.batch(ids, lengths))
         for b, L in enumerate(lengths):
-            outs[ids[b]].append(y[b:b + 1, :L])
+            outs[ids[b]].append(y[b : b + 1, :L])
         for i in range(decode):
-            step_ids = ids if i != 1 else ["c", "a"]          # any subset, any order
+            step_ids = ids if i != 1 else ["c", "a"]  # any subset, any order
             x = torch.cat([xs[ids.index(s)][:, lengths[ids.index(s)] + len(outs[s]) - 1] for s in step_ids])
             y = m(x[:, None], is_causal=True, cache=cache.batch(step_ids))
             for b, s in enumerate(step_ids):
-                outs[s].append(y[b:b + 1])
-        for s in ["b"]:                                        # b missed step 1: catch up alone
+                outs[s].append(y[b : b + 1])
+        for s in ["b"]:  # b missed step 1: catch up alone
             outs[s].append(m(xs[1][:, -1:], is_causal=True, cache=cache.batch([s])))
     for b, s in enumerate(ids):
         assert err(torch.cat(outs[s], dim=1), full(m, xs[b])) <= 1e-5, s
@@ -146,7 +147,7 @@ def test_fork_copy_on_write_keeps_branches_apart():
     """Parallel sampling: a fork shares the prompt's blocks, including the partly filled last
     one; each branch then appends its own tokens and equals its own full pass."""
     m = layer(4, 2)
-    prompt = torch.randn(1, 6, C)                              # 6 tokens: the second block is partial
+    prompt = torch.randn(1, 6, C)  # 6 tokens: the second block is partial
     branches = [torch.randn(1, 5, C) for _ in range(3)]
     cache = cache_for(m)
     cache.add_sequence(0)
@@ -161,9 +162,9 @@ def test_fork_copy_on_write_keeps_branches_apart():
             x = torch.cat([br[:, t] for br in branches])[:, None]
             y = m(x, is_causal=True, cache=cache.batch([0, 1, 2]))
             for b in range(3):
-                outs[b].append(y[b:b + 1])
+                outs[b].append(y[b : b + 1])
     assert len({tuple(cache.block_table(s)) for s in range(3)}) == 3
-    assert cache.block_table(0)[0] == cache.block_table(1)[0] == cache.block_table(2)[0]   # full block stays shared
+    assert cache.block_table(0)[0] == cache.block_table(1)[0] == cache.block_table(2)[0]  # full block stays shared
     for b in range(3):
         x = torch.cat([prompt, branches[b]], dim=1)
         assert err(torch.cat([p_out, *outs[b]], dim=1), full(m, x)) <= 1e-5
@@ -176,7 +177,7 @@ def test_prefix_reuse_equals_recomputing(keep_first):
     m = layer(4, 2)
     emb = nn.Embedding(50, C)
     prompt = torch.randint(0, 50, (14,)).tolist()
-    second = prompt[:11] + [3, 4, 5]                           # shares 11 tokens: 2 full blocks of 4
+    second = prompt[:11] + [3, 4, 5]  # shares 11 tokens: 2 full blocks of 4
     cache = cache_for(m)
     with torch.no_grad():
         assert cache.add_sequence("a", prompt) == 0
@@ -204,7 +205,7 @@ def test_prefix_blocks_are_registered_only_after_every_layer_wrote():
     kv = torch.ones(1, 1, 4, 2)
     step.layer(0).update(kv, kv)
     cache.add_sequence("early", [1, 2, 3, 4, 5])
-    assert cache.length("early") == 0                          # layer 1 has not written yet
+    assert cache.length("early") == 0  # layer 1 has not written yet
     step.layer(1).update(kv, kv)
     cache.add_sequence("late", [1, 2, 3, 4, 5])
     assert cache.length("late") == 4
@@ -234,7 +235,7 @@ def test_copy_on_write_is_counted_exactly():
     cache = PagedKVCache(1, 1, 2, 3, block_size=4)
     cache.add_sequence(0)
     kv = torch.randn(1, 1, 6, 2)
-    cache.batch([0], 6).update(kv, kv)                         # 2 blocks, the second partial
+    cache.batch([0], 6).update(kv, kv)  # 2 blocks, the second partial
     cache.fork(0, 1)
     assert cache.blocks_needed(0, 1) == 1 and cache.num_free_blocks == 1
     cache.fork(0, 2)
@@ -254,8 +255,8 @@ def test_cache_full_names_the_numbers_and_leaves_everyone_intact():
     xa, xb = torch.randn(1, 12, C), torch.randn(1, 10, C)
     cache = cache_for(m, num_blocks=6)
     cache.add_sequence("a"), cache.add_sequence("b")
-    out_a = [feed(m, cache, "a", xa[:, :9], [9])]              # 3 blocks
-    out_b = [feed(m, cache, "b", xb[:, :7], [7])]              # 2 blocks: 1 free left
+    out_a = [feed(m, cache, "a", xa[:, :9], [9])]  # 3 blocks
+    out_b = [feed(m, cache, "b", xb[:, :7], [7])]  # 2 blocks: 1 free left
     tables = {s: cache.block_table(s) for s in "ab"}
     before = {s: cache.read_sequence(s) for s in "ab"}
     cache.add_sequence("c")
@@ -263,14 +264,14 @@ def test_cache_full_names_the_numbers_and_leaves_everyone_intact():
     with pytest.raises(CacheFull, match=r"needs 2 new blocks but only 1 are free"):
         cache.batch(["c"], 8)
     with pytest.raises(CacheFull, match=r"needs 2 new blocks but only 1 are free"):
-        cache.batch(["a", "b"], [4, 4])                        # all or nothing: neither grows
+        cache.batch(["a", "b"], [4, 4])  # all or nothing: neither grows
     assert {s: cache.block_table(s) for s in "ab"} == tables
     assert [cache.length(s) for s in "abc"] == [9, 7, 0] and cache.num_free_blocks == 1
     for s in "ab":
         assert all(torch.equal(p, q) for p, q in zip(before[s], cache.read_sequence(s)))
     cache.free("c")
-    out_a.append(feed(m, cache, "a", xa[:, 9:], [1, 1, 1]))   # fits in a's last block
-    out_b.append(feed(m, cache, "b", xb[:, 7:], [1, 1, 1]))   # takes the free block
+    out_a.append(feed(m, cache, "a", xa[:, 9:], [1, 1, 1]))  # fits in a's last block
+    out_b.append(feed(m, cache, "b", xb[:, 7:], [1, 1, 1]))  # takes the free block
     assert err(torch.cat(out_a, 1), full(m, xa)) <= 1e-5
     assert err(torch.cat(out_b, 1), full(m, xb)) <= 1e-5
     with pytest.raises(CacheFull):
@@ -296,7 +297,7 @@ def test_alibi_uses_each_sequences_true_positions(tile):
 
 def test_pruned_layer_with_uneven_groups_reads_through_kv_map():
     m = layer(8, 4, rope=True)
-    m.prune_heads([0, 2, 3])                                   # groups of 1 and 2: kv_map is set
+    m.prune_heads([0, 2, 3])  # groups of 1 and 2: kv_map is set
     assert m.kv_map is not None
     x = torch.randn(1, 10, C)
     cache = cache_for(m)
@@ -318,28 +319,27 @@ def test_return_lse_scale_masks_and_reference_path(tile):
     read = step.update(k, v, torch.tensor([3, 5]))
     assert len(step.groups) == (2 if tile == TILE else 1)
     q = torch.randn(2, H, 5, D)
-    S = 12                                                     # sequence 0 after the step; 1 has 5
+    S = 12  # sequence 0 after the step; 1 has 5
     user = torch.rand(2, 1, 5, S) > 0.3
-    user[1, 0, 0] = False                                      # a row that sees nothing: LSE -inf, output 0
+    user[1, 0, 0] = False  # a row that sees nothing: LSE -inf, output 0
     kpm = torch.zeros(2, S, dtype=torch.bool)
     kpm[0, 2] = True
     got = read.attend(q, is_causal=True, attn_mask=user, key_padding_mask=kpm, scale=0.3, return_lse=True)
-    dense = [(torch.cat([k0[0], k[0, :, :3]], 1), torch.cat([v0[0], v[0, :, :3]], 1)),
-             (k[1], v[1])]
+    dense = [(torch.cat([k0[0], k[0, :, :3]], 1), torch.cat([v0[0], v[0, :, :3]], 1)), (k[1], v[1])]
     for b, (kb, vb) in enumerate(dense):
         L, n = [9, 0][b], [3, 5][b]
         Sb = L + n
-        vis = torch.arange(Sb)[None] <= (L + torch.arange(n))[:, None]             # (n, Sb) causal
+        vis = torch.arange(Sb)[None] <= (L + torch.arange(n))[:, None]  # (n, Sb) causal
         vis = vis & user[b, 0, :n, :Sb] & ~kpm[b, :Sb]
-        ref = attend(q[b:b + 1, :, :n], kb[None], vb[None], attn_mask=vis, scale=0.3, backend="math",
-                     return_lse=True)
-        assert err(got.out[b:b + 1, :, :n], ref.out) <= 1e-5
-        lse, ref_lse = got.lse[b:b + 1, :, :n], ref.lse                            # -inf: rows that see nothing
+        ref = attend(q[b : b + 1, :, :n], kb[None], vb[None], attn_mask=vis, scale=0.3, backend="math", return_lse=True)
+        assert err(got.out[b : b + 1, :, :n], ref.out) <= 1e-5
+        lse, ref_lse = got.lse[b : b + 1, :, :n], ref.lse  # -inf: rows that see nothing
         assert torch.equal(lse.isneginf(), ref_lse.isneginf())
         assert err(lse.nan_to_num(neginf=0.0), ref_lse.nan_to_num(neginf=0.0)) <= 1e-5
     assert got.lse[1, :, 0].isneginf().all() and not got.out[1, :, 0].any()
-    math = read.attend(q, is_causal=True, attn_mask=user, key_padding_mask=kpm, scale=0.3, backend="math",
-                       need_weights=True)
+    math = read.attend(
+        q, is_causal=True, attn_mask=user, key_padding_mask=kpm, scale=0.3, backend="math", need_weights=True
+    )
     real = torch.tensor([[1] * 3 + [0] * 2, [1] * 5]).bool()[:, None, :, None]
     assert err(math.out * real, got.out * real) <= 1e-5
     assert math.weights.shape == (2, H, 5, S)
@@ -391,8 +391,13 @@ def test_bad_input_names_the_numbers_and_ids():
         read.attend(q, backend="nope")
     with pytest.raises(ValueError, match=r"key_padding_mask must be bool \(B, S\) = \(1, 3\)"):
         read.attend(q, key_padding_mask=torch.zeros(1, 4, dtype=torch.bool))
-    for call in (lambda: cache.batch(["a", "zz"]), lambda: cache.fork("zz", "b"), lambda: cache.free("zz"),
-                 lambda: cache.length("zz"), lambda: cache.can_allocate("zz", 1)):
+    for call in (
+        lambda: cache.batch(["a", "zz"]),
+        lambda: cache.fork("zz", "b"),
+        lambda: cache.free("zz"),
+        lambda: cache.length("zz"),
+        lambda: cache.can_allocate("zz", 1),
+    ):
         with pytest.raises(KeyError, match=r"unknown sequence id 'zz': the cache holds 1 sequence\(s\) \['a'\]"):
             call()
     with pytest.raises(ValueError, match="sequence 'a' already exists"):

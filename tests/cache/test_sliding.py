@@ -4,6 +4,7 @@ The oracle is the same layer with no cache over the whole sequence, with a bool
 band mask built here (query i sees keys j with i - W < j <= i), i.e. what
 `attend(..., is_causal=True, window=W)` computes.
 """
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -22,7 +23,7 @@ def err(a, b):
 
 def band(T, W):
     i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
-    return (j <= i) & (i - j < W)                                # (T, T) True = may attend
+    return (j <= i) & (i - j < W)  # (T, T) True = may attend
 
 
 def windowed(m, x, W):
@@ -37,7 +38,7 @@ def chunks_from_cuts(cuts, T):
 def run_chunks(m, x, cache, chunks):
     outs, t = [], 0
     for n in chunks:
-        outs.append(m(x[:, t:t + n], is_causal=True, cache=cache))
+        outs.append(m(x[:, t : t + n], is_causal=True, cache=cache))
         t += n
     return torch.cat(outs, dim=1)
 
@@ -73,13 +74,13 @@ def test_ragged_padded_batch_equals_each_sequence_alone(H, Hkv, rope, data, W):
     with torch.no_grad():
         for i in range(max(len(c) for c in chunks)):
             n = [c[i] if i < len(c) else 0 for c in chunks]
-            x = torch.randn(3, max(n), C) * 3                      # junk padding
+            x = torch.randn(3, max(n), C) * 3  # junk padding
             for b in range(3):
-                x[b, :n[b]] = xs[b][done[b]:done[b] + n[b]]
+                x[b, : n[b]] = xs[b][done[b] : done[b] + n[b]]
             kpm = torch.arange(max(n))[None, :] >= torch.tensor(n)[:, None]
             y = m(x, is_causal=True, key_padding_mask=kpm, cache=cache)
             for b in range(3):
-                outs[b].append(y[b, :n[b]])
+                outs[b].append(y[b, : n[b]])
                 done[b] += n[b]
         for b in range(3):
             assert err(torch.cat(outs[b]), windowed(m, xs[b][None], W)[0]) <= 1e-5, f"sequence {b}"
@@ -93,13 +94,16 @@ def test_long_decode_memory_stays_bounded_by_the_window():
     x = torch.randn(1, 40, C)
     cache = SlidingWindowCache(2, 1, 2, W, 8)
     before = cache.memory_bytes()
-    assert before == 2 * 2 * 1 * 2 * W * 8 * 4                    # K+V, layers, B, Hkv, W, D, fp32
+    assert before == 2 * 2 * 1 * 2 * W * 8 * 4  # K+V, layers, B, Hkv, W, D, fp32
     with torch.no_grad():
-        got = torch.cat([m(x[:, :3], is_causal=True, cache=cache.layer(0))]
-                        + [m(x[:, t:t + 1], is_causal=True, cache=cache.layer(0)) for t in range(3, 40)], dim=1)
+        got = torch.cat(
+            [m(x[:, :3], is_causal=True, cache=cache.layer(0))]
+            + [m(x[:, t : t + 1], is_causal=True, cache=cache.layer(0)) for t in range(3, 40)],
+            dim=1,
+        )
         assert err(got, windowed(m, x, W)) <= 1e-5
     assert cache.memory_bytes() == before
-    assert cache.layer(0).positions(2).tolist() == [[40, 41]]         # positions keep growing past W
+    assert cache.layer(0).positions(2).tolist() == [[40, 41]]  # positions keep growing past W
 
 
 def test_decode_with_a_full_ring_reads_the_buffer_in_place_without_masks():

@@ -1,5 +1,6 @@
 """`headwise chat` driven through a pseudo-terminal, as a user types: Ctrl-C (SIGINT) stops the
 reply and keeps the conversation; Ctrl-C or Ctrl-D at the prompt quits with status 0."""
+
 import os
 import pty
 import re
@@ -22,9 +23,15 @@ class Terminal:
     def __init__(self, *args, sigint_ignored: bool = False):
         master, slave = pty.openpty()
         # sigint_ignored: started as by nohup or a runner that ignores SIGINT (inherited across exec)
-        self.proc = subprocess.Popen([sys.executable, "-m", "headwise.cli", "chat", *args], stdin=slave,
-                                     stdout=slave, stderr=slave, cwd=ROOT, close_fds=True,
-                                     preexec_fn=_ignore_sigint if sigint_ignored else None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "headwise.cli", "chat", *args],
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            cwd=ROOT,
+            close_fds=True,
+            preexec_fn=_ignore_sigint if sigint_ignored else None,
+        )
         os.close(slave)
         self.fd, self.seen = master, ""
 
@@ -37,10 +44,10 @@ class Terminal:
             if select.select([self.fd], [], [], left)[0]:
                 try:
                     self.seen += os.read(self.fd, 4096).decode(errors="replace")
-                except OSError:                      # the child closed the terminal
+                except OSError:  # the child closed the terminal
                     assert False, f"exited before {pattern!r}:\n{self.seen[start:]}"
         m = re.search(pattern, self.seen[start:])
-        out, self.seen = self.seen[start:start + m.end()], self.seen[:start + m.end()]
+        out, self.seen = self.seen[start : start + m.end()], self.seen[: start + m.end()]
         return out
 
     def type(self, text: str):
@@ -70,19 +77,19 @@ def test_ctrl_c_stops_the_reply_and_the_conversation_goes_on(sigint_ignored):
     try:
         t.expect(r"you> ")
         t.type("Tell me a very long story about a dragon who learns to read, with many chapters.\n")
-        t.expect(r"bot> \S+ \S+ \S+")                    # a few words of the reply have streamed
+        t.expect(r"bot> \S+ \S+ \S+")  # a few words of the reply have streamed
         t.interrupt()
-        first = t.expect(r"you> ")                       # back at the prompt, the process alive
+        first = t.expect(r"you> ")  # back at the prompt, the process alive
         assert t.proc.poll() is None and "Traceback" not in first
-        t.type("Go on.\n")                               # a shorter message than the first
+        t.type("Go on.\n")  # a shorter message than the first
         t.expect(r"bot> \S+")
         t.interrupt()
         second = t.expect(r"you> ")
         # the second prompt holds the first question and the interrupted reply: longer than the first
         # prompt although "Go on." is shorter; without history it would be shorter
         assert _prompt_tokens(second) > _prompt_tokens(first) + 3, (first, second)
-        time.sleep(1)                                    # as a person would: input() is reading by then
-        t.interrupt()                                    # Ctrl-C at an empty prompt quits
+        time.sleep(1)  # as a person would: input() is reading by then
+        t.interrupt()  # Ctrl-C at an empty prompt quits
         assert t.wait() == 0, t.seen
         assert "Traceback" not in t.seen, t.seen
     finally:
@@ -95,7 +102,7 @@ def test_ctrl_d_at_the_prompt_quits_cleanly():
     try:
         t.expect(r"you> ")
         time.sleep(1)
-        t.type("\x04")                                   # Ctrl-D: end of input on a terminal
+        t.type("\x04")  # Ctrl-D: end of input on a terminal
         assert t.wait() == 0, t.seen
         assert "Traceback" not in t.seen, t.seen
     finally:

@@ -1,4 +1,5 @@
 """Bad command lines: one line on stderr naming the problem and the fix, exit 2, and no model loaded."""
+
 import pytest
 
 from .conftest import headwise
@@ -9,16 +10,22 @@ CASES = {
     "missing dir": (["embed", "./no/such/checkpoint", "--text", "a"], ["no such file"]),
     "not a gguf": (["chat", "README.md"], ["not a .gguf"]),
     "dir without config": (["generate", "tests", "--prompt", "hi"], ["without config.json"]),
-    "negative max tokens": (["generate", "--prompt", "hi", "--max-new-tokens", "-5"],
-                            ["--max-new-tokens", ">= 1", "-5"]),
+    "negative max tokens": (
+        ["generate", "--prompt", "hi", "--max-new-tokens", "-5"],
+        ["--max-new-tokens", ">= 1", "-5"],
+    ),
     "not an integer": (["generate", "--prompt", "hi", "--max-new-tokens", "many"], ["'many' is not an integer"]),
     "negative temperature": (["generate", "--prompt", "hi", "--temperature", "-1"], ["--temperature", ">= 0"]),
     "top-p above 1": (["chat", "--top-p", "1.5"], ["--top-p", "(0, 1]"]),
-    "encoder for generate": (["generate", "all-minilm-l6-v2", "--prompt", "hi"],
-                             ["embedding model", "smollm2-135m-instruct", "headwise embed"]),
+    "encoder for generate": (
+        ["generate", "all-minilm-l6-v2", "--prompt", "hi"],
+        ["embedding model", "smollm2-135m-instruct", "headwise embed"],
+    ),
     "decoder for embed": (["embed", "smollm2-135m-instruct", "--text", "a"], ["chat model", "all-minilm-l6-v2"]),
-    "unknown backend": (["generate", "--backend", "nope", "--prompt", "hi"], ["unknown attention backend 'nope'",
-                                                                             "sdpa", "math"]),
+    "unknown backend": (
+        ["generate", "--backend", "nope", "--prompt", "hi"],
+        ["unknown attention backend 'nope'", "sdpa", "math"],
+    ),
     "backends zero tokens": (["backends", "-T", "0"], ["--tokens", ">= 1"]),
     "backends bad gqa": (["backends", "-H", "12", "--kv-heads", "5"], ["--heads 12", "--kv-heads 5", "divide"]),
     "demo zero rounds": (["demo", "--rounds", "0"], ["--rounds", ">= 1"]),
@@ -37,7 +44,7 @@ def test_bad_input_is_one_line_and_exit_2(args, expected):
     r = headwise(*args, timeout=120)
     assert r.returncode == 2, (r.returncode, r.stderr)
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr                      # no traceback, no usage block
+    assert len(lines) == 1, r.stderr  # no traceback, no usage block
     assert lines[0].startswith(f"headwise {args[0]}: "), lines[0]
     for part in expected:
         assert part in lines[0], (part, lines[0])

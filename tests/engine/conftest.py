@@ -1,6 +1,7 @@
 """Models for the engine tests: random tiny GPT-2 (MHA) and Llama (GQA) saved with
 transformers and loaded by headwise, and the reference every engine output is held to:
 headwise.generate run on one prompt at a time (its own contiguous cache, no batching)."""
+
 import pytest
 import torch
 
@@ -31,8 +32,9 @@ def _saved(tmp_path_factory, name, hf_model):
 def gpt2_pair(tmp_path_factory):
     """(transformers' GPT2LMHeadModel, headwise's GPT2 loaded from its checkpoint)."""
     torch.manual_seed(0)
-    cfg = tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=96,
-                        bos_token_id=None, eos_token_id=None)
+    cfg = tf.GPT2Config(
+        n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=96, bos_token_id=None, eos_token_id=None
+    )
     hf = tf.GPT2LMHeadModel(cfg).eval()
     return hf, _saved(tmp_path_factory, "gpt2", hf)
 

@@ -1,6 +1,7 @@
 """Aborts leave nothing behind: a queued request that is aborted never runs its prefill,
 abandoned streams leave the engine's maps, queues and block pool as they were, and the
 stats summarise latencies instead of listing every sample."""
+
 import asyncio
 import time
 
@@ -15,16 +16,21 @@ LONG = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
 
 def engine_is_empty(engine: Engine) -> bool:
     """Every per-request structure of the engine is empty and every block is free."""
-    return (not engine._groups and not engine._outputs and not engine.scheduler.waiting
-            and not engine.scheduler.running and all_blocks_free(engine))
+    return (
+        not engine._groups
+        and not engine._outputs
+        and not engine.scheduler.waiting
+        and not engine.scheduler.running
+        and all_blocks_free(engine)
+    )
 
 
 def test_abort_of_a_queued_request_never_runs_its_prefill(tiny_llama):
     prompts = ragged_prompts(tiny_llama.config.vocab_size, seed=3)
-    a, b, c = prompts[5], prompts[11], prompts[9]           # 17, 64 and 45 tokens
+    a, b, c = prompts[5], prompts[11], prompts[9]  # 17, 64 and 45 tokens
     engine = Engine(tiny_llama, num_blocks=64, block_size=8, max_num_seqs=1, max_num_batched_tokens=64)
     engine.add_request(a, LONG, request_id="a")
-    engine.step()                                           # a is running; b and c must wait for its slot
+    engine.step()  # a is running; b and c must wait for its slot
     engine.add_request(b, LONG, request_id="b")
     engine.add_request(c, LONG, request_id="c")
     assert engine.stats().waiting == 2
@@ -32,7 +38,7 @@ def test_abort_of_a_queued_request_never_runs_its_prefill(tiny_llama):
     while engine.has_unfinished():
         engine.step()
     s = engine.stats()
-    assert s.prefill_tokens == len(a) + len(c)              # b's 64 prompt tokens were never computed
+    assert s.prefill_tokens == len(a) + len(c)  # b's 64 prompt tokens were never computed
     assert s.requests_aborted == 1 and s.requests_finished == 2
     assert engine.result("a").finish_reason == "length" and engine.result("b").finish_reason == "abort"
 
@@ -41,22 +47,29 @@ def test_many_queued_streams_that_hang_up_cost_no_prefill(tiny_llama):
     """100 clients that go away before their first piece: none of them is prefilled, and the
     engine is idle again as soon as the one running request ends."""
     prompts = ragged_prompts(tiny_llama.config.vocab_size, seed=4)
-    engine = Engine(tiny_llama, num_blocks=128, block_size=8, max_num_seqs=1, max_num_batched_tokens=64,
-                    max_waiting_requests=128, max_waiting_tokens=100 * 64)
+    engine = Engine(
+        tiny_llama,
+        num_blocks=128,
+        block_size=8,
+        max_num_seqs=1,
+        max_num_batched_tokens=64,
+        max_waiting_requests=128,
+        max_waiting_tokens=100 * 64,
+    )
 
     async def run():
         first = engine.stream(prompts[5], LONG, request_id="busy")
-        await anext(first)                                  # the one slot is taken
+        await anext(first)  # the one slot is taken
         gens = [engine.stream(prompts[11], LONG, request_id=f"gone-{i}") for i in range(100)]
         tasks = [asyncio.ensure_future(anext(g)) for g in gens]
-        await asyncio.sleep(0.05)                           # every one is queued
+        await asyncio.sleep(0.05)  # every one is queued
         assert engine.stats().waiting == 100
         for t in tasks:
-            t.cancel()                                      # the client hung up
+            t.cancel()  # the client hung up
         await asyncio.gather(*tasks, return_exceptions=True)
         for g in gens:
             await g.aclose()
-        assert engine.stats().waiting == 0                  # dropped at once, not after a prefill
+        assert engine.stats().waiting == 0  # dropped at once, not after a prefill
         async for _ in first:
             pass
 
@@ -82,7 +95,7 @@ def test_abandoned_streams_leave_no_state_behind(tiny_llama):
         n = 0
         async for _ in gen:
             n += 1
-            if i % 3 and n == 1 + i % 5:                    # two in three hang up after a few pieces
+            if i % 3 and n == 1 + i % 5:  # two in three hang up after a few pieces
                 break
         await gen.aclose()
 
@@ -104,17 +117,17 @@ def test_stats_show_percentiles_not_every_sample(tiny_llama):
     engine = Engine(tiny_llama, num_blocks=128, block_size=8)
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
     s = engine.stats()
-    assert len(s.itl_s) == 12 * 11                          # the samples are still there to compute with
+    assert len(s.itl_s) == 12 * 11  # the samples are still there to compute with
     d = s.as_dict()
     for key, count in (("ttft_s", 12), ("itl_s", 12 * 11)):
         summary = d[key]
         xs = sorted(getattr(s, key))
         assert summary["count"] == count
-        assert summary["p50"] == xs[(count + 1) // 2 - 1]    # nearest rank
+        assert summary["p50"] == xs[(count + 1) // 2 - 1]  # nearest rank
         assert summary["p50"] <= summary["p90"] <= summary["p99"] <= xs[-1]
     text = repr(s)
     assert "p50=" in text and "p99=" in text
-    assert len(text) < 1500, text                           # 144 floats would not fit
+    assert len(text) < 1500, text  # 144 floats would not fit
     decode = sum(len(o.token_ids) - 1 for o in outs)
     assert s.decode_tokens_per_second is not None and s.decode_tokens_per_second > 0
     assert decode == 12 * 11

@@ -1,6 +1,7 @@
 """The engine's parts on their own: the core speaks token ids (no tokenizer, no text), the
 runner computes the output layer for the sampled rows only, and the whole engine with 1 and
 with 16 requests gives what generate() gives one prompt at a time."""
+
 import torch
 
 from headwise import Engine, SamplingParams
@@ -13,8 +14,7 @@ from .conftest import all_blocks_free, ragged_prompts, reference
 def test_core_runs_token_ids_in_and_out(tiny_gpt2):
     """A model without a tokenizer: ids in, ids out, equal to generate() on each prompt alone."""
     assert getattr(tiny_gpt2, "tokenizer", None) is None
-    core = EngineCore(tiny_gpt2, EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=16,
-                                              max_num_seqs=4))
+    core = EngineCore(tiny_gpt2, EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=16, max_num_seqs=4))
     prompts = ragged_prompts(96, seed=4)[:6]
     params = [SamplingParams(max_new_tokens=n, temperature=0) for n in (7, 3, 9, 1, 5, 8)]
     requests = []
@@ -29,7 +29,7 @@ def test_core_runs_token_ids_in_and_out(tiny_gpt2):
             seen[id(out.request)].append(out.token)
     for p, sp, r in zip(prompts, params, requests):
         ref = reference(tiny_gpt2, p, sp)[0]
-        assert r.status is Status.FINISHED and r.text is None            # the core made no text
+        assert r.status is Status.FINISHED and r.text is None  # the core made no text
         assert r.output_token_ids == seen[id(r)] == ref.token_ids
         assert r.finish_reason == ref.finish_reason == "length"
     assert not core.cache.seq_ids()
@@ -47,19 +47,23 @@ def test_runner_computes_logits_for_sampled_rows_only(tiny_llama):
         batch = prepare(chunks)
         batches.append((batch.num_tokens, int(batch.rows.numel())))
         return batch
+
     runner.prepare = spy
     handle = tiny_llama.lm_head.register_forward_hook(
-        lambda mod, args, out: rows_seen.append(args[0].reshape(-1, args[0].shape[-1]).shape[0]))
+        lambda mod, args, out: rows_seen.append(args[0].reshape(-1, args[0].shape[-1]).shape[0])
+    )
     try:
-        prompts = ragged_prompts(tiny_llama.config.vocab_size, seed=5)[-1:] + \
-            ragged_prompts(tiny_llama.config.vocab_size, seed=5)[:5]   # 64 tokens first: steps that sample nothing
+        prompts = (
+            ragged_prompts(tiny_llama.config.vocab_size, seed=5)[-1:]
+            + ragged_prompts(tiny_llama.config.vocab_size, seed=5)[:5]
+        )  # 64 tokens first: steps that sample nothing
         greedy = SamplingParams(max_new_tokens=5, temperature=0)
         outs = engine.generate(prompts, greedy)
     finally:
         handle.remove()
     assert [o.token_ids for o in outs] == [reference(tiny_llama, p, greedy)[0].token_ids for p in prompts]
     assert rows_seen == [max(1, r) for _, r in batches]
-    assert sum(n for n, _ in batches) > sum(rows_seen)                    # prefill rows got no logits
+    assert sum(n for n, _ in batches) > sum(rows_seen)  # prefill rows got no logits
     assert any(r == 0 for _, r in batches) and any(n > r > 1 for n, r in batches)
 
 
@@ -73,4 +77,4 @@ def test_one_and_sixteen_requests_equal_generate(tiny):
         outs = engine.generate(batch, greedy)
         assert [o.token_ids for o in outs] == [reference(tiny, p, greedy)[0].token_ids for p in batch]
         assert all_blocks_free(engine)
-    assert engine.stats().steps < 16 * 10                               # the 16 shared their steps
+    assert engine.stats().steps < 16 * 10  # the 16 shared their steps

@@ -1,6 +1,7 @@
 """Engine.generate on tiny random models against headwise.generate run one prompt at a time
 (and, for greedy GPT-2, against transformers' own generate): continuous batching, chunked
 prefill, preemption, prefix sharing and per-request sampling must change no output."""
+
 import pytest
 import torch
 
@@ -36,7 +37,7 @@ def test_greedy_equals_generate_one_at_a_time(tiny):
     outs = engine.generate(prompts, params)
     assert_same_as_reference(tiny, prompts, params, outs)
     assert all_blocks_free(engine)
-    assert engine.stats().steps < sum(len(p) for p in prompts)       # really batched
+    assert engine.stats().steps < sum(len(p) for p in prompts)  # really batched
 
 
 @torch.no_grad()
@@ -44,12 +45,19 @@ def test_greedy_gpt2_equals_transformers(gpt2_pair):
     """The same, against transformers' generate with the same weights."""
     hf, model = gpt2_pair
     prompts = ragged_prompts(96, seed=3)
-    outs = Engine(model, num_blocks=128, block_size=4, max_num_batched_tokens=24,
-                  max_num_seqs=8).generate(prompts, GREEDY)
+    outs = Engine(model, num_blocks=128, block_size=4, max_num_batched_tokens=24, max_num_seqs=8).generate(
+        prompts, GREEDY
+    )
     for p, out in zip(prompts, outs):
-        ids = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                          do_sample=False, max_new_tokens=12, min_new_tokens=12, pad_token_id=0)
-        assert out.token_ids == ids[0, len(p):].tolist()
+        ids = hf.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=12,
+            min_new_tokens=12,
+            pad_token_id=0,
+        )
+        assert out.token_ids == ids[0, len(p) :].tolist()
 
 
 def test_pool_too_small_preempts_and_outputs_stay_identical(tiny):
@@ -91,12 +99,14 @@ def test_per_request_sampling_equals_generate(tiny_llama):
     """Seeded sampling (temperature, top-k, top-p, min-p), repetition penalty, n > 1 and
     logprobs, all in one batch: each request draws what generate() draws for it alone."""
     prompts = ragged_prompts(tiny_llama.config.vocab_size, seed=4)[3:9]
-    params = [SamplingParams(max_new_tokens=10, temperature=0.8, top_k=20, seed=11),
-              SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.9, min_p=0.05, seed=12),
-              SamplingParams(max_new_tokens=10, temperature=0, repetition_penalty=1.5),
-              SamplingParams(max_new_tokens=8, temperature=0.7, seed=13, n=3),
-              SamplingParams(max_new_tokens=10, temperature=0, logprobs=3),
-              SamplingParams(max_new_tokens=10, temperature=1.2, seed=14, logprobs=2, repetition_penalty=1.2)]
+    params = [
+        SamplingParams(max_new_tokens=10, temperature=0.8, top_k=20, seed=11),
+        SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.9, min_p=0.05, seed=12),
+        SamplingParams(max_new_tokens=10, temperature=0, repetition_penalty=1.5),
+        SamplingParams(max_new_tokens=8, temperature=0.7, seed=13, n=3),
+        SamplingParams(max_new_tokens=10, temperature=0, logprobs=3),
+        SamplingParams(max_new_tokens=10, temperature=1.2, seed=14, logprobs=2, repetition_penalty=1.2),
+    ]
     engine = Engine(tiny_llama, num_blocks=64, block_size=8, max_num_batched_tokens=16, max_num_seqs=8)
     outs = engine.generate(prompts, params)
     assert_same_as_reference(tiny_llama, prompts, params, outs)
@@ -106,7 +116,7 @@ def test_per_request_sampling_equals_generate(tiny_llama):
             assert got.token_id == want.token_id
             assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
             assert [t for t, _ in got.top] == [t for t, _ in want.top]
-    assert len({tuple(o.token_ids) for o in outs[3].outputs}) > 1      # n=3 draws differ
+    assert len({tuple(o.token_ids) for o in outs[3].outputs}) > 1  # n=3 draws differ
     assert all_blocks_free(engine)
 
 
@@ -116,7 +126,7 @@ def test_stop_token_ids_end_a_request(tiny_gpt2):
     stop = free_run[4]
     params = SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=(stop,))
     out = Engine(tiny_gpt2, num_blocks=32, block_size=4).generate([prompt], params)[0]
-    assert out.token_ids == free_run[:free_run.index(stop) + 1]
+    assert out.token_ids == free_run[: free_run.index(stop) + 1]
     assert out.finish_reason == "stop"
     assert_same_as_reference(tiny_gpt2, [prompt], params, [out])
 
@@ -139,7 +149,7 @@ def test_stats_count_what_happened(tiny_gpt2):
 
 def test_pool_sized_from_memory_budget(tiny_llama):
     cfg = tiny_llama.config
-    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim          # K and V, every layer
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim  # K and V, every layer
     engine = Engine(tiny_llama, memory_budget_bytes=100 * 16 * per_token * 4, block_size=16)
     assert engine.cache.num_blocks == 100
     assert engine.cache.memory_bytes() == 100 * 16 * per_token * 4
@@ -147,7 +157,7 @@ def test_pool_sized_from_memory_budget(tiny_llama):
     per_token_int8 = 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + 4)  # int8 + fp32 scale per head
     assert int8.cache.num_blocks == 100 * 16 * per_token * 4 // (16 * per_token_int8)
     assert int8.cache.memory_bytes() <= 100 * 16 * per_token * 4
-    default = Engine(tiny_llama, max_num_seqs=4)                          # enough for 4 full contexts
+    default = Engine(tiny_llama, max_num_seqs=4)  # enough for 4 full contexts
     assert default.cache.num_blocks == 4 * cfg.max_positions // 16
     assert default.max_model_len == cfg.max_positions
     out = int8.generate([ragged_prompts(128)[5]], GREEDY)[0]
@@ -181,8 +191,9 @@ def test_bad_input_names_the_problem(tiny_gpt2, tmp_path):
     with pytest.raises(ValueError, match="kv_dtype must be None"):
         Engine(tiny_gpt2, num_blocks=4, kv_dtype="fp8")
     bert_path = tmp_path / "bert"
-    tf.BertModel(tf.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                               vocab_size=50)).save_pretrained(bert_path)
+    tf.BertModel(
+        tf.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=50)
+    ).save_pretrained(bert_path)
     with pytest.raises(ValueError, match="decoder language models .* 'bert'"):
         Engine(headwise.load(bert_path))
-    assert engine.stats().waiting == 1                 # only r1 got in
+    assert engine.stats().waiting == 1  # only r1 got in

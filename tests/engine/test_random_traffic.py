@@ -3,6 +3,7 @@ between steps, some are aborted at random moments, the pool is small enough to p
 After every operation the pool's counts must match the block tables (no block leaked or
 double-held); at the end every block is free, and every request that was not aborted
 produced exactly its greedy output alone (an aborted one, a prefix of it)."""
+
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -18,8 +19,11 @@ steps = st.tuples(st.just("step"), st.integers(1, 4))
 
 
 @settings(max_examples=20)
-@given(ops=st.lists(st.one_of(arrival, arrival, abort, steps), min_size=8, max_size=30),
-       num_blocks=st.integers(10, 24), budget=st.sampled_from([8, 16, 64]))
+@given(
+    ops=st.lists(st.one_of(arrival, arrival, abort, steps), min_size=8, max_size=30),
+    num_blocks=st.integers(10, 24),
+    budget=st.sampled_from([8, 16, 64]),
+)
 def test_random_arrivals_and_aborts_never_leak_nor_change_outputs(tiny_gpt2, ops, num_blocks, budget):
     engine = Engine(tiny_gpt2, num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget, max_num_seqs=8)
     requests, aborted = [], set()
@@ -40,11 +44,11 @@ def test_random_arrivals_and_aborts_never_leak_nor_change_outputs(tiny_gpt2, ops
     while engine.has_unfinished():
         engine.step()
     assert all_blocks_free(engine)
-    event(f"preempted: {engine.stats().preemptions > 0}")         # --hypothesis-show-statistics
+    event(f"preempted: {engine.stats().preemptions > 0}")  # --hypothesis-show-statistics
     for rid, prompt, params in requests:
         out = engine.result(rid)
         ref = reference(tiny_gpt2, prompt, params)[0].token_ids
         if rid in aborted:
-            assert out.finish_reason == "abort" and out.token_ids == ref[:len(out.token_ids)]
+            assert out.finish_reason == "abort" and out.token_ids == ref[: len(out.token_ids)]
         else:
             assert out.token_ids == ref and out.finish_reason == "length"

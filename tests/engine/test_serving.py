@@ -1,5 +1,6 @@
 """The engine as a server uses it: the background thread, async streams, aborts, the queue
 limit, shutdown and failure. Outputs are held to headwise.generate one prompt at a time."""
+
 import asyncio
 import time
 
@@ -33,7 +34,7 @@ def test_concurrent_streams_equal_generate(tiny):
 
     with Engine(tiny, num_blocks=96, block_size=4, max_num_batched_tokens=32, max_num_seqs=8) as engine:
         streams = asyncio.run(main(engine))
-        assert engine.stats().steps < sum(sp.max_new_tokens * sp.n for sp in params)   # they shared steps
+        assert engine.stats().steps < sum(sp.max_new_tokens * sp.n for sp in params)  # they shared steps
     for p, sp, pieces in zip(prompts, params, streams):
         refs = reference(tiny, p, sp)
         for j, ref in enumerate(refs):
@@ -58,15 +59,18 @@ def test_closing_a_stream_aborts_it_and_frees_its_blocks_at_once(tiny_gpt2):
             seen["in_cache"] = ("leaver", 0) in engine.cache
             seen["aborted"] = engine.stats().requests_aborted
             return pieces
+
         return await asyncio.gather(leaver(), collect(engine.stream(prompts[10], LONG)))
 
     with Engine(tiny_gpt2, num_blocks=96, block_size=4) as engine:
         left, stayed = asyncio.run(main(engine))
         assert len(left) == 3 and seen == {"in_cache": False, "aborted": 1}
-        assert engine.abort("leaver") is False                        # already gone
+        assert engine.abort("leaver") is False  # already gone
     assert [t for x in stayed for t in x.token_ids] == reference(tiny_gpt2, prompts[10], LONG)[0].token_ids
-    assert left[0].token_ids + left[1].token_ids + left[2].token_ids == \
-        reference(tiny_gpt2, prompts[9], LONG)[0].token_ids[:3]
+    assert (
+        left[0].token_ids + left[1].token_ids + left[2].token_ids
+        == reference(tiny_gpt2, prompts[9], LONG)[0].token_ids[:3]
+    )
     assert all_blocks_free(engine)
 
 
@@ -98,8 +102,10 @@ def test_abort_while_a_step_runs_on_the_thread(tiny_gpt2):
     prompts = ragged_prompts(96, seed=10)
     got: dict[str, list] = {}
     with Engine(tiny_gpt2, num_blocks=128, block_size=4, max_num_seqs=12) as engine:
-        ids = [engine.add_request(p, LONG, on_piece=lambda x, i=i: got.setdefault(i, []).append(x))
-               for i, p in enumerate(prompts)]
+        ids = [
+            engine.add_request(p, LONG, on_piece=lambda x, i=i: got.setdefault(i, []).append(x))
+            for i, p in enumerate(prompts)
+        ]
         while engine.stats().output_tokens < 40:
             time.sleep(0.001)
         for rid in ids[::3]:
@@ -109,7 +115,7 @@ def test_abort_while_a_step_runs_on_the_thread(tiny_gpt2):
     for i, (p, out) in enumerate(zip(prompts, outs)):
         ref = reference(tiny_gpt2, p, LONG)[0].token_ids
         if i % 3 == 0:
-            assert out.finish_reason == "abort" and out.token_ids == ref[:len(out.token_ids)]
+            assert out.finish_reason == "abort" and out.token_ids == ref[: len(out.token_ids)]
         else:
             assert out.token_ids == ref
         assert got[i][-1].finish_reason == out.finish_reason
@@ -120,8 +126,8 @@ def test_abort_while_a_step_runs_on_the_thread(tiny_gpt2):
 def test_queue_full_refuses_and_changes_nothing(tiny_gpt2):
     prompts = ragged_prompts(96, seed=11)
     engine = Engine(tiny_gpt2, num_blocks=64, block_size=4, max_waiting_requests=2, max_waiting_tokens=40)
-    a = engine.add_request(prompts[4], GREEDY)                # 16 tokens
-    b = engine.add_request(prompts[5], GREEDY)                # 17 tokens
+    a = engine.add_request(prompts[4], GREEDY)  # 16 tokens
+    b = engine.add_request(prompts[5], GREEDY)  # 17 tokens
     before = engine.stats()
     with pytest.raises(QueueFull, match=r"2 requests are waiting \(max_waiting_requests=2\)") as e:
         engine.add_request(prompts[0], GREEDY)
@@ -129,18 +135,19 @@ def test_queue_full_refuses_and_changes_nothing(tiny_gpt2):
     assert engine.stats() == before
 
     async def refused():
-        agen = engine.stream(prompts[0], GREEDY)              # nothing happens until the first __anext__
+        agen = engine.stream(prompts[0], GREEDY)  # nothing happens until the first __anext__
         with pytest.raises(QueueFull):
             await agen.__anext__()
+
     asyncio.run(refused())
     assert engine.stats() == before
-    engine.step()                                             # both admitted: the queue is empty again
+    engine.step()  # both admitted: the queue is empty again
     assert engine.stats().waiting == 0
-    engine.add_request(prompts[6], GREEDY)                    # 34 tokens: fits 40
+    engine.add_request(prompts[6], GREEDY)  # 34 tokens: fits 40
     with pytest.raises(QueueFull, match="34 prompt tokens are waiting and this request adds 9"):
         engine.add_request(prompts[3], GREEDY)
     with pytest.raises(ValueError, match="more than the waiting queue ever holds"):
-        engine.add_request(prompts[11], GREEDY)               # 64 tokens: never
+        engine.add_request(prompts[11], GREEDY)  # 64 tokens: never
     with engine:
         assert engine.result(a, timeout=60).token_ids == reference(tiny_gpt2, prompts[4], GREEDY)[0].token_ids
         assert engine.result(b, timeout=60).token_ids == reference(tiny_gpt2, prompts[5], GREEDY)[0].token_ids
@@ -161,15 +168,17 @@ def test_a_failing_forward_reaches_every_waiter(tiny_gpt2, monkeypatch):
 
     def broken(*args):
         raise RuntimeError("boom")
+
     monkeypatch.setattr(engine.core.runner, "run", broken)
 
     async def main():
         with pytest.raises(RuntimeError, match="engine failed") as e:
             await collect(engine.stream([1, 2, 3], GREEDY))
         assert "boom" in repr(e.value.__cause__)
+
     asyncio.run(main())
     with pytest.raises(RuntimeError, match="stopped after an error: RuntimeError\\('boom'\\)"):
         engine.add_request([1], GREEDY)
     assert all_blocks_free(engine)
     engine._thread.join(timeout=10)
-    assert not engine._thread.is_alive()                      # the loop ended; it does not spin
+    assert not engine._thread.is_alive()  # the loop ended; it does not spin

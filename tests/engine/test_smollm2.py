@@ -2,6 +2,7 @@
 run one prompt at a time: 12 prompts of different lengths, six chats sharing a long system
 prompt, then a second batch that finds that prompt in the prefix table; and a stream with a
 stop string. Token counts stay small: 2 shared cores."""
+
 import asyncio
 
 import pytest
@@ -11,11 +12,20 @@ from headwise import Engine, SamplingParams
 
 from .conftest import all_blocks_free, reference
 
-SYSTEM = ("You are a careful assistant for a museum. You answer visitors' questions about history, "
-          "geography and science in one or two short sentences, and you never make up facts.")
-QUESTIONS = ["What is the capital of France?", "Why is the sky blue?", "Name three planets.",
-             "Who wrote Hamlet?", "What is photosynthesis?", "How tall is Mount Everest?",
-             "What do bees make?", "Where is the Nile?"]
+SYSTEM = (
+    "You are a careful assistant for a museum. You answer visitors' questions about history, "
+    "geography and science in one or two short sentences, and you never make up facts."
+)
+QUESTIONS = [
+    "What is the capital of France?",
+    "Why is the sky blue?",
+    "Name three planets.",
+    "Who wrote Hamlet?",
+    "What is photosynthesis?",
+    "How tall is Mount Everest?",
+    "What do bees make?",
+    "Where is the Nile?",
+]
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0)
 
 
@@ -29,8 +39,14 @@ def smol():
 
 
 def test_greedy_equals_generate_then_prefix_hits(smol):
-    plain = ["Once upon a time", "def fibonacci(n):", "The quick brown fox jumps over",
-             "1, 2, 3, 4,", "In 1492, Columbus sailed", "Hello"]
+    plain = [
+        "Once upon a time",
+        "def fibonacci(n):",
+        "The quick brown fox jumps over",
+        "1, 2, 3, 4,",
+        "In 1492, Columbus sailed",
+        "Hello",
+    ]
     prompts = [chat(q) for q in QUESTIONS[:6]] + plain
     # a 96-token budget splits the ~60-token chats into chunks that share steps with decodes
     engine = Engine(smol, max_num_seqs=12, max_num_batched_tokens=96, num_blocks=256)
@@ -40,8 +56,17 @@ def test_greedy_equals_generate_then_prefix_hits(smol):
         assert (out.token_ids, out.text, out.finish_reason) == (ref.token_ids, ref.text, ref.finish_reason)
     assert all_blocks_free(engine)
 
-    system_blocks = len(smol.tokenizer.encode(smol.tokenizer.apply_chat_template(
-        [{"role": "system", "content": SYSTEM}], add_generation_prompt=False), add_special_tokens=False)) // 16
+    system_blocks = (
+        len(
+            smol.tokenizer.encode(
+                smol.tokenizer.apply_chat_template(
+                    [{"role": "system", "content": SYSTEM}], add_generation_prompt=False
+                ),
+                add_special_tokens=False,
+            )
+        )
+        // 16
+    )
     assert system_blocks >= 2
     before = engine.stats().prefix_cache_hits
     second = [chat(q) for q in QUESTIONS[6:]] + prompts[:2]
@@ -76,8 +101,8 @@ def test_stop_string_on_the_last_allowed_token_is_a_stop(smol):
     prompt = chat(QUESTIONS[1])
     eight = headwise.generate(smol, prompt, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))
     seven = headwise.generate(smol, prompt, SamplingParams(max_new_tokens=7, temperature=0, ignore_eos=True))
-    last = eight.text[len(seven.text):].strip()
-    assert last and last not in seven.text                              # the 8th token's text, new
+    last = eight.text[len(seven.text) :].strip()
+    assert last and last not in seven.text  # the 8th token's text, new
     params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True, stop=[last])
     ref = headwise.generate(smol, prompt, params)
     assert ref.finish_reason == "stop" and len(ref.token_ids) == 8

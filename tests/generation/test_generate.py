@@ -1,5 +1,6 @@
 """headwise.generate against transformers' generate with the same weights, plus
 batching, streaming, stop strings, seeds and bad input."""
+
 import pytest
 import torch
 
@@ -75,12 +76,13 @@ def test_prefill_computes_the_output_layer_for_each_prompt_last_row_only(tiny):
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 30, 1, 12)]
     rows = []
     handle = model.lm_head.register_forward_hook(
-        lambda mod, args, out: rows.append(args[0].reshape(-1, args[0].shape[-1]).shape[0]))
+        lambda mod, args, out: rows.append(args[0].reshape(-1, args[0].shape[-1]).shape[0])
+    )
     try:
         res = headwise.generate(model, prompts, max_new_tokens=6, temperature=0)
     finally:
         handle.remove()
-    assert rows == [4] * 6                         # the prefill, then 5 decode steps (the 6th token is the last)
+    assert rows == [4] * 6  # the prefill, then 5 decode steps (the 6th token is the last)
     for p, r in zip(prompts, res):
         assert r.token_ids == _hf_greedy(hf, p, 6)
 
@@ -96,8 +98,9 @@ def test_seeded_sampling_reproduces(tiny):
 def test_smollm2_logits_and_greedy_64_match_transformers(smol):
     model, hf = smol
     msgs = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-    ids = model.tokenizer.encode(model.tokenizer.apply_chat_template(msgs, add_generation_prompt=True),
-                                 add_special_tokens=False)
+    ids = model.tokenizer.encode(
+        model.tokenizer.apply_chat_template(msgs, add_generation_prompt=True), add_special_tokens=False
+    )
     with torch.no_grad():
         assert (model(torch.tensor([ids])) - hf(torch.tensor([ids])).logits).abs().max() <= 1e-3
     res = headwise.generate(model, msgs, max_new_tokens=64, temperature=0, ignore_eos=True)
@@ -111,7 +114,7 @@ def test_streaming_pieces_join_to_the_text_and_never_split_utf8(smol):
     full = headwise.generate(model, msgs, max_new_tokens=40, temperature=0)
     pieces = list(headwise.generate(model, msgs, max_new_tokens=40, temperature=0, stream=True))
     assert "".join(pieces) == full.text
-    assert len(pieces) > 5 and len(full.token_ids) > len(pieces)     # multi-token characters were held back
+    assert len(pieces) > 5 and len(full.token_ids) > len(pieces)  # multi-token characters were held back
     # every piece is whole characters; only the final flush may end in a character cut by max_new_tokens
     assert all("\ufffd" not in p for p in pieces[:-1])
 
@@ -125,7 +128,7 @@ def test_stop_strings_cut_across_token_boundaries(smol):
     pieces = [tok.decode(base.token_ids[:i]) for i in range(1, len(base.token_ids))]
     i = next(i for i in range(6, len(pieces)) if len(pieces[i]) - len(pieces[i - 1]) >= 3)
     boundary = len(pieces[i - 1])
-    stop = base.text[boundary - 2: boundary + 2]
+    stop = base.text[boundary - 2 : boundary + 2]
     expect = base.text[: base.text.find(stop)]
     res = headwise.generate(model, prompt, max_new_tokens=48, temperature=0, stop=[stop])
     assert res.finish_reason == "stop" and res.text == expect
@@ -143,8 +146,9 @@ def test_bad_input(tiny):
     _, model = tiny
     with pytest.raises(ValueError, match="prompt 0 is empty"):
         headwise.generate(model, [[]], max_new_tokens=4)
-    with pytest.raises(ValueError, match="prompt 0 has 250 tokens; with max_new_tokens=10 that exceeds the "
-                                         "model's context of 256"):
+    with pytest.raises(
+        ValueError, match="prompt 0 has 250 tokens; with max_new_tokens=10 that exceeds the model's context of 256"
+    ):
         headwise.generate(model, [1] * 250, max_new_tokens=10)
     with pytest.raises(ValueError, match="no tokenizer"):
         headwise.generate(model, "text", max_new_tokens=4)

@@ -1,4 +1,5 @@
 """Sampling filters against a direct computation and against transformers' logits processors."""
+
 import pytest
 import torch
 from hypothesis import given
@@ -8,7 +9,11 @@ from headwise import SamplingParams
 from headwise.generation.sampling import apply_repetition_penalty, filter_logits, sample
 
 from transformers.generation.logits_process import (  # noqa: E402  (the independent reference)
-    MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper)
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 
 def logits_strategy():
@@ -58,7 +63,7 @@ def test_filters_match_transformers_warpers(logits, k, p, m):
     ref = MinPLogitsWarper(m)(ids, ref) if m > 0 else ref
     ours = filter_logits(logits, top_k=k, top_p=p, min_p=m)
     for g, e in zip(kept(ours), kept(ref)):
-        assert g == e or len(g ^ e) == 1          # boundary ties in float32 cumulative sums
+        assert g == e or len(g ^ e) == 1  # boundary ties in float32 cumulative sums
 
 
 @given(logits=logits_strategy(), penalty=st.floats(0.5, 2.0))
@@ -73,8 +78,10 @@ def test_greedy_is_argmax_and_seeds_reproduce():
     logits = torch.randn(4, 100)
     assert torch.equal(sample(logits, SamplingParams(temperature=0)), logits.argmax(-1))
     params = SamplingParams(temperature=1.0)
-    draw = lambda seed: [sample(logits, params, generator=torch.Generator().manual_seed(seed)).tolist()  # noqa: E731
-                         for _ in range(5)]
+    draw = lambda seed: [
+        sample(logits, params, generator=torch.Generator().manual_seed(seed)).tolist()  # noqa: E731
+        for _ in range(5)
+    ]
     assert draw(1) == draw(1)
     assert draw(1) != draw(2)
 
@@ -96,9 +103,15 @@ def test_bad_sampling_params():
     assert SamplingParams(stop="###").stop == ("###",)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1e-300), SamplingParams(temperature=1e-30, top_p=0.5),
-                                    SamplingParams(temperature=1.0, repetition_penalty=1e-193),
-                                    SamplingParams(temperature=1e-300, repetition_penalty=1e30, min_p=0.5)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1e-300),
+        SamplingParams(temperature=1e-30, top_p=0.5),
+        SamplingParams(temperature=1.0, repetition_penalty=1e-193),
+        SamplingParams(temperature=1e-300, repetition_penalty=1e30, min_p=0.5),
+    ],
+)
 def test_extreme_parameters_never_produce_nan(params):
     """Overflow-prone settings sample a real token: argmax of the penalized logits (a tiny
     temperature) or any allowed token, never a multinomial error on NaN/inf."""

@@ -1,4 +1,5 @@
 """headwise.kernels.small_linear against PyTorch's own ops (F.linear, F.rms_norm, F.silu)."""
+
 import os
 import subprocess
 import sys
@@ -10,7 +11,6 @@ import torch.nn.functional as F
 from headwise import kernels
 
 
-
 def lin(x, w, b=None, **kw):
     """small_linear with W given as its blocked copy, as PackedLinear passes it."""
     return kernels.small_linear(x, kernels.block_weight(w), w.shape[0], b, **kw)
@@ -20,7 +20,7 @@ def assert_close_to(got, x, w, b=None, r=None):
     """got against x @ w.T + b + r in float64, to within fp32's rounding of a dot product of
     that length (summation order differs from PyTorch's, so bits may differ)."""
     want = F.linear(x.double(), w.double(), None if b is None else b.double())
-    size = F.linear(x.double().abs(), w.double().abs())              # sum_j |x_j w_ij|
+    size = F.linear(x.double().abs(), w.double().abs())  # sum_j |x_j w_ij|
     if r is not None:
         want, size = want + r.double(), size + r.double().abs()
     err = (got.double() - want).abs()
@@ -29,8 +29,8 @@ def assert_close_to(got, x, w, b=None, r=None):
 
 
 def test_kernel_builds_and_runs_here():
-    assert kernels.kernels_unavailable() is None        # x86-64 + AVX2 + gcc: this machine has all three
-    assert len(kernels._omp_libraries()) == 1           # it joined torch's OpenMP pool, no second runtime
+    assert kernels.kernels_unavailable() is None  # x86-64 + AVX2 + gcc: this machine has all three
+    assert len(kernels._omp_libraries()) == 1  # it joined torch's OpenMP pool, no second runtime
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, kernels.MAX_ROWS])
@@ -81,12 +81,15 @@ def test_same_bits_at_any_thread_count():
     assert torch.equal(one, two)
 
 
-@pytest.mark.parametrize("make,match", [
-    (lambda: (torch.randn(1, 8).half(), torch.randn(4, 8)), "fp32"),
-    (lambda: (torch.randn(8, 3).t(), torch.randn(4, 8)), "strided"),
-    (lambda: (torch.randn(1, 9), torch.randn(4, 8)), "does not fit"),
-    (lambda: (torch.randn(kernels.MAX_ROWS + 1, 8), torch.randn(4, 8)), "more than"),
-])
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: (torch.randn(1, 8).half(), torch.randn(4, 8)), "fp32"),
+        (lambda: (torch.randn(8, 3).t(), torch.randn(4, 8)), "strided"),
+        (lambda: (torch.randn(1, 9), torch.randn(4, 8)), "does not fit"),
+        (lambda: (torch.randn(kernels.MAX_ROWS + 1, 8), torch.randn(4, 8)), "more than"),
+    ],
+)
 def test_bad_input_is_refused(make, match):
     x, w = make()
     with pytest.raises(ValueError, match=match):
@@ -100,21 +103,26 @@ def test_bad_residual_blocked_weight_and_norm_weight_are_refused():
     with pytest.raises(ValueError, match="norm_weight"):
         lin(x, w, prologue=kernels.PRO_RMSNORM, norm_weight=torch.randn(7))
     with pytest.raises(ValueError, match="block_weight"):
-        kernels.small_linear(x, w, 4)                                  # the plain weight, not its blocked copy
+        kernels.small_linear(x, w, 4)  # the plain weight, not its blocked copy
     with pytest.raises(ValueError, match="block_weight"):
-        kernels.small_linear(x, kernels.block_weight(w), 12)          # blocks for 4 rows, asked for 12
+        kernels.small_linear(x, kernels.block_weight(w), 12)  # blocks for 4 rows, asked for 12
 
 
 def test_block_layout():
     w = torch.arange(10 * 3, dtype=torch.float32).reshape(10, 3)
     blocked = kernels.block_weight(w)
     assert blocked.shape == (2, 3, 8)
-    assert torch.equal(blocked[1, 2, :2], w[8:, 2]) and not blocked[1, :, 2:].any()   # rows past 10 are 0
+    assert torch.equal(blocked[1, 2, :2], w[8:, 2]) and not blocked[1, :, 2:].any()  # rows past 10 are 0
     assert torch.equal(blocked[0].t(), w[:8])
 
 
 def test_switched_off_by_environment():
     code = "from headwise import kernels; print(kernels.kernels_unavailable())"
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "HEADWISE_KERNELS": "0"},
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "HEADWISE_KERNELS": "0"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "HEADWISE_KERNELS=0" in out

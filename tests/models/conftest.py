@@ -1,5 +1,6 @@
 """Shared by the model tests: tiny Hugging Face checkpoints made offline, saved once per module,
 and the tiny decoder configs they are made from."""
+
 import warnings
 
 import pytest
@@ -7,10 +8,19 @@ import torch
 
 from ..helpers import save_hf
 
-V = 128     # vocab of every tiny decoder here
-LLAMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8, vocab_size=V,
-             max_position_embeddings=128, initializer_range=0.1, bos_token_id=None, eos_token_id=None,
-             pad_token_id=None)   # no eos: HF generate runs the full length, as our loops do
+V = 128  # vocab of every tiny decoder here
+LLAMA = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    vocab_size=V,
+    max_position_embeddings=128,
+    initializer_range=0.1,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)  # no eos: HF generate runs the full length, as our loops do
 
 
 def decoder_configs() -> dict:
@@ -22,18 +32,30 @@ def decoder_configs() -> dict:
         return tf.LlamaConfig(**{**LLAMA, **kw}), tf.LlamaForCausalLM
 
     return {
-        "gpt2": lambda: (tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=V,
-                                       initializer_range=0.3, bos_token_id=None, eos_token_id=None),
-                         tf.GPT2LMHeadModel),
+        "gpt2": lambda: (
+            tf.GPT2Config(
+                n_embd=64,
+                n_layer=2,
+                n_head=4,
+                n_positions=64,
+                vocab_size=V,
+                initializer_range=0.3,
+                bos_token_id=None,
+                eos_token_id=None,
+            ),
+            tf.GPT2LMHeadModel,
+        ),
         "llama-mha": lambda: llama(num_key_value_heads=8),
-        "llama-gqa": lambda: llama(num_key_value_heads=2),                                  # G = 4
+        "llama-gqa": lambda: llama(num_key_value_heads=2),  # G = 4
         "llama-mqa-tied": lambda: llama(num_key_value_heads=1, tie_word_embeddings=True),
         "llama-bias": lambda: llama(num_key_value_heads=2, attention_bias=True, mlp_bias=True),
         "qwen2": lambda: (tf.Qwen2Config(**LLAMA, num_key_value_heads=2), tf.Qwen2ForCausalLM),  # q/k/v bias
         "mistral": lambda: (tf.MistralConfig(**LLAMA, num_key_value_heads=2), tf.MistralForCausalLM),
         # a window shorter than the tests' sequences: HF masks keys older than 6 tokens
-        "mistral-window": lambda: (tf.MistralConfig(**LLAMA, num_key_value_heads=2, sliding_window=6),
-                                   tf.MistralForCausalLM),
+        "mistral-window": lambda: (
+            tf.MistralConfig(**LLAMA, num_key_value_heads=2, sliding_window=6),
+            tf.MistralForCausalLM,
+        ),
     }
 
 
@@ -49,6 +71,7 @@ def hf_checkpoints(tmp_path_factory, configs: dict, seed: int):
             hf = cls(config).eval()
             made[name] = hf, save_hf(tmp_path_factory, name, hf)
         return made[name]
+
     return get
 
 
@@ -57,16 +80,18 @@ def decoder(tmp_path_factory):
     """decoder(name) -> (HF model, headwise model loaded from HF's checkpoint) for a name of
     decoder_configs(), built once per module; decoder.path(name) is the checkpoint dir."""
     import headwise
+
     get = hf_checkpoints(tmp_path_factory, decoder_configs(), seed=1234)
     models = {}
 
     def load(name):
         if name not in models:
             hf, path = get(name)
-            with warnings.catch_warnings():          # mistral-window: "sliding_window ... not applied"
-                warnings.simplefilter("ignore")        # without a window cache; the test gives it one
+            with warnings.catch_warnings():  # mistral-window: "sliding_window ... not applied"
+                warnings.simplefilter("ignore")  # without a window cache; the test gives it one
                 models[name] = hf, headwise.load(path)
         return models[name]
+
     load.path = lambda name: get(name)[1]
     return load
 
@@ -76,10 +101,12 @@ def few_rows(monkeypatch):
     """Counts the block calls that took the few-rows route (`DecoderBlock._few_rows`)."""
     calls = []
     from headwise.models import blocks
+
     real = blocks.DecoderBlock._few_rows
 
     def spy(self, *args, **kwargs):
         calls.append(1)
         return real(self, *args, **kwargs)
+
     monkeypatch.setattr(blocks.DecoderBlock, "_few_rows", spy)
     return calls

@@ -1,5 +1,6 @@
 """Drivers for the one-forward tests: run a headwise model through cache steps the way
 generate() and the engine do, and compare each row with HF's logits at the same position."""
+
 import torch
 
 from headwise.cache import PagedKVCache
@@ -41,15 +42,15 @@ def contiguous_run(model, seqs, refs, cache, **tol):
     lens = [len(seqs[0]) // 2, 3, len(seqs[2]) // 3][:B]
     out = model(padded([s[:n] for s, n in zip(seqs, lens)]), cache.step(max(lens), num_new=torch.tensor(lens)))
     errs += [close(out[b, :n], refs[b][:n], **tol) for b, n in enumerate(lens)]
-    new = [3, 1, 2][:B]                                                  # rows of one step, real counts differ
-    out = model(padded([s[n:n + k] for s, n, k in zip(seqs, lens, new)]), cache.step(3, num_new=torch.tensor(new)))
-    errs += [close(out[b, :k], refs[b][n:n + k], **tol) for b, (n, k) in enumerate(zip(lens, new))]
+    new = [3, 1, 2][:B]  # rows of one step, real counts differ
+    out = model(padded([s[n : n + k] for s, n, k in zip(seqs, lens, new)]), cache.step(3, num_new=torch.tensor(new)))
+    errs += [close(out[b, :k], refs[b][n : n + k], **tol) for b, (n, k) in enumerate(zip(lens, new))]
     pos = [n + k for n, k in zip(lens, new)]
-    for _ in range(4):                                                   # decodes: every row at its own length
+    for _ in range(4):  # decodes: every row at its own length
         out = model(torch.tensor([[s[p]] for s, p in zip(seqs, pos)]), cache.step(1))
         errs += [close(out[b, 0], refs[b][p], **tol) for b, p in enumerate(pos)]
         pos = [p + 1 for p in pos]
-    want = torch.tensor([B - 1, 0])                                      # flat rows b * T + t, T = 1
+    want = torch.tensor([B - 1, 0])  # flat rows b * T + t, T = 1
     out = model(torch.tensor([[s[p]] for s, p in zip(seqs, pos)]), cache.step(1, logits_indices=want))
     assert out.shape == (2, V) and out.dtype == torch.float32
     errs += [close(out[0], refs[B - 1][pos[B - 1]], **tol), close(out[1], refs[0][pos[0]], **tol)]
@@ -63,7 +64,7 @@ def scattered(model, num_blocks=96, block_size=4, **kw):
     cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, **kw)
     for i in range(num_blocks):
         cache.add_sequence(("hold", i))
-        cache.batch([("hold", i)], num_new=block_size)   # reserves a block; never run, never read
+        cache.batch([("hold", i)], num_new=block_size)  # reserves a block; never run, never read
     for i in range(0, num_blocks, 2):
         cache.free(("hold", i))
     return cache
@@ -94,14 +95,14 @@ def packed_schedule(cache, model, seqs, prompts, rng, start_at):
             if step_no < start_at[s] or not plan[s]:
                 continue
             if s not in cache:
-                assert cache.add_sequence(s, seqs[s][:prompts[s]]) == 0
+                assert cache.add_sequence(s, seqs[s][: prompts[s]]) == 0
             a, b = plan[s].pop(0)
             ids.append(s), counts.append(b - a), toks.append(seqs[s][a:b]), spans.append((s, a, b))
         step_no += 1
         if not ids:
             continue
         flat = [t for tk in toks for t in tk]
-        last_only = rng.random() < 0.5                 # the engine's case: one logits row per sequence
+        last_only = rng.random() < 0.5  # the engine's case: one logits row per sequence
         offsets = torch.tensor(counts).cumsum(0)
         want = (offsets - 1) if last_only else None
         step = cache.packed(ids, counts, toks, logits_indices=want)

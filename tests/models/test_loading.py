@@ -1,4 +1,5 @@
 """headwise.load / from_hf: file formats, dispatch, dtypes, and the errors for bad input."""
+
 import json
 
 import pytest
@@ -9,6 +10,7 @@ import headwise
 from headwise.models import CheckpointError, from_hf
 
 import transformers as tf  # noqa: E402  (the independent reference)
+
 tf.logging.set_verbosity_error()
 
 V = 96
@@ -16,8 +18,16 @@ V = 96
 
 def _llama_hf(**kw):
     torch.manual_seed(0)
-    config = tf.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, vocab_size=V, max_position_embeddings=64, **kw)
+    config = tf.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=V,
+        max_position_embeddings=64,
+        **kw,
+    )
     return tf.LlamaForCausalLM(config).eval()
 
 
@@ -41,8 +51,16 @@ def gpt2_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bert_dir(tmp_path_factory):
     torch.manual_seed(0)
-    hf = tf.BertModel(tf.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                    intermediate_size=64, vocab_size=V, max_position_embeddings=16)).eval()
+    hf = tf.BertModel(
+        tf.BertConfig(
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            vocab_size=V,
+            max_position_embeddings=16,
+        )
+    ).eval()
     path = tmp_path_factory.mktemp("bert")
     hf.save_pretrained(path, safe_serialization=True)
     return hf, path
@@ -83,7 +101,7 @@ def test_meta_build_leaves_nothing_on_meta_and_ties_share_one_tensor(tmp_path):
     model = headwise.load(tmp_path)
     assert not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
     assert model.lm_head.weight is model.embed.weight
-    assert model.layers[0].attn.rope is model.layers[1].attn.rope is model.rope    # cos/sin computed once
+    assert model.layers[0].attn.rope is model.layers[1].attn.rope is model.rope  # cos/sin computed once
     assert model.rope.inv_freq.dtype == torch.float32
     assert model.tokenizer is None and not model.training
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in hf.parameters())
@@ -94,8 +112,8 @@ def test_dtype_and_from_hf_leaves_its_input_alone(llama_dir):
     hf, path = llama_dir
     model = headwise.load(path, dtype="bf16")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert model.rope.inv_freq.dtype == torch.float32          # positions stay exact
-    assert model(IDS).dtype == torch.float32                   # logits are fp32
+    assert model.rope.inv_freq.dtype == torch.float32  # positions stay exact
+    assert model(IDS).dtype == torch.float32  # logits are fp32
     tensors = dict(hf.state_dict())
     before = set(tensors)
     model = from_hf(json.loads((path / "config.json").read_text()), tensors, dtype=torch.float64)
@@ -109,8 +127,16 @@ def test_prefixless_and_legacy_names_load(gpt2_dir, bert_dir, tmp_path):
     bare = _copy(path, tmp_path / "gpt2", tensors=lambda t: {k.removeprefix("transformer."): v for k, v in t.items()})
     assert torch.equal(headwise.load(bare)(IDS), headwise.load(path)(IDS))
     torch.manual_seed(0)
-    mlm = tf.BertForMaskedLM(tf.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                           intermediate_size=64, vocab_size=V, max_position_embeddings=16)).eval()
+    mlm = tf.BertForMaskedLM(
+        tf.BertConfig(
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            vocab_size=V,
+            max_position_embeddings=16,
+        )
+    ).eval()
     mlm.save_pretrained(tmp_path / "mlm", safe_serialization=True)
     model = headwise.load(tmp_path / "mlm")
     assert (model(IDS) - mlm.bert(IDS).last_hidden_state).abs().max() <= 1e-4
@@ -119,6 +145,7 @@ def test_prefixless_and_legacy_names_load(gpt2_dir, bert_dir, tmp_path):
 def test_gguf_and_builtin_names_dispatch(llama_dir, tmp_path, monkeypatch):
     import headwise.models.builtin as builtin
     import headwise.models.gguf as gguf
+
     hf, path = llama_dir
     config = json.loads((path / "config.json").read_text())
     calls = []
@@ -126,11 +153,12 @@ def test_gguf_and_builtin_names_dispatch(llama_dir, tmp_path, monkeypatch):
     def fake_read_gguf(p, *args, **kwargs):
         calls.append(p)
         return config, dict(hf.state_dict()), "the tokenizer"
+
     monkeypatch.setattr(gguf, "read_gguf", fake_read_gguf)
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     model = headwise.load(tmp_path / "m.gguf")
     assert calls and model.tokenizer == "the tokenizer"
-    monkeypatch.setattr(builtin, "resolve", {"tiny-llama": path}.__getitem__)     # KeyError for other names
+    monkeypatch.setattr(builtin, "resolve", {"tiny-llama": path}.__getitem__)  # KeyError for other names
     assert headwise.load("tiny-llama").config.num_kv_heads == 2
 
 
@@ -144,13 +172,25 @@ def test_tokenizer_is_attached_when_the_directory_has_one(bert_dir, tmp_path):
 
 def test_configs_from_hf():
     from headwise.models import llama
-    base = dict(hidden_size=64, num_attention_heads=8, num_hidden_layers=2, intermediate_size=96, vocab_size=V,
-                max_position_embeddings=128)
+
+    base = dict(
+        hidden_size=64,
+        num_attention_heads=8,
+        num_hidden_layers=2,
+        intermediate_size=96,
+        vocab_size=V,
+        max_position_embeddings=128,
+    )
     qwen = llama.config_from_hf({**base, "model_type": "qwen2", "num_key_value_heads": 2, "eos_token_id": [5, 6]})
     assert (qwen.attn_bias, qwen.out_bias, qwen.num_kv_heads, qwen.head_dim) == (True, False, 2, 8)
     assert qwen.eos_token_ids == (5, 6)
-    v4 = llama.config_from_hf({**base, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", "factor": 8.0,
-                                                                          "original_max_position_embeddings": 32}})
+    v4 = llama.config_from_hf(
+        {
+            **base,
+            "rope_theta": 5e5,
+            "rope_scaling": {"type": "llama3", "factor": 8.0, "original_max_position_embeddings": 32},
+        }
+    )
     assert v4.rope_theta == 5e5 and v4.rope_scaling.kind == "llama3" and v4.rope_scaling.original_max_positions == 32
     with pytest.warns(UserWarning, match="sliding_window=8 is not applied"):
         assert llama.config_from_hf({**base, "model_type": "mistral", "sliding_window": 8}).sliding_window == 8
@@ -167,6 +207,7 @@ def test_missing_misshaped_and_unused_tensors_are_all_named(llama_dir, tmp_path)
         t["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(8, 32)
         t["model.layers.0.self_attn.q_norm.weight"] = torch.zeros(8)
         return t
+
     bad = _copy(path, tmp_path / "bad", tensors=damage)
     with pytest.raises(CheckpointError) as err:
         headwise.load(bad)
@@ -184,14 +225,21 @@ def test_untied_checkpoint_without_lm_head_is_missing_it(llama_dir, tmp_path):
         headwise.load(bad)
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda c: {**c, "model_type": "falcon", "architectures": ["FalconForCausalLM"]},
-     r"unknown architecture: model_type='falcon', architectures=\['FalconForCausalLM'\]; supported model_type: llama"),
-    (lambda c: {k: v for k, v in c.items() if k != "hidden_size"}, "config has no 'hidden_size'"),
-    (lambda c: {**c, "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}},
-     "rope scaling type 'yarn' is not supported"),
-    (lambda c: {**c, "hidden_act": "mish"}, "activation 'mish' is not supported"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            lambda c: {**c, "model_type": "falcon", "architectures": ["FalconForCausalLM"]},
+            r"unknown architecture: model_type='falcon', architectures=\['FalconForCausalLM'\]; supported model_type: llama",
+        ),
+        (lambda c: {k: v for k, v in c.items() if k != "hidden_size"}, "config has no 'hidden_size'"),
+        (
+            lambda c: {**c, "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}},
+            "rope scaling type 'yarn' is not supported",
+        ),
+        (lambda c: {**c, "hidden_act": "mish"}, "activation 'mish' is not supported"),
+    ],
+)
 def test_bad_configs(llama_dir, tmp_path, change, message):
     _, path = llama_dir
     with pytest.raises(CheckpointError, match=message):
@@ -237,6 +285,7 @@ def test_too_long_inputs_for_learned_positions(gpt2_dir, bert_dir):
     with pytest.raises(ValueError, match="input_ids has 17 tokens but this BERT model has 16 learned positions"):
         bert(long)
     from headwise.cache import ContiguousKVCache
+
     cache = ContiguousKVCache(1, 1, 2, 32, 16)
     with pytest.raises(ValueError, match="max_seq_len=32 .* 16 learned positions"):
         gpt2(long[:, :4], cache=cache)

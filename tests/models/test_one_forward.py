@@ -7,6 +7,7 @@ must give HF's logits at position t of s, to 1e-4 in fp32. Decodes feed the sequ
 tokens (teacher forcing), so every position is checked, not only a greedy path. int8 K/V:
 test_one_forward_int8.py; the drivers (contiguous_run, packed_schedule): stepping.py.
 """
+
 import copy
 import random
 
@@ -21,6 +22,7 @@ from .conftest import V
 from .stepping import assert_scattered, close, contiguous_run, hf_logits, packed_schedule, padded, scattered, tokens
 
 import transformers as tf  # noqa: E402  (the independent reference)
+
 tf.logging.set_verbosity_error()
 
 # ---------------------------------------------------------------------------- contiguous
@@ -37,7 +39,7 @@ def test_contiguous_ragged_batch_matches_hf(decoder, few_rows, monkeypatch, name
     seqs = [tokens(n, seed=n) for n in (20, 16, 18)]
     cache = ContiguousKVCache(cfg.num_layers, 3, cfg.num_kv_heads, 32, cfg.head_dim)
     contiguous_run(model, seqs, hf_logits(hf, seqs), cache)
-    if route == "few-rows":     # the decodes (3 rows) and the ragged step (9) fit ROUTE_ROWS
+    if route == "few-rows":  # the decodes (3 rows) and the ragged step (9) fit ROUTE_ROWS
         assert len(few_rows) >= 5 * cfg.num_layers
     else:
         assert few_rows == []
@@ -83,7 +85,7 @@ def test_old_keywords_build_the_same_step(decoder):
 def test_sliding_window_cache_matches_hf_mistral(decoder, monkeypatch, route):
     if route == "general":
         monkeypatch.setattr(blocks, "ROUTE_ROWS", 0)
-    hf, model = decoder("mistral-window")                  # sliding_window = 6, sequences of 16-20
+    hf, model = decoder("mistral-window")  # sliding_window = 6, sequences of 16-20
     cfg = model.config
     assert cfg.sliding_window == 6
     seqs = [tokens(n, seed=10 + n) for n in (20, 16, 18)]
@@ -112,7 +114,7 @@ def test_paged_batch_ragged_then_decode_matches_hf(decoder, name):
     cache = scattered(model)
     lens = [9, 3, 12]
     for b in range(3):
-        assert cache.add_sequence(b, seqs[b][:lens[b]]) == 0
+        assert cache.add_sequence(b, seqs[b][: lens[b]]) == 0
     step = cache.batch([0, 1, 2], num_new=lens, token_ids=[s[:n] for s, n in zip(seqs, lens)])
     out = model(padded([s[:n] for s, n in zip(seqs, lens)]), step)
     for b, n in enumerate(lens):
@@ -124,16 +126,17 @@ def test_paged_batch_ragged_then_decode_matches_hf(decoder, name):
         for b, p in enumerate(pos):
             close(out[b, 0], refs[b][p])
         pos = [p + 1 for p in pos]
-    chunk = [s[p:p + k] for s, p, k in zip(seqs, pos, (4, 2, 3))]     # a padded ragged chunk, T = 4
-    rows = torch.tensor([1 * 4 + 1, 2 * 4 + 2, 0 * 4 + 3])            # each one's last real row, b * T + t
+    chunk = [s[p : p + k] for s, p, k in zip(seqs, pos, (4, 2, 3))]  # a padded ragged chunk, T = 4
+    rows = torch.tensor([1 * 4 + 1, 2 * 4 + 2, 0 * 4 + 3])  # each one's last real row, b * T + t
     out = model(padded(chunk), cache.batch([0, 1, 2], [4, 2, 3], chunk, logits_indices=rows))
     assert out.shape == (3, V)
     close(out, torch.stack([refs[1][pos[1] + 1], refs[2][pos[2] + 2], refs[0][pos[0] + 3]]))
     assert_scattered(cache, [0, 1, 2])
 
 
-@pytest.mark.parametrize("seed, route", [(0, "few-rows"), (1, "few-rows"), (2, "few-rows"), (3, "few-rows"),
-                                         (0, "general"), (1, "general")])
+@pytest.mark.parametrize(
+    "seed, route", [(0, "few-rows"), (1, "few-rows"), (2, "few-rows"), (3, "few-rows"), (0, "general"), (1, "general")]
+)
 @pytest.mark.parametrize("name", ["llama-gqa", "gpt2", "mistral"])
 @torch.inference_mode()
 def test_paged_packed_mixed_steps_match_hf(decoder, few_rows, monkeypatch, name, seed, route):
@@ -154,8 +157,8 @@ def test_paged_packed_mixed_steps_match_hf(decoder, few_rows, monkeypatch, name,
         want = torch.stack([refs[s][p] for s, p in where])
         close(out, want)
         checked += len(where)
-        mixed += min(counts) == 1 < max(counts)                          # a prefill chunk packed with a decode
-    assert checked >= sum(n - prompts[s] for s, n in lengths.items())      # every decode at least
+        mixed += min(counts) == 1 < max(counts)  # a prefill chunk packed with a decode
+    assert checked >= sum(n - prompts[s] for s, n in lengths.items())  # every decode at least
     assert_scattered(cache, list(seqs))
     assert mixed >= 3 and (len(few_rows) > 0) == (route == "few-rows")
 
@@ -175,21 +178,25 @@ def test_preempted_sequence_recomputed_matches_hf(decoder, prefix_survives):
     out = model(torch.tensor([seq[:10] + other[:6]]), cache.packed(["a", "b"], [10, 6], [seq[:10], other[:6]]))
     close(out[0, :10], ref[:10])
     close(out[0, 10:], ref_other[:6])
-    for p in range(4):                                       # a and b decode side by side
-        out = model(torch.tensor([[seq[10 + p], other[6 + p]]]),
-                    cache.packed(["a", "b"], [1, 1], [[seq[10 + p]], [other[6 + p]]]))
+    for p in range(4):  # a and b decode side by side
+        out = model(
+            torch.tensor([[seq[10 + p], other[6 + p]]]),
+            cache.packed(["a", "b"], [1, 1], [[seq[10 + p]], [other[6 + p]]]),
+        )
         close(out[0, 0], ref[10 + p])
         close(out[0, 1], ref_other[6 + p])
-    cache.free("a")                                          # preempted with 14 tokens: 3 full blocks
-    if not prefix_survives:                                  # another sequence takes every free block
+    cache.free("a")  # preempted with 14 tokens: 3 full blocks
+    if not prefix_survives:  # another sequence takes every free block
         cache.add_sequence("hog")
         cache.batch(["hog"], num_new=cache.num_free_blocks * bs)
         cache.free("hog")
     n = cache.add_sequence("a", seq[:14])
     assert n == (12 if prefix_survives else 0)
-    last = torch.tensor([14 - n - 1, 14 - n])                # a's last recomputed row, then b's decode
-    out = model(torch.tensor([seq[n:14] + [other[10]]]),
-                cache.packed(["a", "b"], [14 - n, 1], [seq[n:14], [other[10]]], logits_indices=last))
+    last = torch.tensor([14 - n - 1, 14 - n])  # a's last recomputed row, then b's decode
+    out = model(
+        torch.tensor([seq[n:14] + [other[10]]]),
+        cache.packed(["a", "b"], [14 - n, 1], [seq[n:14], [other[10]]], logits_indices=last),
+    )
     close(out[0], ref[13])
     close(out[1], ref_other[10])
     for p in range(14, 18):
@@ -206,25 +213,25 @@ def test_pruned_uneven_gqa_groups_match_hf_with_those_heads_silenced(decoder):
     head (kv_map). HF has no GQA pruning; a removed query head contributes nothing, which in HF
     is its o_proj input columns set to zero."""
     from headwise.analysis.prune import prune_heads
+
     hf, _ = decoder("llama-gqa")
-    model = headwise.load(decoder.path("llama-gqa"))         # its own copy: pruning is in place
+    model = headwise.load(decoder.path("llama-gqa"))  # its own copy: pruning is in place
     plan = {0: [0, 1, 5], 1: [2]}
     prune_heads(model, plan)
     assert all(model.layers[i].attn.kv_map is not None for i in (0, 1))
     ref_model, D = copy.deepcopy(hf), model.config.head_dim
     for layer, heads in plan.items():
         for h in heads:
-            ref_model.model.layers[layer].self_attn.o_proj.weight[:, h * D:(h + 1) * D] = 0
+            ref_model.model.layers[layer].self_attn.o_proj.weight[:, h * D : (h + 1) * D] = 0
     seqs = [tokens(n, seed=50 + n) for n in (20, 16, 18)]
     refs = hf_logits(ref_model, seqs)
-    assert (refs[0] - hf_logits(hf, seqs[:1])[0]).abs().max() > 1e-2     # the pruning changes the logits
-    close(model(torch.tensor([seqs[0]])), refs[0][None])                  # no cache
+    assert (refs[0] - hf_logits(hf, seqs[:1])[0]).abs().max() > 1e-2  # the pruning changes the logits
+    close(model(torch.tensor([seqs[0]])), refs[0][None])  # no cache
     cfg = model.config
     cache = ContiguousKVCache(cfg.num_layers, 3, cfg.num_kv_heads, 32, cfg.head_dim)
     contiguous_run(model, seqs, refs, cache)
     named = dict(zip("abc", seqs))
-    for out, where, _ in packed_schedule(scattered(model), model, named, {s: 7 for s in named}, random.Random(3),
-                                         {"a": 0, "b": 1, "c": 2}):
+    for out, where, _ in packed_schedule(
+        scattered(model), model, named, {s: 7 for s in named}, random.Random(3), {"a": 0, "b": 1, "c": 2}
+    ):
         close(out, torch.stack([refs["abc".index(s)][p] for s, p in where]))
-
-

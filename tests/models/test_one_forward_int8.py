@@ -1,5 +1,6 @@
 """int8 K/V (kv_dtype="int8") through the one forward: within a stated bound of HF's fp32 logits,
 and equal to HF with its own K/V rounded by the same int8 rule."""
+
 import copy
 import random
 
@@ -11,6 +12,7 @@ from headwise.cache import ContiguousKVCache, SlidingWindowCache
 from .stepping import close, contiguous_run, hf_logits, packed_schedule, scattered, tokens
 
 import transformers as tf  # noqa: E402  (the independent reference)
+
 tf.logging.set_verbosity_error()
 
 # int8 K/V: values rounded to 1/127 of each (token, head) row's max |x|. Measured against HF's
@@ -26,8 +28,16 @@ INT8_REL = 5e-2
 INT8_EXACT = 2e-3
 
 
-@pytest.mark.parametrize("name, kind", [("llama-gqa", "contiguous"), ("llama-gqa", "paged"), ("gpt2", "contiguous"),
-                                        ("gpt2", "paged"), ("mistral-window", "sliding")])
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        ("llama-gqa", "contiguous"),
+        ("llama-gqa", "paged"),
+        ("gpt2", "contiguous"),
+        ("gpt2", "paged"),
+        ("mistral-window", "sliding"),
+    ],
+)
 @torch.inference_mode()
 def test_int8_kv_within_its_tolerance(decoder, name, kind):
     hf, model = decoder(name)
@@ -35,10 +45,13 @@ def test_int8_kv_within_its_tolerance(decoder, name, kind):
     seqs = [tokens(n, seed=40 + n) for n in (20, 16, 18)]
     refs = hf_logits(hf, seqs)
     if kind != "paged":
-        cache = (ContiguousKVCache(cfg.num_layers, 3, cfg.num_kv_heads, 32, cfg.head_dim, kv_dtype="int8")
-                 if kind == "contiguous" else
-                 SlidingWindowCache(cfg.num_layers, 3, cfg.num_kv_heads, cfg.sliding_window, cfg.head_dim,
-                                    kv_dtype="int8"))
+        cache = (
+            ContiguousKVCache(cfg.num_layers, 3, cfg.num_kv_heads, 32, cfg.head_dim, kv_dtype="int8")
+            if kind == "contiguous"
+            else SlidingWindowCache(
+                cfg.num_layers, 3, cfg.num_kv_heads, cfg.sliding_window, cfg.head_dim, kv_dtype="int8"
+            )
+        )
         err = contiguous_run(model, seqs, refs, cache, rel=INT8_REL)
     else:
         cache, err = scattered(model, kv_dtype="int8"), 0.0
@@ -47,7 +60,7 @@ def test_int8_kv_within_its_tolerance(decoder, name, kind):
         prompts = {s: len(t) // 2 for s, t in named.items()}
         for out, where, _ in packed_schedule(cache, model, named, prompts, rng, dict.fromkeys(named, 0)):
             err = max(err, close(out, torch.stack([refs["abc".index(s)][p] for s, p in where]), rel=INT8_REL))
-    assert err > 0            # int8 really ran: fp32 K/V would be exact to ~1e-6
+    assert err > 0  # int8 really ran: fp32 K/V would be exact to ~1e-6
 
 
 def _int8_round_trip(x):
@@ -66,21 +79,28 @@ def test_int8_kv_equals_hf_with_int8_rounded_kv(decoder, kind):
     cfg = model.config
     H, D = cfg.num_heads, cfg.head_dim
 
-    def round_kv(mod, args, out):                                      # (B, T, 3C) rows [Q | K | V]
-        q, kv = out[..., :H * D], out[..., H * D:]
+    def round_kv(mod, args, out):  # (B, T, 3C) rows [Q | K | V]
+        q, kv = out[..., : H * D], out[..., H * D :]
         kv = _int8_round_trip(kv.unflatten(-1, (2, H, D))).flatten(-3)
         return torch.cat([q, kv], dim=-1)
+
     ref_model = copy.deepcopy(hf)
     for block in ref_model.transformer.h:
         block.attn.c_attn.register_forward_hook(round_kv)
     seqs = [tokens(n, seed=70 + n) for n in (20, 16, 18)]
     refs = hf_logits(ref_model, seqs)
-    assert (refs[0] - hf_logits(hf, seqs[:1])[0]).abs().max() > 1e-2         # the rounding shows at this scale
+    assert (refs[0] - hf_logits(hf, seqs[:1])[0]).abs().max() > 1e-2  # the rounding shows at this scale
     if kind == "contiguous":
         cache = ContiguousKVCache(cfg.num_layers, 3, cfg.num_kv_heads, 32, cfg.head_dim, kv_dtype="int8")
         contiguous_run(model, seqs, refs, cache, tol=INT8_EXACT)
     else:
         named = dict(zip("abc", seqs))
-        for out, where, _ in packed_schedule(scattered(model, kv_dtype="int8"), model, named,
-                                              {s: 9 for s in named}, random.Random(5), dict.fromkeys(named, 0)):
+        for out, where, _ in packed_schedule(
+            scattered(model, kv_dtype="int8"),
+            model,
+            named,
+            {s: 9 for s in named},
+            random.Random(5),
+            dict.fromkeys(named, 0),
+        ):
             close(out, torch.stack([refs["abc".index(s)][p] for s, p in where]), INT8_EXACT)

@@ -1,4 +1,5 @@
 """PackedLinear against nn.Linear: same outputs, same gradients, and a weight edit is seen."""
+
 import pytest
 import torch
 from torch import nn
@@ -7,9 +8,8 @@ from headwise import kernels
 from headwise.models.packing import PackedLinear, pack_linears, packing_available, prepack, unpack_linears
 
 
-
 def test_onednn_packing_runs_here():
-    assert packing_available() is None          # the CPU build of torch ships oneDNN
+    assert packing_available() is None  # the CPU build of torch ships oneDNN
 
 
 def _pair(bias: bool, seed: int = 0):
@@ -30,19 +30,19 @@ def test_packed_forward_equals_linear(bias, shape):
         want, got = ref(x), packed(x)
     rows = x.numel() // 96
     kernel = rows <= kernels.MAX_ROWS and kernels.kernels_unavailable() is None
-    assert type(packed) is PackedLinear and (packed._packed is None) == kernel   # the path we meant ran
+    assert type(packed) is PackedLinear and (packed._packed is None) == kernel  # the path we meant ran
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_weight_edit_repacks():
     ref, packed = _pair(True)
-    x = torch.randn(kernels.MAX_ROWS + 1, 96)            # more rows than the small-row kernel takes
+    x = torch.randn(kernels.MAX_ROWS + 1, 96)  # more rows than the small-row kernel takes
     with torch.no_grad():
         packed(x)
         first = packed._packed
         for m in (ref, packed):
-            m.weight.mul_(-2.0)              # in place: same storage, new version
+            m.weight.mul_(-2.0)  # in place: same storage, new version
         torch.testing.assert_close(packed(x), ref(x), atol=1e-5, rtol=1e-5)
     assert packed._packed is not first
 
@@ -67,7 +67,7 @@ def test_gradients_use_the_plain_weight():
     packed(x2).square().sum().backward()
     torch.testing.assert_close(x2.grad, x.grad)
     torch.testing.assert_close(packed.weight.grad, ref.weight.grad)
-    assert packed._packed is None                  # training never packs
+    assert packed._packed is None  # training never packs
 
 
 def test_state_dict_and_unpack():
@@ -88,7 +88,7 @@ def test_prepack_makes_the_copies_up_front():
     assert (packed._blocked is not None) == (kernels.kernels_unavailable() is None)
     first = packed._packed
     with torch.inference_mode():
-        for rows in (1, 64):                                   # both paths, no repacking
+        for rows in (1, 64):  # both paths, no repacking
             x = torch.randn(rows, 96)
             torch.testing.assert_close(packed(x), ref(x), atol=1e-5, rtol=1e-5)
     assert packed._packed is first

@@ -3,6 +3,7 @@
 SmolLM2: built from the GGUF's vocabulary/merges vs `AutoTokenizer(gguf_file=...)`.
 MiniLM: tokenizer.json and the bare vocab.txt vs `AutoTokenizer(model_dir)`.
 """
+
 import shutil
 
 import pytest
@@ -42,8 +43,12 @@ DIGIT_AFTER_SPACES = {
 }
 CHAT = [
     [{"role": "user", "content": "What is 2+2? 🤔"}, {"role": "assistant", "content": "It is 4."}],
-    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
-     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "日本語で?"}],
+    [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "日本語で?"},
+    ],
 ]
 STREAM_TEXTS = ["emoji 😀👍🏽🇫🇷 👨‍👩‍👧!", "你好，世界。日本語のテキスト", "mixed: café 🤖 数学 ∑ 𝔘𝔫𝔦"]
 
@@ -63,14 +68,17 @@ def smol(smol_path):
 @pytest.fixture(scope="module")
 def smol_hf(smol_path):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(smol_path.parent, gguf_file=smol_path.name)
 
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_smollm2_ids_equal_transformers(smol, smol_hf, text):
     for special in (True, False):
-        assert smol.encode(text, add_special_tokens=special) == \
-            smol_hf(text, add_special_tokens=special).input_ids, (text, special)
+        assert smol.encode(text, add_special_tokens=special) == smol_hf(text, add_special_tokens=special).input_ids, (
+            text,
+            special,
+        )
 
 
 @pytest.mark.parametrize("text,pieces", DIGIT_AFTER_SPACES.items())
@@ -92,11 +100,14 @@ def test_smollm2_decode_round_trips(smol, smol_hf):
 
 
 def test_smollm2_special_tokens(smol, smol_hf):
-    assert (smol.bos_token_id, smol.eos_token_id, smol.pad_token_id) == \
-        (smol_hf.bos_token_id, smol_hf.eos_token_id, smol_hf.pad_token_id) == (1, 2, 2)
+    assert (
+        (smol.bos_token_id, smol.eos_token_id, smol.pad_token_id)
+        == (smol_hf.bos_token_id, smol_hf.eos_token_id, smol_hf.pad_token_id)
+        == (1, 2, 2)
+    )
     assert smol.vocab_size == len(smol_hf) == 49152
     assert smol.stop_token_ids == {smol.token_to_id("<|im_end|>"), smol.token_to_id("<|endoftext|>")}
-    assert smol.encode("<|im_end|>", add_special_tokens=False) == [2]      # specials stay whole
+    assert smol.encode("<|im_end|>", add_special_tokens=False) == [2]  # specials stay whole
 
 
 @pytest.mark.parametrize("messages", CHAT, ids=["default-system", "own-system"])
@@ -105,8 +116,9 @@ def test_smollm2_chat_template_equals_transformers(smol, smol_hf, messages, add_
     ours = smol.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     theirs = smol_hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
     assert ours == theirs
-    ids = smol_hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                      return_dict=False)
+    ids = smol_hf.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+    )
     assert smol.encode(ours, add_special_tokens=False) == list(ids)
     assert ours.endswith("<|im_start|>assistant\n") == add_generation_prompt
 
@@ -118,8 +130,10 @@ def test_chat_template_helpers_and_sandbox(smol):
     escape = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
     with pytest.raises(ChatTemplateError):
         smol.apply_chat_template([], chat_template=escape)
-    assert smol.apply_chat_template([{"role": "user", "content": "é"}],
-                                    chat_template="{{ messages | tojson }}") == '[{"role": "user", "content": "é"}]'
+    assert (
+        smol.apply_chat_template([{"role": "user", "content": "é"}], chat_template="{{ messages | tojson }}")
+        == '[{"role": "user", "content": "é"}]'
+    )
     assert Tokenizer(smol.backend).chat_template is None
     with pytest.raises(ValueError, match="no chat template"):
         Tokenizer(smol.backend).apply_chat_template([{"role": "user", "content": "x"}])
@@ -133,12 +147,12 @@ def test_stream_decoder_never_splits_a_character(smol, text):
     pieces.append(stream.flush())
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == smol.decode(ids) == text
-    assert "" in pieces[:-1]          # some token ended mid-character and was held back
+    assert "" in pieces[:-1]  # some token ended mid-character and was held back
 
 
 def test_stream_decoder_cut_mid_character(smol):
     ids = smol.encode("ok 😀")
-    partial = ids[:-1]                                                    # stop inside the emoji's bytes
+    partial = ids[:-1]  # stop inside the emoji's bytes
     assert smol.decode(partial).endswith("\ufffd")
     stream = StreamDecoder(smol)
     text = "".join(stream.push(i) for i in partial)
@@ -177,7 +191,7 @@ BERT_TEXTS = [
     "tabs\tnew\nlines  multiple   spaces",
     "supercalifragilisticexpialidocious antidisestablishmentarianism",
     "[CLS] literal special [SEP] tokens [MASK]",
-    "a " * 200,                                               # longer than tokenizer.json's pinned 128
+    "a " * 200,  # longer than tokenizer.json's pinned 128
 ]
 
 
@@ -189,6 +203,7 @@ def minilm_dir():
 @pytest.fixture(scope="module")
 def minilm_hf(minilm_dir):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(minilm_dir)
 
 
@@ -205,8 +220,9 @@ def minilm(request, minilm_dir, tmp_path_factory):
 @pytest.mark.parametrize("text", BERT_TEXTS)
 def test_minilm_ids_equal_transformers(minilm, minilm_hf, text):
     for special in (True, False):
-        assert minilm.encode(text, add_special_tokens=special) == \
-            minilm_hf(text, add_special_tokens=special).input_ids, (text, special)
+        assert (
+            minilm.encode(text, add_special_tokens=special) == minilm_hf(text, add_special_tokens=special).input_ids
+        ), (text, special)
 
 
 def test_minilm_batch_decode_and_specials(minilm, minilm_hf):
@@ -227,9 +243,9 @@ def test_from_dir_without_tokenizer_files(tmp_path):
 def test_gguf_vocab_respells_raw_text_tokens():
     """A token stored as raw text ("\n\n") instead of byte-level ("ĊĊ") must still be reachable."""
     from tokenizers import pre_tokenizers
+
     tokens = ["<|end|>"] + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["\n\n"]
-    tok = Tokenizer.from_gguf_vocab(model="gpt2", tokens=tokens, merges=["Ċ Ċ"], token_types=[3] + [1] * 257,
-                                    eos_id=0)
+    tok = Tokenizer.from_gguf_vocab(model="gpt2", tokens=tokens, merges=["Ċ Ċ"], token_types=[3] + [1] * 257, eos_id=0)
     ids = tok.encode("a\n\n<|end|>")
     assert ids[1:] == [len(tokens) - 1, 0] and tok.decode(ids) == "a\n\n<|end|>"
     assert tok.eos_token_id == 0 and tok.stop_token_ids == {0}
@@ -237,9 +253,11 @@ def test_gguf_vocab_respells_raw_text_tokens():
 
 def test_gguf_add_bos_flag(tmp_path):
     from tokenizers import pre_tokenizers
+
     tokens = ["<s>", "</s>"] + sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer.from_gguf_vocab(model="gpt2", tokens=tokens, merges=[], token_types=[3, 3] + [1] * 256,
-                                    bos_id=0, eos_id=1, add_bos=True)
+    tok = Tokenizer.from_gguf_vocab(
+        model="gpt2", tokens=tokens, merges=[], token_types=[3, 3] + [1] * 256, bos_id=0, eos_id=1, add_bos=True
+    )
     a = tok.token_to_id("a")
     assert tok.encode("a") == [0, a] and tok.encode("a", add_special_tokens=False) == [a]
     tok.save(tmp_path)

@@ -8,6 +8,7 @@ model behind its own key — and `down`, a provider whose port has nothing liste
 Their output, and every log record of this process (for the in-thread servers of
 `LiveServer`), is kept to check that no key is ever logged.
 """
+
 from __future__ import annotations
 
 import collections
@@ -72,12 +73,22 @@ def minilm():
 def tiny_dir(tmp_path_factory, smol):
     """A random 2-layer GQA Llama with SmolLM2's tokenizer and chat template, saved offline."""
     import transformers as tf
+
     torch.manual_seed(0)
     tok = smol.tokenizer
-    cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=smol.config.vocab_size, max_position_embeddings=256,
-                         initializer_range=0.2, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         tie_word_embeddings=False)
+    cfg = tf.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=smol.config.vocab_size,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+    )
     path = tmp_path_factory.mktemp("tiny-llama")
     tf.LlamaForCausalLM(cfg).eval().save_pretrained(path)
     tok.save(path)
@@ -133,6 +144,7 @@ def wait_healthy(url: str, timeout: float, check=None) -> bool:
 
 def to_toml(data: dict) -> str:
     """Enough TOML for these configs: [table] / [table.name] of scalars, lists, inline tables."""
+
     def value(v):
         if isinstance(v, bool):
             return "true" if v else "false"
@@ -147,7 +159,7 @@ def to_toml(data: dict) -> str:
     lines = []
     for table, body in data.items():
         nested = all(isinstance(x, dict) for x in body.values()) and table != "server"
-        for name, entries in (body.items() if nested else [(None, body)]):
+        for name, entries in body.items() if nested else [(None, body)]:
             lines.append(f"[{table}.{json.dumps(name)}]" if name else f"[{table}]")
             lines += [f"{k} = {value(v)}" for k, v in entries.items()]
     return "\n".join(lines) + "\n"
@@ -163,13 +175,17 @@ class ServeProcess:
         path = workdir / f"{name}.toml"
         path.write_text(to_toml(config))
         self.log_path = workdir / f"{name}.log"
-        self.proc = subprocess.Popen([sys.executable, "-m", "headwise.cli", "serve", "--config", str(path),
-                                      "--port", str(self.port)], stdout=self.log_path.open("w"),
-                                     stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "headwise.cli", "serve", "--config", str(path), "--port", str(self.port)],
+            stdout=self.log_path.open("w"),
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
 
     def wait_ready(self, timeout: float = 240) -> "ServeProcess":
         def alive():
             assert self.proc.poll() is None, f"server exited:\n{self.log()}"
+
         if not wait_healthy(self.url, timeout, alive):
             raise RuntimeError(f"server on {self.url} not ready after {timeout} s:\n{self.log()}")
         return self
@@ -195,36 +211,51 @@ def servers_dir(tmp_path_factory):
 @pytest.fixture(scope="package")
 def peer(tiny_dir, servers_dir):
     """The upstream provider: another headwise server, its own key."""
-    server = ServeProcess({"server": {"api_keys": [PEER_KEY], "api_key_env": ""},
-                           "models": {"tiny": {"source": str(tiny_dir)}}}, servers_dir, "peer")
+    server = ServeProcess(
+        {"server": {"api_keys": [PEER_KEY], "api_key_env": ""}, "models": {"tiny": {"source": str(tiny_dir)}}},
+        servers_dir,
+        "peer",
+    )
     yield server
     server.stop()
 
 
-DOWN_PORT = free_port()      # nothing listens here
+DOWN_PORT = free_port()  # nothing listens here
 
 
 @pytest.fixture(scope="package")
 def main(peer, tiny_dir, servers_dir):
-    server = ServeProcess({
-        "server": {"api_keys": [MAIN_KEY], "api_key_env": "", "max_body_bytes": 64 * 1024},
-        "models": {
-            "smollm2": {"source": "smollm2-135m-instruct", "max_num_seqs": 16},
-            "minilm": {"source": "all-minilm-l6-v2"},
-            "tiny": {"source": str(tiny_dir), "max_model_len": 96},
-            "tiny-1seq": {"source": str(tiny_dir), "max_num_seqs": 1, "max_waiting_requests": 1},
+    server = ServeProcess(
+        {
+            "server": {"api_keys": [MAIN_KEY], "api_key_env": "", "max_body_bytes": 64 * 1024},
+            "models": {
+                "smollm2": {"source": "smollm2-135m-instruct", "max_num_seqs": 16},
+                "minilm": {"source": "all-minilm-l6-v2"},
+                "tiny": {"source": str(tiny_dir), "max_model_len": 96},
+                "tiny-1seq": {"source": str(tiny_dir), "max_num_seqs": 1, "max_waiting_requests": 1},
+            },
+            "providers": {
+                "peer": {"base_url": peer.url + "/v1", "api_key_env": PEER_KEY_ENV, "models": ["tiny"], "timeout": 30},
+                "down": {"base_url": f"http://127.0.0.1:{DOWN_PORT}/v1", "models": ["tiny"], "timeout": 5},
+            },
+            "routes": {
+                "spread": {
+                    "targets": [{"target": "tiny", "weight": 1}, {"target": "peer/tiny", "weight": 1}],
+                    "retries": 0,
+                },
+                "with-fallback": {
+                    "targets": ["down/tiny"],
+                    "fallbacks": ["tiny"],
+                    "retries": 0,
+                    "cooldown_failures": 2,
+                    "cooldown_seconds": 600,
+                },
+            },
         },
-        "providers": {
-            "peer": {"base_url": peer.url + "/v1", "api_key_env": PEER_KEY_ENV, "models": ["tiny"], "timeout": 30},
-            "down": {"base_url": f"http://127.0.0.1:{DOWN_PORT}/v1", "models": ["tiny"], "timeout": 5},
-        },
-        "routes": {
-            "spread": {"targets": [{"target": "tiny", "weight": 1}, {"target": "peer/tiny", "weight": 1}],
-                       "retries": 0},
-            "with-fallback": {"targets": ["down/tiny"], "fallbacks": ["tiny"], "retries": 0,
-                              "cooldown_failures": 2, "cooldown_seconds": 600},
-        },
-    }, servers_dir, "main", env={PEER_KEY_ENV: PEER_KEY})
+        servers_dir,
+        "main",
+        env={PEER_KEY_ENV: PEER_KEY},
+    )
     peer.wait_ready()
     server.wait_ready()
     yield server
@@ -246,6 +277,7 @@ def aclient(main):
 def metrics_values(url: str, name: str) -> dict[tuple, float]:
     """{labels tuple: value} of one metric family from /metrics (parsed by prometheus_client)."""
     from prometheus_client.parser import text_string_to_metric_families
+
     out = {}
     for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
         for s in family.samples:
@@ -289,28 +321,60 @@ def _fake_upstream_app():
 
     def chunk(text, endpoint):
         if endpoint == "chat":
-            return {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "fake",
-                    "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
-        return {"id": "c1", "object": "text_completion", "created": 1, "model": "fake",
-                "choices": [{"index": 0, "text": text, "finish_reason": None, "logprobs": None}]}
+            return {
+                "id": "c1",
+                "object": "chat.completion.chunk",
+                "created": 1,
+                "model": "fake",
+                "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}],
+            }
+        return {
+            "id": "c1",
+            "object": "text_completion",
+            "created": 1,
+            "model": "fake",
+            "choices": [{"index": 0, "text": text, "finish_reason": None, "logprobs": None}],
+        }
 
     def answer(endpoint):
         if endpoint == "embeddings":
-            return {"object": "list", "model": "fake", "data": [{"object": "embedding", "index": 0,
-                                                                 "embedding": [0.6, 0.8]}],
-                    "usage": {"prompt_tokens": 1, "total_tokens": 1}}
+            return {
+                "object": "list",
+                "model": "fake",
+                "data": [{"object": "embedding", "index": 0, "embedding": [0.6, 0.8]}],
+                "usage": {"prompt_tokens": 1, "total_tokens": 1},
+            }
         usage = {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
         if endpoint == "chat":
-            return {"id": "c1", "object": "chat.completion", "created": 1, "model": "fake", "usage": usage,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello there"},
-                                 "finish_reason": "stop", "logprobs": None}]}
-        return {"id": "c1", "object": "text_completion", "created": 1, "model": "fake", "usage": usage,
-                "choices": [{"index": 0, "text": "hello there", "finish_reason": "stop", "logprobs": None}]}
+            return {
+                "id": "c1",
+                "object": "chat.completion",
+                "created": 1,
+                "model": "fake",
+                "usage": usage,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "hello there"},
+                        "finish_reason": "stop",
+                        "logprobs": None,
+                    }
+                ],
+            }
+        return {
+            "id": "c1",
+            "object": "text_completion",
+            "created": 1,
+            "model": "fake",
+            "usage": usage,
+            "choices": [{"index": 0, "text": "hello there", "finish_reason": "stop", "logprobs": None}],
+        }
 
     def stream(events):
         async def gen():
             for e in events:
                 yield e
+
         return StreamingResponse(gen(), media_type="text/event-stream")
 
     def handler(endpoint):
@@ -321,20 +385,39 @@ def _fake_upstream_app():
             echo = json.dumps(dict(request.headers))
             echo_headers = {"x-echo": request.headers.get("authorization", "")}
             if model == "echo-400":
-                return JSONResponse({"error": {"message": f"bad request; you sent {echo}",
-                                               "type": "invalid_request_error", "param": "max_tokens",
-                                               "code": request.headers.get("authorization")}},
-                                    status_code=400, headers=echo_headers)
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": f"bad request; you sent {echo}",
+                            "type": "invalid_request_error",
+                            "param": "max_tokens",
+                            "code": request.headers.get("authorization"),
+                        }
+                    },
+                    status_code=400,
+                    headers=echo_headers,
+                )
             if model == "echo-400-plain":
-                return JSONResponse({"error": {"message": f"too long; you sent {echo}", "type": "invalid_request_error",
-                                               "param": "messages[0].content", "code": "context_length_exceeded"}},
-                                    status_code=400, headers=echo_headers)
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": f"too long; you sent {echo}",
+                            "type": "invalid_request_error",
+                            "param": "messages[0].content",
+                            "code": "context_length_exceeded",
+                        }
+                    },
+                    status_code=400,
+                    headers=echo_headers,
+                )
             if model == "echo-500":
-                return PlainTextResponse(f"Internal error while handling {echo}", status_code=500,
-                                         headers=echo_headers)
+                return PlainTextResponse(f"Internal error while handling {echo}", status_code=500, headers=echo_headers)
             if model == "echo-429":
-                return JSONResponse({"error": {"message": f"slow down {echo}", "code": "rate_limit_exceeded"}},
-                                    status_code=429, headers={**echo_headers, "retry-after": "3"})
+                return JSONResponse(
+                    {"error": {"message": f"slow down {echo}", "code": "rate_limit_exceeded"}},
+                    status_code=429,
+                    headers={**echo_headers, "retry-after": "3"},
+                )
             if model == "notjson":
                 return Response(b"{not json", media_type="application/json")
             if model == "badshape":
@@ -351,15 +434,21 @@ def _fake_upstream_app():
             if model == "badfirst":
                 return stream([b"data: {not json\n\n", *good, b"data: [DONE]\n\n"])
             if model == "errevent":
-                return stream([good[0], b"data: " + json.dumps({"error": {"message": f"died: {echo}",
-                                                                          "code": "engine_dead"}}).encode()
-                               + b"\n\n"])
+                return stream(
+                    [
+                        good[0],
+                        b"data: "
+                        + json.dumps({"error": {"message": f"died: {echo}", "code": "engine_dead"}}).encode()
+                        + b"\n\n",
+                    ]
+                )
             if model == "empty":
                 return stream([])
-            if model == "crlf":                 # legal SSE, awkwardly cut: CRLF, a comment, split events
+            if model == "crlf":  # legal SSE, awkwardly cut: CRLF, a comment, split events
                 text = b": ping\r\n\r\n" + b"".join(g.replace(b"\n\n", b"\r\n\r\n") for g in good) + b"data: [DONE]"
-                return stream([text[i:i + 7] for i in range(0, len(text), 7)])
+                return stream([text[i : i + 7] for i in range(0, len(text), 7)])
             return JSONResponse({"error": {"message": f"unknown model {model}"}}, status_code=404)
+
         return handle
 
     async def health(request):
@@ -368,15 +457,31 @@ def _fake_upstream_app():
     async def get_hits(request):
         return JSONResponse(dict(hits))
 
-    routes = [Route("/v1/chat/completions", handler("chat"), methods=["POST"]),
-              Route("/v1/completions", handler("completions"), methods=["POST"]),
-              Route("/v1/embeddings", handler("embeddings"), methods=["POST"]),
-              Route("/health", health), Route("/_hits", get_hits)]
+    routes = [
+        Route("/v1/chat/completions", handler("chat"), methods=["POST"]),
+        Route("/v1/completions", handler("completions"), methods=["POST"]),
+        Route("/v1/embeddings", handler("embeddings"), methods=["POST"]),
+        Route("/health", health),
+        Route("/_hits", get_hits),
+    ]
     return Starlette(routes=routes)
 
 
-FAKE_MODELS = ["ok", "echo-400", "echo-400-plain", "echo-500", "echo-429", "notjson", "badshape", "truncated",
-               "badevent", "badfirst", "errevent", "empty", "crlf"]
+FAKE_MODELS = [
+    "ok",
+    "echo-400",
+    "echo-400-plain",
+    "echo-500",
+    "echo-429",
+    "notjson",
+    "badshape",
+    "truncated",
+    "badevent",
+    "badfirst",
+    "errevent",
+    "empty",
+    "crlf",
+]
 
 
 @pytest.fixture(scope="package")
@@ -394,13 +499,22 @@ def gateway_factory(fake_upstream):
     """gateway_factory(server={...}, routes={...}) -> a started LiveServer of create_app over the
     fake upstream (provider `fake`, every FAKE_MODELS name), no local models; stopped at the end."""
     from headwise.serve import create_app
+
     started = []
 
     def make(server: dict | None = None, routes: dict | None = None) -> LiveServer:
-        config = {"server": {"api_key_env": "", **(server or {})},
-                  "providers": {"fake": {"base_url": fake_upstream.url + "/v1", "api_key_env": FAKE_KEY_ENV,
-                                         "models": FAKE_MODELS, "timeout": 10}},
-                  "routes": routes or {}}
+        config = {
+            "server": {"api_key_env": "", **(server or {})},
+            "providers": {
+                "fake": {
+                    "base_url": fake_upstream.url + "/v1",
+                    "api_key_env": FAKE_KEY_ENV,
+                    "models": FAKE_MODELS,
+                    "timeout": 10,
+                }
+            },
+            "routes": routes or {},
+        }
         live = LiveServer(create_app(parse_config(config))).start()
         started.append(live)
         return live

@@ -4,6 +4,7 @@ bounded, embeddings requests take turns, slow clients time out, bad types and pa
 A `headwise serve --config` process of its own: short read timeouts, an 8 MiB body limit, the
 tiny Llama with room for a 4 MiB prompt, MiniLM, and a MiniLM variant with small limits.
 """
+
 import socket
 import threading
 import time
@@ -21,15 +22,23 @@ MSG = [{"role": "user", "content": "Hi"}]
 
 @pytest.fixture(scope="module")
 def srv(tiny_dir, servers_dir):
-    server = ServeProcess({
-        "server": {"api_key_env": "", "max_body_bytes": 8 * 2 ** 20, "header_timeout": HEADER_TIMEOUT,
-                   "body_timeout": BODY_TIMEOUT},
-        "models": {
-            "tiny": {"source": str(tiny_dir), "max_input_chars": 8_000_000},
-            "minilm": {"source": "all-minilm-l6-v2"},
-            "minilm-small": {"source": "all-minilm-l6-v2", "max_input_chars": 10_000, "max_embedding_tokens": 1000},
+    server = ServeProcess(
+        {
+            "server": {
+                "api_key_env": "",
+                "max_body_bytes": 8 * 2**20,
+                "header_timeout": HEADER_TIMEOUT,
+                "body_timeout": BODY_TIMEOUT,
+            },
+            "models": {
+                "tiny": {"source": str(tiny_dir), "max_input_chars": 8_000_000},
+                "minilm": {"source": "all-minilm-l6-v2"},
+                "minilm-small": {"source": "all-minilm-l6-v2", "max_input_chars": 10_000, "max_embedding_tokens": 1000},
+            },
         },
-    }, servers_dir, "abuse")
+        servers_dir,
+        "abuse",
+    )
     yield server.wait_ready()
     server.stop()
 
@@ -53,7 +62,7 @@ def still_serving(srv):
 def test_huge_prompt_does_not_stall_health(srv):
     """A 4 MiB chat message takes seconds to tokenize (then it is too long for the context:
     400); meanwhile /health answers at once."""
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "attention heads " * (2 ** 18)}]}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "attention heads " * (2**18)}]}
     result = {}
 
     def huge():
@@ -63,7 +72,7 @@ def test_huge_prompt_does_not_stall_health(srv):
 
     t = threading.Thread(target=huge)
     t.start()
-    time.sleep(0.3)                                 # the body is in; tokenizing has begun
+    time.sleep(0.3)  # the body is in; tokenizing has begun
     health = []
     while t.is_alive():
         t0 = time.perf_counter()
@@ -83,17 +92,29 @@ def test_input_limits_are_400_naming_the_limit(srv):
     r = post(srv, "/v1/embeddings", {"model": "minilm-small", "input": "x" * 10_001})
     assert r.status_code == 400, r.text
     e = envelope(r)
-    assert e["code"] == "input_too_long" and e["param"] == "input" and "10,000" in e["message"] \
+    assert (
+        e["code"] == "input_too_long"
+        and e["param"] == "input"
+        and "10,000" in e["message"]
         and "max_input_chars" in e["message"]
+    )
     r = post(srv, "/v1/embeddings", {"model": "minilm-small", "input": ["a " * 250] * 16})
     e = envelope(r)
-    assert r.status_code == 400 and e["code"] == "input_too_long" and "1,000" in e["message"] \
-        and "max_embedding_tokens" in e["message"], r.text
+    assert (
+        r.status_code == 400
+        and e["code"] == "input_too_long"
+        and "1,000" in e["message"]
+        and "max_embedding_tokens" in e["message"]
+    ), r.text
     # one input over the model's 512 positions: a 400 naming it, as OpenAI does (no silent cut)
     r = post(srv, "/v1/embeddings", {"model": "minilm", "input": ["short", "attention " * 600]})
     e = envelope(r)
-    assert r.status_code == 400 and e["code"] == "context_length_exceeded" and "input[1]" in e["message"] \
-        and "512" in e["message"], r.text
+    assert (
+        r.status_code == 400
+        and e["code"] == "context_length_exceeded"
+        and "input[1]" in e["message"]
+        and "512" in e["message"]
+    ), r.text
     r = post(srv, "/v1/embeddings", {"model": "minilm", "input": ["hi"] * 2049})
     assert r.status_code == 400 and envelope(r)["param"] == "input", r.text
     # ... while 300 tokens (over max_seq_length 256, under 512 positions) still embed, truncated
@@ -127,16 +148,23 @@ def raw(srv, data: bytes, wait: float) -> tuple[bytes, float]:
             while chunk := s.recv(65536):
                 got += chunk
         except socket.timeout:
-            return got, float("inf")                 # still open
+            return got, float("inf")  # still open
         return got, time.perf_counter() - t0
 
 
-@pytest.mark.parametrize("data, limit", [
-    (b"", HEADER_TIMEOUT),                                                            # connect, say nothing
-    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl", HEADER_TIMEOUT),  # slowloris
-    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-     b"Content-Length: 100\r\n\r\n{\"model\": \"ti", BODY_TIMEOUT),                 # a body cut short
-], ids=["silent", "partial-headers", "partial-body"])
+@pytest.mark.parametrize(
+    "data, limit",
+    [
+        (b"", HEADER_TIMEOUT),  # connect, say nothing
+        (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl", HEADER_TIMEOUT),  # slowloris
+        (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"model": "ti',
+            BODY_TIMEOUT,
+        ),  # a body cut short
+    ],
+    ids=["silent", "partial-headers", "partial-body"],
+)
 def test_slow_clients_get_408_and_a_closed_connection(srv, data, limit):
     got, seconds = raw(srv, data, wait=limit + 20)
     assert seconds < limit + 5, "the server kept a silent connection open"
@@ -168,7 +196,7 @@ def test_small_embedding_finishes_before_an_earlier_large_one(srv):
     t = threading.Thread(target=run, args=("large", large))
     t0 = time.perf_counter()
     t.start()
-    time.sleep(1.5)                                  # the large one holds the model by now
+    time.sleep(1.5)  # the large one holds the model by now
     sent = time.perf_counter()
     run("small", {"model": "minilm", "input": "a cat"})
     t.join()
@@ -179,31 +207,46 @@ def test_small_embedding_finishes_before_an_earlier_large_one(srv):
 
 
 # ---------------------------------------------------------------- 5. strict types, exact paths
-@pytest.mark.parametrize("path, field, value", [
-    ("/v1/chat/completions", "logprobs", "yes"),
-    ("/v1/chat/completions", "max_tokens", "5"),
-    ("/v1/chat/completions", "temperature", "0.5"),
-    ("/v1/chat/completions", "stream", 1),
-    ("/v1/completions", "n", 1.5),
-    ("/v1/completions", "echo", "false"),
-    ("/v1/embeddings", "dimensions", "384"),
-])
+@pytest.mark.parametrize(
+    "path, field, value",
+    [
+        ("/v1/chat/completions", "logprobs", "yes"),
+        ("/v1/chat/completions", "max_tokens", "5"),
+        ("/v1/chat/completions", "temperature", "0.5"),
+        ("/v1/chat/completions", "stream", 1),
+        ("/v1/completions", "n", 1.5),
+        ("/v1/completions", "echo", "false"),
+        ("/v1/embeddings", "dimensions", "384"),
+    ],
+)
 def test_strict_types(srv, path, field, value):
-    body = {"model": "minilm", "input": "hi"} if path.endswith("embeddings") else \
-        {"model": "tiny", "max_tokens": 2, **({"prompt": "hi"} if path == "/v1/completions" else {"messages": MSG})}
+    body = (
+        {"model": "minilm", "input": "hi"}
+        if path.endswith("embeddings")
+        else {
+            "model": "tiny",
+            "max_tokens": 2,
+            **({"prompt": "hi"} if path == "/v1/completions" else {"messages": MSG}),
+        }
+    )
     r = post(srv, path, {**body, field: value})
     assert r.status_code == 400, r.text
     assert envelope(r)["param"] == field, r.text
 
 
 def test_numbers_still_take_ints(srv):
-    r = post(srv, "/v1/chat/completions", {"model": "tiny", "messages": MSG, "max_tokens": 2, "temperature": 0,
-                                           "top_p": 1, "logprobs": True})
+    r = post(
+        srv,
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": MSG, "max_tokens": 2, "temperature": 0, "top_p": 1, "logprobs": True},
+    )
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("method, path", [("POST", "/v1/chat/completions/"), ("POST", "/v1/embeddings/"),
-                                          ("GET", "/v1/models/"), ("GET", "/health/")])
+@pytest.mark.parametrize(
+    "method, path",
+    [("POST", "/v1/chat/completions/"), ("POST", "/v1/embeddings/"), ("GET", "/v1/models/"), ("GET", "/health/")],
+)
 def test_trailing_slash_is_404_with_the_envelope_not_a_redirect(srv, method, path):
     r = httpx.request(method, srv.url + path, json={"model": "tiny", "messages": MSG}, follow_redirects=False)
     assert r.status_code == 404, (r.status_code, r.headers)
@@ -214,6 +257,7 @@ def test_trailing_slash_is_404_with_the_envelope_not_a_redirect(srv, method, pat
 def test_limits_are_validated_in_the_config():
     from headwise.serve import parse_config
     from headwise.serve.config import ConfigError
+
     with pytest.raises(ConfigError, match=r"\[server\] header_timeout must be > 0"):
         parse_config({"server": {"header_timeout": 0}, "models": {"m": {"source": "x"}}})
     with pytest.raises(ConfigError, match=r"\[models.m\] max_embedding_tokens must be >= 1"):

@@ -1,4 +1,5 @@
 """The gateway config: the example file parses, mistakes are named."""
+
 from pathlib import Path
 
 import pytest
@@ -27,23 +28,28 @@ def test_default_serves_the_builtin_models_on_loopback():
     assert default_config(port=9001).server.port == 9001
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"models": {"m": {"cache": "ring"}}}, "cache = 'ring'"),
-    ({"models": {"m": {"cache": "contiguous"}}}, "needs the paged block pool"),
-    ({"models": {"m": {"max_num_seqs": 0}}}, "[models.m] max_num_seqs must be a positive int (>= 1), got 0"),
-    ({"models": {"m": {"max_num_seqs": 8, "max_num_batched_tokens": 4}}},
-     "[models.m] max_num_batched_tokens=4 < max_num_seqs=8"),
-    ({"models": {"m": {"num_blocks": -1}}}, "num_blocks must be a positive int or None"),
-    ({"models": {"m": {"memory_budget_bytes": "1GiB"}}}, "memory_budget_bytes must be a positive int or None"),
-    ({"models": {"m": {"sorce": "x"}}}, "unknown key(s) sorce"),
-    ({"modles": {}}, "unknown table(s) modles"),
-    ({}, "serves nothing"),
-    ({"providers": {"p": {"base_url": "ftp://x", "models": ["a"]}}}, "not an http(s) URL"),
-    ({"providers": {"p": {"base_url": "http://x/v1", "models": []}}}, "lists no models"),
-    ({"models": {"m": {}}, "routes": {"r": {"targets": ["nope"]}}}, "target 'nope' is neither"),
-    ({"models": {"m": {}}, "routes": {"r": {"targets": [{"target": "m", "weight": 0}]}}}, "weights must be > 0"),
-    ({"models": {"m": {}}, "routes": {"m": {"targets": ["m"]}}}, "hide models of the same name"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"models": {"m": {"cache": "ring"}}}, "cache = 'ring'"),
+        ({"models": {"m": {"cache": "contiguous"}}}, "needs the paged block pool"),
+        ({"models": {"m": {"max_num_seqs": 0}}}, "[models.m] max_num_seqs must be a positive int (>= 1), got 0"),
+        (
+            {"models": {"m": {"max_num_seqs": 8, "max_num_batched_tokens": 4}}},
+            "[models.m] max_num_batched_tokens=4 < max_num_seqs=8",
+        ),
+        ({"models": {"m": {"num_blocks": -1}}}, "num_blocks must be a positive int or None"),
+        ({"models": {"m": {"memory_budget_bytes": "1GiB"}}}, "memory_budget_bytes must be a positive int or None"),
+        ({"models": {"m": {"sorce": "x"}}}, "unknown key(s) sorce"),
+        ({"modles": {}}, "unknown table(s) modles"),
+        ({}, "serves nothing"),
+        ({"providers": {"p": {"base_url": "ftp://x", "models": ["a"]}}}, "not an http(s) URL"),
+        ({"providers": {"p": {"base_url": "http://x/v1", "models": []}}}, "lists no models"),
+        ({"models": {"m": {}}, "routes": {"r": {"targets": ["nope"]}}}, "target 'nope' is neither"),
+        ({"models": {"m": {}}, "routes": {"r": {"targets": [{"target": "m", "weight": 0}]}}}, "weights must be > 0"),
+        ({"models": {"m": {}}, "routes": {"m": {"targets": ["m"]}}}, "hide models of the same name"),
+    ],
+)
 def test_config_errors_name_the_problem(data, message):
     with pytest.raises(ConfigError) as e:
         parse_config(data)

@@ -1,6 +1,7 @@
 """Every failure answers with the OpenAI envelope and the right status, each seen through
 the official client's exception classes; the server keeps serving afterwards; no key
 is ever logged."""
+
 import asyncio
 import json
 import threading
@@ -38,7 +39,7 @@ def test_auth(main):
     assert r.status_code == 401 and "missing API key" in envelope(r)["message"]
     r = httpx.get(main.url + "/v1/models", headers={"Authorization": "Basic " + MAIN_KEY})
     assert r.status_code == 401
-    assert httpx.get(main.url + "/health").status_code == 200          # open, for load balancers
+    assert httpx.get(main.url + "/health").status_code == 200  # open, for load balancers
     assert "headwise_requests_total" in httpx.get(main.url + "/metrics").text
 
 
@@ -49,7 +50,7 @@ def test_not_found_and_bad_parameters(client, main):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=MSG, temperature=5)
     assert e.value.body["param"] == "temperature"
-    with pytest.raises(openai.BadRequestError) as e:                   # FastAPI's 422 -> 400
+    with pytest.raises(openai.BadRequestError) as e:  # FastAPI's 422 -> 400
         client.chat.completions.create(model="tiny", messages=[])
     assert e.value.status_code == 400 and e.value.body["param"] == "messages"
     cases = [
@@ -66,7 +67,7 @@ def test_not_found_and_bad_parameters(client, main):
         assert envelope(r)["param"].startswith(param), (body, r.text)
     r = httpx.post(main.url + "/v1/completions", content=b"{not json", headers=auth())
     assert r.status_code == 400 and "JSON" in envelope(r)["message"]
-    r = httpx.post(main.url + "/v1/completions", json={"model": "tiny", "prompt": [10 ** 6]}, headers=auth())
+    r = httpx.post(main.url + "/v1/completions", json={"model": "tiny", "prompt": [10**6]}, headers=auth())
     assert r.status_code == 400 and "vocabulary" in envelope(r)["message"]
     r = httpx.get(main.url + "/v2/nothing", headers=auth())
     assert r.status_code == 404 and envelope(r)["type"] == "not_found_error"
@@ -75,7 +76,7 @@ def test_not_found_and_bad_parameters(client, main):
 
 def test_context_length_exceeded(client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny", prompt="hello", max_tokens=200)      # tiny: 96 tokens
+        client.completions.create(model="tiny", prompt="hello", max_tokens=200)  # tiny: 96 tokens
     assert e.value.body["code"] == "context_length_exceeded" and "96" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "word " * 200}])
@@ -84,16 +85,17 @@ def test_context_length_exceeded(client):
 
 
 def test_body_too_large(client, main):
-    big = {"model": "tiny", "messages": [{"role": "user", "content": "x" * 70_000}]}   # limit: 64 KiB
+    big = {"model": "tiny", "messages": [{"role": "user", "content": "x" * 70_000}]}  # limit: 64 KiB
     with pytest.raises(openai.APIStatusError) as e:
         client.chat.completions.create(**big)
     assert e.value.status_code == 413 and e.value.body["code"] == "request_too_large"
 
-    def chunked():                      # no Content-Length: counted while reading
+    def chunked():  # no Content-Length: counted while reading
         yield b'{"model": "tiny", "messages": [{"role": "user", "content": "'
         for _ in range(100):
             yield b"y" * 1000
         yield b'"}]}'
+
     r = httpx.post(main.url + "/v1/chat/completions", content=chunked(), headers=auth())
     assert r.status_code == 413 and envelope(r)["code"] == "request_too_large"
     still_serving(client)
@@ -102,11 +104,17 @@ def test_body_too_large(client, main):
 def test_queue_full_is_429_with_retry_after(main, aclient, client):
     """tiny-1seq runs one sequence and queues one more: of 6 simultaneous requests,
     some must be refused, the rest complete."""
+
     async def one(c):
         try:
-            stream = await c.chat.completions.create(model="tiny-1seq", messages=MSG, max_tokens=60,
-                                                           temperature=0, stream=True,
-                                                           extra_body={"ignore_eos": True})
+            stream = await c.chat.completions.create(
+                model="tiny-1seq",
+                messages=MSG,
+                max_tokens=60,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
             return [c async for c in stream]
         except openai.RateLimitError as e:
             return e
@@ -132,8 +140,10 @@ def test_loading_is_503_then_ready(tiny_dir):
         gate.wait(60)
         return default_loader(spec)
 
-    app = create_app(parse_config({"server": {"api_key_env": None}, "models": {"tiny": {"source": str(tiny_dir)}}}),
-                     loader=slow_loader)
+    app = create_app(
+        parse_config({"server": {"api_key_env": None}, "models": {"tiny": {"source": str(tiny_dir)}}}),
+        loader=slow_loader,
+    )
     server = LiveServer(app)
     server.thread.start()
     try:
@@ -150,7 +160,7 @@ def test_loading_is_503_then_ready(tiny_dir):
         assert e.value.status_code == 503 and e.value.body["code"] == "model_loading"
         assert e.value.response.headers["retry-after"]
         gate.set()
-        server.thread.start = lambda: None          # already running; start() now just waits for 200
+        server.thread.start = lambda: None  # already running; start() now just waits for 200
         server.start(ready_timeout=60)
         assert c.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens == 2
     finally:
@@ -171,11 +181,13 @@ def test_a_failing_engine_is_replaced(tiny_dir):
             if broken.is_set():
                 raise RuntimeError("simulated kernel failure")
             return forward(*args, **kwargs)
+
         model.forward = maybe_fail
         return model
 
-    app = create_app(parse_config({"server": {"api_key_env": None}, "models": {"tiny": {"source": str(tiny_dir)}}}),
-                     loader=loader)
+    app = create_app(
+        parse_config({"server": {"api_key_env": None}, "models": {"tiny": {"source": str(tiny_dir)}}}), loader=loader
+    )
     server = LiveServer(app).start()
     try:
         c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
@@ -210,5 +222,5 @@ def test_no_key_is_ever_logged(main, peer, client):
     for text in (main.log(), peer.log(), LOG.getvalue()):
         for key in (MAIN_KEY, PEER_KEY, "sk-wrong-secret-777"):
             assert key not in text
-    assert '"GET /v1/models HTTP/1.1" 401' in main.log()               # the log did record the requests
+    assert '"GET /v1/models HTTP/1.1" 401' in main.log()  # the log did record the requests
     assert '"POST /v1/completions HTTP/1.1" 200' in peer.log()

@@ -1,5 +1,6 @@
 """The gateway with a second headwise server (`peer`) as the upstream provider, serving
 the same tiny model as the local `tiny`: routing, fallback, cooldown, pass-through."""
+
 import collections
 import json
 
@@ -19,8 +20,11 @@ def completion(main, model, **kw):
 
 def served(url: str, model: str = "tiny") -> float:
     """Completions the server at url answered for `model` (its own request counter)."""
-    return sum(v for labels, v in metrics_values(url, "headwise_requests_total").items()
-               if dict(labels) == {"model": model, "endpoint": "completions", "status": "200"})
+    return sum(
+        v
+        for labels, v in metrics_values(url, "headwise_requests_total").items()
+        if dict(labels) == {"model": model, "endpoint": "completions", "status": "200"}
+    )
 
 
 def test_upstream_answers_equal_local_ones(client, main, peer):
@@ -32,11 +36,19 @@ def test_upstream_answers_equal_local_ones(client, main, peer):
     assert remote.choices[0].text == local.choices[0].text
     assert remote.usage.completion_tokens == local.usage.completion_tokens == 12
     assert served(peer.url) == before + 1
-    chunks = list(client.chat.completions.create(model="peer/tiny", messages=[{"role": "user", "content": "hi"}],
-                                                 max_tokens=10, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
-    ref = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                         max_tokens=10, temperature=0)
+    chunks = list(
+        client.chat.completions.create(
+            model="peer/tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    ref = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=10, temperature=0
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == 10
 
@@ -50,7 +62,7 @@ def test_stream_passes_through_unchanged(main):
     assert events[-1] == "data: [DONE]"
     chunks = [json.loads(e[6:]) for e in events[:-1]]
     assert all(c["object"] == "text_completion" for c in chunks)
-    assert {c["model"] for c in chunks} == {"tiny"}          # the upstream's own name: passed through untouched
+    assert {c["model"] for c in chunks} == {"tiny"}  # the upstream's own name: passed through untouched
 
 
 def test_weighted_route_spreads(main, peer):
@@ -61,16 +73,18 @@ def test_weighted_route_spreads(main, peer):
         assert r.status_code == 200, r.text
         targets[r.headers["x-headwise-target"]] += 1
         assert r.json()["model"] in ("spread", "tiny")
-    assert set(targets) == {"tiny", "peer/tiny"}       # 1:1 weights; all 24 on one side: p = 2 * 2^-24
+    assert set(targets) == {"tiny", "peer/tiny"}  # 1:1 weights; all 24 on one side: p = 2 * 2^-24
     assert served(peer.url) == before + targets["peer/tiny"]
 
 
 def test_fallback_then_cooldown(main):
     """`with-fallback` -> down/tiny (nothing listening) then tiny. After 2 failures in a row
     down/tiny cools down: later requests go straight to tiny without trying it."""
+
     def errors():
         return metrics_values(main.url, "headwise_gateway_attempts_total").get(
-            (("outcome", "error"), ("route", "with-fallback"), ("target", "down/tiny")), 0.0)
+            (("outcome", "error"), ("route", "with-fallback"), ("target", "down/tiny")), 0.0
+        )
 
     start = errors()
     for i in range(5):

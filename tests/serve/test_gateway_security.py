@@ -1,5 +1,6 @@
 """What the gateway must never let out: the upstream key (in error answers or logs), secrets in
 query strings (uvicorn's access log), and, beyond loopback, /metrics without an API key."""
+
 import logging
 import time
 
@@ -31,20 +32,24 @@ def gw(gateway_factory):
     return gateway_factory()
 
 
-@pytest.mark.parametrize("model,status,code,param", [
-    ("echo-400", 400, None, "max_tokens"),                     # the key sat in `code`: dropped
-    ("echo-400-plain", 400, "context_length_exceeded", "messages[0].content"),
-    ("echo-500", 502, "upstream_error", None),
-    ("echo-429", 429, "upstream_rate_limited", None),
-])
+@pytest.mark.parametrize(
+    "model,status,code,param",
+    [
+        ("echo-400", 400, None, "max_tokens"),  # the key sat in `code`: dropped
+        ("echo-400-plain", 400, "context_length_exceeded", "messages[0].content"),
+        ("echo-500", 502, "upstream_error", None),
+        ("echo-429", 429, "upstream_rate_limited", None),
+    ],
+)
 def test_upstream_error_text_never_reaches_the_client(gw, caplog, model, status, code, param):
     """The fake upstream echoes the request's headers (our Authorization: Bearer <key>) into its
     error body and an x-echo header; none of it may reach the client or the log."""
     caplog.set_level(logging.DEBUG)
     start = len(LOG.getvalue())
     for stream in (False, True):
-        r = httpx.post(gw.url + "/v1/completions", json={"model": f"fake/{model}", "prompt": "hi",
-                                                          "stream": stream}, timeout=30)
+        r = httpx.post(
+            gw.url + "/v1/completions", json={"model": f"fake/{model}", "prompt": "hi", "stream": stream}, timeout=30
+        )
         assert r.status_code == status, r.text
         assert FAKE_KEY not in r.text and FAKE_KEY not in str(r.headers.raw)
         assert "x-echo" not in r.headers
@@ -55,7 +60,7 @@ def test_upstream_error_text_never_reaches_the_client(gw, caplog, model, status,
         assert "you sent" not in error["message"] and "Internal error" not in error["message"]
     if status == 429:
         assert r.headers["retry-after"] == "3"
-    time.sleep(0.2)                         # the access lines of the last request
+    time.sleep(0.2)  # the access lines of the last request
     assert FAKE_KEY not in caplog.text and FAKE_KEY not in LOG.getvalue()[start:]
 
 
@@ -91,14 +96,16 @@ def test_query_secrets_are_redacted_in_the_access_log(gateway_factory):
     lines = wait_for(lambda: [x for x in access_lines(LOG.getvalue()[start:]) if "uvicorn.access" in x])
     assert lines
     assert SECRET not in "\n".join(lines)
-    assert "limit=3" in lines[0] and "api_key=" in lines[0]    # the line still says what was asked
+    assert "limit=3" in lines[0] and "api_key=" in lines[0]  # the line still says what was asked
 
 
 def test_query_secrets_are_redacted_by_headwise_serve(servers_dir):
     """The real `headwise serve` process, with uvicorn's own log config."""
-    server = ServeProcess({"server": {"api_key_env": ""},
-                           "providers": {"x": {"base_url": "http://127.0.0.1:9/v1", "models": ["m"]}}},
-                          servers_dir, "redact")
+    server = ServeProcess(
+        {"server": {"api_key_env": ""}, "providers": {"x": {"base_url": "http://127.0.0.1:9/v1", "models": ["m"]}}},
+        servers_dir,
+        "redact",
+    )
     try:
         server.wait_ready(60)
         assert httpx.get(f"{server.url}/v1/models?key={SECRET}&x=1").status_code == 200
@@ -109,12 +116,15 @@ def test_query_secrets_are_redacted_by_headwise_serve(servers_dir):
     assert SECRET not in server.log()
 
 
-@pytest.mark.parametrize("host,mode,protected", [
-    ("0.0.0.0", None, True),                # auto (the default): keys + beyond loopback
-    ("127.0.0.1", None, False),             # auto on loopback: open, as before
-    ("127.0.0.1", "always", True),
-    ("0.0.0.0", "never", False),
-])
+@pytest.mark.parametrize(
+    "host,mode,protected",
+    [
+        ("0.0.0.0", None, True),  # auto (the default): keys + beyond loopback
+        ("127.0.0.1", None, False),  # auto on loopback: open, as before
+        ("127.0.0.1", "always", True),
+        ("0.0.0.0", "never", False),
+    ],
+)
 def test_metrics_auth(gateway_factory, host, mode, protected):
     server = {"api_keys": ["sk-gw-key"], "host": host, **({"metrics_auth": mode} if mode else {})}
     gw = gateway_factory(server=server)
@@ -127,7 +137,7 @@ def test_metrics_auth(gateway_factory, host, mode, protected):
         assert anonymous.status_code == 200
     r = httpx.get(gw.url + "/metrics", headers=auth("sk-gw-key"))
     assert r.status_code == 200 and "headwise_requests" in r.text
-    assert httpx.get(gw.url + "/health").status_code == 200          # probes stay open
+    assert httpx.get(gw.url + "/health").status_code == 200  # probes stay open
 
 
 def test_metrics_auth_without_keys_stays_open(gateway_factory):

@@ -1,5 +1,6 @@
 """The official `openai` client against a live server; outputs checked against
 headwise.generate / headwise.embed run in this process, one prompt at a time."""
+
 import asyncio
 import base64
 
@@ -35,9 +36,16 @@ def test_chat_greedy_equals_generate(client, smol):
 
 def test_chat_stream_with_usage_equals_generate(client, smol):
     ref = headwise.generate(smol, CHAT, max_new_tokens=20, temperature=0)
-    chunks = list(client.chat.completions.create(model="smollm2", messages=CHAT, max_completion_tokens=20,
-                                                 temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="smollm2",
+            messages=CHAT,
+            max_completion_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == ref.text
@@ -66,16 +74,18 @@ def test_completions_greedy_equal_generate_for_text_ids_and_lists(client, smol):
 def test_completion_stream_and_stop_string(client, smol):
     prompt = "1, 2, 3, 4,"
     ref = headwise.generate(smol, prompt, max_new_tokens=16, temperature=0, stop=[" 7"])
-    chunks = list(client.completions.create(model="smollm2", prompt=prompt, max_tokens=16, temperature=0,
-                                            stop=" 7", stream=True))
+    chunks = list(
+        client.completions.create(model="smollm2", prompt=prompt, max_tokens=16, temperature=0, stop=" 7", stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks) == ref.text
     assert chunks[-1].choices[0].finish_reason == ref.finish_reason == "stop"
 
 
 def test_chat_logprobs_match_generate(client, smol):
     ref = headwise.generate(smol, CHAT, max_new_tokens=6, temperature=0, logprobs=3)
-    res = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=6, temperature=0,
-                                         logprobs=True, top_logprobs=3)
+    res = client.chat.completions.create(
+        model="smollm2", messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
     got = res.choices[0].logprobs.content
     assert len(got) == len(ref.logprobs)
     tok = smol.tokenizer
@@ -100,28 +110,36 @@ def test_seeded_sampling_repeats_and_n_gives_n_choices(client, smol):
 def test_embeddings_equal_embed(client, main, minilm):
     texts = ["A man is eating food.", "Someone is having a meal.", "The stock market fell."]
     ref = headwise.embed(minilm, texts)
-    res = client.embeddings.create(model="minilm", input=texts)        # the client asks for base64
+    res = client.embeddings.create(model="minilm", input=texts)  # the client asks for base64
     got = torch.tensor([d.embedding for d in res.data])
     assert [d.index for d in res.data] == [0, 1, 2]
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     assert res.usage.prompt_tokens == sum(len(minilm.tokenizer.encode(t)) for t in texts)
-    raw = httpx.post(main.url + "/v1/embeddings", headers=auth(),
-                     json={"model": "minilm", "input": texts[0], "encoding_format": "float"}).json()
+    raw = httpx.post(
+        main.url + "/v1/embeddings",
+        headers=auth(),
+        json={"model": "minilm", "input": texts[0], "encoding_format": "float"},
+    ).json()
     torch.testing.assert_close(torch.tensor(raw["data"][0]["embedding"]), ref[0], atol=1e-5, rtol=1e-5)
-    b64 = httpx.post(main.url + "/v1/embeddings", headers=auth(),
-                     json={"model": "minilm", "input": texts[0], "encoding_format": "base64"}).json()
+    b64 = httpx.post(
+        main.url + "/v1/embeddings",
+        headers=auth(),
+        json={"model": "minilm", "input": texts[0], "encoding_format": "base64"},
+    ).json()
     vec = np.frombuffer(base64.b64decode(b64["data"][0]["embedding"]), dtype="<f4")
     torch.testing.assert_close(torch.from_numpy(vec.copy()), ref[0], atol=1e-5, rtol=1e-5)
 
 
 def test_16_concurrent_streams_equal_one_at_a_time(aclient, smol):
     prompts = [f"Write one short sentence about the number {i}." for i in range(16)]
-    refs = [headwise.generate(smol, [{"role": "user", "content": p}], max_new_tokens=8, temperature=0).text
-            for p in prompts]
+    refs = [
+        headwise.generate(smol, [{"role": "user", "content": p}], max_new_tokens=8, temperature=0).text for p in prompts
+    ]
 
     async def one(c, p):
-        stream = await c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": p}],
-                                                       max_tokens=8, temperature=0, stream=True)
+        stream = await c.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": p}], max_tokens=8, temperature=0, stream=True
+        )
         return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
     async def run_all():

@@ -11,6 +11,7 @@ HEADWISE_FUZZ_EXAMPLES sets the examples per operation (40 by default, for `make
 
     HEADWISE_FUZZ_EXAMPLES=300 .venv/bin/python -m pytest tests/serve/test_schema_fuzz.py -q
 """
+
 import os
 
 import pytest
@@ -23,7 +24,8 @@ from .conftest import auth  # noqa: E402
 
 # the filter goes on the lazy schema: it replaces any filter set on the fixture's schema
 schema = schemathesis.pytest.from_fixture("api_schema").include(
-    path_regex=r"^/v1/(chat/completions|completions|embeddings)$")
+    path_regex=r"^/v1/(chat/completions|completions|embeddings)$"
+)
 
 
 @pytest.fixture
@@ -37,10 +39,18 @@ def api_schema(main):
 @schema.parametrize()
 # Phase.generate only (+ shrink on failure): with Phase.explicit, schemathesis adds its coverage
 # phase, ~700 boundary cases that take two minutes here
-@settings(max_examples=int(os.environ.get("HEADWISE_FUZZ_EXAMPLES", "40")), deadline=None, derandomize=True,
-          phases=[Phase.generate, Phase.shrink],
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large,
-                                 HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=int(os.environ.get("HEADWISE_FUZZ_EXAMPLES", "40")),
+    deadline=None,
+    derandomize=True,
+    phases=[Phase.generate, Phase.shrink],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.filter_too_much,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,
+    ],
+)
 def test_no_server_errors_and_responses_match_the_schema(case):
     if case.meta.generation.mode.is_positive and isinstance(case.body, dict):
         case.body["model"] = "minilm" if case.path.endswith("embeddings") else "tiny"

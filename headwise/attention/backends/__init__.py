@@ -7,6 +7,7 @@
              takes a cache's description (`kv.LayerKV`), not tensors
 5. math    - the reference; the only backend that returns weights
 """
+
 from .chunked import chunked_attention, chunked_check
 from .flash import flash_attention, flash_check
 from .math import math_attention, math_check
@@ -18,8 +19,13 @@ from .sdpa import sdpa_attention, sdpa_check
 register_backend("flash", flash_attention, flash_check, description="flash-attn package, CUDA only")
 register_backend("sdpa", sdpa_attention, sdpa_check, description="PyTorch fused scaled_dot_product_attention")
 register_backend("chunked", chunked_attention, chunked_check, description="tiled online softmax, O(T) memory")
-register_backend("paged", paged_attention, paged_check, reads="blocks",
-                 description="block tables / packed steps of a paged cache, in place")
+register_backend(
+    "paged",
+    paged_attention,
+    paged_check,
+    reads="blocks",
+    description="block tables / packed steps of a paged cache, in place",
+)
 register_backend("math", math_attention, math_check, description="reference; materializes scores")
 
 __all__ = ["Backend", "backends", "get_backend", "register_backend", "merge_lse"]

@@ -5,6 +5,7 @@ bottom-right (>= 2.1), and supports sliding windows and ALiBi natively. It has n
 arbitrary masks and no padding masks in this entry point (padding would need its
 varlen API), so those requests fall through to the next backend.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -22,10 +23,18 @@ def flash_attention(q, k, v, spec: AttentionSpec) -> AttentionOutput:
     window = spec.window if spec.window is not None else (-1, -1)
     slopes = spec.alibi_slopes
     if slopes is not None and slopes.shape[0] == 1:
-        slopes = slopes[0]                                   # (H,)
-    res = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                          dropout_p=spec.dropout_p, softmax_scale=spec.scale, causal=spec.is_causal,
-                          window_size=window, alibi_slopes=slopes, return_attn_probs=spec.return_lse)
+        slopes = slopes[0]  # (H,)
+    res = flash_attn_func(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        dropout_p=spec.dropout_p,
+        softmax_scale=spec.scale,
+        causal=spec.is_causal,
+        window_size=window,
+        alibi_slopes=slopes,
+        return_attn_probs=spec.return_lse,
+    )
     if spec.return_lse:
         out, lse, _ = res
         return AttentionOutput(out.transpose(1, 2), lse.float(), None)

@@ -4,6 +4,7 @@ obviously right; every other backend and every cache is tested against it.
 Low-precision inputs are computed in fp32 and rounded once at the end, so the
 reference is the exact answer rounded to the input dtype.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,8 @@ def math_attention(q, k, v, spec: AttentionSpec) -> AttentionOutput:
 
     # GQA without copying K/V: query heads of one group share a KV head, so fold the
     # group into the row dim: (B, Hkv, G*T, D) @ (B, Hkv, D, S). Head h = kv * G + g.
-    scores = fold_heads(q * spec.scale, Hkv) @ k.transpose(-2, -1)   # (B, Hkv, G*T, S)
-    scores = unfold_heads(scores, H)                                # (B, H, T, S)
+    scores = fold_heads(q * spec.scale, Hkv) @ k.transpose(-2, -1)  # (B, Hkv, G*T, S)
+    scores = unfold_heads(scores, H)  # (B, H, T, S)
     allowed, bias = tile_masks(spec, 0, T, 0, S, q.device)
     if bias is not None:
         scores = scores + bias
@@ -31,17 +32,16 @@ def math_attention(q, k, v, spec: AttentionSpec) -> AttentionOutput:
         scores = scores.masked_fill(~allowed, float("-inf"))
 
     weights = torch.softmax(scores, dim=-1)
-    lse = torch.logsumexp(scores, dim=-1) if spec.return_lse else None   # (B, H, T)
-    if allowed is not None or bias is not None:                     # fully masked rows: zeros, not NaN
+    lse = torch.logsumexp(scores, dim=-1) if spec.return_lse else None  # (B, H, T)
+    if allowed is not None or bias is not None:  # fully masked rows: zeros, not NaN
         dead = torch.isneginf(lse) if lse is not None else torch.isneginf(scores.amax(dim=-1))
         weights = weights.masked_fill(dead[..., None], 0.0)
     if spec.dropout_p > 0:
         weights = F.dropout(weights, spec.dropout_p)
-    out = fold_heads(weights, Hkv) @ v                              # (B, Hkv, G*T, Dv)
-    out = unfold_heads(out, H).to(dtype)                            # (B, H, T, Dv)
-    return AttentionOutput(out, lse,
-                           weights.to(dtype) if spec.need_weights else None)
+    out = fold_heads(weights, Hkv) @ v  # (B, Hkv, G*T, Dv)
+    out = unfold_heads(out, H).to(dtype)  # (B, H, T, Dv)
+    return AttentionOutput(out, lse, weights.to(dtype) if spec.need_weights else None)
 
 
 def math_check(q, k, v, spec: AttentionSpec) -> list[str]:
-    return []   # the reference serves everything
+    return []  # the reference serves everything

@@ -10,6 +10,7 @@ and LSEs l_a, l_b, the whole is
 (Milakov & Gimelshein 2018). Used by `chunked` (key tiles of one tensor) and `paged`
 (tiles and views of a block pool).
 """
+
 from __future__ import annotations
 
 import torch

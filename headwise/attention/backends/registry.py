@@ -3,6 +3,7 @@ paired with `check(q, k, v, spec) -> list[str]`: the reasons it cannot serve a
 request (empty list = it can). `attend(backend="auto")` walks the registry in
 order and takes the first backend whose check passes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,14 +23,21 @@ class Backend:
     fn: BackendFn
     check: CheckFn
     description: str = ""
-    reads: str = "tensors"   # what K/V it takes: "tensors" (k, v) or "blocks" (a paged cache's description)
+    reads: str = "tensors"  # what K/V it takes: "tensors" (k, v) or "blocks" (a paged cache's description)
 
 
-_REGISTRY: dict[str, Backend] = {}   # insertion order is the "auto" order
+_REGISTRY: dict[str, Backend] = {}  # insertion order is the "auto" order
 
 
-def register_backend(name: str, fn: BackendFn, check: CheckFn | None = None, *,
-                     description: str = "", before: str | None = None, reads: str = "tensors") -> Backend:
+def register_backend(
+    name: str,
+    fn: BackendFn,
+    check: CheckFn | None = None,
+    *,
+    description: str = "",
+    before: str | None = None,
+    reads: str = "tensors",
+) -> Backend:
     """Add (or replace) a backend. `before` places it ahead of another in the auto order.
     reads="blocks": it takes a paged cache's description (`headwise.attention.kv.LayerKV`) as k."""
     if reads not in ("tensors", "blocks"):
@@ -57,5 +65,6 @@ def get_backend(name: str) -> Backend:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown attention backend {name!r}; valid backends: "
-                         f"{', '.join(['auto', *_REGISTRY])}") from None
+        raise ValueError(
+            f"unknown attention backend {name!r}; valid backends: {', '.join(['auto', *_REGISTRY])}"
+        ) from None

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions on a local model: messages -> the model's chat template ->
 token ids -> the engine; the answer as one JSON or as SSE chunks."""
+
 from __future__ import annotations
 
 import time
@@ -9,26 +10,41 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..errors import APIError
 from ..schemas import ChatCompletionRequest
-from .common import (Streams, Usage, chat_logprobs, check_chars, check_context, collect, new_id, off_loop,
-                     reject_unsupported, sampling_params, sse_events, tokenize, until_disconnect)
+from .common import (
+    Streams,
+    Usage,
+    chat_logprobs,
+    check_chars,
+    check_context,
+    collect,
+    new_id,
+    off_loop,
+    reject_unsupported,
+    sampling_params,
+    sse_events,
+    tokenize,
+    until_disconnect,
+)
 
 
 def render_prompt(tok, req: ChatCompletionRequest) -> list[int]:
     from ...generation.output import OutputProcessor
     from ...models.tokenizer import ChatTemplateError
+
     messages = []
     for m in req.messages:
-        content = m.content if isinstance(m.content, str) or m.content is None else \
-            "\n".join(part.text for part in m.content)
+        content = (
+            m.content if isinstance(m.content, str) or m.content is None else "\n".join(part.text for part in m.content)
+        )
         # "developer" is OpenAI's newer name for "system"; templates know only the latter
         messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
     try:
-        text = OutputProcessor(tok).chat_text(messages)           # the template generate() uses
+        text = OutputProcessor(tok).chat_text(messages)  # the template generate() uses
     except ChatTemplateError as e:
         raise APIError(400, str(e), param="messages", code="invalid_messages") from None
-    except ValueError as e:         # no template at all
+    except ValueError as e:  # no template at all
         raise APIError(400, f"model cannot chat: {e}; use /v1/completions", param="model") from None
-    ids = tokenize(tok, text, special=False)       # the template already wrote BOS/role tokens
+    ids = tokenize(tok, text, special=False)  # the template already wrote BOS/role tokens
     if not ids:
         raise APIError(400, "the messages render to an empty prompt", param="messages")
     return ids
@@ -44,14 +60,21 @@ def message_texts(req: ChatCompletionRequest):
 
 def prepare(runtime, req: ChatCompletionRequest):
     """-> (prompt ids, SamplingParams). CPU work (template, tokenizer): call it off the loop."""
-    reject_unsupported(req, {
-        "tools": (not req.tools, "tool calling is not supported by headwise's local models"),
-        "tool_choice": (req.tool_choice in (None, "none", "auto"), "tool_choice needs tools, which are not "
-                        "supported here"),
-        "response_format": (req.response_format is None or req.response_format.type == "text",
-                            "only response_format {\"type\": \"text\"} is supported"),
-        "top_logprobs": (req.top_logprobs is None or req.logprobs, "top_logprobs needs logprobs: true"),
-    })
+    reject_unsupported(
+        req,
+        {
+            "tools": (not req.tools, "tool calling is not supported by headwise's local models"),
+            "tool_choice": (
+                req.tool_choice in (None, "none", "auto"),
+                "tool_choice needs tools, which are not supported here",
+            ),
+            "response_format": (
+                req.response_format is None or req.response_format.type == "text",
+                'only response_format {"type": "text"} is supported',
+            ),
+            "top_logprobs": (req.top_logprobs is None or req.logprobs, "top_logprobs needs logprobs: true"),
+        },
+    )
     prompt = render_prompt(runtime.tokenizer, req)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = check_context([len(prompt)], requested, runtime.max_model_len, "messages")
@@ -59,8 +82,7 @@ def prepare(runtime, req: ChatCompletionRequest):
     return prompt, sampling_params(req, max_tokens, logprobs)
 
 
-async def create(runtime, req: ChatCompletionRequest, model: str, request: Request, *, timeout=None,
-                 metrics=None):
+async def create(runtime, req: ChatCompletionRequest, model: str, request: Request, *, timeout=None, metrics=None):
     runtime.require("generate", "/v1/chat/completions")
     check_chars(message_texts(req), runtime.spec.max_input_chars, "messages")
     prompt, sampling = await off_loop(prepare, runtime, req)
@@ -68,35 +90,56 @@ async def create(runtime, req: ChatCompletionRequest, model: str, request: Reque
     streams = Streams(runtime, rid, sampling.n)
     await streams.start([prompt], sampling, timeout)
     usage = Usage(prompt_tokens=len(prompt))
-    tok, top = runtime.tokenizer, sampling.logprobs          # None: no logprobs asked for
+    tok, top = runtime.tokenizer, sampling.logprobs  # None: no logprobs asked for
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_events(streams, rid, created, model, sampling.n, usage, tok, top, include_usage,
-                                         metrics), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    body = await until_disconnect(_collect(streams, rid, created, model, sampling.n, usage, tok, top, metrics),
-                                  request)
+        return StreamingResponse(
+            _events(streams, rid, created, model, sampling.n, usage, tok, top, include_usage, metrics),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    body = await until_disconnect(_collect(streams, rid, created, model, sampling.n, usage, tok, top, metrics), request)
     return JSONResponse(body)
 
 
 async def _collect(streams, rid, created, model, n, usage, tok, top, metrics):
     texts, reasons, lps = await collect(streams, n, usage, metrics, model)
     # thousands of tokens x 21 alternatives to detokenize: off the loop
-    logprobs = await off_loop(lambda: [chat_logprobs(tok, lps[i], top) for i in range(n)]) if top is not None \
-        else [None] * n
-    choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": logprobs[i],
-                "finish_reason": reasons[i] or "length"} for i in range(n)]
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-            "usage": usage.as_dict()}
+    logprobs = (
+        await off_loop(lambda: [chat_logprobs(tok, lps[i], top) for i in range(n)]) if top is not None else [None] * n
+    )
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": texts[i]},
+            "logprobs": logprobs[i],
+            "finish_reason": reasons[i] or "length",
+        }
+        for i in range(n)
+    ]
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage.as_dict(),
+    }
 
 
 def _events(streams, rid, created, model, n, usage, tok, top, include_usage, metrics):
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
 
     def choice(i, piece):
-        return {"index": i, "delta": {"content": piece.text} if piece.text else {},
-                "logprobs": chat_logprobs(tok, piece.logprobs or [], top) if top is not None else None,
-                "finish_reason": piece.finish_reason}
-    roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-             for i in range(n)]
+        return {
+            "index": i,
+            "delta": {"content": piece.text} if piece.text else {},
+            "logprobs": chat_logprobs(tok, piece.logprobs or [], top) if top is not None else None,
+            "finish_reason": piece.finish_reason,
+        }
+
+    roles = [
+        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        for i in range(n)
+    ]
     return sse_events(streams, head, usage, metrics, model, include_usage, choice, first=roles)

@@ -5,6 +5,7 @@ Nothing is sent to the client before the first piece of every stream has arrived
 so overload (429), bad input (400) and timeouts are still proper HTTP errors that
 the gateway may retry elsewhere; after that, an error travels inside the stream.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -38,8 +39,13 @@ def check_chars(texts, limit: int, param: str) -> None:
     """400 before tokenizing when the text of a request is over the model's max_input_chars."""
     n = sum(len(t) for t in texts)
     if n > limit:
-        raise APIError(400, f"the {param} has {n:,} characters, over this model's limit of {limit:,} per request "
-                            f"([models.NAME] max_input_chars); send less text", param=param, code="input_too_long")
+        raise APIError(
+            400,
+            f"the {param} has {n:,} characters, over this model's limit of {limit:,} per request "
+            f"([models.NAME] max_input_chars); send less text",
+            param=param,
+            code="input_too_long",
+        )
 
 
 def new_id(prefix: str) -> str:
@@ -59,10 +65,14 @@ SAMPLING_EPS = 1e-5
 def reject_unsupported(req: SamplingFields, extra: dict | None = None) -> None:
     """Fields we accept only at their neutral value: say so instead of ignoring them."""
     checks = {
-        "presence_penalty": (req.presence_penalty in (None, 0), "presence_penalty is not supported; "
-                             "use repetition_penalty"),
-        "frequency_penalty": (req.frequency_penalty in (None, 0), "frequency_penalty is not supported; "
-                              "use repetition_penalty"),
+        "presence_penalty": (
+            req.presence_penalty in (None, 0),
+            "presence_penalty is not supported; use repetition_penalty",
+        ),
+        "frequency_penalty": (
+            req.frequency_penalty in (None, 0),
+            "frequency_penalty is not supported; use repetition_penalty",
+        ),
         "logit_bias": (not req.logit_bias, "logit_bias is not supported"),
         **(extra or {}),
     }
@@ -73,18 +83,26 @@ def reject_unsupported(req: SamplingFields, extra: dict | None = None) -> None:
 
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None):
     from ...generation.sampling import SamplingParams
+
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    temperature = 1.0 if req.temperature is None else req.temperature    # OpenAI's default
+    temperature = 1.0 if req.temperature is None else req.temperature  # OpenAI's default
     if temperature < SAMPLING_EPS:
-        temperature = 0.0           # logits / 1e-300 overflow to inf; vLLM treats these as greedy too
+        temperature = 0.0  # logits / 1e-300 overflow to inf; vLLM treats these as greedy too
     try:
         return SamplingParams(
-            max_new_tokens=max_tokens, temperature=temperature,
+            max_new_tokens=max_tokens,
+            temperature=temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0, min_p=req.min_p or 0.0,
+            top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            stop=stop, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=bool(req.ignore_eos),
-            seed=req.seed, n=req.n or 1, logprobs=logprobs)
+            stop=stop,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=bool(req.ignore_eos),
+            seed=req.seed,
+            n=req.n or 1,
+            logprobs=logprobs,
+        )
     except ValueError as e:
         raise APIError(400, str(e), code="invalid_sampling") from None
 
@@ -94,17 +112,25 @@ def check_context(prompt_lens: list[int], max_tokens: int | None, limit: int, wh
     when a prompt plus max_tokens does not fit."""
     longest = max(prompt_lens)
     if longest >= limit:
-        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, the {what} "
-                            f"has {longest} tokens, which leaves no room for the completion. Please reduce the "
-                            f"length of the {what}.", param="messages" if what == "messages" else "prompt",
-                       code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, the {what} "
+            f"has {longest} tokens, which leaves no room for the completion. Please reduce the "
+            f"length of the {what}.",
+            param="messages" if what == "messages" else "prompt",
+            code="context_length_exceeded",
+        )
     if max_tokens is None:
         max_tokens = limit - longest
     if longest + max_tokens > limit:
-        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                            f"{longest + max_tokens} tokens ({longest} in the {what}, {max_tokens} for the "
-                            f"completion). Please reduce the length of the {what} or of max_tokens.",
-                       param="max_tokens", code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{longest + max_tokens} tokens ({longest} in the {what}, {max_tokens} for the "
+            f"completion). Please reduce the length of the {what} or of max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     return max_tokens
 
 
@@ -113,14 +139,14 @@ def tokenize(tok, text: str, *, special: bool = True) -> list[int]:
         # encode_batch, not encode: HF tokenizers' encode holds the GIL while it works (4 MiB:
         # seconds in which no other thread, the event loop included, runs); encode_batch lets go
         return tok.encode_batch([text], add_special_tokens=special)[0]
-    except Exception as e:        # lone surrogates and the like: the client's text, not our bug
+    except Exception as e:  # lone surrogates and the like: the client's text, not our bug
         raise APIError(400, f"could not tokenize the input: {type(e).__name__}: {e}", code="invalid_text") from None
 
 
 def tokenize_many(tok, texts: list[str], *, special: bool = True) -> list[list[int]]:
     try:
         return tok.encode_batch(texts, add_special_tokens=special)
-    except Exception:              # find the text that fails, for the message
+    except Exception:  # find the text that fails, for the message
         return [tokenize(tok, t, special=special) for t in texts]
 
 
@@ -134,7 +160,7 @@ def check_ids(ids: list[int], vocab: int, param: str) -> list[int]:
 @dataclass
 class Usage:
     prompt_tokens: int = 0
-    completion: dict[int, int] = field(default_factory=dict)    # choice index -> tokens generated
+    completion: dict[int, int] = field(default_factory=dict)  # choice index -> tokens generated
 
     def as_dict(self) -> dict:
         c = sum(self.completion.values())
@@ -164,8 +190,9 @@ class Streams:
                     self.firsts.append(await anext(gen, None))
         except TimeoutError:
             await self.close()
-            raise APIError(504, f"model {self.runtime.name!r} sent nothing within {timeout:g} s",
-                           code="timeout") from None
+            raise APIError(
+                504, f"model {self.runtime.name!r} sent nothing within {timeout:g} s", code="timeout"
+            ) from None
         except BaseException:
             await self.close()
             raise
@@ -186,7 +213,7 @@ class Streams:
                     async for piece in gen:
                         await queue.put((p, piece))
                 await queue.put((p, None))
-            except BaseException as e:          # hand errors to the consumer
+            except BaseException as e:  # hand errors to the consumer
                 await queue.put((p, e))
 
         tasks = [asyncio.create_task(pump(p, g, f)) for p, (g, f) in enumerate(zip(self.gens, self.firsts))]
@@ -206,11 +233,11 @@ class Streams:
 
     async def close(self) -> None:
         for p in range(len(self.gens)):
-            self.runtime.abort(f"{self.request_id}-{p}")     # synchronous: runs even while being cancelled
+            self.runtime.abort(f"{self.request_id}-{p}")  # synchronous: runs even while being cancelled
         for gen in self.gens:
             try:
                 await gen.aclose()
-            except (RuntimeError, asyncio.CancelledError):   # already running in a cancelled pump task
+            except (RuntimeError, asyncio.CancelledError):  # already running in a cancelled pump task
                 pass
 
 
@@ -310,8 +337,12 @@ def chat_logprobs(tok, items, top: int) -> dict:
     def entry(tid, lp):
         text = _token_text(tok, tid)
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "replace"))}
-    return {"content": [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top[:top]]}
-                        for t in items]}
+
+    return {
+        "content": [
+            {**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top[:top]]} for t in items
+        ]
+    }
 
 
 def completion_logprobs(tok, items, offset: int) -> dict:

@@ -1,5 +1,6 @@
 """POST /v1/completions on a local model: text or token-id prompts (one or a list) -> the
 engine; choice index = prompt index * n + choice within the prompt, as OpenAI numbers them."""
+
 from __future__ import annotations
 
 import time
@@ -9,10 +10,24 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..errors import APIError
 from ..schemas import CompletionRequest
-from .common import (Streams, Usage, check_chars, check_context, check_ids, collect, completion_logprobs, new_id,
-                     off_loop, reject_unsupported, sampling_params, sse_events, tokenize, until_disconnect)
+from .common import (
+    Streams,
+    Usage,
+    check_chars,
+    check_context,
+    check_ids,
+    collect,
+    completion_logprobs,
+    new_id,
+    off_loop,
+    reject_unsupported,
+    sampling_params,
+    sse_events,
+    tokenize,
+    until_disconnect,
+)
 
-DEFAULT_MAX_TOKENS = 16         # OpenAI's default for completions
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 
 def prompts_of(runtime, req: CompletionRequest) -> list[list[int]]:
@@ -36,22 +51,25 @@ def prompts_of(runtime, req: CompletionRequest) -> list[list[int]]:
 def prepare(runtime, req: CompletionRequest):
     """-> (prompts as ids, SamplingParams). CPU work (the tokenizer): call it off the loop."""
     n = req.n or 1
-    reject_unsupported(req, {
-        "echo": (not req.echo, "echo is not supported"),
-        "suffix": (req.suffix is None, "suffix (fill-in-the-middle) is not supported"),
-        "best_of": (req.best_of in (None, n), "best_of must equal n (no server-side ranking here)"),
-    })
+    reject_unsupported(
+        req,
+        {
+            "echo": (not req.echo, "echo is not supported"),
+            "suffix": (req.suffix is None, "suffix (fill-in-the-middle) is not supported"),
+            "best_of": (req.best_of in (None, n), "best_of must equal n (no server-side ranking here)"),
+        },
+    )
     prompts = prompts_of(runtime, req)
-    max_tokens = check_context([len(p) for p in prompts], req.max_tokens or DEFAULT_MAX_TOKENS,
-                               runtime.max_model_len)
+    max_tokens = check_context([len(p) for p in prompts], req.max_tokens or DEFAULT_MAX_TOKENS, runtime.max_model_len)
     return prompts, sampling_params(req, max_tokens, req.logprobs)
 
 
 async def create(runtime, req: CompletionRequest, model: str, request: Request, *, timeout=None, metrics=None):
     runtime.require("generate", "/v1/completions")
     p = req.prompt
-    check_chars([p] if isinstance(p, str) else [t for t in p if isinstance(t, str)], runtime.spec.max_input_chars,
-                "prompt")
+    check_chars(
+        [p] if isinstance(p, str) else [t for t in p if isinstance(t, str)], runtime.spec.max_input_chars, "prompt"
+    )
     prompts, sampling = await off_loop(prepare, runtime, req)
     rid, created = new_id("cmpl"), int(time.time())
     streams = Streams(runtime, rid, sampling.n)
@@ -61,28 +79,42 @@ async def create(runtime, req: CompletionRequest, model: str, request: Request, 
     ctx = (streams, rid, created, model, total, usage, runtime.tokenizer, sampling.logprobs, metrics)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_events(*ctx, include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            _events(*ctx, include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
     return JSONResponse(await until_disconnect(_collect(*ctx), request))
 
 
 async def _collect(streams, rid, created, model, total, usage, tok, logprobs, metrics):
     texts, reasons, lps = await collect(streams, total, usage, metrics, model)
     # thousands of tokens x 21 alternatives to detokenize: off the loop
-    lp = await off_loop(lambda: [completion_logprobs(tok, lps[i], 0) for i in range(total)]) \
-        if logprobs is not None else [None] * total
-    choices = [{"index": i, "text": texts[i], "finish_reason": reasons[i] or "length", "logprobs": lp[i]}
-               for i in range(total)]
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-            "usage": usage.as_dict()}
+    lp = (
+        await off_loop(lambda: [completion_logprobs(tok, lps[i], 0) for i in range(total)])
+        if logprobs is not None
+        else [None] * total
+    )
+    choices = [
+        {"index": i, "text": texts[i], "finish_reason": reasons[i] or "length", "logprobs": lp[i]} for i in range(total)
+    ]
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage.as_dict(),
+    }
 
 
 def _events(streams, rid, created, model, total, usage, tok, logprobs, metrics, include_usage):
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
-    offsets = [0] * total                    # characters streamed so far per choice (text_offset)
+    offsets = [0] * total  # characters streamed so far per choice (text_offset)
 
     def choice(i, piece):
         lp = completion_logprobs(tok, piece.logprobs or [], offsets[i]) if logprobs is not None else None
         offsets[i] += len(piece.text)
         return {"index": i, "text": piece.text, "logprobs": lp, "finish_reason": piece.finish_reason}
+
     return sse_events(streams, head, usage, metrics, model, include_usage, choice)

@@ -5,6 +5,7 @@ Bounded as OpenAI bounds it: at most 2,048 inputs, none longer than the model's 
 (a 400 naming the input, not a silent cut), at most max_embedding_tokens in all. The model
 works in micro-batches and serves waiting requests between them (LocalRuntime.embed), so a
 request of 2,048 inputs does not hold it while a one-line request waits."""
+
 from __future__ import annotations
 
 import base64
@@ -25,25 +26,37 @@ async def create(runtime, req: EmbeddingRequest, model: str, request: Request, *
         raise APIError(400, "token-id input is not supported for embeddings here; send text", param="input")
     width = runtime.model.config.d_model
     if req.dimensions is not None and req.dimensions != width:
-        raise APIError(400, f"{model} gives {width}-dimensional embeddings; dimensions={req.dimensions} "
-                            "is not supported (omit it)", param="dimensions")
+        raise APIError(
+            400,
+            f"{model} gives {width}-dimensional embeddings; dimensions={req.dimensions} is not supported (omit it)",
+            param="dimensions",
+        )
     check_chars(texts, runtime.spec.max_input_chars, "input")
     ids = await off_loop(tokenize_many, runtime.tokenizer, texts)
     positions = runtime.max_model_len
     for i, t in enumerate(ids):
         if len(t) > positions:
             where = f"input[{i}]" if len(texts) > 1 or not isinstance(req.input, str) else "input"
-            raise APIError(400, f"{where} has {len(t)} tokens; {model} takes at most {positions} tokens per input. "
-                                "Shorten or split it", param="input", code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"{where} has {len(t)} tokens; {model} takes at most {positions} tokens per input. Shorten or split it",
+                param="input",
+                code="context_length_exceeded",
+            )
     total = sum(len(t) for t in ids)
     cap = runtime.spec.max_embedding_tokens
     if total > cap:
-        raise APIError(400, f"the input has {total:,} tokens in all, over this server's limit of {cap:,} per "
-                            "embeddings request ([models.NAME] max_embedding_tokens); send fewer or shorter "
-                            "inputs per request", param="input", code="input_too_long")
+        raise APIError(
+            400,
+            f"the input has {total:,} tokens in all, over this server's limit of {cap:,} per "
+            "embeddings request ([models.NAME] max_embedding_tokens); send fewer or shorter "
+            "inputs per request",
+            param="input",
+            code="input_too_long",
+        )
     limit = getattr(runtime.model, "max_seq_length", None) or positions
     tokens = sum(min(len(t), limit) for t in ids)
-    vecs = await until_disconnect(runtime.embed(ids), request)     # tokenized once, above
+    vecs = await until_disconnect(runtime.embed(ids), request)  # tokenized once, above
     usage = {"prompt_tokens": tokens, "total_tokens": tokens}
     # 2,048 x 384 floats to JSON take ~1 s: off the loop too
     return Response(await off_loop(_body, vecs, req.encoding_format, model, usage), media_type="application/json")
@@ -52,7 +65,7 @@ async def create(runtime, req: EmbeddingRequest, model: str, request: Request, *
 def _body(vecs, encoding_format: str, model: str, usage: dict) -> bytes:
     data = []
     for i, v in enumerate(vecs.float().numpy()):
-        if encoding_format == "base64":          # what the openai client asks for: little-endian float32
+        if encoding_format == "base64":  # what the openai client asks for: little-endian float32
             emb = base64.b64encode(v.astype("<f4").tobytes()).decode()
         else:
             emb = v.tolist()
