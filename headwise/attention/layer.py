@@ -213,10 +213,11 @@ class MultiHeadAttention(nn.Module):
         """Heads in, heads out: q (B, H, T, D) and this step's k, v (B, Hkv, T|S, D), rotated already,
         written to `cache` (if any) and attended through it or directly (`attend` kwargs). The
         general forward and the decoder block's few-rows route both end here."""
+        kv_map = self._buffers["kv_map"]  # a registered buffer, read without nn.Module's slow __getattr__
         if cache is not None:
-            return cache.update(k, v, num_new).attend(q, kv_map=self.kv_map, **kwargs)
-        if self.kv_map is not None:  # uneven groups after pruning: give each query head its K/V
-            k, v = k.index_select(1, self.kv_map), v.index_select(1, self.kv_map)
+            return cache.update(k, v, num_new).attend(q, kv_map=kv_map, **kwargs)
+        if kv_map is not None:  # uneven groups after pruning: give each query head its K/V
+            k, v = k.index_select(1, kv_map), v.index_select(1, kv_map)
         return attend(q, k, v, **kwargs)
 
     def _project(self, query, key, value, self_attn):

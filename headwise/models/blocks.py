@@ -25,6 +25,8 @@ general route. Tests force each route: tests/models/test_block_route.py.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -169,22 +171,48 @@ class DecoderBlock(nn.Module):
 
     def _route_ok(self) -> bool:
         """No hook of a module the route calls by hand (checked every step: hooks come and go)."""
-        attn = self.attn
-        if attn.hook is not None or not attn.fused:
+        parts = self._parts()
+        if parts.attn.hook is not None or not parts.attn.fused:
             return False
-        for m in (attn, attn.qkv_proj, attn.out_proj, self.attn_norm, self.mlp_norm, self.mlp, *self.mlp.children()):
+        for m in parts.modules:
             if m._forward_hooks or m._forward_pre_hooks:
                 return False
         return True
 
+    def _parts(self) -> "_Parts":
+        """The modules the route calls, looked up once and again only when one is replaced
+        (pruning replaces projections): nn.Module's attribute lookup costs ~0.5 us a name, and
+        a decode step would look up ~1,000 of them."""
+        m = self._modules
+        attn, mlp = m["attn"], m["mlp"]
+        key = (attn, mlp, m["attn_norm"], m["mlp_norm"], *attn._modules.values(), *mlp._modules.values())
+        cached = self.__dict__.get("_route_parts")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        swiglu = type(mlp) is GatedMLP and mlp.activation == "silu"
+        parts = _Parts(
+            attn,
+            attn._modules.get("qkv_proj"),
+            attn._modules["out_proj"],
+            attn._modules.get("rope"),
+            m["attn_norm"],
+            m["mlp_norm"],
+            mlp,
+            swiglu,
+            (attn, *attn._modules.values(), m["attn_norm"], m["mlp_norm"], mlp, *mlp._modules.values()),
+        )
+        self.__dict__["_route_parts"] = (key, parts)
+        return parts
+
     def _few_rows(self, x: Tensor, step: Step, cache) -> Tensor:
-        attn, mlp = self.attn, self.mlp
+        p = self._parts()
+        attn = p.attn
         B, T, C = x.shape
         N, H, Hkv, D = B * T, attn.num_heads, attn.num_kv_heads, attn.head_dim  # per layer: pruning changes them
         h = x.reshape(N, C)
-        qkv = fused_linear(attn.qkv_proj, h, norm=self.attn_norm)  # (N, (H + 2 Hkv) D)
+        qkv = fused_linear(p.qkv, h, norm=p.attn_norm)  # (N, (H + 2 Hkv) D)
         qk = qkv[:, : (H + Hkv) * D].view(B, T, H + Hkv, D)
-        rope = attn.rope
+        rope = p.rope
         if rope is not None:
             if N <= ROTATION_ROWS and qk.dtype == torch.float32 and not rope.interleaved and rope.dim == D:
                 qk = torch.matmul(qk, step.rope_rotation(rope))  # (B, T, H + Hkv, D)
@@ -200,13 +228,26 @@ class DecoderBlock(nn.Module):
             key_padding_mask=step.key_padding_mask if cache is None else None,
         )
         o = attn.attend_heads(q, k, v, cache, step.num_real, kwargs)  # (B, H, T, D)
-        h = fused_linear(attn.out_proj, o.transpose(1, 2).reshape(N, H * D), residual=h)  # (N, C)
-        if type(mlp) is GatedMLP and mlp.activation == "silu":
-            gu = fused_linear(mlp.gate_up, h, norm=self.mlp_norm)  # (N, 2F)
-            h = fused_linear(mlp.down, gu, residual=h, swiglu=True)
+        h = fused_linear(p.out, o.transpose(1, 2).reshape(N, H * D), residual=h)  # (N, C)
+        if p.swiglu:
+            mm = p.mlp._modules
+            gu = fused_linear(mm["gate_up"], h, norm=p.mlp_norm)  # (N, 2F)
+            h = fused_linear(mm["down"], gu, residual=h, swiglu=True)
         else:
-            h = h + mlp(self.mlp_norm(h))
+            h = h + p.mlp(p.mlp_norm(h))
         return h.view(B, T, C)
+
+
+class _Parts(NamedTuple):
+    attn: nn.Module
+    qkv: nn.Module
+    out: nn.Module
+    rope: nn.Module | None
+    attn_norm: nn.Module
+    mlp_norm: nn.Module
+    mlp: nn.Module
+    swiglu: bool
+    modules: tuple  # every module the route calls by hand (their hooks would not run)
 
 
 def route_allowed(module: nn.Module, rows: int) -> bool:

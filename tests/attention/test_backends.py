@@ -195,3 +195,26 @@ def test_auto_order_and_explain():
     e = explain(q, k, v, return_lse=True, dropout_p=0.1)
     assert e.chosen == "math" and "no dropout" in e.rejected["chunked"]
     assert "flash-attn" in str(explain(q, k, v, backend="flash")) or "CUDA" in str(explain(q, k, v, backend="flash"))
+
+
+def test_a_backend_registered_later_is_chosen_for_requests_seen_before():
+    """attend() memoizes its choice for plain requests; registering a backend must undo that."""
+    from headwise.attention.backends import registry
+
+    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    want = attend(q, k, v, backend="math")
+    assert torch.allclose(attend(q, k, v), want, atol=1e-6)  # memoized: sdpa
+    calls = []
+
+    def mine(q, k, v, spec):
+        calls.append(spec.H)
+        return registry._REGISTRY["math"].fn(q, k, v, spec)
+
+    registry.register_backend("mine", mine, before="flash")
+    try:
+        assert torch.allclose(attend(q, k, v), want, atol=1e-6) and calls == [4]
+    finally:
+        registry._REGISTRY.pop("mine")
+        registry._CHANGES[0] += 1  # as a registry change: later calls choose again
+    attend(q, k, v)
+    assert calls == [4]

@@ -27,6 +27,11 @@ class Backend:
 
 
 _REGISTRY: dict[str, Backend] = {}  # insertion order is the "auto" order
+_CHANGES = [0]  # bumped by register_backend: memoized choices (functional.attend) are then stale
+
+
+def registry_version() -> int:
+    return _CHANGES[0]
 
 
 def register_backend(
@@ -43,6 +48,7 @@ def register_backend(
     if reads not in ("tensors", "blocks"):
         raise ValueError(f"reads must be 'tensors' or 'blocks', got {reads!r}")
     backend = Backend(name, fn, check or (lambda q, k, v, spec: []), description, reads)
+    _CHANGES[0] += 1
     _REGISTRY.pop(name, None)
     if before is None:
         _REGISTRY[name] = backend
