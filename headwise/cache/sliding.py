@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .contiguous import LayerCacheBase, LayeredCache, check_dims, check_new_kv
+from .base import LayerCacheBase, LayeredCache
 from .protocol import CacheRead
 from .quantized import Int8CacheRead
+from .store import check_dims, check_new_kv
 
 
 def slot_positions(lengths: Tensor, W: int) -> Tensor:
