@@ -139,7 +139,7 @@ def stream_decoder(tok):
     """An incremental detokenizer for `tok`, or None without a tokenizer."""
     if tok is None:
         return None
-    from ..models.tokenizer import StreamDecoder
+    from ..models.stream_decode import StreamDecoder
 
     return StreamDecoder(tok)
 

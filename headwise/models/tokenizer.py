@@ -1,4 +1,4 @@
-"""Tokenizers at the edge: text <-> ids, chat templates, streaming detokenization.
+"""Tokenizers at the edge: text <-> ids, special tokens, and the tokenizer files they come from.
 
 One `Tokenizer` wraps a `tokenizers.Tokenizer` built from any of:
   - a Hugging Face `tokenizer.json` (+ `tokenizer_config.json` for special tokens
@@ -7,18 +7,24 @@ One `Tokenizer` wraps a `tokenizers.Tokenizer` built from any of:
   - the vocabulary inside a GGUF (byte-level BPE)   -> `Tokenizer.from_gguf_vocab`
 `save(dir)` writes the first form, so a GGUF's tokenizer can be cached and read
 back in milliseconds. The engine never sees text (DESIGN: the engine speaks ids).
+Chat templates render in chat_template.py, streaming detokenization is stream_decode.py
+(`StreamDecoder` is importable from here too); byte_level.py holds the
+GGUF pre-tokenizer splits and the GPT-2 byte alphabet.
 """
 
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
+
+from .byte_level import byte_level_pre_tokenizer, gpt2_bytes_to_chars
+from .chat_template import render_chat_template
+from .stream_decode import StreamDecoder  # noqa: F401  (imported from here by benchmarks/_baseline_server.py)
 
 # Token texts that end a turn in common chat formats; llama.cpp treats these as
 # end-of-generation too (llama-vocab.cpp, "eog" tokens).
@@ -33,68 +39,12 @@ _END_OF_TURN = (
     "</s>",
 )
 
-# llama.cpp's `tokenizer.ggml.pre` -> how its merges were learned to be split.
-# GPT-2's ByteLevel regex is the default; SmolLM/StarCoder additionally split
-# every digit on its own (their tokenizer.json: Digits(individual_digits=True)
-# before ByteLevel; llama.cpp's LLAMA_VOCAB_PRE_TYPE_SMOLLM does the same).
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-def _byte_level(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    if pre in (None, "default", "gpt2", "gpt-2", "mpt", "olmo", "jais"):
-        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"):
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
-        )
-    split = {
-        "llama3": _LLAMA3_SPLIT,
-        "llama-bpe": _LLAMA3_SPLIT,
-        "llama-v3": _LLAMA3_SPLIT,
-        "qwen2": _QWEN2_SPLIT,
-        "deepseek-r1-qwen": _QWEN2_SPLIT,
-    }.get(pre)
-    if split is None:
-        raise ValueError(
-            f"GGUF pre-tokenizer {pre!r} is not known here; known: gpt2, smollm, starcoder, "
-            "llama3, llama-bpe, qwen2 and their aliases. Add its split regex to "
-            "headwise/models/tokenizer.py (llama.cpp's llama-vocab.cpp lists them)."
-        )
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-
-
-def _gpt2_bytes_to_chars() -> dict[int, str]:
-    """GPT-2's byte -> printable char map (the ByteLevel alphabet): printable bytes stand
-    for themselves, the rest are shifted past U+0100 (openai/gpt-2 encoder.py)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    shifted = [b for b in range(256) if b not in keep]
-    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
-
 
 def _token_text(value: Any) -> str | None:
     """tokenizer_config.json writes a special token as a string or as an AddedToken dict."""
     if isinstance(value, dict):
         return value.get("content")
     return value
-
-
-class ChatTemplateError(ValueError):
-    """The chat template refused the conversation (its `raise_exception`) or failed to render."""
 
 
 class Tokenizer:
@@ -241,13 +191,13 @@ class Tokenizer:
         # Some converters store a token as raw text ("\n\n", "<｜end▁of▁sentence｜>") instead of in
         # the ByteLevel alphabet; BPE could never produce it, so spell it the byte-level way (as
         # transformers' GGUF loader does) and keep special handling to tokens that need none.
-        to_char = _gpt2_bytes_to_chars()
+        to_char = gpt2_bytes_to_chars()
         alphabet = set(to_char.values())
         spelled = [t if set(t) <= alphabet else "".join(to_char[b] for b in t.encode("utf-8")) for t in tokens]
         vocab = {token: i for i, token in enumerate(spelled)}
         pairs = [tuple(m.split(" ", 1)) for m in merges]
         backend = Backend(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
-        backend.pre_tokenizer = _byte_level(pre)
+        backend.pre_tokenizer = byte_level_pre_tokenizer(pre)
         backend.decoder = decoders.ByteLevel()
         types = list(token_types) if token_types is not None else []
         backend.add_special_tokens(
@@ -385,87 +335,13 @@ class Tokenizer:
             "unk_token": self.unk_token,
             **kwargs,
         }
-        import jinja2
-
-        try:
-            return _compile(template).render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt, **context
-            )
-        except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"chat template failed: {e}") from e
+        return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt, **context)
 
     def __repr__(self) -> str:
         return (
             f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token!r}, eos={self.eos_token!r}, "
             f"pad={self.pad_token!r}, chat_template={'yes' if self.chat_template else 'no'})"
         )
-
-
-_COMPILED: dict[str, Any] = {}
-
-
-def _compile(template: str):
-    """A sandboxed Jinja template with the helpers HF chat templates call."""
-    if template not in _COMPILED:
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            import jinja2
-
-            raise jinja2.exceptions.TemplateError(message)
-
-        def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-            return json.dumps(
-                value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-            )
-
-        # trim_blocks/lstrip_blocks as transformers sets them: templates are written for these
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.filters["tojson"] = tojson
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        _COMPILED[template] = env.from_string(template)
-    return _COMPILED[template]
-
-
-class StreamDecoder:
-    """Token ids in, text out, never splitting a character.
-
-    A byte-level token can end mid-way through a UTF-8 character (emoji, CJK);
-    decoding it alone gives U+FFFD. push() holds text back while the decoded tail
-    ends in U+FFFD and releases it when the character completes. Only a short
-    window of recent ids is re-decoded (the prefix/read offsets of HF's and
-    vLLM's incremental detokenizers), so a push costs O(window), not O(length).
-    "".join(pushes) + flush() == tokenizer.decode(all ids).
-    """
-
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
-        self._prefix = 0  # ids[_prefix:_read] were emitted; decoded again only as context
-        self._read = 0
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def push(self, token_id: int) -> str:
-        """Add one id; return the newly completed text ('' while a character is unfinished)."""
-        self.ids.append(int(token_id))
-        done = self._decode(self.ids[self._prefix : self._read])
-        text = self._decode(self.ids[self._prefix :])
-        if text.endswith("\ufffd") or not text.startswith(done):
-            return ""
-        self._prefix, self._read = self._read, len(self.ids)
-        return text[len(done) :]
-
-    def flush(self) -> str:
-        """Whatever is held back (a stream that ends inside a character gives U+FFFD here)."""
-        done = self._decode(self.ids[self._prefix : self._read])
-        text = self._decode(self.ids[self._prefix :])
-        self._prefix = self._read = len(self.ids)
-        return text[len(done) :]
 
 
 def _read_json(path: Path) -> dict:

@@ -10,7 +10,9 @@ import pytest
 
 from headwise.models.builtin import resolve
 from headwise.models.gguf import gguf_tokenizer, open_gguf, read_metadata
-from headwise.models.tokenizer import ChatTemplateError, StreamDecoder, Tokenizer
+from headwise.models.chat_template import ChatTemplateError
+from headwise.models.stream_decode import StreamDecoder
+from headwise.models.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world",

@@ -29,7 +29,7 @@ from .common import (
 
 def render_prompt(tok, req: ChatCompletionRequest) -> list[int]:
     from ...generation.output import OutputProcessor
-    from ...models.tokenizer import ChatTemplateError
+    from ...models.chat_template import ChatTemplateError
 
     messages = []
     for m in req.messages:
