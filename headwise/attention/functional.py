@@ -11,7 +11,8 @@ from torch import Tensor
 
 from .backends import backends, get_backend
 from .backends.registry import registry_version
-from .backends.paged import paged_reference, paged_spec
+from .backends.paged import paged_reference
+from .backends.paged_spec import paged_spec
 from .kv import LayerKV
 from .masks import tile_masks
 from .spec import AttentionSpec, make_spec

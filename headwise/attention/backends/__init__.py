@@ -12,7 +12,8 @@ from .chunked import chunked_attention, chunked_check
 from .flash import flash_attention, flash_check
 from .math import math_attention, math_check
 from .merge import merge_lse
-from .paged import paged_attention, paged_check
+from .paged import paged_attention
+from .paged_spec import paged_check
 from .registry import Backend, backends, get_backend, register_backend
 from .sdpa import sdpa_attention, sdpa_check
 
