@@ -14,42 +14,22 @@ forks share blocks copy-on-write and a prompt prefix computed once is reused.
 A step reserves every slot it needs up front (all or nothing: `CacheFull` before
 anything changes), so a model never fails half way through its layers.
 
-Storage, per layer, for K and for V: (Hkv, num_blocks, block_size, D), head-major.
-Consecutive blocks are then a strided *view* (Hkv, n * block_size, D) whose rows are
-contiguous per head, the contiguous cache's own layout, so attention reads them in
-place at its speed. The issue's block-major (num_blocks, Hkv, block_size, D) needs a
-permuting copy for that, and vLLM's token-major (num_blocks, block_size, Hkv, D) view
-puts a head's rows Hkv * D apart, which the CPU kernel read 1.7-2.4x slower. Blocks
-that are not consecutive are gathered a tile at a time (one `index_select` into a
-reused buffer) and attended while the tile is in cache; tiles merge by log-sum-exp
-(online softmax, Milakov & Gimelshein 2018). The pool hands a growing sequence the
-block after its last one when that block is free, so a sequence decoded alone is one run.
-
+Storage layout, and how blocks are read (views, tile gathers) and written: paged_store.py.
 How steps read the blocks, with measurements: paged_step.py.
-
-int8 (`kv_dtype="int8"`): int8 K/V plus an fp32 scale per (token, head)
-(quantized.py); a read dequantizes one tile at a time, never the whole sequence.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 import torch
-from torch import Tensor
 
-from ..attention.kv import Tile
 from .block_pool import BlockPool, CacheFull, prefix_key
 from .packed import PackedStep
 from .paged_step import PagedLayerStep, PagedRead, PagedStep  # noqa: F401  (re-exported: the step classes)
-from .quantized import SCALE_DTYPE, dequantize_int8, is_int8, quantize_int8
-
-# Keys per gathered tile. A K tile is Hkv * TILE_TOKENS * D * 4 bytes: 3 MiB at Hkv=12,
-# D=64 (fp32), which stays in L2/L3 between the gather and the kernel. Fragmented decode at
-# N=8192 (Hkv=12, D=64): 512 -> 7.4 ms, 1024 -> 6.8 ms, 2048 -> 8.6-16 ms (noisy, shared box).
-TILE_TOKENS = 1024
+from .paged_store import TILE_TOKENS, PagedStorage
+from .quantized import is_int8
 
 
 class UnknownSequence(KeyError):
@@ -71,7 +51,7 @@ class _Seq:
         return _Seq(list(self.blocks), self.length, list(self.hashes), list(self.partial), self.hashable)
 
 
-class PagedKVCache:
+class PagedKVCache(PagedStorage):
     """K/V for `num_layers` layers in `num_blocks` blocks of `block_size` tokens.
 
     Args:
@@ -128,19 +108,8 @@ class PagedKVCache:
             )
         self.region_blocks = region_blocks
         self.pool = BlockPool(num_blocks, block_size)
-        shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)  # (L, Hkv, NB, bs, D)
-
-        def planes():  # zeros, not empty: masked slots still meet a 0 weight, and NaN * 0 = NaN
-            if self.kv_dtype == "int8":
-                return (
-                    torch.zeros(shape, dtype=torch.int8, device=self.device),
-                    torch.zeros(shape[:-1] + (1,), dtype=SCALE_DTYPE, device=self.device),
-                )
-            return (torch.zeros(shape, dtype=dtype, device=self.device),)
-
-        self._k, self._v = planes(), planes()
+        self._allocate_storage(num_blocks)  # self._k, self._v, self._scratch (paged_store.py)
         self._seqs: dict[Hashable, _Seq] = {}
-        self._scratch: dict[tuple[int, int], Tensor] = {}  # gather buffers, reused tile to tile
 
     # ------------------------------------------------------------------ sequences
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int] | None = None) -> int:
@@ -213,10 +182,6 @@ class PagedKVCache:
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free
-
-    def memory_bytes(self) -> int:
-        """Bytes of K/V storage for all layers (int8: values + scales), allocated up front."""
-        return sum(t.numel() * t.element_size() for t in (*self._k, *self._v))
 
     def _seq(self, seq_id) -> _Seq:
         try:
@@ -375,70 +340,9 @@ class PagedKVCache:
                 seq.partial = seq.partial[bs:]
         return seq_ids, [s.blocks for s in seqs], starts, counts, pending
 
-    # ------------------------------------------------------------------ storage access
-    def _write(self, layer: int, slots: Tensor, src_index: Tensor | None, k: Tensor, v: Tensor) -> None:
-        """New k, v (B, Hkv, T, D) -> their slots (flat block * block_size + offset) in `layer`."""
-        B, Hkv, T, _ = k.shape
-        for planes, x in ((self._k, k), (self._v, v)):
-            parts = quantize_int8(x) if self.kv_dtype else (x,)
-            for plane, part in zip(planes, parts):
-                src = part.permute(1, 0, 2, 3).reshape(Hkv, B * T, part.shape[-1])  # (Hkv, B*T, D|1)
-                if src_index is not None:
-                    src = src.index_select(1, src_index)  # real tokens only
-                dst = plane[layer].view(Hkv, -1, plane.shape[-1])  # (Hkv, NB*bs, D|1)
-                dst.index_copy_(1, slots, src.to(plane.dtype))
-
-    def _tile(self, layer: int, seg: Tile, B: int, dtype: torch.dtype, scratch: bool = True) -> tuple[Tensor, Tensor]:
-        """K and V of one segment, (B, Hkv, k1 - k0, D): a view, or one gather per plane.
-
-        scratch: gather into buffers the cache keeps (valid until the next call). A fresh
-        multi-MiB tensor per tile costs page faults on every first write: measured 3 ms
-        instead of 0.6 ms for a 12 MiB gather.
-        """
-        n = seg.k1 - seg.k0
-        out = []
-        for which, planes in enumerate((self._k, self._v)):
-            parts = []
-            for i, p in enumerate(planes):
-                src = p[layer]  # (Hkv, NB, bs, D|1)
-                if seg.index is None:
-                    parts.append(src[:, seg.first : seg.first + seg.count])
-                    continue
-                shape = (src.shape[0], seg.index.numel(), *src.shape[2:])  # (Hkv, B*count, bs, D|1)
-                buf = self._scratch_for((which, i), shape, src.dtype) if scratch else None
-                parts.append(
-                    torch.index_select(src, 1, seg.index, out=buf)
-                    if buf is not None
-                    else src.index_select(1, seg.index)
-                )
-            x = dequantize_int8(parts[0], parts[1], dtype) if self.kv_dtype else parts[0]
-            x = x.reshape(self.num_kv_heads, B, seg.count * self.block_size, self.head_dim)
-            out.append(x.transpose(0, 1)[:, :, :n])
-        return out[0], out[1]
-
     def _read_plan(self, seq_ids, tables, starts, counts) -> "PagedStep":
         """A read plan only (no writes): for the parts of a packed step, which writes for them."""
         return PagedStep(self, seq_ids, tables, starts, counts, [], write=False)
-
-    def _scratch_for(self, key, shape, dtype) -> Tensor:
-        numel = math.prod(shape)
-        buf = self._scratch.get(key)
-        # An inference-mode tensor cannot be written outside inference mode (nor the reverse
-        # be relied on), so a buffer made in the other mode is replaced.
-        if buf is None or buf.numel() < numel or buf.is_inference() != torch.is_inference_mode_enabled():
-            buf = self._scratch[key] = torch.empty(numel, dtype=dtype, device=self.device)
-        return buf[:numel].view(shape)
-
-    def read_sequence(self, seq_id: Hashable, layer: int = 0) -> tuple[Tensor, Tensor]:
-        """A copy of one sequence's K and V in `layer`, each (Hkv, length, D) in the compute
-        dtype: for tests, debugging and moving a sequence elsewhere, not for attention."""
-        seq = self._seq(seq_id)
-        if not seq.blocks:
-            empty = torch.zeros(self.num_kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
-            return empty, empty.clone()
-        idx = torch.tensor(seq.blocks, device=self.device)
-        k, v = self._tile(layer, Tile(0, seq.length, 0, len(seq.blocks), idx), 1, self.dtype, scratch=False)
-        return k[0], v[0]
 
     def __repr__(self) -> str:
         return (
