@@ -7,6 +7,9 @@ mask kind and cache works here unchanged.
 
 Parameters (no bias): C*H*D (Q) + 2*C*Hkv*D (K, V) + H*D*C (O). For MHA with
 H*D = C that is the seed's 4*C^2; for GQA it is 2*C^2 + 2*C^2*Hkv/H.
+
+Weights in and out (`load_projections`, `from_torch`, `to_torch`) and head pruning
+(`prune_heads`) are methods here whose work is in layer_weights.py.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import layer_weights
 from .functional import attend
 from .kv import LayerKVCache
 from .masks import alibi_slopes as make_alibi_slopes
@@ -257,147 +261,27 @@ class MultiHeadAttention(nn.Module):
             bq, bk, bv = self.q_proj.bias, self.k_proj.bias, self.v_proj.bias
         return bq, bk, bv, self.out_proj.bias
 
-    @torch.no_grad()
     def load_projections(self, w_q, w_k, w_v, w_o, b_q=None, b_k=None, b_v=None, b_o=None) -> "MultiHeadAttention":
         """Copy four textbook projections (tensors in nn.Linear's (out, in) layout, or
         nn.Linear modules, whose biases are taken too) into this layer."""
-        ws, bs = [], [b_q, b_k, b_v, b_o]
-        for i, w in enumerate((w_q, w_k, w_v, w_o)):
-            if isinstance(w, nn.Linear):
-                bs[i] = w.bias if bs[i] is None else bs[i]
-                w = w.weight
-            ws.append(w)
-        names = ("w_q", "w_k", "w_v", "w_o")
-        for name, src, dst in zip(names, ws, self.projection_weights()):
-            if tuple(src.shape) != tuple(dst.shape):
-                raise ValueError(
-                    f"{name} has shape {tuple(src.shape)} but this layer needs {tuple(dst.shape)} "
-                    f"(H={self.num_heads}, Hkv={self.num_kv_heads}, D={self.head_dim}, "
-                    f"C={self.d_model})"
-                )
-            dst.copy_(src)
-        for name, src, dst in zip(("b_q", "b_k", "b_v", "b_o"), bs, self.projection_biases()):
-            if (src is None) != (dst is None):
-                raise ValueError(
-                    f"{name}: the layer has bias={self.bias} but {name} is {'missing' if src is None else 'given'}"
-                )
-            if src is not None:
-                if src.shape != dst.shape:
-                    raise ValueError(f"{name} has shape {tuple(src.shape)} but this layer needs {tuple(dst.shape)}")
-                dst.copy_(src)
-        return self
+        return layer_weights.load_projections(self, w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o)
 
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention, backend: str = "auto") -> "MultiHeadAttention":
         """Exact copy of an `nn.MultiheadAttention`'s weights. The new layer is batch-first
         and uses headwise mask conventions (bool attn_mask True = may attend)."""
-        if mha.bias_k is not None or mha.add_zero_attn:
-            raise ValueError("nn.MultiheadAttention with add_bias_kv or add_zero_attn has no headwise equivalent")
-        ref = mha.out_proj.weight
-        layer = cls(
-            mha.embed_dim,
-            mha.num_heads,
-            bias=mha.in_proj_bias is not None,
-            dropout=mha.dropout,
-            backend=backend,
-            kdim=mha.kdim,
-            vdim=mha.vdim,
-            device=ref.device,
-            dtype=ref.dtype,
-        )
-        if mha._qkv_same_embed_dim:
-            w_q, w_k, w_v = mha.in_proj_weight.chunk(3, dim=0)
-        else:
-            w_q, w_k, w_v = mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight
-        b = mha.in_proj_bias.chunk(3) if mha.in_proj_bias is not None else (None,) * 3
-        return layer.load_projections(w_q, w_k, w_v, mha.out_proj.weight, *b, mha.out_proj.bias)
+        return layer_weights.from_torch(cls, mha, backend)
 
-    @torch.no_grad()
     def to_torch(self) -> nn.MultiheadAttention:
         """An `nn.MultiheadAttention(batch_first=True)` with these exact weights (MHA only)."""
-        why = []
-        if self.num_kv_heads != self.num_heads or self.kv_map is not None:
-            why.append(f"it has {self.num_kv_heads} KV heads for {self.num_heads} query heads (GQA/MQA)")
-        if self.num_heads * self.head_dim != self.d_model:
-            why.append(f"num_heads*head_dim={self.num_heads * self.head_dim} != d_model={self.d_model}")
-        if self.rope is not None or self.alibi_slopes is not None:
-            why.append("it uses RoPE/ALiBi")
-        if (self.out_proj.bias is not None) != self.bias:
-            why.append("its O projection and Q/K/V projections differ in having a bias")
-        if why:
-            raise ValueError("nn.MultiheadAttention cannot represent this layer: " + "; ".join(why))
-        w_q, w_k, w_v, w_o = self.projection_weights()
-        b_q, b_k, b_v, b_o = self.projection_biases()
-        mha = nn.MultiheadAttention(
-            self.d_model,
-            self.num_heads,
-            dropout=self.dropout,
-            bias=self.bias,
-            kdim=self.kdim,
-            vdim=self.vdim,
-            batch_first=True,
-            device=w_o.device,
-            dtype=w_o.dtype,
-        )
-        if mha._qkv_same_embed_dim:
-            mha.in_proj_weight.copy_(torch.cat([w_q, w_k, w_v]))
-        else:
-            mha.q_proj_weight.copy_(w_q), mha.k_proj_weight.copy_(w_k), mha.v_proj_weight.copy_(w_v)
-        if self.bias:
-            mha.in_proj_bias.copy_(torch.cat([b_q, b_k, b_v]))
-            mha.out_proj.bias.copy_(b_o)
-        mha.out_proj.weight.copy_(w_o)
-        return mha
+        return layer_weights.to_torch(self)
 
     # ------------------------------------------------------------------ pruning
-    @torch.no_grad()
     def prune_heads(self, heads: Iterable[int]) -> "MultiHeadAttention":
         """Remove query heads for real: Q rows and O columns go; a KV head goes when its
         whole group does. `heads` are original head indices (see `head_ids`); ones
         already pruned are ignored. Groups left uneven are served through `kv_map`."""
-        heads = set(int(h) for h in heads)
-        out_of_range = sorted(h for h in heads if not 0 <= h < self.original_num_heads)
-        if out_of_range:
-            raise ValueError(
-                f"head indices {out_of_range} are out of range: this layer was built "
-                f"with {self.original_num_heads} heads"
-            )
-        keep = [i for i, h in enumerate(self.head_ids) if h not in heads]  # positions of kept query heads
-        if not keep:
-            raise ValueError(f"pruning {sorted(heads)} would remove every head of this layer")
-        if len(keep) == self.num_heads:
-            return self
-        H, D, G = self.num_heads, self.head_dim, self.num_heads // self.num_kv_heads
-        kv_of = self.kv_map.tolist() if self.kv_map is not None else [h // G for h in range(H)]
-        keep_kv = sorted({kv_of[i] for i in keep})
-        new_kv = {kv: j for j, kv in enumerate(keep_kv)}
-        kv_map = [new_kv[kv_of[i]] for i in keep]
-
-        def rows(idx):  # weight rows of heads `idx`
-            return torch.cat([torch.arange(h * D, (h + 1) * D) for h in idx])
-
-        q_rows, kv_rows = rows(keep), rows(keep_kv)
-        w_q, w_k, w_v, w_o = self.projection_weights()
-        b_q, b_k, b_v, b_o = self.projection_biases()
-        dev = w_o.device
-        q_rows, kv_rows = q_rows.to(dev), kv_rows.to(dev)
-        nH, nHkv = len(keep), len(keep_kv)
-        new_w = [w_q[q_rows], w_k[kv_rows], w_v[kv_rows]]
-        new_b = [b_q[q_rows], b_k[kv_rows], b_v[kv_rows]] if self.bias else None
-        if self.fused:
-            self.qkv_proj = _linear(torch.cat(new_w), torch.cat(new_b) if new_b else None)
-        else:
-            self.q_proj = _linear(new_w[0], new_b and new_b[0])
-            self.k_proj = _linear(new_w[1], new_b and new_b[1])
-            self.v_proj = _linear(new_w[2], new_b and new_b[2])
-        self.out_proj = _linear(w_o[:, q_rows], b_o)
-        if self.alibi_slopes is not None:
-            self.alibi_slopes = self.alibi_slopes[torch.tensor(keep, device=self.alibi_slopes.device)]
-        self.head_ids = [self.head_ids[i] for i in keep]
-        self.num_heads, self.num_kv_heads = nH, nHkv
-        uniform = nH % nHkv == 0 and kv_map == [h // (nH // nHkv) for h in range(nH)]
-        self.kv_map = None if uniform else torch.tensor(kv_map, device=dev)
-        return self
+        return layer_weights.prune_heads(self, heads)
 
     def extra_repr(self) -> str:
         kind = "MHA" if self.num_kv_heads == self.num_heads else ("MQA" if self.num_kv_heads == 1 else "GQA")
@@ -406,14 +290,6 @@ class MultiHeadAttention(nn.Module):
             f"head_dim={self.head_dim}, {kind}, backend={self.backend!r}"
             + (", uneven groups" if self.kv_map is not None else "")
         )
-
-
-def _linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
-    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-    lin.weight = nn.Parameter(weight.clone())
-    if bias is not None:
-        lin.bias = nn.Parameter(bias.clone())
-    return lin
 
 
 def _head_multiplier(head_mask: Tensor, B: int, H: int) -> Tensor:
