@@ -7,6 +7,8 @@
 Three parts, as vLLM v1: this front end (requests, threads, async streams, queue limits,
 abort, stats), the core (core.py: schedule -> run -> sample -> update, token ids only) and
 the model runner (runner.py: input_ids, the packed step, logits of the sampled rows).
+This file holds the requests, their delivery and step(); generate(), stream() and the
+background thread are in frontends.py (`Frontends`, a base of `Engine`).
 Text stays here: prompts (text, chat, ids) become token ids and sampled ids become text
 and stop strings through the output processor (generation/output.py), as in generate().
 
@@ -17,18 +19,17 @@ forward, and an abort frees the request's blocks at once (core.py says why that 
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import sys
 import threading
 import time
 import uuid
-from typing import AsyncIterator, Callable
+from typing import Callable
 
 from ..generation.output import OutputProcessor
 from ..generation.sampling import SamplingParams
 from .config import EngineConfig
 from .core import EngineCore, TokenOutput
+from .frontends import Frontends
 from .request import RequestGroup, RequestOutput, Status, StreamPiece
 from .scheduler import QueueFull
 from .stats import SAMPLES, EngineStats, Samples
@@ -36,13 +37,14 @@ from .stats import SAMPLES, EngineStats, Samples
 KEEP_OUTPUTS = 1024  # finished outputs kept for `result()` (streams keep none)
 
 
-class Engine:
+class Engine(Frontends):
     """Continuous batching over a paged KV cache for one decoder model.
 
     config: an `EngineConfig` (max_num_seqs, num_blocks, block_size, max_num_batched_tokens,
     kv_dtype, max_waiting_requests, max_waiting_tokens, memory_budget_bytes: see there), or
     its fields as keywords (`Engine(model, max_num_seqs=8)`), which change `config`'s.
     add_request/stream beyond the waiting queue's bounds raise QueueFull.
+    generate(), stream() and the background thread (start/shutdown) are in frontends.py.
     """
 
     def __init__(self, model, config: EngineConfig | None = None, **limits):
@@ -212,78 +214,7 @@ class Engine:
             raise RuntimeError(f"the engine failed while running {request_id!r}") from group.error
         return group.output()
 
-    # ------------------------------------------------------------------ offline batch
-    def generate(self, prompts, sampling=None, *, progress: bool = False) -> list[RequestOutput]:
-        """Run a batch of prompts to completion, all scheduled together; one RequestOutput per prompt,
-        in order. sampling: one SamplingParams for all, or a list with one per prompt. The queue
-        limits do not apply. Steps in this thread unless the engine thread is running."""
-        ids, _ = self.output.prompts(prompts)
-        if isinstance(sampling, (list, tuple)):
-            if len(sampling) != len(ids):
-                raise ValueError(f"sampling has {len(sampling)} entries for {len(ids)} prompts")
-            params = list(sampling)
-        else:
-            params = [sampling] * len(ids)
-        groups = []
-        try:
-            for p, s in zip(ids, params):
-                groups.append(self._add(p, s, None, None, limits=False))
-            t0, shown = time.perf_counter(), 0.0
-            for g in groups:
-                while not g.done.is_set():
-                    if self._thread is not None and self._thread.is_alive():
-                        g.done.wait(0.5)
-                    else:
-                        self._check_alive()
-                        self.step()
-                    if g.error is not None:
-                        raise RuntimeError("the engine failed during generate()") from g.error
-                    if progress and time.perf_counter() - shown > 1.0:
-                        shown = time.perf_counter()
-                        done = sum(x.done.is_set() for x in groups)
-                        toks = sum(c.num_output_tokens for x in groups for c in x.children)
-                        print(
-                            f"[engine] {done}/{len(groups)} requests, {toks} tokens, {toks / (shown - t0):.1f} tok/s",
-                            file=sys.stderr,
-                            flush=True,
-                        )
-        except BaseException:
-            for g in groups:
-                self.abort(g.request_id)
-            raise
-        return [g.output() for g in groups]
-
-    # ------------------------------------------------------------------ streaming
-    async def stream(
-        self, prompt, sampling: SamplingParams | None = None, *, request_id: str | None = None
-    ) -> AsyncIterator[StreamPiece]:
-        """Stream one request's pieces (async generator). Validates and queues at the first
-        __anext__ (QueueFull / ValueError raise there) and starts the engine thread if needed.
-        Closing the generator early (a client that went away) aborts the request and frees
-        its blocks at once."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        def sink(item):
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-        group = self._add(self._one_prompt(prompt), sampling, request_id, sink, limits=True)
-        group.keep_output = False  # its reader has every piece: nothing to keep for result()
-        done = False
-        try:
-            self.start()
-            left = group.params.n
-            while left:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise RuntimeError(f"the engine failed while running {group.request_id!r}") from item
-                left -= item.finish_reason is not None
-                yield item
-            done = True
-        finally:
-            if not done:
-                self.abort(group.request_id)
-
+    # ------------------------------------------------------------------ delivery
     def _flush(self) -> None:
         """Hand the outbox's pieces to their sinks, outside the lock, in the order they were made
         (a step's last token before an abort that came after it); a sink that fails (its event
@@ -345,57 +276,6 @@ class Engine:
                 self._close(r.group)
                 finished.append(r.group.output())
         return finished
-
-    # ------------------------------------------------------------------ the thread
-    def start(self) -> "Engine":
-        """Start the background thread that steps while there is work (idempotent)."""
-        with self._lock:
-            self._check_alive()
-            if self._thread is None or not self._thread.is_alive():
-                self._stop = False
-                self._thread = threading.Thread(target=self._loop, name="headwise-engine", daemon=True)
-                self._thread.start()
-        return self
-
-    def _loop(self) -> None:
-        while True:
-            with self._wake:
-                while not self._stop and not self.scheduler.has_work():
-                    self._wake.wait()
-                if self._stop:
-                    return
-            try:
-                self.step()
-            except BaseException as e:  # noqa: BLE001 - every waiting caller must hear of it
-                self._fail(e)
-                return
-
-    def _fail(self, error: BaseException) -> None:
-        with self._lock:
-            self._error = error
-            for group in list(self._groups.values()):
-                group.error = error
-                for r in group.children:
-                    if r.status is not Status.FINISHED:
-                        self.core.finish(r, "abort")
-                self._outbox.append((group, error))
-                self._close(group)
-        self._flush()
-
-    def shutdown(self, timeout: float | None = None) -> None:
-        """Stop the thread (after the step in flight) and abort every unfinished request."""
-        with self._wake:
-            self._stop = True
-            self._wake.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-        self.abort_all()
-
-    def __enter__(self) -> "Engine":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
 
     # ------------------------------------------------------------------ numbers
     def has_unfinished(self) -> bool:

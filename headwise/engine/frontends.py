@@ -1,0 +1,148 @@
+"""How an `Engine`'s requests get run: generate() (an offline batch, stepped in the caller's thread
+unless the engine thread runs), stream() (an async generator per request) and the background
+thread that steps while there is work (start/shutdown, and `_fail` when a step raises).
+
+`Frontends` is a base of `Engine` (engine.py), which holds the requests, the lock, the outbox
+and step(); these methods only use those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, AsyncIterator
+
+from ..generation.sampling import SamplingParams
+from .request import RequestOutput, Status, StreamPiece
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class Frontends:
+    """generate(), stream() and the stepping thread of `Engine` (see there for the state they use)."""
+
+    # ------------------------------------------------------------------ offline batch
+    def generate(self, prompts, sampling=None, *, progress: bool = False) -> list[RequestOutput]:
+        """Run a batch of prompts to completion, all scheduled together; one RequestOutput per prompt,
+        in order. sampling: one SamplingParams for all, or a list with one per prompt. The queue
+        limits do not apply. Steps in this thread unless the engine thread is running."""
+        ids, _ = self.output.prompts(prompts)
+        if isinstance(sampling, (list, tuple)):
+            if len(sampling) != len(ids):
+                raise ValueError(f"sampling has {len(sampling)} entries for {len(ids)} prompts")
+            params = list(sampling)
+        else:
+            params = [sampling] * len(ids)
+        groups = []
+        try:
+            for p, s in zip(ids, params):
+                groups.append(self._add(p, s, None, None, limits=False))
+            t0, shown = time.perf_counter(), 0.0
+            for g in groups:
+                while not g.done.is_set():
+                    if self._thread is not None and self._thread.is_alive():
+                        g.done.wait(0.5)
+                    else:
+                        self._check_alive()
+                        self.step()
+                    if g.error is not None:
+                        raise RuntimeError("the engine failed during generate()") from g.error
+                    if progress and time.perf_counter() - shown > 1.0:
+                        shown = time.perf_counter()
+                        done = sum(x.done.is_set() for x in groups)
+                        toks = sum(c.num_output_tokens for x in groups for c in x.children)
+                        print(
+                            f"[engine] {done}/{len(groups)} requests, {toks} tokens, {toks / (shown - t0):.1f} tok/s",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+        except BaseException:
+            for g in groups:
+                self.abort(g.request_id)
+            raise
+        return [g.output() for g in groups]
+
+    # ------------------------------------------------------------------ streaming
+    async def stream(
+        self, prompt, sampling: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> AsyncIterator[StreamPiece]:
+        """Stream one request's pieces (async generator). Validates and queues at the first
+        __anext__ (QueueFull / ValueError raise there) and starts the engine thread if needed.
+        Closing the generator early (a client that went away) aborts the request and frees
+        its blocks at once."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def sink(item):
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        group = self._add(self._one_prompt(prompt), sampling, request_id, sink, limits=True)
+        group.keep_output = False  # its reader has every piece: nothing to keep for result()
+        done = False
+        try:
+            self.start()
+            left = group.params.n
+            while left:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise RuntimeError(f"the engine failed while running {group.request_id!r}") from item
+                left -= item.finish_reason is not None
+                yield item
+            done = True
+        finally:
+            if not done:
+                self.abort(group.request_id)
+
+    # ------------------------------------------------------------------ the thread
+    def start(self) -> "Engine":
+        """Start the background thread that steps while there is work (idempotent)."""
+        with self._lock:
+            self._check_alive()
+            if self._thread is None or not self._thread.is_alive():
+                self._stop = False
+                self._thread = threading.Thread(target=self._loop, name="headwise-engine", daemon=True)
+                self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stop and not self.scheduler.has_work():
+                    self._wake.wait()
+                if self._stop:
+                    return
+            try:
+                self.step()
+            except BaseException as e:  # noqa: BLE001 - every waiting caller must hear of it
+                self._fail(e)
+                return
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            self._error = error
+            for group in list(self._groups.values()):
+                group.error = error
+                for r in group.children:
+                    if r.status is not Status.FINISHED:
+                        self.core.finish(r, "abort")
+                self._outbox.append((group, error))
+                self._close(group)
+        self._flush()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the thread (after the step in flight) and abort every unfinished request."""
+        with self._wake:
+            self._stop = True
+            self._wake.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self.abort_all()
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
