@@ -35,7 +35,6 @@ import torch
 from torch import Tensor
 
 from .base import LayerCacheBase, LayeredCache
-from .protocol import CacheRead
 from .store import _as_rows, causal_visibility, check_dims, check_new_kv
 
 
@@ -70,10 +69,6 @@ class ContiguousLayerCache(LayerCacheBase):
 
     def update(self, k: Tensor, v: Tensor, num_new: Tensor | None = None):
         """Append k, v (B, Hkv, T, D); num_new (B,) real tokens per sequence (rest = right padding)."""
-        if num_new is None and self._uniform and not self.static and self.kv_dtype is None:
-            read = self._append_uniform(k, v)  # a decode step: ~1/3 of the checks' and calls' cost
-            if read is not None:
-                return read
         T = check_new_kv(k, v, self.batch_size, self.num_kv_heads, self.head_dim, self.dtype, self.device)
         if self.static:
             # The host bookkeeping runs outside any torch.compile graph, so lengths never become
@@ -92,35 +87,6 @@ class ContiguousLayerCache(LayerCacheBase):
             return self.store.read(L + T)
         n_t = None if counts is None else torch.tensor(counts, dtype=torch.long, device=self.device)
         return self._write_masked(k, v, T, n_t)
-
-    def _append_uniform(self, k: Tensor, v: Tensor):
-        """The common step, every sequence at one length and every token real: when k, v are
-        what this cache holds and fit, write them in place and return the read; else None (the
-        caller runs the checks that name the problem)."""
-        kb, vb = self.store.k[0], self.store.v[0]  # (B, Hkv, N, D)
-        shape = k.shape
-        L = self._host[0]
-        if (
-            not isinstance(k, Tensor)
-            or not isinstance(v, Tensor)
-            or len(shape) != 4
-            or v.shape != shape
-            or shape[0] != kb.shape[0]
-            or shape[1] != kb.shape[1]
-            or shape[3] != kb.shape[3]
-            or k.dtype != kb.dtype
-            or v.dtype != kb.dtype
-            or k.device != kb.device
-            or v.device != kb.device
-            or L + shape[2] > self.max_seq_len
-        ):
-            return None
-        T = shape[2]
-        kb.narrow(2, L, T).copy_(k)
-        vb.narrow(2, L, T).copy_(v)
-        self._host = [L + T] * self.batch_size
-        self._len += T
-        return CacheRead(kb.narrow(2, 0, L + T), vb.narrow(2, 0, L + T))
 
     def _check_fits(self, n: list[int]) -> None:
         for b, (L, c) in enumerate(zip(self._host, n)):

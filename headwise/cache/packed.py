@@ -33,9 +33,9 @@ import torch
 from torch import Tensor
 
 from ..attention.backends.paged import in_place_ok
-from ..attention.functional import attend_kv
-from ..attention.kv import LayerKV, PackedPart, PackedReads, RegionGrid
+from ..attention.kv import PackedPart, PackedReads, RegionGrid
 from ..attention.step import Step
+from .paged_step import PagedRead
 
 # The in-place read of decodes needs PyTorch's CPU flash kernel (it takes strided K/V views).
 RUNS_OK = in_place_ok()
@@ -181,7 +181,7 @@ class PackedStep(PackedReads, Step):
     def positions(self, num_new: int) -> Tensor:  # single-layer caches: the step is the layer
         return self._only().positions(num_new)
 
-    def update(self, k: Tensor, v: Tensor, num_new: Tensor | None = None) -> "PackedRead":
+    def update(self, k: Tensor, v: Tensor, num_new: Tensor | None = None) -> PagedRead:
         return self._only().update(k, v, num_new)
 
     def _only(self) -> "PackedLayerStep":
@@ -223,7 +223,7 @@ class PackedLayerStep:
             )
         return self.step._positions
 
-    def update(self, k: Tensor, v: Tensor, num_new: Tensor | None = None) -> "PackedRead":
+    def update(self, k: Tensor, v: Tensor, num_new: Tensor | None = None) -> PagedRead:
         """Write k, v (1, Hkv, N, D) into each token's reserved slot; return the read."""
         step, cache = self.step, self.step.cache
         want = (1, cache.num_kv_heads, step.N, cache.head_dim)
@@ -246,55 +246,4 @@ class PackedLayerStep:
                 )
         cache._write(self.layer_index, step._slots, None, k, v)
         step._mark_written(self.layer_index)
-        return PackedRead(step, self.layer_index)
-
-
-class PackedRead:
-    """One layer's read of a packed step: hands the `paged` backend where the K/V live."""
-
-    def __init__(self, step: PackedStep, layer: int):
-        self.step, self.layer = step, layer
-
-    @property
-    def kv(self) -> LayerKV:
-        """This read's K/V as the backends see them (`headwise.attention.explain(q, read.kv)`)."""
-        return LayerKV(self.step, self.layer)
-
-    def attend(
-        self,
-        q: Tensor,
-        *,
-        attn_mask: Tensor | None = None,
-        key_padding_mask: Tensor | None = None,
-        is_causal: bool = False,
-        kv_map: Tensor | None = None,
-        alibi_slopes: Tensor | None = None,
-        scale: float | None = None,
-        dropout_p: float = 0.0,
-        backend: str = "auto",
-        need_weights: bool = False,
-        return_lse: bool = False,
-        window=None,
-    ):
-        """q (1, H, N, D) -> (1, H, N, D) (AttentionOutput with return_lse; lse (1, H, N)).
-
-        Each token attends to its own sequence only: to every cached key and, with is_causal,
-        to its chunk's keys up to its own position. Other arguments as `PagedRead.attend`
-        (backend="math" runs the gathering reference per part). Masks over the packed axis
-        are not supported: a per-sequence mask belongs to a padded `PagedKVCache.batch` step.
-        """
-        return attend_kv(
-            q,
-            self.kv,
-            attn_mask=attn_mask,
-            key_padding_mask=key_padding_mask,
-            is_causal=is_causal,
-            kv_map=kv_map,
-            alibi_slopes=alibi_slopes,
-            scale=scale,
-            dropout_p=dropout_p,
-            backend=backend,
-            need_weights=need_weights,
-            return_lse=return_lse,
-            window=window,
-        )
+        return PagedRead(step, self.layer_index)

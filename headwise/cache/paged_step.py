@@ -236,9 +236,10 @@ class PagedLayerStep:
 
 
 class PagedRead:
-    """One layer's read of a step: hands the `paged` backend where the K/V live (see `attend`)."""
+    """One layer's read of a paged step (`PagedStep`) or a packed one (`cache/packed.py`
+    `PackedStep`): hands the `paged` backend where the K/V live (see `attend`)."""
 
-    def __init__(self, step: PagedStep, layer: int):
+    def __init__(self, step, layer: int):  # a PagedStep or a packed.PackedStep
         self.step, self.layer = step, layer
 
     @property
@@ -272,6 +273,11 @@ class PagedRead:
         true position. backend="math" gathers the sequences into one tensor and runs the
         reference (weights, dropout); "auto", "paged" and every other registered name run
         the in-place tiled read (a layer's backend choice does not apply to blocks).
+
+        Over a packed step, q is (1, H, N, D): each token attends to its own sequence only, to
+        every cached key and, with is_causal, to its chunk's keys up to its own position; masks
+        over the packed axis are not supported (a per-sequence mask belongs to a padded
+        `PagedKVCache.batch` step), and backend="math" runs the gathering reference per part.
         """
         return attend_kv(
             q,

@@ -9,50 +9,22 @@ import torch
 
 import headwise
 
-from .conftest import hf_checkpoints
+from .conftest import LLAMA, V, decoder_configs, hf_checkpoints
 
 import transformers as tf  # noqa: E402  (the independent reference)
 
 tf.logging.set_verbosity_error()
 
-V = 128  # vocab
 TOL = 1e-4
-_LLAMA = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    vocab_size=V,
-    max_position_embeddings=128,
-    initializer_range=0.1,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-)  # no eos: HF generate must run the full 32 tokens, as our loop does
+_SHARED = {n: f for n, f in decoder_configs().items() if n != "mistral-window"}  # gpt2, llama-*, qwen2, mistral
 
 
 def _llama(**kw):
-    return tf.LlamaConfig(**{**_LLAMA, **kw}), tf.LlamaForCausalLM
+    return tf.LlamaConfig(**{**LLAMA, **kw}), tf.LlamaForCausalLM
 
 
 DECODERS = {
-    "gpt2": lambda: (
-        tf.GPT2Config(
-            n_embd=64,
-            n_layer=2,
-            n_head=4,
-            n_positions=64,
-            vocab_size=V,
-            initializer_range=0.3,
-            bos_token_id=None,
-            eos_token_id=None,
-        ),
-        tf.GPT2LMHeadModel,
-    ),
-    "llama-mha": lambda: _llama(num_key_value_heads=8),
-    "llama-gqa": lambda: _llama(num_key_value_heads=2),  # G = 4
-    "llama-mqa-tied": lambda: _llama(num_key_value_heads=1, tie_word_embeddings=True),
-    "llama-bias": lambda: _llama(num_key_value_heads=2, attention_bias=True, mlp_bias=True),
+    **_SHARED,
     "llama-rope-linear": lambda: _llama(num_key_value_heads=2, rope_scaling={"rope_type": "linear", "factor": 4.0}),
     # dynamic NTK only changes anything past max_position_embeddings: inputs here are longer
     "llama-rope-dynamic": lambda: _llama(
@@ -69,8 +41,6 @@ DECODERS = {
             "original_max_position_embeddings": 64,
         },
     ),
-    "qwen2": lambda: (tf.Qwen2Config(**_LLAMA, num_key_value_heads=2), tf.Qwen2ForCausalLM),  # q/k/v bias, no o bias
-    "mistral": lambda: (tf.MistralConfig(**_LLAMA, num_key_value_heads=2), tf.MistralForCausalLM),
 }
 CACHED = [n for n in DECODERS if n != "llama-rope-dynamic"]  # dynamic NTK re-scales old keys only on re-forward
 
