@@ -13,8 +13,16 @@ hundreds of short parallel regions a few microseconds apart, so:
   tokens: as fast as spinning alone, about the fair-share 2x with one busy process
   (benchmarks/busy.py, results/busy.txt: the figures on AMD EPYC, AVX2).
 
+The count is set with OMP_WAIT_POLICY=ACTIVE beside it. Without a policy, libgomp cuts any
+count to 1,000 rounds ("throttled") once it manages more threads than there are cores, and it
+does as soon as a second Python thread runs torch ops (each thread gets its own team: the
+server's engine thread beside the main thread that loaded the model): 1,000 rounds sleep
+inside a decode step, and one client served decoded at 0.71x `generate()`'s speed on the main
+thread. ACTIVE with an explicit count keeps the count in both cases (0.89-0.93x; same run,
+benchmarks/serving.py, AMD EPYC AVX2); it changes nothing else libgomp does.
+
 libgomp reads its environment once, when it is loaded, i.e. when torch is imported. So
-`import headwise` sets GOMP_SPINCOUNT=DEFAULT_SPINCOUNT if no OpenMP runtime is loaded yet
+`import headwise` sets DEFAULT_ENV if no OpenMP runtime is loaded yet
 and neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT is set (a value you set wins:
 OMP_WAIT_POLICY=PASSIVE suits a machine shared with many busy processes). If torch was
 imported first it is too late to change from Python, and headwise says so once, with the fix.
@@ -30,6 +38,8 @@ POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # either one sets how libgo
 # rounds still sleep inside a decode step (quiet-machine speed of PASSIVE), 2,000 bridge it (the
 # speed of spinning), 5,000+ keep spinning into the next token and collapse with a busy neighbour.
 DEFAULT_SPINCOUNT = "2000"
+# ACTIVE so that the count also holds when libgomp runs more threads than cores (see above).
+DEFAULT_ENV = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": DEFAULT_SPINCOUNT}
 
 
 class ThreadWaitWarning(RuntimeWarning):
@@ -58,21 +68,21 @@ _warned = False
 
 
 def configure_wait_policy() -> str | None:
-    """Make OpenMP threads wait passively unless the user chose otherwise; `import headwise` and
+    """Make OpenMP threads spin briefly, then sleep (DEFAULT_ENV), unless the user chose otherwise; `import headwise` and
     the `headwise` command call this before torch loads. Returns why it could not, else None."""
     global _warned
     chosen = [v for v in POLICY_VARS if v in os.environ]
     if chosen:
         return None  # the user's choice, whatever it is
     if not openmp_loaded():
-        os.environ["GOMP_SPINCOUNT"] = DEFAULT_SPINCOUNT
+        os.environ.update(DEFAULT_ENV)
         return None
     reason = (
         "torch (and its OpenMP runtime) was imported before headwise, with neither OMP_WAIT_POLICY nor "
         "GOMP_SPINCOUNT set, so its threads spin ~3 ms between ops; on a machine shared with another busy "
         "process decoding can be several times slower. Fix: `import headwise` before torch, or run with "
-        f"GOMP_SPINCOUNT={DEFAULT_SPINCOUNT} (or OMP_WAIT_POLICY=PASSIVE) in the environment; "
-        "OMP_WAIT_POLICY=ACTIVE silences this and keeps spinning."
+        f"OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT={DEFAULT_SPINCOUNT} (or OMP_WAIT_POLICY=PASSIVE) in the "
+        "environment; OMP_WAIT_POLICY=ACTIVE alone silences this and keeps spinning."
     )
     if not _warned:
         _warned = True

@@ -23,6 +23,13 @@ def run(args: list[str], **env: str) -> subprocess.CompletedProcess:
     )
 
 
+def wait_policy(proc: subprocess.CompletedProcess) -> str:
+    """The policy libgomp took ('ACTIVE' or 'PASSIVE'; unset prints 'PASSIVE')."""
+    found = re.findall(r"OMP_WAIT_POLICY = '(\w+)'", proc.stderr)
+    assert len(found) == 1, f"libgomp printed its environment {len(found)} times:\n{proc.stderr}"
+    return found[0]
+
+
 def spin_count(proc: subprocess.CompletedProcess) -> str:
     """The spin count libgomp took (PASSIVE = 0, unset = 300000, ACTIVE = 3e10)."""
     assert proc.returncode == 0, proc.stderr
@@ -38,6 +45,9 @@ def python(code: str, **env: str) -> subprocess.CompletedProcess:
 def test_import_headwise_then_torch_spins_briefly():
     proc = python("import headwise, torch; torch.ones(64, 64) @ torch.ones(64, 64)")
     assert spin_count(proc) == SPIN_OURS
+    # ACTIVE beside the count: without it libgomp cuts the count to 1,000 once a second Python
+    # thread runs torch ops (the server's engine thread), which sleeps inside a decode step
+    assert wait_policy(proc) == "ACTIVE"
     assert "ThreadWaitWarning" not in proc.stderr
 
 
@@ -57,7 +67,8 @@ def test_cli_entry_spins_briefly():
 
 def test_users_choice_wins():
     assert spin_count(python("import headwise, torch", OMP_WAIT_POLICY="ACTIVE")) == SPIN_ACTIVE
-    assert spin_count(python("import headwise, torch", GOMP_SPINCOUNT="1000")) == "1000"
+    proc = python("import headwise, torch", GOMP_SPINCOUNT="1000")
+    assert spin_count(proc) == "1000" and wait_policy(proc) == "PASSIVE"  # nothing added to a choice
     assert spin_count(python("import headwise, torch", OMP_WAIT_POLICY="PASSIVE")) == SPIN_PASSIVE
 
 
@@ -65,7 +76,7 @@ def test_torch_first_warns_once_with_the_fix():
     proc = python("import torch, headwise, importlib; importlib.reload(headwise)")
     assert spin_count(proc) == SPIN_DEFAULT  # too late to change from Python: libgomp read it
     assert proc.stderr.count("ThreadWaitWarning") == 1
-    assert "import headwise` before torch" in proc.stderr and "GOMP_SPINCOUNT=2000" in proc.stderr
+    assert "import headwise` before torch" in proc.stderr and "OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=2000" in proc.stderr
 
 
 def test_torch_first_with_a_chosen_policy_is_silent():
