@@ -76,7 +76,9 @@ def test_torch_first_warns_once_with_the_fix():
     proc = python("import torch, headwise, importlib; importlib.reload(headwise)")
     assert spin_count(proc) == SPIN_DEFAULT  # too late to change from Python: libgomp read it
     assert proc.stderr.count("ThreadWaitWarning") == 1
-    assert "import headwise` before torch" in proc.stderr and "OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=2000" in proc.stderr
+    assert (
+        "import headwise` before torch" in proc.stderr and "OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=2000" in proc.stderr
+    )
 
 
 def test_torch_first_with_a_chosen_policy_is_silent():

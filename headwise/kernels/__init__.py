@@ -3,7 +3,9 @@
 `small_linear(x, block_weight(w), ...)` is `F.linear` for a few rows of x (a decode step):
 it streams the weight from memory once, in a blocked layout that reads as one run per 8
 output rows, faster than oneDNN's prepacked matrix-vector product on this machine
-(benchmarks/decode.py: floor_kernel vs floor_packed), and folds in the op before it (RMSNorm
+(benchmarks/decode.py: floor_kernel vs floor_packed); from 5 rows (a batched decode, the
+engine's steps) it computes 6 x 16 tiles over 128 inputs at a time, each weight tile read
+from memory once for all rows. It folds in the op before it (RMSNorm
 or SwiGLU) and a residual add after it, which saves a PyTorch call each. Only fp32 on x86-64
 with AVX2 + FMA. PackedLinear keeps the blocked copy of its weight (models/packing.py).
 
@@ -34,7 +36,20 @@ from ..paths import default_cache_dir
 _SOURCE = Path(__file__).with_name("small_linear.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 PRO_NONE, PRO_RMSNORM, PRO_SWIGLU = 0, 1, 2
-MAX_ROWS = 4  # above this oneDNN's packed matmul is as fast or faster (8 rows: 27 vs 37 ms a step)
+KERNEL_ROWS = 64  # the most rows one call takes (small_linear.c's MAX_PANEL_ROWS: its accumulators)
+
+
+def _dispatch_rows() -> int:
+    """Up to how many rows PackedLinear prefers the kernel to oneDNN's packed matmul, by the ISA
+    PyTorch runs at here (read at import, at run time, not when the kernel was built). With AVX2
+    only, the 6 x 16 tiles beat oneDNN at every row count up to KERNEL_ROWS (AMD EPYC Zen 3, 2
+    threads, SmolLM2's shapes, 30 layers: 16 rows 40 vs 62 ms, 64 rows 130 vs 139 ms). With
+    AVX-512, oneDNN's tiles are twice as wide as ours, so beyond the few rows that stream the
+    weight (memory-bound, where the layout wins) it is left to oneDNN."""
+    return KERNEL_ROWS if torch.backends.cpu.get_cpu_capability() == "AVX2" else 4
+
+
+MAX_ROWS = _dispatch_rows()
 
 
 def _build() -> Path:
@@ -127,7 +142,7 @@ def small_linear(
     norm_weight: Tensor | None = None,
     eps: float = 0.0,
 ) -> Tensor:
-    """prologue(x) @ W.T + bias + residual for fp32 CPU tensors and at most MAX_ROWS rows of x,
+    """prologue(x) @ W.T + bias + residual for fp32 CPU tensors and at most KERNEL_ROWS rows of x,
     with W given as `block_weight(W)` (made once per weight; W is (out_features, I)).
 
     x (..., I), or (..., 2I) = [gate | up] with PRO_SWIGLU; residual (..., out_features).
@@ -144,10 +159,10 @@ def small_linear(
             f"small_linear: blocked weight {tuple(blocked.shape)} is not block_weight() of an "
             f"({O}, I) weight (or not 32-byte aligned)"
         )
-    if x.shape[-1] != (2 * I if prologue == PRO_SWIGLU else I) or M > MAX_ROWS:
+    if x.shape[-1] != (2 * I if prologue == PRO_SWIGLU else I) or M > KERNEL_ROWS:
         raise ValueError(
             f"small_linear: x {tuple(x.shape)} does not fit a ({O}, {I}) weight "
-            f"(prologue {prologue}) or has more than {MAX_ROWS} rows"
+            f"(prologue {prologue}) or has more than {KERNEL_ROWS} rows"
         )
     if not (
         _ok(x)

@@ -20,6 +20,7 @@
 #include <stdlib.h>
 
 enum { PRO_NONE = 0, PRO_RMSNORM = 1, PRO_SWIGLU = 2 };
+enum { MAX_PANEL_ROWS = 64 };  /* rows the 6 x 16 tiles take at once (their accumulators: 4 KB) */
 
 /* The prologue for M rows into buf (M, I); returns the rows the matmul reads. */
 static const float *prologue(int kind, const float *x, const float *norm_w, float eps, float *buf,
@@ -65,21 +66,75 @@ static inline void block_rows(const float *w, const float *x, long I, int MC, __
     for (int m = 0; m < MC; m++) out[m] = _mm256_add_ps(a[m][0], a[m][1]);
 }
 
-/* Wb: (ceil(O/8), I, 8), 32-byte aligned, rows past O zero. Returns 0, or -1 when the
- * prologue buffer cannot be allocated (nothing written). */
-int hw_small_linear_f32(const float *Wb, const float *x, const float *b, const float *r, float *y,
-                        long M, long O, long I, int kind, const float *norm_w, float eps) {
-    float *buf = NULL;
-    if (kind != PRO_NONE) {
-        buf = malloc(sizeof(float) * (size_t)(M * I));
-        if (!buf) return -1;
+/* Two adjacent blocks (16 outputs) for MC (1..6) rows of x over inputs [k0, k1): the 2 MC
+ * accumulators come from and go back to acc (MC, 16). Per input, 2 weight loads + MC broadcasts
+ * feed 2 MC FMAs, so from 5 rows on the FMA units, not the loads, set the pace (block_rows'
+ * 4 x 8 tile needs a load per FMA). */
+static inline void panel_rows(const float *w0, const float *w1, const float *x, long I, long k0, long k1,
+                              int MC, float *acc) {
+    __m256 a[6][2];
+    for (int m = 0; m < MC; m++) a[m][0] = _mm256_loadu_ps(acc + m * 16), a[m][1] = _mm256_loadu_ps(acc + m * 16 + 8);
+    for (long i = k0; i < k1; i++) {
+        __m256 u = _mm256_load_ps(w0 + i * 8), v = _mm256_load_ps(w1 + i * 8);
+        for (int m = 0; m < MC; m++) {          /* MC is a constant at each call site: unrolled */
+            __m256 xb = _mm256_broadcast_ss(x + m * I + i);
+            a[m][0] = _mm256_fmadd_ps(u, xb, a[m][0]);
+            a[m][1] = _mm256_fmadd_ps(v, xb, a[m][1]);
+        }
     }
-    const float *xs = prologue(kind, x, norm_w, eps, buf, M, I);
-    const long nblk = (O + 7) / 8;
-    #pragma omp parallel for schedule(static)
-    for (long blk = 0; blk < nblk; blk++) {
-        const float *w = Wb + blk * I * 8;
-        const long o = blk * 8, rows = O - o < 8 ? O - o : 8;
+    for (int m = 0; m < MC; m++) _mm256_storeu_ps(acc + m * 16, a[m][0]), _mm256_storeu_ps(acc + m * 16 + 8, a[m][1]);
+}
+
+enum { KC = 128 };  /* inputs per pass: 8 KB of a panel's weights, read from memory once, stay in L1 for every row group */
+
+/* y[m][o .. o + rows) = acc + b + r for one row m of one 8-output block. */
+static inline void store_block(__m256 acc, const float *b, const float *r, float *y, long m, long O, long o,
+                               long rows) {
+    float t[8];
+    _mm256_storeu_ps(t, acc);
+    float *ym = y + m * O + o;
+    const float *rm = r ? r + m * O + o : NULL;
+    for (long k = 0; k < rows; k++) {
+        float v = t[k];
+        if (b) v += b[o + k];
+        if (rm) v += rm[k];
+        ym[k] = v;
+    }
+}
+
+/* Outputs of blocks [blk, blk + nb) (nb = 1 or 2) for all M rows. */
+static void blocks_out(const float *Wb, const float *xs, const float *b, const float *r, float *y, long M,
+                       long O, long I, long blk, long nb) {
+    const long o = blk * 8;
+    if (nb == 2 && M > 4 && M <= MAX_PANEL_ROWS) {
+        const float *w0 = Wb + blk * I * 8, *w1 = w0 + I * 8;
+        const long rows0 = O - o < 8 ? O - o : 8, rows1 = O - o - 8 < 8 ? O - o - 8 : 8;
+        float acc[MAX_PANEL_ROWS * 16] = {0};
+        for (long k0 = 0; k0 < I; k0 += KC) {
+            const long k1 = I - k0 < KC ? I : k0 + KC;
+            for (long m0 = 0; m0 < M; m0 += 6) {
+                const long mc = M - m0 < 6 ? M - m0 : 6;
+                const float *xm = xs + m0 * I;
+                float *am = acc + m0 * 16;
+                switch (mc) {
+                    case 1: panel_rows(w0, w1, xm, I, k0, k1, 1, am); break;
+                    case 2: panel_rows(w0, w1, xm, I, k0, k1, 2, am); break;
+                    case 3: panel_rows(w0, w1, xm, I, k0, k1, 3, am); break;
+                    case 4: panel_rows(w0, w1, xm, I, k0, k1, 4, am); break;
+                    case 5: panel_rows(w0, w1, xm, I, k0, k1, 5, am); break;
+                    default: panel_rows(w0, w1, xm, I, k0, k1, 6, am); break;
+                }
+            }
+        }
+        for (long m = 0; m < M; m++) {
+            store_block(_mm256_loadu_ps(acc + m * 16), b, r, y, m, O, o, rows0);
+            if (rows1 > 0) store_block(_mm256_loadu_ps(acc + m * 16 + 8), b, r, y, m, O, o + 8, rows1);
+        }
+        return;
+    }
+    for (long k = 0; k < nb; k++) {
+        const float *w = Wb + (blk + k) * I * 8;
+        const long ok = o + 8 * k, rows = O - ok < 8 ? O - ok : 8;
         for (long m0 = 0; m0 < M; m0 += 4) {
             const long mc = M - m0 < 4 ? M - m0 : 4;
             const float *xm = xs + m0 * I;
@@ -90,19 +145,28 @@ int hw_small_linear_f32(const float *Wb, const float *x, const float *b, const f
                 case 3: block_rows(w, xm, I, 3, acc); break;
                 default: block_rows(w, xm, I, 4, acc); break;
             }
-            for (long m = 0; m < mc; m++) {
-                float t[8];
-                _mm256_storeu_ps(t, acc[m]);
-                float *ym = y + (m0 + m) * O + o;
-                const float *rm = r ? r + (m0 + m) * O + o : NULL;
-                for (long k = 0; k < rows; k++) {
-                    float v = t[k];
-                    if (b) v += b[o + k];
-                    if (rm) v += rm[k];
-                    ym[k] = v;
-                }
-            }
+            for (long m = 0; m < mc; m++) store_block(acc[m], b, r, y, m0 + m, O, ok, rows);
         }
+    }
+}
+
+/* Wb: (ceil(O/8), I, 8), 32-byte aligned, rows past O zero. Returns 0, or -1 when the
+ * prologue buffer cannot be allocated (nothing written). Up to 4 rows each block streams once
+ * through a 4 x 8 tile (memory-bound); from 5 rows pairs of blocks go through a 6 x 16 tile
+ * (compute-bound), the pair read from cache once per 6 rows. */
+int hw_small_linear_f32(const float *Wb, const float *x, const float *b, const float *r, float *y,
+                        long M, long O, long I, int kind, const float *norm_w, float eps) {
+    float *buf = NULL;
+    if (kind != PRO_NONE) {
+        buf = malloc(sizeof(float) * (size_t)(M * I));
+        if (!buf) return -1;
+    }
+    const float *xs = prologue(kind, x, norm_w, eps, buf, M, I);
+    const long nblk = (O + 7) / 8, npair = (nblk + 1) / 2;
+    #pragma omp parallel for schedule(static)
+    for (long p = 0; p < npair; p++) {
+        const long blk = 2 * p;
+        blocks_out(Wb, xs, b, r, y, M, O, I, blk, nblk - blk < 2 ? 1 : 2);
     }
     free(buf);
     return 0;

@@ -33,7 +33,7 @@ def test_kernel_builds_and_runs_here():
     assert len(kernels._omp_libraries()) == 1  # it joined torch's OpenMP pool, no second runtime
 
 
-@pytest.mark.parametrize("M", [1, 2, 3, kernels.MAX_ROWS])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 13, 16, kernels.KERNEL_ROWS])  # both tiles, their tails
 @pytest.mark.parametrize("O,I", [(1, 1), (3, 7), (4, 8), (5, 9), (33, 64), (130, 100), (64, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_equals_f_linear(M, O, I, bias):
@@ -42,7 +42,7 @@ def test_linear_equals_f_linear(M, O, I, bias):
     assert_close_to(lin(x, w, b), x, w, b)
 
 
-@pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("M", [1, 3, 9])
 def test_residual_and_leading_dims(M):
     x, w, b, r = torch.randn(M, 1, 48), torch.randn(20, 48), torch.randn(20), torch.randn(M, 1, 20)
     got = lin(x, w, b, residual=r)
@@ -50,7 +50,7 @@ def test_residual_and_leading_dims(M):
     assert_close_to(got, x, w, b, r)
 
 
-@pytest.mark.parametrize("M,I", [(1, 576), (3, 37), (4, 64)])
+@pytest.mark.parametrize("M,I", [(1, 576), (3, 37), (4, 64), (9, 576), (16, 300)])
 def test_rmsnorm_prologue_equals_torch(M, I):
     x, w, nw = torch.randn(M, I) * 3, torch.randn(50, I), torch.rand(I) + 0.5
     got = lin(x, w, prologue=kernels.PRO_RMSNORM, norm_weight=nw, eps=1e-5)
@@ -59,7 +59,7 @@ def test_rmsnorm_prologue_equals_torch(M, I):
     torch.testing.assert_close(got, F.linear(F.rms_norm(x, (I,), nw, eps=1e-5), w), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("M,I", [(1, 96), (2, 13), (4, 1536)])
+@pytest.mark.parametrize("M,I", [(1, 96), (2, 13), (4, 1536), (7, 1536)])
 def test_swiglu_prologue_equals_torch(M, I):
     gu, w, r = torch.randn(M, 2 * I) * 4, torch.randn(30, I), torch.randn(M, 30)
     gate, up = gu.chunk(2, dim=-1)
@@ -67,9 +67,10 @@ def test_swiglu_prologue_equals_torch(M, I):
     assert_close_to(got, F.silu(gate.double()) * up.double(), w, r=r)
 
 
-def test_same_bits_at_any_thread_count():
+@pytest.mark.parametrize("M", [2, 16])  # both tiles
+def test_same_bits_at_any_thread_count(M):
     """Each output row is one thread's dot product: the thread count cannot change a bit."""
-    x, w = torch.randn(2, 576), torch.randn(3000, 576)
+    x, w = torch.randn(M, 576), torch.randn(3000, 576)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -87,7 +88,7 @@ def test_same_bits_at_any_thread_count():
         (lambda: (torch.randn(1, 8).half(), torch.randn(4, 8)), "fp32"),
         (lambda: (torch.randn(8, 3).t(), torch.randn(4, 8)), "strided"),
         (lambda: (torch.randn(1, 9), torch.randn(4, 8)), "does not fit"),
-        (lambda: (torch.randn(kernels.MAX_ROWS + 1, 8), torch.randn(4, 8)), "more than"),
+        (lambda: (torch.randn(kernels.KERNEL_ROWS + 1, 8), torch.randn(4, 8)), "more than"),
     ],
 )
 def test_bad_input_is_refused(make, match):
