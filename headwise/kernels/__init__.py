@@ -9,8 +9,9 @@ from memory once for all rows. It folds in the op before it (RMSNorm
 or SwiGLU) and a residual add after it, which saves a PyTorch call each. Only fp32 on x86-64
 with AVX2 + FMA. PackedLinear keeps the blocked copy of its weight (models/packing.py).
 
-The C source (small_linear.c) is compiled once into <cache>/kernels/ ($HEADWISE_CACHE or
-~/.cache/headwise; ~1 s) and loaded with ctypes. Where that cannot work (no compiler, another
+The C sources (small_linear.c, and decode_attention.c for kernels.attention) are compiled
+once into one library in <cache>/kernels/ ($HEADWISE_CACHE or ~/.cache/headwise; ~1 s) and
+loaded with ctypes. Where that cannot work (no compiler, another
 CPU, torch not on OpenMP, or HEADWISE_KERNELS=0), `kernels_unavailable()` says why and callers
 keep PyTorch's ops.
 """
@@ -33,7 +34,7 @@ from torch import Tensor
 
 from ..paths import default_cache_dir
 
-_SOURCE = Path(__file__).with_name("small_linear.c")
+_SOURCES = [Path(__file__).with_name(n) for n in ("small_linear.c", "decode_attention.c")]  # one library
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 PRO_NONE, PRO_RMSNORM, PRO_SWIGLU = 0, 1, 2
 KERNEL_ROWS = 64  # the most rows one call takes (small_linear.c's MAX_PANEL_ROWS: its accumulators)
@@ -53,20 +54,20 @@ MAX_ROWS = _dispatch_rows()
 
 
 def _build() -> Path:
-    """Compile small_linear.c into the cache (once per source and flags); returns the .so."""
-    src = _SOURCE.read_bytes()
+    """Compile the C sources into one library in the cache (once per sources and flags); returns the .so."""
+    src = b"".join(p.read_bytes() for p in _SOURCES)
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     key = hashlib.sha256(src + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
-    out = default_cache_dir() / "kernels" / f"small_linear-{key}.so"
+    out = default_cache_dir() / "kernels" / f"headwise-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = Path(tmp) / out.name
         proc = subprocess.run(
-            [cc, *_FLAGS, str(_SOURCE), "-o", str(tmp_so), "-lm"], capture_output=True, text=True, timeout=120
+            [cc, *_FLAGS, *map(str, _SOURCES), "-o", str(tmp_so), "-lm"], capture_output=True, text=True, timeout=120
         )
         if proc.returncode:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:300]}")
@@ -103,6 +104,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     fn = lib.hw_small_linear_f32
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_float]
     fn.restype = ctypes.c_int
+    att = lib.hw_decode_attention_f32  # kernels/attention.py: decode_attention
+    att.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 10 + [ctypes.c_void_p, ctypes.c_float]
+    att.restype = ctypes.c_int
     return lib, _self_check(fn)
 
 

@@ -1,0 +1,121 @@
+"""Decode attention over strided K/V views (decode_attention.c), for the paged backend's "regions" read.
+
+`decode_attention(q, k, v, lengths, scale, want_lse)`: the G query rows of each (sequence,
+KV head) pair over that sequence's first lengths[c] keys, one pass over K and V with an online
+softmax, no mask tensor. k and v may be as_strided views of a block pool (cache/packed.py
+region_views); only each key's D floats need be contiguous.
+
+BENCH (filled in below, in `decode_attention`'s docstring).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from . import _load, kernels_unavailable
+
+MAX_G, MAX_D = 16, 256  # decode_attention.c's MAX_G, MAX_D: its per-pair stack buffers
+
+
+def fits(G: int, D: int) -> bool:
+    """Whether the kernel takes G query rows per KV head of head_dim D (else use another path)."""
+    return 1 <= G <= MAX_G and 8 <= D <= MAX_D and D % 8 == 0
+
+
+@functools.cache
+def decode_attention_unavailable() -> str | None:
+    """None when decode_attention runs here, else why it does not."""
+    why = kernels_unavailable()
+    if why is not None:
+        return why
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*s, generator=g) for s in ((2, 1, 3, 8), (2, 1, 11, 8), (2, 1, 11, 8)))
+    lengths = torch.tensor([11, 5])
+    out, lse = _call(q, k, v, lengths, 0.5, True)
+    s = (q @ k.transpose(-1, -2)) * 0.5  # (2, 1, 3, 11)
+    s[1, :, :, 5:] = float("-inf")
+    want = torch.softmax(s, -1) @ v
+    if not (torch.allclose(out, want, atol=1e-4) and torch.allclose(lse, torch.logsumexp(s, -1), atol=1e-4)):
+        return "the compiled decode-attention kernel disagrees with softmax(q k^T) v"
+    return None
+
+
+def decode_attention(
+    q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float, want_lse: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """softmax(q k^T * scale) v of each sequence c over its keys [0, lengths[c]), fp32 on CPU.
+
+    q (C, Hkv, G, D) contiguous; k, v (C, Hkv, width, D), any strides but the last (1);
+    lengths (C,) int64 in [0, width]. -> (out (C, Hkv, G, D), lse (C, Hkv, G) natural-log LSE
+    of the scaled scores, or None). A sequence with no keys gets out 0 and lse -inf.
+    No autograd. Check `decode_attention_unavailable()` first.
+    """
+    why = decode_attention_unavailable()
+    if why is not None:
+        raise RuntimeError(f"decode_attention is unavailable: {why}")
+    return _call(q, k, v, lengths, scale, want_lse)
+
+
+def _call(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float, want_lse: bool):
+    _check(q, k, v, lengths)
+    C, Hkv, G, D = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(C, Hkv, G) if want_lse else None
+    rc = _load()[0].hw_decode_attention_f32(
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        out.data_ptr(),
+        None if lse is None else lse.data_ptr(),
+        C,
+        Hkv,
+        G,
+        D,
+        *k.stride()[:3],
+        *v.stride()[:3],
+        lengths.data_ptr(),
+        float(scale),
+    )
+    if rc:  # _check rules these out; a mismatch means the C and Python limits drifted apart
+        raise RuntimeError(f"decode_attention kernel refused G={G}, D={D} (code {rc})")
+    return out, lse
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype is not torch.float32 or not t.is_cpu or t.dim() != 4:
+            raise ValueError(
+                f"decode_attention: {name} must be a 4-D fp32 CPU tensor; got {t.dtype} {tuple(t.shape)} on {t.device}"
+            )
+    if not q.is_contiguous():
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} must be contiguous (call .contiguous())")
+    C, Hkv, G, D = q.shape
+    if not fits(G, D):
+        raise ValueError(
+            f"decode_attention: G={G} query rows per KV head and head_dim D={D} need 1 <= G <= {MAX_G}, "
+            f"8 <= D <= {MAX_D} and D % 8 == 0; use PyTorch's attention for this shape"
+        )
+    if k.shape != v.shape or k.shape[:2] != (C, Hkv) or k.shape[3] != D:
+        raise ValueError(
+            f"decode_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must both be (C, Hkv, width, D) = "
+            f"({C}, {Hkv}, width, {D}) for q {tuple(q.shape)}"
+        )
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError(
+            f"decode_attention: each key's D floats must be contiguous (stride(-1) == 1); "
+            f"got k strides {k.stride()}, v strides {v.stride()}"
+        )
+    width = k.shape[2]
+    if lengths.dtype is not torch.int64 or not lengths.is_cpu or lengths.shape != (C,) or not lengths.is_contiguous():
+        raise ValueError(
+            f"decode_attention: lengths must be a contiguous int64 CPU tensor of shape ({C},); "
+            f"got {lengths.dtype} {tuple(lengths.shape)} on {lengths.device}"
+        )
+    if C and (int(lengths.min()) < 0 or int(lengths.max()) > width):
+        raise ValueError(
+            f"decode_attention: lengths must lie in [0, width={width}]; got min {int(lengths.min())}, "
+            f"max {int(lengths.max())}"
+        )

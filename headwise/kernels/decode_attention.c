@@ -1,0 +1,137 @@
+/* Decode attention over strided K/V for CPU: the G query rows of each (sequence, KV head) pair
+ * attend over that pair's first lengths[c] keys, in one pass over K and V.
+ *
+ * A decode step's attention is a read of every past key and value once; the arithmetic per
+ * byte is small (G rows per key), so its speed is how fast K and V stream from memory. The
+ * paged cache hands them as as_strided views of its block pool (kv.RegionGrid: sequence c's
+ * keys at k + c*sk_c + h*sk_h + t*sk_t, each key D contiguous floats). Per pair, keys go in
+ * tiles of TK = 8: the G x 8 scores are 8 dot products per row folded by one transposing
+ * horizontal add, then one online-softmax rescale per row and tile (Milakov & Gimelshein
+ * 2018, "Online normalizer calculation for softmax"), so exp and the reductions cost little
+ * next to the 2 x 8 x D floats read. Scores are kept in base 2 (q pre-scaled by scale *
+ * log2(e)) so exp is one exp2 polynomial. Pairs are split over the OpenMP threads of the
+ * calling process (the libgomp PyTorch already loaded, as small_linear.c).
+ *
+ * q (C, Hkv, G, D), out (C, Hkv, G, D): contiguous. lse (C, Hkv, G): natural-log LSE of the
+ * scaled scores, or NULL. lengths[c] <= 0: out 0, lse -inf. Needs AVX2 + FMA.
+ */
+#include <immintrin.h>
+#include <math.h>
+
+enum { TK = 8, MAX_G = 16, MAX_D = 256 };
+enum { HW_OK = 0, HW_BAD_SHAPE = 1 };
+
+/* 2^x for x <= 0 (scores minus their running max), Cephes exp2f: x = i + f, f in [-0.5, 0.5],
+ * 2^f by a degree-6 polynomial (relative error ~2e-7), 2^i into the exponent bits. x below
+ * -126 is clamped (callers zero the lanes that must be exactly 0). */
+static inline __m256 exp2_ps(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
+    const __m256 i = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(x, i);
+    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(i), 23);
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+
+/* [sum(a[0]), ..., sum(a[7])]: the 8 lanes of each of 8 vectors summed, by a transposing tree. */
+static inline __m256 hsum8(const __m256 a[8]) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    /* u0 lanes: [a0..a3 low halves | a0..a3 high halves]; u1 the same for a4..a7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+static inline float hmax(__m256 x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+static inline float hsum(__m256 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One (sequence, KV head) pair: G rows of q over n keys at k, v (key t at k + t*sk_t). */
+static void pair(const float *q, const float *k, const float *v, float *out, float *lse, long n, long G, long D,
+                 long sk_t, long sv_t, float scale) {
+    if (n <= 0) {
+        for (long i = 0; i < G * D; i++) out[i] = 0.0f;
+        if (lse) for (long g = 0; g < G; g++) lse[g] = -INFINITY;
+        return;
+    }
+    float qs[MAX_G * MAX_D] __attribute__((aligned(32)));   /* q * scale * log2(e) */
+    float acc[MAX_G * MAX_D] __attribute__((aligned(32)));  /* sum_t 2^(s_t - m) v_t per row */
+    float p[MAX_G * TK] __attribute__((aligned(32)));       /* this tile's weights per row */
+    float m[MAX_G], l[MAX_G], alpha[MAX_G];                 /* running max (base 2), sum, rescale */
+    const float c = scale * 1.4426950408889634f;
+    for (long i = 0; i < G * D; i++) qs[i] = q[i] * c, acc[i] = 0.0f;
+    for (long g = 0; g < G; g++) m[g] = -INFINITY, l[g] = 0.0f;
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), neg_inf = _mm256_set1_ps(-INFINITY);
+
+    for (long t0 = 0; t0 < n; t0 += TK) {
+        const long nk = n - t0 < TK ? n - t0 : TK;
+        /* keys past n repeat the last one (in bounds) and get weight 0 */
+        const float *kr[TK], *vr[TK];
+        for (long j = 0; j < TK; j++) {
+            const long t = t0 + (j < nk ? j : nk - 1);
+            kr[j] = k + t * sk_t, vr[j] = v + t * sv_t;
+        }
+        const __m256 valid = _mm256_cmp_ps(lane, _mm256_set1_ps((float)nk), _CMP_LT_OQ);
+        for (long g = 0; g < G; g++) {
+            const float *qg = qs + g * D;
+            __m256 d8[TK];
+            for (long j = 0; j < TK; j++) d8[j] = _mm256_setzero_ps();
+            for (long d = 0; d < D; d += 8) {
+                const __m256 qv = _mm256_load_ps(qg + d);
+                for (long j = 0; j < TK; j++) d8[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[j] + d), d8[j]);
+            }
+            const __m256 s = _mm256_blendv_ps(neg_inf, hsum8(d8), valid);  /* (TK,) base-2 scores */
+            const float mx = hmax(s), mn = mx > m[g] ? mx : m[g];
+            alpha[g] = exp2f(m[g] - mn);  /* 0 on the first tile (m = -inf) */
+            const __m256 pg = _mm256_and_ps(exp2_ps(_mm256_sub_ps(s, _mm256_set1_ps(mn))), valid);
+            l[g] = l[g] * alpha[g] + hsum(pg);
+            m[g] = mn;
+            _mm256_store_ps(p + g * TK, pg);
+        }
+        for (long d = 0; d < D; d += 8) {
+            __m256 vv[TK];
+            for (long j = 0; j < TK; j++) vv[j] = _mm256_loadu_ps(vr[j] + d);
+            for (long g = 0; g < G; g++) {
+                const float *pg = p + g * TK;
+                __m256 a = _mm256_mul_ps(_mm256_load_ps(acc + g * D + d), _mm256_set1_ps(alpha[g]));
+                for (long j = 0; j < TK; j++) a = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + j), vv[j], a);
+                _mm256_store_ps(acc + g * D + d, a);
+            }
+        }
+    }
+    for (long g = 0; g < G; g++) {
+        const __m256 inv = _mm256_set1_ps(1.0f / l[g]);
+        for (long d = 0; d < D; d += 8) _mm256_storeu_ps(out + g * D + d, _mm256_mul_ps(_mm256_load_ps(acc + g * D + d), inv));
+        if (lse) lse[g] = m[g] * 0.6931471805599453f + logf(l[g]);
+    }
+}
+
+/* Returns HW_OK, or HW_BAD_SHAPE (nothing written) unless 1 <= G <= MAX_G, 8 <= D <= MAX_D and
+ * D % 8 == 0. Strides are in floats; each key's D floats are contiguous. */
+int hw_decode_attention_f32(const float *q, const float *k, const float *v, float *out, float *lse, long C, long Hkv,
+                            long G, long D, long sk_c, long sk_h, long sk_t, long sv_c, long sv_h, long sv_t,
+                            const long *lengths, float scale) {
+    if (G < 1 || G > MAX_G || D < 8 || D > MAX_D || D % 8) return HW_BAD_SHAPE;
+    #pragma omp parallel for schedule(dynamic)
+    for (long ch = 0; ch < C * Hkv; ch++) {
+        const long c = ch / Hkv, h = ch % Hkv;
+        pair(q + ch * G * D, k + c * sk_c + h * sk_h, v + c * sv_c + h * sv_h, out + ch * G * D,
+             lse ? lse + ch * G : NULL, lengths[c], G, D, sk_t, sv_t, scale);
+    }
+    return HW_OK;
+}
