@@ -114,8 +114,6 @@ def _check(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor) -> None:
             f"decode_attention: lengths must be a contiguous int64 CPU tensor of shape ({C},); "
             f"got {lengths.dtype} {tuple(lengths.shape)} on {lengths.device}"
         )
-    if C and (int(lengths.min()) < 0 or int(lengths.max()) > width):
-        raise ValueError(
-            f"decode_attention: lengths must lie in [0, width={width}]; got min {int(lengths.min())}, "
-            f"max {int(lengths.max())}"
-        )
+    lo, hi = (int(x) for x in torch.aminmax(lengths)) if C else (0, 0)
+    if lo < 0 or hi > width:
+        raise ValueError(f"decode_attention: lengths must lie in [0, width={width}]; got min {lo}, max {hi}")
