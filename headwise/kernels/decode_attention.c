@@ -18,7 +18,7 @@
 #include <immintrin.h>
 #include <math.h>
 
-enum { TK = 8, MAX_G = 16, MAX_D = 256 };
+enum { TK = 8, MAX_G = 16, MAX_D = 256 };  /* TK: one 8-lane vector of scores (hsum8, the V update) */
 #ifndef PF
 #define PF 2  /* tiles prefetched ahead (1..16 measured: 2 best, within 10%) */
 #endif
@@ -114,18 +114,23 @@ static void pair(const float *q, const float *k, const float *v, float *out, flo
             m[g] = mn;
             _mm256_store_ps(p + g * TK, pg);
         }
-        for (long d = 0; d < D; d += 8) {
-            __m256 vv[TK];
-            for (long j = 0; j < TK; j++) vv[j] = _mm256_loadu_ps(vr[j] + d);
-            for (long g = 0; g < G; g++) {
-                const float *pg = p + g * TK;
-                /* four short chains, not one of 8 FMAs: its latency, not the FMA units, would set the pace */
-                __m256 a[4];
-                a[0] = _mm256_mul_ps(_mm256_load_ps(acc + g * D + d), _mm256_set1_ps(alpha[g]));
-                a[0] = _mm256_fmadd_ps(_mm256_broadcast_ss(pg), vv[0], a[0]);
-                for (long j = 1; j < 4; j++) a[j] = _mm256_mul_ps(_mm256_broadcast_ss(pg + j), vv[j]);
-                for (long j = 4; j < TK; j++) a[j - 4] = _mm256_fmadd_ps(_mm256_broadcast_ss(pg + j), vv[j], a[j - 4]);
-                _mm256_store_ps(acc + g * D + d, _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+        /* per row: its 8 weights in registers, then acc = alpha acc + sum_j p_j v_j in four short
+         * chains (one chain of 8 FMAs: its latency, not the FMA units, would set the pace) */
+        for (long g = 0; g < G; g++) {
+            __m256 pb[TK];
+            for (long j = 0; j < TK; j++) pb[j] = _mm256_broadcast_ss(p + g * TK + j);
+            const __m256 al = _mm256_set1_ps(alpha[g]);
+            float *ag = acc + g * D;
+            for (long d = 0; d < D; d += 8) {
+                __m256 a0 = _mm256_fmadd_ps(pb[0], _mm256_loadu_ps(vr[0] + d), _mm256_mul_ps(_mm256_load_ps(ag + d), al));
+                __m256 a1 = _mm256_mul_ps(pb[1], _mm256_loadu_ps(vr[1] + d));
+                __m256 a2 = _mm256_mul_ps(pb[2], _mm256_loadu_ps(vr[2] + d));
+                __m256 a3 = _mm256_mul_ps(pb[3], _mm256_loadu_ps(vr[3] + d));
+                a0 = _mm256_fmadd_ps(pb[4], _mm256_loadu_ps(vr[4] + d), a0);
+                a1 = _mm256_fmadd_ps(pb[5], _mm256_loadu_ps(vr[5] + d), a1);
+                a2 = _mm256_fmadd_ps(pb[6], _mm256_loadu_ps(vr[6] + d), a2);
+                a3 = _mm256_fmadd_ps(pb[7], _mm256_loadu_ps(vr[7] + d), a3);
+                _mm256_store_ps(ag + d, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
             }
         }
     }
