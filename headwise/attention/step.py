@@ -60,33 +60,19 @@ class Step:
             cs = self.memo[key] = rope.cos_sin(self.input_positions)
         return cs
 
-    def rope_rotation(self, rope) -> Tensor:
-        """(B|1, T, D, D) fp32 matrices R with x @ R == rope(x) at each token's position (half-split
-        layout, HF's rotate_half), so RoPE of every head of a row is one broadcast matmul:
-        (B, T, H + Hkv, D) @ R. Rows that all sit at the same positions share one R; a decode
-        step where every row is at the same position gets one (D, D).
-
-        out[i] = x[i] cos_i - x[i + D/2] sin_i,  out[i + D/2] = x[i + D/2] cos_i + x[i] sin_i
-        """
-        key = ("rotation", id(rope))
-        R = self.memo.get(key)
-        if R is None:
-            pos = self.input_positions  # (B, T)
-            if pos.shape[0] > 1 and pos.stride(0) == 0:  # one arange, expanded
-                pos = pos[:1]
-            cos, sin = rope.cos_sin(pos)  # (B|1, 1, T, D/2)
-            c, s = cos[:, 0], sin[:, 0]  # (B|1, T, D/2)
-            Bp, T, h = c.shape
-            R = torch.zeros(Bp, T, 2 * h, 2 * h, dtype=c.dtype, device=c.device)  # (B|1, T, D, D)
-            i = torch.arange(h, device=c.device)
-            R[:, :, i, i] = c
-            R[:, :, i + h, i + h] = c
-            R[:, :, i + h, i] = -s
-            R[:, :, i, i + h] = s
-            if Bp == T == 1:
-                R = R[0, 0]  # (D, D): a plain mm
-            self.memo[key] = R
-        return R
+    def rope_rows(self, rope) -> tuple[Tensor, Tensor]:
+        """cos and sin (B*T, dim/2) contiguous fp32, row b*T + t at input_positions[b, t]: the
+        tables for a kernel that rotates a flat batch of rows (kernels.small_linear's rope), once
+        per step and rope module."""
+        key = ("rows", id(rope))
+        rows = self.memo.get(key)
+        if rows is None:
+            B, T = self.input_positions.shape
+            cos, sin = self.rope_cos_sin(rope)  # (B|1, 1, T, dim/2)
+            rows = self.memo[key] = tuple(
+                t.expand(B, 1, T, t.shape[-1]).reshape(B * T, -1).contiguous() for t in (cos, sin)
+            )
+        return rows
 
 
 class PlainStep(Step):

@@ -103,6 +103,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         return None, f"the kernel loaded a second OpenMP runtime ({sorted(_omp_libraries())})"
     fn = lib.hw_small_linear_f32
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_float]
+    fn.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long]  # RoPE: cos, sin, columns, head dim
     fn.restype = ctypes.c_int
     att = lib.hw_decode_attention_f32  # kernels/attention.py: decode_attention
     att.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 10 + [ctypes.c_void_p, ctypes.c_float]
@@ -114,7 +115,8 @@ def _self_check(fn) -> str | None:
     g = torch.Generator().manual_seed(0)
     x, w, b = (torch.randn(*s, generator=g) for s in ((3, 37), (13, 37), (13,)))
     y, blocked = torch.empty(3, 13), block_weight(w)
-    fn(blocked.data_ptr(), x.data_ptr(), b.data_ptr(), None, y.data_ptr(), 3, 13, 37, PRO_NONE, None, 0.0)
+    ptrs = (blocked.data_ptr(), x.data_ptr(), b.data_ptr(), None, y.data_ptr())
+    fn(*ptrs, 3, 13, 37, PRO_NONE, None, 0.0, None, None, 0, 0)
     if not torch.allclose(y, F.linear(x, w, b), atol=1e-4):
         return "the compiled kernel disagrees with F.linear"
     return None
@@ -145,13 +147,17 @@ def small_linear(
     prologue: int = PRO_NONE,
     norm_weight: Tensor | None = None,
     eps: float = 0.0,
+    rope: tuple[Tensor, Tensor, int, int] | None = None,
 ) -> Tensor:
     """prologue(x) @ W.T + bias + residual for fp32 CPU tensors and at most KERNEL_ROWS rows of x,
     with W given as `block_weight(W)` (made once per weight; W is (out_features, I)).
 
     x (..., I), or (..., 2I) = [gate | up] with PRO_SWIGLU; residual (..., out_features).
-    PRO_RMSNORM applies x / sqrt(mean(x^2) + eps) * norm_weight first. No autograd: callers
-    use it under no_grad / inference_mode. Check `kernels_unavailable()` first.
+    PRO_RMSNORM applies x / sqrt(mean(x^2) + eps) * norm_weight first. rope = (cos, sin,
+    columns, head_dim), cos/sin (M, head_dim / 2) per row: RoPE (half-split, HF's rotate_half)
+    on the first `columns` outputs in heads of head_dim, after the matmul (a QKV projection's
+    q and k heads). No autograd: callers use it under no_grad / inference_mode. Check
+    `kernels_unavailable()` first.
     """
     lib, why = _load()
     if why is not None:
@@ -184,6 +190,22 @@ def small_linear(
                 if t is not None
             )
         )
+    cos = sin = None
+    cols = head_dim = 0
+    if rope is not None:
+        cos, sin, cols, head_dim = rope
+        if not (
+            head_dim > 0
+            and head_dim % 2 == 0
+            and 0 < cols <= O
+            and cols % head_dim == 0
+            and all(_ok(t) and t.shape == (M, head_dim // 2) for t in (cos, sin))
+        ):
+            raise ValueError(
+                f"small_linear: rope needs cos and sin (M, head_dim / 2) = ({M}, {head_dim // 2}) contiguous fp32 "
+                f"and whole heads of {head_dim} in the first {cols} of {O} outputs; got cos "
+                f"{tuple(cos.shape)} {cos.dtype}, sin {tuple(sin.shape)} {sin.dtype}"
+            )
     y = torch.empty(*x.shape[:-1], O)
     rc = lib.hw_small_linear_f32(
         blocked.data_ptr(),
@@ -197,6 +219,10 @@ def small_linear(
         prologue,
         None if norm_weight is None else norm_weight.data_ptr(),
         eps,
+        None if cos is None else cos.data_ptr(),
+        None if sin is None else sin.data_ptr(),
+        cols,
+        head_dim,
     )
     if rc:
         raise MemoryError("small_linear: could not allocate the prologue buffer")

@@ -13,6 +13,8 @@
  *   PRO_RMSNORM  x / sqrt(mean(x^2) + eps) * norm_w, (M, I), in fp32
  *   PRO_SWIGLU   x is (M, 2I) = [gate | up]; silu(gate) * up, (M, I)
  * b (O,) and r (M, O) (a residual) are added when not NULL. x, r, y: row-major, contiguous.
+ * With cos/sin (M, head_dim / 2) given, RoPE rotates the first rot_cols outputs (the q and k
+ * heads of a QKV projection) after the matmul (rope_epilogue).
  * Needs AVX2 + FMA.
  */
 #include <immintrin.h>
@@ -150,12 +152,34 @@ static void blocks_out(const float *Wb, const float *xs, const float *b, const f
     }
 }
 
+/* RoPE on the first rot_cols outputs of each row, in heads of head_dim channels (half-split
+ * layout, HF's rotate_half): out[i] = y[i] c_i - y[i + h] s_i, out[i + h] = y[i + h] c_i + y[i] s_i,
+ * h = head_dim / 2, with cos/sin (M, h) the angles of each row's position. It runs after the
+ * matmul because a head's two halves come from different blocks; M x rot_cols elements, a few
+ * microseconds, in place of a separate rotation op per layer. */
+static void rope_epilogue(float *y, long M, long O, const float *cos, const float *sin, long rot_cols,
+                          long head_dim) {
+    const long h = head_dim / 2;
+    for (long m = 0; m < M; m++) {
+        const float *c = cos + m * h, *s = sin + m * h;
+        for (long o = 0; o + head_dim <= rot_cols; o += head_dim) {
+            float *lo = y + m * O + o, *hi = lo + h;
+            for (long i = 0; i < h; i++) {
+                const float a = lo[i], b = hi[i];
+                lo[i] = a * c[i] - b * s[i];
+                hi[i] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}
+
 /* Wb: (ceil(O/8), I, 8), 32-byte aligned, rows past O zero. Returns 0, or -1 when the
  * prologue buffer cannot be allocated (nothing written). Up to 4 rows each block streams once
  * through a 4 x 8 tile (memory-bound); from 5 rows pairs of blocks go through a 6 x 16 tile
  * (compute-bound), the pair read from cache once per 6 rows. */
 int hw_small_linear_f32(const float *Wb, const float *x, const float *b, const float *r, float *y,
-                        long M, long O, long I, int kind, const float *norm_w, float eps) {
+                        long M, long O, long I, int kind, const float *norm_w, float eps,
+                        const float *cos, const float *sin, long rot_cols, long head_dim) {
     float *buf = NULL;
     if (kind != PRO_NONE) {
         buf = malloc(sizeof(float) * (size_t)(M * I));
@@ -169,5 +193,6 @@ int hw_small_linear_f32(const float *Wb, const float *x, const float *b, const f
         blocks_out(Wb, xs, b, r, y, M, O, I, blk, nblk - blk < 2 ? 1 : 2);
     }
     free(buf);
+    if (cos) rope_epilogue(y, M, O, cos, sin, rot_cols, head_dim);
     return 0;
 }

@@ -41,8 +41,6 @@ from .packing import PackedLinear
 # Steps of at most this many rows (B*T) take the few-rows route; 0 turns it off. Above ~64 rows
 # the matmuls dominate and the general route's extra calls stop mattering.
 ROUTE_ROWS = 64
-# The RoPE-as-matmul trick costs a (D, D) matrix per row: worth it for few rows only.
-ROTATION_ROWS = 16
 
 
 class RMSNorm(nn.Module):
@@ -211,14 +209,17 @@ class DecoderBlock(nn.Module):
         B, T, C = x.shape
         N, H, Hkv, D = B * T, attn.num_heads, attn.num_kv_heads, attn.head_dim  # per layer: pruning changes them
         h = x.reshape(N, C)
-        qkv = fused_linear(p.qkv, h, norm=p.attn_norm)  # (N, (H + 2 Hkv) D)
-        qk = qkv[:, : (H + Hkv) * D].view(B, T, H + Hkv, D)
         rope = p.rope
-        if rope is not None:
-            if N <= ROTATION_ROWS and qk.dtype == torch.float32 and not rope.interleaved and rope.dim == D:
-                qk = torch.matmul(qk, step.rope_rotation(rope))  # (B, T, H + Hkv, D)
-            else:
-                qk = rope(qk.transpose(1, 2), cos_sin=step.rope_cos_sin(rope)).transpose(1, 2)
+        if rope is not None and not rope.interleaved and rope.dim == D and h.dtype == torch.float32:
+            # RoPE of all q and k heads in the QKV call (the kernel's epilogue, or one op after it)
+            cos, sin = step.rope_rows(rope)  # (N, D/2)
+            qkv = fused_linear(p.qkv, h, norm=p.attn_norm, rope=(cos, sin, (H + Hkv) * D, D))
+            rope = None
+        else:
+            qkv = fused_linear(p.qkv, h, norm=p.attn_norm)  # (N, (H + 2 Hkv) D)
+        qk = qkv[:, : (H + Hkv) * D].view(B, T, H + Hkv, D)
+        if rope is not None:  # partial, interleaved or low-precision RoPE: the module
+            qk = rope(qk.transpose(1, 2), cos_sin=step.rope_cos_sin(rope)).transpose(1, 2)
         q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
         k = qk[:, :, H:].transpose(1, 2)  # (B, Hkv, T, D)
         v = qkv[:, (H + Hkv) * D :].view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
@@ -264,10 +265,17 @@ def route_allowed(module: nn.Module, rows: int) -> bool:
 
 
 def fused_linear(
-    module: nn.Module, x: Tensor, *, residual: Tensor | None = None, norm: nn.Module | None = None, swiglu: bool = False
+    module: nn.Module,
+    x: Tensor,
+    *,
+    residual: Tensor | None = None,
+    norm: nn.Module | None = None,
+    swiglu: bool = False,
+    rope: tuple[Tensor, Tensor, int, int] | None = None,
 ) -> Tensor:
     """module(prologue(x)) + residual, x (N, in): one small-row kernel call where the module is a
-    PackedLinear that takes x (prologue RMSNorm or SwiGLU folded in), else the modules and ops."""
+    PackedLinear that takes x (prologue RMSNorm or SwiGLU folded in), else the modules and ops.
+    rope = (cos, sin (N, D/2), columns, D): RoPE on the first `columns` outputs, heads of D."""
     if type(module) is PackedLinear and module.small_rows_ok(x):
         prologue, norm_weight, eps = kernels.PRO_NONE, None, 0.0
         if norm is not None:
@@ -286,6 +294,7 @@ def fused_linear(
             prologue=prologue,
             norm_weight=norm_weight,
             eps=eps,
+            rope=rope,
         )
     if norm is not None:
         x = norm(x)
@@ -293,6 +302,11 @@ def fused_linear(
         gate, up = x.chunk(2, dim=-1)
         x = F.silu(gate) * up
     y = module(x)
+    if rope is not None:
+        cos, sin, cols, D = rope
+        halves = y[:, :cols].view(len(y), cols // D, 2, D // 2)  # (N, heads, 2, D/2)
+        a, b, c, s = halves[:, :, 0], halves[:, :, 1], cos[:, None], sin[:, None]
+        y[:, :cols] = torch.stack((a * c - b * s, b * c + a * s), dim=2).view(len(y), cols)
     return y if residual is None else y + residual
 
 

@@ -127,3 +127,31 @@ def test_switched_off_by_environment():
         check=True,
     ).stdout
     assert "HEADWISE_KERNELS=0" in out
+
+
+@pytest.mark.parametrize("M", [1, 3, 9])
+@pytest.mark.parametrize("heads,D,extra", [(12, 64, 192), (2, 8, 0), (3, 16, 5)])
+def test_rope_epilogue_equals_the_rope_module(M, heads, D, extra):
+    """RoPE folded into the matmul == the linear, then RotaryEmbedding (torch ops) on the rotated heads;
+    the columns after them (v) untouched."""
+    from headwise.attention.rope import RotaryEmbedding
+
+    I = 40
+    x, w = torch.randn(M, I), torch.randn(heads * D + extra, I)
+    rope = RotaryEmbedding(D)
+    pos = torch.randint(0, 4000, (M,))
+    cos, sin = (t.reshape(M, D // 2).contiguous() for t in rope.cos_sin(pos[:, None]))  # (M, 1, 1, D/2) each
+    got = lin(x, w, rope=(cos, sin, heads * D, D))
+    plain = F.linear(x, w)  # (M, O)
+    heads_in = plain[:, : heads * D].reshape(M, heads, 1, D)  # (B=M, H, T=1, D)
+    want_rot = rope(heads_in, pos[:, None]).reshape(M, heads * D)
+    torch.testing.assert_close(got[:, : heads * D], want_rot, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[:, heads * D :], plain[:, heads * D :], atol=1e-4, rtol=1e-4)
+
+
+def test_rope_with_wrong_tables_is_refused():
+    x, w = torch.randn(2, 8), torch.randn(16, 8)
+    with pytest.raises(ValueError, match="rope needs cos and sin"):
+        lin(x, w, rope=(torch.randn(2, 3), torch.randn(2, 3), 16, 8))  # tables of 3, heads of 8 want 4
+    with pytest.raises(ValueError, match="whole heads"):
+        lin(x, w, rope=(torch.randn(2, 4), torch.randn(2, 4), 12, 8))  # 12 columns: not whole heads
