@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -137,6 +138,31 @@ def block_weight(weight: Tensor) -> Tensor:
     return w.reshape(-1, 8, I).transpose(1, 2).contiguous()
 
 
+class LinearPlan(NamedTuple):
+    """A weight checked once for the kernel: its blocked copy (kept alive here), pointers, sizes."""
+
+    blocked: Tensor
+    bias: Tensor | None
+    weight_ptr: int
+    bias_ptr: int | None
+    out_features: int
+    in_features: int
+
+
+def plan_linear(blocked: Tensor, out_features: int, bias: Tensor | None = None) -> LinearPlan:
+    """Check a `block_weight()` copy (and bias) once, for any number of `run_linear` calls."""
+    O = out_features
+    nblk, I, eight = blocked.shape if blocked.dim() == 3 else (0, 0, 0)
+    if eight != 8 or nblk != -(-O // 8) or blocked.data_ptr() % 32 or not _ok(blocked):
+        raise ValueError(
+            f"small_linear: blocked weight {tuple(blocked.shape)} is not block_weight() of an "
+            f"({O}, I) weight (or not 32-byte aligned, fp32, contiguous)"
+        )
+    if bias is not None and not (_ok(bias) and bias.numel() == O):
+        raise ValueError(f"small_linear needs a contiguous fp32 CPU bias of {O}; got {bias.dtype} {tuple(bias.shape)}")
+    return LinearPlan(blocked, bias, blocked.data_ptr(), None if bias is None else bias.data_ptr(), O, I)
+
+
 def small_linear(
     x: Tensor,
     blocked: Tensor,
@@ -157,18 +183,36 @@ def small_linear(
     columns, head_dim), cos/sin (M, head_dim / 2) per row: RoPE (half-split, HF's rotate_half)
     on the first `columns` outputs in heads of head_dim, after the matmul (a QKV projection's
     q and k heads). No autograd: callers use it under no_grad / inference_mode. Check
-    `kernels_unavailable()` first.
+    `kernels_unavailable()` first. A caller that calls it per step with the same weight keeps
+    `plan_linear()`'s plan and calls `run_linear` (the checks of the weight, once).
     """
+    return run_linear(
+        plan_linear(blocked, out_features, bias),
+        x,
+        residual=residual,
+        prologue=prologue,
+        norm_weight=norm_weight,
+        eps=eps,
+        rope=rope,
+    )
+
+
+def run_linear(
+    plan: LinearPlan,
+    x: Tensor,
+    *,
+    residual: Tensor | None = None,
+    prologue: int = PRO_NONE,
+    norm_weight: Tensor | None = None,
+    eps: float = 0.0,
+    rope: tuple[Tensor, Tensor, int, int] | None = None,
+) -> Tensor:
+    """small_linear on a planned weight: checks x, residual, norm_weight and rope only."""
     lib, why = _load()
     if why is not None:
         raise RuntimeError(f"small_linear is unavailable: {why}")
-    O, M = out_features, x.numel() // x.shape[-1]
-    nblk, I, eight = blocked.shape if blocked.dim() == 3 else (0, 0, 0)
-    if eight != 8 or nblk != -(-O // 8) or blocked.data_ptr() % 32:
-        raise ValueError(
-            f"small_linear: blocked weight {tuple(blocked.shape)} is not block_weight() of an "
-            f"({O}, I) weight (or not 32-byte aligned)"
-        )
+    O, I = plan.out_features, plan.in_features
+    M = x.numel() // x.shape[-1]
     if x.shape[-1] != (2 * I if prologue == PRO_SWIGLU else I) or M > KERNEL_ROWS:
         raise ValueError(
             f"small_linear: x {tuple(x.shape)} does not fit a ({O}, {I}) weight "
@@ -176,17 +220,14 @@ def small_linear(
         )
     if not (
         _ok(x)
-        and _ok(blocked)
-        and (bias is None or _ok(bias) and bias.numel() == O)
         and (residual is None or _ok(residual) and residual.numel() == M * O)
         and (norm_weight is None or _ok(norm_weight) and norm_weight.numel() == I)
     ):
         raise ValueError(
-            "small_linear needs contiguous fp32 CPU tensors: x (M, I), bias (O,), residual (M, O), "
-            "norm_weight (I,); got "
+            "small_linear needs contiguous fp32 CPU tensors: x (M, I), residual (M, O), norm_weight (I,); got "
             + ", ".join(
                 f"{n} {t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ' strided'} on {t.device}"
-                for n, t in (("x", x), ("bias", bias), ("residual", residual), ("norm_weight", norm_weight))
+                for n, t in (("x", x), ("residual", residual), ("norm_weight", norm_weight))
                 if t is not None
             )
         )
@@ -208,9 +249,9 @@ def small_linear(
             )
     y = torch.empty(*x.shape[:-1], O)
     rc = lib.hw_small_linear_f32(
-        blocked.data_ptr(),
+        plan.weight_ptr,
         x.data_ptr(),
-        None if bias is None else bias.data_ptr(),
+        plan.bias_ptr,
         None if residual is None else residual.data_ptr(),
         y.data_ptr(),
         M,

@@ -285,16 +285,8 @@ def fused_linear(
                 x = norm(x)
         elif swiglu:
             prologue = kernels.PRO_SWIGLU
-        return kernels.small_linear(
-            x,
-            module.blocked_weight(),
-            module.out_features,
-            module.bias,
-            residual=residual,
-            prologue=prologue,
-            norm_weight=norm_weight,
-            eps=eps,
-            rope=rope,
+        return kernels.run_linear(
+            module.kernel_plan(), x, residual=residual, prologue=prologue, norm_weight=norm_weight, eps=eps, rope=rope
         )
     if norm is not None:
         x = norm(x)

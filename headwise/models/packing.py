@@ -55,6 +55,8 @@ class PackedLinear(nn.Linear):
     _packed_key: tuple | None = None
     _blocked: Tensor | None = None
     _blocked_key: tuple | None = None
+    _plan: kernels.LinearPlan | None = None
+    _plan_key: tuple | None = None
 
     def _key(self) -> tuple:
         w = self.weight
@@ -88,6 +90,15 @@ class PackedLinear(nn.Linear):
         kernels.MAX_ROWS rows, no gradient wanted, and the kernel runs here."""
         return self._prepacked_ok(x) and self._few_rows(x)
 
+    def kernel_plan(self) -> kernels.LinearPlan:
+        """The blocked weight and bias checked for kernels.run_linear, remade after any change."""
+        b = self.bias
+        key = (*self._key(), None if b is None else b.data_ptr())
+        if key != self._plan_key:
+            self._plan = kernels.plan_linear(self.blocked_weight(), self.out_features, b)
+            self._plan_key = key
+        return self._plan
+
     def blocked_weight(self) -> Tensor:
         """The weight in kernels.block_weight's layout, made on first use and after any change."""
         key = self._key()
@@ -101,7 +112,7 @@ class PackedLinear(nn.Linear):
         if not self._prepacked_ok(x):
             return F.linear(x, self.weight, self.bias)
         if self._few_rows(x):
-            return kernels.small_linear(x, self.blocked_weight(), self.out_features, self.bias)
+            return kernels.run_linear(self.kernel_plan(), x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
 
     def packed_weight(self) -> Tensor:
