@@ -19,9 +19,6 @@
 #include <math.h>
 
 enum { TK = 8, MAX_G = 16, MAX_D = 256 };  /* TK: one 8-lane vector of scores (hsum8, the V update) */
-#ifndef PF
-#define PF 2  /* tiles prefetched ahead (1..16 measured: 2 best, within 10%) */
-#endif
 enum { HW_OK = 0, HW_BAD_SHAPE = 1 };
 
 /* 2^x for x <= 0 (scores minus their running max), Cephes exp2f: x = i + f, f in [-0.5, 0.5],
@@ -75,10 +72,12 @@ static void pair(const float *q, const float *k, const float *v, float *out, flo
     float qs[MAX_G * MAX_D] __attribute__((aligned(32)));   /* q * scale * log2(e) */
     float acc[MAX_G * MAX_D] __attribute__((aligned(32)));  /* sum_t 2^(s_t - m) v_t per row */
     float p[MAX_G * TK] __attribute__((aligned(32)));       /* this tile's weights per row */
-    float m[MAX_G], l[MAX_G], alpha[MAX_G];                 /* running max (base 2), sum, rescale */
+    /* per row: running max (base 2), sum, rescale, this tile's max; rows G.. are padding */
+    float m[MAX_G] __attribute__((aligned(32))), l[MAX_G], alpha[MAX_G] __attribute__((aligned(32)));
+    float mx[MAX_G] __attribute__((aligned(32)));
     const float c = scale * 1.4426950408889634f;
     for (long i = 0; i < G * D; i++) qs[i] = q[i] * c, acc[i] = 0.0f;
-    for (long g = 0; g < G; g++) m[g] = -INFINITY, l[g] = 0.0f;
+    for (long g = 0; g < MAX_G; g++) m[g] = -INFINITY, mx[g] = 0.0f, l[g] = 0.0f;
     const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), neg_inf = _mm256_set1_ps(-INFINITY);
 
     for (long t0 = 0; t0 < n; t0 += TK) {
@@ -89,13 +88,6 @@ static void pair(const float *q, const float *k, const float *v, float *out, flo
             const long t = t0 + (j < nk ? j : nk - 1);
             kr[j] = k + t * sk_t, vr[j] = v + t * sv_t;
         }
-        /* the scores wait on K's loads, so the out-of-order window alone runs little ahead of memory */
-        const long tp = t0 + PF * TK;
-        for (long j = 0; j < TK && tp + j < n; j++)
-            for (long d = 0; d < D; d += 16) {
-                _mm_prefetch((const char *)(k + (tp + j) * sk_t + d), _MM_HINT_T0);
-                _mm_prefetch((const char *)(v + (tp + j) * sv_t + d), _MM_HINT_T0);
-            }
         const __m256 valid = _mm256_cmp_ps(lane, _mm256_set1_ps((float)nk), _CMP_LT_OQ);
         for (long g = 0; g < G; g++) {
             const float *qg = qs + g * D;
@@ -106,12 +98,19 @@ static void pair(const float *q, const float *k, const float *v, float *out, flo
                 for (long j = 0; j < TK; j++) d8[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[j] + d), d8[j]);
             }
             const __m256 s = _mm256_blendv_ps(neg_inf, hsum8(d8), valid);  /* (TK,) base-2 scores */
-            const float mx = hmax(s), mn = mx > m[g] ? mx : m[g];
-            /* ~0 on the first tile (m = -inf), where acc and l are 0; a vector exp2, not a libm call */
-            alpha[g] = _mm256_cvtss_f32(exp2_ps(_mm256_set1_ps(m[g] - mn)));
-            const __m256 pg = _mm256_and_ps(exp2_ps(_mm256_sub_ps(s, _mm256_set1_ps(mn))), valid);
+            _mm256_store_ps(p + g * TK, s);
+            mx[g] = hmax(s);
+        }
+        /* the rescales of 8 rows in one vector exp2: ~0 on the first tile (m = -inf), where acc and l are 0 */
+        for (long g = 0; g < G; g += 8) {
+            const __m256 m0 = _mm256_load_ps(m + g), mn = _mm256_max_ps(m0, _mm256_load_ps(mx + g));
+            _mm256_store_ps(alpha + g, exp2_ps(_mm256_sub_ps(m0, mn)));
+            _mm256_store_ps(m + g, mn);
+        }
+        for (long g = 0; g < G; g++) {
+            const __m256 s = _mm256_load_ps(p + g * TK);
+            const __m256 pg = _mm256_and_ps(exp2_ps(_mm256_sub_ps(s, _mm256_set1_ps(m[g]))), valid);
             l[g] = l[g] * alpha[g] + hsum(pg);
-            m[g] = mn;
             _mm256_store_ps(p + g * TK, pg);
         }
         /* per row: its 8 weights in registers, then acc = alpha acc + sum_j p_j v_j in four short
