@@ -88,6 +88,14 @@ static void pair(const float *q, const float *k, const float *v, float *out, flo
             const long t = t0 + (j < nk ? j : nk - 1);
             kr[j] = k + t * sk_t, vr[j] = v + t * sv_t;
         }
+        /* the next tile's K and V: with the pool beyond the caches (30 layers' worth), 5-15% faster
+         * than the hardware prefetcher alone (2 tiles ahead: less; in cache: ~5% slower) */
+        const long tp = t0 + TK;
+        for (long j = 0; j < TK && tp + j < n; j++)
+            for (long d = 0; d < D; d += 16) {
+                _mm_prefetch((const char *)(k + (tp + j) * sk_t + d), _MM_HINT_T0);
+                _mm_prefetch((const char *)(v + (tp + j) * sv_t + d), _MM_HINT_T0);
+            }
         const __m256 valid = _mm256_cmp_ps(lane, _mm256_set1_ps((float)nk), _CMP_LT_OQ);
         for (long g = 0; g < G; g++) {
             const float *qg = qs + g * D;
