@@ -14,7 +14,9 @@ backend reads them:
   chunk alone, bottom-right causal ("chunk").
 
 On CPU the kernel is PyTorch's flash op, which returns the LSE and takes strided K/V
-views; elsewhere (or for an fp32 bias on low-precision q) the same in fp32 matmuls.
+views; elsewhere (or for an fp32 bias on low-precision q) the same in fp32 matmuls. fp32
+"regions" go through headwise.kernels.attention instead (one pass over K/V with the lengths,
+no mask) when it is built here.
 The G query heads of a KV group are G*T rows against it (`fold_heads`), no K/V copy.
 backend="math" gathers the sequences into one tensor and runs the reference instead
 (`paged_reference`): weights and dropout, for tests and analysis.
@@ -222,8 +224,8 @@ def _attend_regions(reads: PackedReads, layer: int, rows: Tensor, i: int, scale:
     """Decode rows (Bd, H, D) of sequences that each start a region of R blocks and fit in it:
     region r's keys are slots [r * R * bs, r * R * bs + width) of the pool, a fixed stride
     apart, so one as_strided view (count, Hkv, width, D) of the pool holds them all, and
-    one kernel call with a length mask reads them: no gather, one call per layer instead
-    of one per sequence. -> (out (Bd, H, D), lse (Bd, H) or None)."""
+    one kernel call reads them (decode_attention with each slot's length, else flash with a
+    length mask): no gather, one call per layer instead of one per sequence. -> (out (Bd, H, D), lse (Bd, H) or None)."""
     grid = reads.parts[i].grid
     Bd, H, D = rows.shape
     Hkv = reads.num_kv_heads
