@@ -93,6 +93,8 @@ def attend(
             scale,
             backend,
             registry_version(),
+            k.stride(-1) == 1 and v.stride(-1) == 1,  # what the decode kernel needs of the layout
+            torch.compiler.is_compiling(),  # traced code cannot call it
         )
         hit = _PLAIN.get(key)
         if hit is not None:

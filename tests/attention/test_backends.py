@@ -9,7 +9,8 @@ from headwise.attention import attend, backends, explain, weights_from_lse
 from headwise.attention.backends.chunked import chunked_attention
 from headwise.attention.spec import make_spec
 
-FAST = [b for b in backends() if b not in ("math", "flash", "paged")]  # flash needs CUDA; paged reads caches
+# flash needs CUDA; paged reads caches; decode serves decode steps only (its own tests below)
+FAST = [b for b in backends() if b not in ("math", "flash", "paged", "decode")]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
@@ -190,7 +191,9 @@ def test_auto_order_and_explain():
     q, k, v = torch.randn(1, 2, 4, 16), torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
     assert backends()[:1] == ["flash"] and backends()[-1] == "math"
     e = explain(q, k, v)
-    assert e.chosen == "sdpa" and "needs CUDA" in " ".join(e.rejected["flash"])
+    assert e.chosen == "decode" and "needs CUDA" in " ".join(e.rejected["flash"])  # no mask, 4 rows per KV head
+    e = explain(q, k, v, is_causal=True)  # 4 query rows under a causal mask: not a decode step
+    assert e.chosen == "sdpa" and "see every key" in " ".join(e.rejected["decode"])
     assert explain(q, k, v, need_weights=True).chosen == "math"
     e = explain(q, k, v, return_lse=True, dropout_p=0.1)
     assert e.chosen == "math" and "no dropout" in e.rejected["chunked"]
@@ -218,3 +221,52 @@ def test_a_backend_registered_later_is_chosen_for_requests_seen_before():
         registry._CHANGES[0] += 1  # as a registry change: later calls choose again
     attend(q, k, v)
     assert calls == [4]
+
+
+@st.composite
+def decode_problems(draw):
+    """What the decode backend serves: G*T <= 16 query rows per KV head that see every key,
+    K/V as views of a longer cache (strided, as a contiguous cache hands them over)."""
+    B, Hkv = draw(st.integers(1, 3)), draw(st.sampled_from([1, 2, 3]))
+    G = draw(st.sampled_from([1, 2, 3, 4]))
+    T = draw(st.integers(1, 16 // G))
+    S, D = draw(st.integers(1, 300)), draw(st.sampled_from([8, 64, 128]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    q = torch.randn(B, Hkv * G, T, D, generator=g)
+    k, v = (torch.randn(B, Hkv, S + 7, D, generator=g)[:, :, :S] for _ in range(2))  # views of a bigger cache
+    kw = {"is_causal": T == 1 and draw(st.booleans())}
+    if draw(st.booleans()):
+        kw["scale"] = draw(st.floats(0.05, 0.5))
+    return q, k, v, kw
+
+
+@given(p=decode_problems())
+def test_decode_backend_matches_math(p):
+    q, k, v, kw = p
+    assert explain(q, k, v, **kw).chosen == "decode"  # auto takes it for these on CPU
+    ref = attend(q, k, v, backend="math", return_lse=True, **kw)
+    res = attend(q, k, v, backend="decode", return_lse=True, **kw)
+    _check_close(res.out, ref.out, torch.float32)
+    assert (res.lse - ref.lse).abs().max() <= 1e-5
+
+
+@given(p=problems())
+def test_decode_backend_refuses_by_name_or_matches_math(p):
+    """Every request: either explain() names why decode refuses it (and attend says so), or it matches math."""
+    q, k, v, kw = p
+    reasons = explain(q, k, v, backend="decode", **kw).rejected.get("decode", [])
+    if reasons:
+        with pytest.raises(ValueError, match="decode"):
+            attend(q, k, v, backend="decode", **kw)
+    else:
+        _check_close(attend(q, k, v, backend="decode", **kw), attend(q, k, v, backend="math", **kw), torch.float32)
+
+
+def test_memoized_choice_follows_the_layout():
+    """attend() memoizes plain requests by shape; K/V of the same shapes but transposed in memory
+    must not reuse the decode kernel's choice (it needs each key's D values contiguous)."""
+    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    assert torch.allclose(attend(q, k, v), attend(q, k, v, backend="math"), atol=1e-6)  # decode, memoized
+    kt, vt = (t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in (k, v))  # same values, stride(-1) = 5
+    assert kt.stride(-1) != 1 and "decode" in explain(q, kt, vt).rejected
+    assert torch.allclose(attend(q, kt, vt), attend(q, k, v, backend="math"), atol=1e-6)

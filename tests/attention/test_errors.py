@@ -54,7 +54,8 @@ def test_mask_shapes():
 def test_unknown_backend_lists_valid_ones():
     q, k, v = qkv()
     with pytest.raises(
-        ValueError, match="unknown attention backend 'fast'; valid backends: auto, flash, sdpa, chunked, paged, math"
+        ValueError,
+        match="unknown attention backend 'fast'; valid backends: auto, flash, decode, sdpa, chunked, paged, math",
     ):
         attend(q, k, v, backend="fast")
 

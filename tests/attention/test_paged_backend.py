@@ -179,14 +179,16 @@ def test_registry_shows_the_paged_backend_and_why_others_pass():
     q = torch.randn(1, 4, 3, D)
     e = explain(q, read.kv, is_causal=True)
     assert e.chosen == "paged"
-    assert all("paged cache's blocks" in " ".join(e.rejected[n]) for n in ("flash", "sdpa", "chunked", "math"))
+    assert all(
+        "paged cache's blocks" in " ".join(e.rejected[n]) for n in ("flash", "decode", "sdpa", "chunked", "math")
+    )
     e = explain(q, read.kv, need_weights=True)
     assert e.chosen is None and "returns no weights" in " ".join(e.rejected["paged"])
     assert explain(q, read.kv, need_weights=True, backend="math").chosen == "math"  # gathers, then the reference
     w = read.attend(q, need_weights=True, backend="math").weights  # (1, 4, 3, 3)
     assert torch.allclose(w.sum(-1), torch.ones(1, 4, 3))
     t = torch.randn(1, 2, 3, D)
-    e = explain(q, t, t)
+    e = explain(q, t, t, is_causal=True)
     assert e.chosen == "sdpa" and "not k/v tensors" in " ".join(e.rejected["paged"])
     with pytest.raises(ValueError, match="backend 'paged' cannot serve this request: reads K/V in a paged"):
         attend(q, t, t, backend="paged")

@@ -1,14 +1,16 @@
 """Attention backends, registered in the order `backend="auto"` tries them:
 
 1. flash   - flash-attn on CUDA (fp16/bf16; no arbitrary or padding masks)
-2. sdpa    - torch.nn.functional.scaled_dot_product_attention (fused, any device)
-3. chunked - pure-PyTorch online softmax over key tiles (O(T) memory, LSE, no dropout)
-4. paged   - K/V in a paged cache's block pool, read in place (runs, regions, tiles);
+2. decode  - headwise's CPU kernel for queries that see every key (decode steps; fp32)
+3. sdpa    - torch.nn.functional.scaled_dot_product_attention (fused, any device)
+4. chunked - pure-PyTorch online softmax over key tiles (O(T) memory, LSE, no dropout)
+5. paged   - K/V in a paged cache's block pool, read in place (runs, regions, tiles);
              takes a cache's description (`kv.LayerKV`), not tensors
-5. math    - the reference; the only backend that returns weights
+6. math    - the reference; the only backend that returns weights
 """
 
 from .chunked import chunked_attention, chunked_check
+from .decode import decode_attention, decode_check
 from .flash import flash_attention, flash_check
 from .math import math_attention, math_check
 from .merge import merge_lse
@@ -18,6 +20,7 @@ from .registry import Backend, backends, get_backend, register_backend
 from .sdpa import sdpa_attention, sdpa_check
 
 register_backend("flash", flash_attention, flash_check, description="flash-attn package, CUDA only")
+register_backend("decode", decode_attention, decode_check, description="headwise's CPU decode kernel, no mask")
 register_backend("sdpa", sdpa_attention, sdpa_check, description="PyTorch fused scaled_dot_product_attention")
 register_backend("chunked", chunked_attention, chunked_check, description="tiled online softmax, O(T) memory")
 register_backend(

@@ -1,0 +1,69 @@
+"""The `decode` backend: headwise's CPU kernel for queries that see every key (a decode step).
+
+A decode step's attention is a few query rows per KV head against the whole cache: no mask,
+and the G query heads of a KV group are G*T rows against it (`fold_heads`). The kernel
+(headwise/kernels/decode_attention.c, through kernels/attention.py) reads K and V once in one
+pass with an online softmax, straight from the cache's views; PyTorch's flash op gets there
+through its general tiling, allocations and a parallel region per call, which for so few rows
+is most of the time (SmolLM2's decode on AMD EPYC Zen 3: see benchmarks/decode.py).
+
+It serves fp32 CPU requests with no mask (causal with one query row sees every key), no ALiBi,
+no dropout, no weights, G*T <= 16 rows per KV head and head_dim a multiple of 8 up to 256;
+`explain()` names what else it refuses. Ahead of `sdpa` in the auto order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...kernels import attention as kernel_attention
+from ..kv import fold_heads, unfold_heads
+from ..spec import AttentionOutput, AttentionSpec
+
+
+def decode_attention(q, k, v, spec: AttentionSpec) -> AttentionOutput:
+    """q (B, H, T, D), k/v (B, Hkv, S, D) -> out (B, H, T, D) (lse (B, H, T) with return_lse)."""
+    scale = 1.0 / math.sqrt(spec.D) if spec.scale is None else float(spec.scale)
+    rows = fold_heads(q, spec.Hkv).contiguous()  # (B, Hkv, G*T, D)
+    lengths = torch.full((spec.B,), spec.S, dtype=torch.int64)
+    out, lse = kernel_attention.decode_attention(rows, k, v, lengths, scale, spec.return_lse)
+    out = unfold_heads(out, spec.H)  # (B, H, T, D)
+    if lse is not None:
+        lse = unfold_heads(lse[..., None], spec.H)[..., 0]  # (B, H, T)
+    return AttentionOutput(out, lse, None)
+
+
+def decode_check(q, k, v, spec: AttentionSpec) -> list[str]:
+    if torch.compiler.is_compiling():
+        return ["not under torch.compile (the kernel is a C call the compiler cannot trace)"]
+    reasons = []
+    why = kernel_attention.decode_attention_unavailable()
+    if why is not None:
+        reasons.append(f"kernel unavailable: {why}")
+    if q.device.type != "cpu" or not (q.dtype == k.dtype == v.dtype == torch.float32):
+        reasons.append("fp32 CPU tensors only")
+    if (
+        spec.attn_mask is not None
+        or spec.key_padding_mask is not None
+        or spec.window is not None
+        or (spec.is_causal and spec.T > 1)
+    ):
+        reasons.append("queries must see every key (no mask; causal only with one query row)")
+    if spec.alibi_slopes is not None:
+        reasons.append("no ALiBi")
+    if spec.dropout_p > 0:
+        reasons.append("no dropout")
+    if spec.need_weights:
+        reasons.append("returns no weights")
+    if spec.kv_map is not None or spec.H % spec.Hkv:
+        reasons.append("even GQA groups only")
+    elif not kernel_attention.fits(spec.G * spec.T, spec.D):
+        reasons.append(
+            f"G*T = {spec.G * spec.T} rows per KV head and head_dim {spec.D} need <= {kernel_attention.MAX_G} "
+            f"rows and head_dim a multiple of 8 up to {kernel_attention.MAX_D}"
+        )
+    if k.dim() != 4 or k.stride(-1) != 1 or v.stride(-1) != 1 or k.shape[-1] != v.shape[-1]:
+        reasons.append("K and V must be (B, Hkv, S, D) with each key's D values contiguous, Dv == D")
+    return reasons
