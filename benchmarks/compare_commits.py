@@ -43,7 +43,7 @@ from _worker import Worker  # noqa: E402
 BASE_REV = "86b5466"  # the commit before issue 13's work
 WORKTREES = Path("/tmp/headwise-compare")
 SEED = 4321
-WORKER_ENV = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "2000"}  # headwise.threads.DEFAULT_ENV, both sides
+WORKER_ENV = {"GOMP_SPINCOUNT": "2000"}  # headwise.threads.DEFAULT_ENV (what import headwise sets), both sides
 
 
 # ------------------------------------------------------------------ checkouts

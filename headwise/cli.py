@@ -111,11 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Before build_parser imports torch: OpenMP threads wait passively for every subcommand, not only
-    # serve (`import headwise` did it already; this says so where the CLI starts). headwise/threads.py
+    # Before build_parser imports torch: how OpenMP threads wait, for every subcommand (`import
+    # headwise` did it already; this says so where the CLI starts), and for serve, whose engines step
+    # in threads of their own, OMP_WAIT_POLICY=ACTIVE beside the spin count. headwise/threads.py
     from .threads import configure_wait_policy
 
-    configure_wait_policy()
+    words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+    configure_wait_policy(threaded=words[:1] == ["serve"])
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -13,13 +13,14 @@ hundreds of short parallel regions a few microseconds apart, so:
   tokens: as fast as spinning alone, about the fair-share 2x with one busy process
   (benchmarks/busy.py, results/busy.txt: the figures on AMD EPYC, AVX2).
 
-The count is set with OMP_WAIT_POLICY=ACTIVE beside it. Without a policy, libgomp cuts any
-count to 1,000 rounds ("throttled") once it manages more threads than there are cores, and it
-does as soon as a second Python thread runs torch ops (each thread gets its own team: the
-server's engine thread beside the main thread that loaded the model): 1,000 rounds sleep
-inside a decode step, and one client served decoded at 0.71x `generate()`'s speed on the main
-thread. ACTIVE with an explicit count keeps the count in both cases (0.89-0.93x; same run,
-benchmarks/serving.py, AMD EPYC AVX2); it changes nothing else libgomp does.
+`headwise serve` also sets OMP_WAIT_POLICY=ACTIVE (THREADED_ENV). Without a policy, libgomp
+cuts any count to 1,000 rounds ("throttled") once it manages more threads than there are
+cores, and it does as soon as a second Python thread runs torch ops (each thread gets its own
+team: the server's engine thread beside the main thread that loaded the model): 1,000 rounds
+sleep inside a decode step, and one client served decoded at 0.71x `generate()`'s speed.
+ACTIVE with an explicit count keeps the count in both cases (0.89-0.93x). It is not the
+default for everything: on the main thread alone it made `generate()` ~6% slower here
+(46 vs 49 ms a token, interleaved runs; AMD EPYC Zen 3, AVX2).
 
 libgomp reads its environment once, when it is loaded, i.e. when torch is imported. So
 `import headwise` sets DEFAULT_ENV if no OpenMP runtime is loaded yet
@@ -38,8 +39,10 @@ POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # either one sets how libgo
 # rounds still sleep inside a decode step (quiet-machine speed of PASSIVE), 2,000 bridge it (the
 # speed of spinning), 5,000+ keep spinning into the next token and collapse with a busy neighbour.
 DEFAULT_SPINCOUNT = "2000"
-# ACTIVE so that the count also holds when libgomp runs more threads than cores (see above).
-DEFAULT_ENV = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": DEFAULT_SPINCOUNT}
+DEFAULT_ENV = {"GOMP_SPINCOUNT": DEFAULT_SPINCOUNT}
+# Added for a process that runs torch ops in several threads (headwise serve): the count then
+# holds when libgomp runs more threads than cores (see above).
+THREADED_ENV = {"OMP_WAIT_POLICY": "ACTIVE"}
 
 
 class ThreadWaitWarning(RuntimeWarning):
@@ -67,22 +70,32 @@ def openmp_loaded() -> bool:
 _warned = False
 
 
-def configure_wait_policy() -> str | None:
-    """Make OpenMP threads spin briefly, then sleep (DEFAULT_ENV), unless the user chose otherwise; `import headwise` and
-    the `headwise` command call this before torch loads. Returns why it could not, else None."""
-    global _warned
+_ours = False  # whether the policy variables in os.environ are the ones this module set
+
+
+def configure_wait_policy(threaded: bool = False) -> str | None:
+    """Make OpenMP threads spin briefly, then sleep (DEFAULT_ENV; with `threaded`, for a process
+    that runs torch in several threads, THREADED_ENV too), unless the user chose otherwise;
+    `import headwise` and the `headwise` command call this before torch loads. Returns why it
+    could not, else None."""
+    global _warned, _ours
     chosen = [v for v in POLICY_VARS if v in os.environ]
-    if chosen:
+    if chosen and not _ours:
         return None  # the user's choice, whatever it is
     if not openmp_loaded():
         os.environ.update(DEFAULT_ENV)
+        if threaded:
+            os.environ.update(THREADED_ENV)
+        _ours = True
         return None
+    if chosen:
+        return None  # ours, set before torch loaded
     reason = (
         "torch (and its OpenMP runtime) was imported before headwise, with neither OMP_WAIT_POLICY nor "
         "GOMP_SPINCOUNT set, so its threads spin ~3 ms between ops; on a machine shared with another busy "
         "process decoding can be several times slower. Fix: `import headwise` before torch, or run with "
-        f"OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT={DEFAULT_SPINCOUNT} (or OMP_WAIT_POLICY=PASSIVE) in the "
-        "environment; OMP_WAIT_POLICY=ACTIVE alone silences this and keeps spinning."
+        f"GOMP_SPINCOUNT={DEFAULT_SPINCOUNT} (or OMP_WAIT_POLICY=PASSIVE) in the environment; "
+        "OMP_WAIT_POLICY=ACTIVE silences this and keeps spinning."
     )
     if not _warned:
         _warned = True
