@@ -58,7 +58,8 @@ from _worker import Worker  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 SEED = 1234
-SERVER_ENV = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "2000"}  # what `headwise serve` sets (threads.py), both servers
+# what `headwise serve` sets (headwise/threads.py), for both servers
+SERVER_ENV = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "2000"}
 BASELINE = Path(__file__).resolve().parent / "_baseline_server.py"
 
 

@@ -107,7 +107,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     fn.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long]  # RoPE: cos, sin, columns, head dim
     fn.restype = ctypes.c_int
     att = lib.hw_decode_attention_f32  # kernels/attention.py: decode_attention
-    att.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 10 + [ctypes.c_void_p, ctypes.c_float]
+    att.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 10 + [ctypes.c_void_p, ctypes.c_float, ctypes.c_long]
     att.restype = ctypes.c_int
     return lib, _self_check(fn)
 

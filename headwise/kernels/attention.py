@@ -76,6 +76,18 @@ def decode_attention(
 
 def _call(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float, want_lse: bool):
     _check(q, k, v, lengths)
+    return _run(q, k, v, lengths, scale, want_lse)
+
+
+def decode_attention_all_keys(q: Tensor, k: Tensor, v: Tensor, scale: float, want_lse: bool = False):
+    """decode_attention where every query sees all of k's keys (a decode step over a contiguous
+    cache), for a caller that has checked the shapes, dtypes and strides already (the `decode`
+    attention backend, whose check runs once per kind of request): no lengths tensor, no checks,
+    the least Python between the kernels of a decode step."""
+    return _run(q, k, v, None, scale, want_lse)
+
+
+def _run(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None, scale: float, want_lse: bool):
     C, Hkv, G, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(C, Hkv, G) if want_lse else None
@@ -91,8 +103,9 @@ def _call(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float, want_l
         D,
         *k.stride()[:3],
         *v.stride()[:3],
-        lengths.data_ptr(),
+        None if lengths is None else lengths.data_ptr(),
         float(scale),
+        k.shape[2],
     )
     if rc:  # _check rules these out; a mismatch means the C and Python limits drifted apart
         raise RuntimeError(f"decode_attention kernel refused G={G}, D={D} (code {rc})")

@@ -149,17 +149,18 @@ static void pair(const float *q, const float *k, const float *v, float *out, flo
 }
 
 /* Returns HW_OK, or HW_BAD_SHAPE (nothing written) unless 1 <= G <= MAX_G, 8 <= D <= MAX_D and
- * D % 8 == 0. Strides are in floats; each key's D floats are contiguous. */
+ * D % 8 == 0. Strides are in floats; each key's D floats are contiguous. lengths NULL: every
+ * sequence has all_keys keys (a decode step over a contiguous cache). */
 int hw_decode_attention_f32(const float *q, const float *k, const float *v, float *out, float *lse, long C, long Hkv,
                             long G, long D, long sk_c, long sk_h, long sk_t, long sv_c, long sv_h, long sv_t,
-                            const long *lengths, float scale) {
+                            const long *lengths, float scale, long all_keys) {
     if (G < 1 || G > MAX_G || D < 8 || D > MAX_D || D % 8) return HW_BAD_SHAPE;
     /* dynamic: ragged lengths, and a thread the OS preempts does not hold up the rest */
     #pragma omp parallel for schedule(dynamic)
     for (long ch = 0; ch < C * Hkv; ch++) {
         const long c = ch / Hkv, h = ch % Hkv;
         pair(q + ch * G * D, k + c * sk_c + h * sk_h, v + c * sv_c + h * sv_h, out + ch * G * D,
-             lse ? lse + ch * G : NULL, lengths[c], G, D, sk_t, sv_t, scale);
+             lse ? lse + ch * G : NULL, lengths ? lengths[c] : all_keys, G, D, sk_t, sv_t, scale);
     }
     return HW_OK;
 }

@@ -275,8 +275,10 @@ def fused_linear(
 ) -> Tensor:
     """module(prologue(x)) + residual, x (N, in): one small-row kernel call where the module is a
     PackedLinear that takes x (prologue RMSNorm or SwiGLU folded in), else the modules and ops.
+    For the few-rows route only (it has checked grad mode and tracing: PackedLinear.route_plan).
     rope = (cos, sin (N, D/2), columns, D): RoPE on the first `columns` outputs, heads of D."""
-    if type(module) is PackedLinear and module.small_rows_ok(x):
+    plan = module.route_plan(x) if type(module) is PackedLinear else None
+    if plan is not None:
         prologue, norm_weight, eps = kernels.PRO_NONE, None, 0.0
         if norm is not None:
             if type(norm) is RMSNorm and norm.weight.dtype == torch.float32:
@@ -286,7 +288,7 @@ def fused_linear(
         elif swiglu:
             prologue = kernels.PRO_SWIGLU
         return kernels.run_linear(
-            module.kernel_plan(), x, residual=residual, prologue=prologue, norm_weight=norm_weight, eps=eps, rope=rope
+            plan, x, residual=residual, prologue=prologue, norm_weight=norm_weight, eps=eps, rope=rope
         )
     if norm is not None:
         x = norm(x)

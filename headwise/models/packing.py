@@ -59,7 +59,7 @@ class PackedLinear(nn.Linear):
     _plan_key: tuple | None = None
 
     def _key(self) -> tuple:
-        w = self.weight
+        w = self._parameters["weight"]
         # Weights made under inference_mode keep no version counter (they can only be edited
         # inside inference_mode): for them a new tensor, not an in-place edit, is what repacks.
         return (w.data_ptr(), None if w.is_inference() else w._version, w.dtype, tuple(w.shape))
@@ -90,9 +90,25 @@ class PackedLinear(nn.Linear):
         kernels.MAX_ROWS rows, no gradient wanted, and the kernel runs here."""
         return self._prepacked_ok(x) and self._few_rows(x)
 
+    def route_plan(self, x: Tensor) -> kernels.LinearPlan | None:
+        """kernel_plan() when x goes to the small-row kernel from the decoder block's few-rows
+        route, else None. The route runs only without grad and outside torch.compile
+        (blocks.route_allowed), so only x and the weight are checked here: the per-call cost
+        is paid ~120 times a decode step."""
+        if (
+            x.dtype is torch.float32
+            and x.is_cpu
+            and x.is_contiguous()
+            and x.numel() <= kernels.MAX_ROWS * x.shape[-1]
+            and self._parameters["weight"].dtype is torch.float32
+            and kernels.kernels_unavailable() is None
+        ):
+            return self.kernel_plan()
+        return None
+
     def kernel_plan(self) -> kernels.LinearPlan:
         """The blocked weight and bias checked for kernels.run_linear, remade after any change."""
-        b = self.bias
+        b = self._parameters["bias"]
         key = (*self._key(), None if b is None else b.data_ptr())
         if key != self._plan_key:
             self._plan = kernels.plan_linear(self.blocked_weight(), self.out_features, b)

@@ -27,8 +27,9 @@ def decode_attention(q, k, v, spec: AttentionSpec) -> AttentionOutput:
     """q (B, H, T, D), k/v (B, Hkv, S, D) -> out (B, H, T, D) (lse (B, H, T) with return_lse)."""
     scale = 1.0 / math.sqrt(spec.D) if spec.scale is None else float(spec.scale)
     rows = fold_heads(q, spec.Hkv).contiguous()  # (B, Hkv, G*T, D)
-    lengths = torch.full((spec.B,), spec.S, dtype=torch.int64)
-    out, lse = kernel_attention.decode_attention(rows, k, v, lengths, scale, spec.return_lse)
+    # decode_check (run once per kind of request: attend() memoizes the choice on shapes, dtypes
+    # and the K/V layout) has checked everything the kernel's own wrapper would
+    out, lse = kernel_attention.decode_attention_all_keys(rows, k, v, scale, spec.return_lse)
     out = unfold_heads(out, spec.H)  # (B, H, T, D)
     if lse is not None:
         lse = unfold_heads(lse[..., None], spec.H)[..., 0]  # (B, H, T)
