@@ -270,8 +270,20 @@ def _attend_runs(reads: PackedReads, layer: int, rows: Tensor, i: int, scale: fl
     Bd, H, D = rows.shape
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     views = reads.run_views(i)  # Bd x (K, V) (L, 1, Hkv, n, D)
-    qs = fold_heads(rows[:, :, None], reads.num_kv_heads).split(1)  # Bd x (1, Hkv, G, D)
-    res = [_CPU_FLASH(qb, k[layer], v[layer], 0.0, False, scale=scale) for qb, (k, v) in zip(qs, views)]
+    q = fold_heads(rows[:, :, None], reads.num_kv_heads)  # (Bd, Hkv, G, D)
+    if (
+        q.dtype == torch.float32
+        and kernel_attention.fits(q.shape[2], D)
+        and kernel_attention.decode_attention_unavailable() is None
+    ):
+        # kernels/attention.py: a view's keys are all the sequence's; one pass, no flash buffers
+        q = q.contiguous()
+        res = [
+            kernel_attention.decode_attention_all_keys(q[b : b + 1], k[layer], v[layer], scale, want_lse)
+            for b, (k, v) in enumerate(views)
+        ]
+    else:
+        res = [_CPU_FLASH(qb, k[layer], v[layer], 0.0, False, scale=scale) for qb, (k, v) in zip(q.split(1), views)]
     o = torch.cat([r[0] for r in res]).view(Bd, H, D)
     lse = torch.cat([r[1] for r in res]).view(Bd, H).float() if want_lse else None
     return o, lse
