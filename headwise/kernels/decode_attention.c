@@ -148,6 +148,8 @@ static void pair(const float *q, const float *k, const float *v, float *out, flo
     }
 }
 
+enum { PARALLEL_MIN_WORK = 1 << 19 };  /* key x row x channel products below which one thread does it all */
+
 /* Returns HW_OK, or HW_BAD_SHAPE (nothing written) unless 1 <= G <= MAX_G, 8 <= D <= MAX_D and
  * D % 8 == 0. Strides are in floats; each key's D floats are contiguous. lengths NULL: every
  * sequence has all_keys keys (a decode step over a contiguous cache). */
@@ -155,8 +157,13 @@ int hw_decode_attention_f32(const float *q, const float *k, const float *v, floa
                             long G, long D, long sk_c, long sk_h, long sk_t, long sv_c, long sv_h, long sv_t,
                             const long *lengths, float scale, long all_keys) {
     if (G < 1 || G > MAX_G || D < 8 || D > MAX_D || D % 8) return HW_BAD_SHAPE;
-    /* dynamic: ragged lengths, and a thread the OS preempts does not hold up the rest */
-    #pragma omp parallel for schedule(dynamic)
+    long keys = 0;
+    for (long c = 0; c < C; c++) keys += lengths ? (lengths[c] > 0 ? lengths[c] : 0) : all_keys;
+    /* A batch-1 decode step's attention is ~10 us of work: on the calling thread alone it does not
+     * wake the pool's other threads (who sleep after a short spin between a step's kernels) for it.
+     * dynamic: ragged lengths, and a thread the OS preempts does not hold up the rest. */
+    const int parallel = keys * Hkv * G * D >= PARALLEL_MIN_WORK;
+    #pragma omp parallel for schedule(dynamic) if (parallel)
     for (long ch = 0; ch < C * Hkv; ch++) {
         const long c = ch / Hkv, h = ch % Hkv;
         pair(q + ch * G * D, k + c * sk_c + h * sk_h, v + c * sv_c + h * sv_h, out + ch * G * D,
