@@ -163,22 +163,12 @@ def plan_linear(blocked: Tensor, out_features: int, bias: Tensor | None = None) 
     return LinearPlan(blocked, bias, blocked.data_ptr(), None if bias is None else bias.data_ptr(), O, I)
 
 
-def small_linear(
-    x: Tensor,
-    blocked: Tensor,
-    out_features: int,
-    bias: Tensor | None = None,
-    *,
-    residual: Tensor | None = None,
-    prologue: int = PRO_NONE,
-    norm_weight: Tensor | None = None,
-    eps: float = 0.0,
-    rope: tuple[Tensor, Tensor, int, int] | None = None,
-) -> Tensor:
+def small_linear(x: Tensor, blocked: Tensor, out_features: int, bias: Tensor | None = None, **epilogue) -> Tensor:
     """prologue(x) @ W.T + bias + residual for fp32 CPU tensors and at most KERNEL_ROWS rows of x,
     with W given as `block_weight(W)` (made once per weight; W is (out_features, I)).
 
     x (..., I), or (..., 2I) = [gate | up] with PRO_SWIGLU; residual (..., out_features).
+    `epilogue`: run_linear's keywords (residual, prologue, norm_weight, eps, rope).
     PRO_RMSNORM applies x / sqrt(mean(x^2) + eps) * norm_weight first. rope = (cos, sin,
     columns, head_dim), cos/sin (M, head_dim / 2) per row: RoPE (half-split, HF's rotate_half)
     on the first `columns` outputs in heads of head_dim, after the matmul (a QKV projection's
@@ -186,15 +176,7 @@ def small_linear(
     `kernels_unavailable()` first. A caller that calls it per step with the same weight keeps
     `plan_linear()`'s plan and calls `run_linear` (the checks of the weight, once).
     """
-    return run_linear(
-        plan_linear(blocked, out_features, bias),
-        x,
-        residual=residual,
-        prologue=prologue,
-        norm_weight=norm_weight,
-        eps=eps,
-        rope=rope,
-    )
+    return run_linear(plan_linear(blocked, out_features, bias), x, **epilogue)
 
 
 def run_linear(

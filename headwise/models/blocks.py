@@ -211,9 +211,9 @@ class DecoderBlock(nn.Module):
         h = x.reshape(N, C)
         rope = p.rope
         if rope is not None and not rope.interleaved and rope.dim == D and h.dtype == torch.float32:
-            # RoPE of all q and k heads in the QKV call (the kernel's epilogue, or one op after it)
+            # RoPE of all q and k heads in the QKV call (the kernel's epilogue, or the module after it)
             cos, sin = step.rope_rows(rope)  # (N, D/2)
-            qkv = fused_linear(p.qkv, h, norm=p.attn_norm, rope=(cos, sin, (H + Hkv) * D, D))
+            qkv = fused_linear(p.qkv, h, norm=p.attn_norm, rope=(rope, cos, sin, (H + Hkv) * D))
             rope = None
         else:
             qkv = fused_linear(p.qkv, h, norm=p.attn_norm)  # (N, (H + 2 Hkv) D)
@@ -271,12 +271,13 @@ def fused_linear(
     residual: Tensor | None = None,
     norm: nn.Module | None = None,
     swiglu: bool = False,
-    rope: tuple[Tensor, Tensor, int, int] | None = None,
+    rope: tuple[nn.Module, Tensor, Tensor, int] | None = None,
 ) -> Tensor:
     """module(prologue(x)) + residual, x (N, in): one small-row kernel call where the module is a
     PackedLinear that takes x (prologue RMSNorm or SwiGLU folded in), else the modules and ops.
     For the few-rows route only (it has checked grad mode and tracing: PackedLinear.route_plan).
-    rope = (cos, sin (N, D/2), columns, D): RoPE on the first `columns` outputs, heads of D."""
+    rope = (a RotaryEmbedding over whole heads of D, cos, sin (N, D/2), columns): RoPE on the first
+    `columns` outputs, in heads of D, each row at its own position."""
     plan = module.route_plan(x) if type(module) is PackedLinear else None
     if plan is not None:
         prologue, norm_weight, eps = kernels.PRO_NONE, None, 0.0
@@ -287,6 +288,8 @@ def fused_linear(
                 x = norm(x)
         elif swiglu:
             prologue = kernels.PRO_SWIGLU
+        if rope is not None:
+            rope = (rope[1], rope[2], rope[3], rope[0].dim)  # (cos, sin, columns, head_dim)
         return kernels.run_linear(
             plan, x, residual=residual, prologue=prologue, norm_weight=norm_weight, eps=eps, rope=rope
         )
@@ -296,11 +299,11 @@ def fused_linear(
         gate, up = x.chunk(2, dim=-1)
         x = F.silu(gate) * up
     y = module(x)
-    if rope is not None:
-        cos, sin, cols, D = rope
-        halves = y[:, :cols].view(len(y), cols // D, 2, D // 2)  # (N, heads, 2, D/2)
-        a, b, c, s = halves[:, :, 0], halves[:, :, 1], cos[:, None], sin[:, None]
-        y[:, :cols] = torch.stack((a * c - b * s, b * c + a * s), dim=2).view(len(y), cols)
+    if rope is not None:  # the module, each row as a sequence of one token at its position
+        module_rope, cos, sin, cols = rope
+        N, D = len(y), module_rope.dim
+        heads = y[:, :cols].view(N, cols // D, 1, D)  # (B=N, heads, T=1, D)
+        y[:, :cols] = module_rope(heads, cos_sin=(cos[:, None, None], sin[:, None, None])).view(N, cols)
     return y if residual is None else y + residual
 
 

@@ -85,26 +85,13 @@ class PackedLinear(nn.Linear):
             and kernels.kernels_unavailable() is None
         )
 
-    def small_rows_ok(self, x: Tensor) -> bool:
-        """Whether `x` goes to the small-row kernel: fp32 CPU, contiguous, at most
-        kernels.MAX_ROWS rows, no gradient wanted, and the kernel runs here."""
-        return self._prepacked_ok(x) and self._few_rows(x)
-
     def route_plan(self, x: Tensor) -> kernels.LinearPlan | None:
         """kernel_plan() when x goes to the small-row kernel from the decoder block's few-rows
         route, else None. The route runs only without grad and outside torch.compile
         (blocks.route_allowed), so only x and the weight are checked here: the per-call cost
         is paid ~120 times a decode step."""
-        if (
-            x.dtype is torch.float32
-            and x.is_cpu
-            and x.is_contiguous()
-            and x.numel() <= kernels.MAX_ROWS * x.shape[-1]
-            and self._parameters["weight"].dtype is torch.float32
-            and kernels.kernels_unavailable() is None
-        ):
-            return self.kernel_plan()
-        return None
+        ok = x.is_cpu and self._parameters["weight"].dtype is torch.float32 and self._few_rows(x)
+        return self.kernel_plan() if ok else None
 
     def kernel_plan(self) -> kernels.LinearPlan:
         """The blocked weight and bias checked for kernels.run_linear, remade after any change."""

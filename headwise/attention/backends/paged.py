@@ -235,8 +235,7 @@ def _attend_regions(reads: PackedReads, layer: int, rows: Tensor, i: int, scale:
     if grid.gather is not None:
         q = q.new_zeros(grid.count, Hkv, G, D).index_copy_(0, grid.gather, q)
     k, v = reads.region_views(layer, i)  # (count, Hkv, width, D)
-    fits = q.dtype == torch.float32 and kernel_attention.fits(G, D)
-    if fits and kernel_attention.decode_attention_unavailable() is None:
+    if _kernel_takes(q, G, D):
         # kernels/attention.py: one pass over K/V with the lengths, no mask (~2x flash, AMD EPYC Zen 3)
         o, lse = kernel_attention.decode_attention(q.contiguous(), k, v, _slot_lengths(reads, i), scale, want_lse)
     else:
@@ -245,6 +244,15 @@ def _attend_regions(reads: PackedReads, layer: int, rows: Tensor, i: int, scale:
         o = o.index_select(0, grid.gather)
         lse = lse.index_select(0, grid.gather) if want_lse else None
     return o.reshape(Bd, H, D), (lse.reshape(Bd, H).float() if want_lse else None)
+
+
+def _kernel_takes(q: Tensor, G: int, D: int) -> bool:
+    """Whether the decode-attention kernel reads these rows: fp32, its shapes, and built here."""
+    return (
+        q.dtype == torch.float32
+        and kernel_attention.fits(G, D)
+        and kernel_attention.decode_attention_unavailable() is None
+    )
 
 
 def _slot_lengths(reads: PackedReads, i: int) -> Tensor:
@@ -271,11 +279,7 @@ def _attend_runs(reads: PackedReads, layer: int, rows: Tensor, i: int, scale: fl
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     views = reads.run_views(i)  # Bd x (K, V) (L, 1, Hkv, n, D)
     q = fold_heads(rows[:, :, None], reads.num_kv_heads)  # (Bd, Hkv, G, D)
-    if (
-        q.dtype == torch.float32
-        and kernel_attention.fits(q.shape[2], D)
-        and kernel_attention.decode_attention_unavailable() is None
-    ):
+    if _kernel_takes(q, q.shape[2], D):
         # kernels/attention.py: a view's keys are all the sequence's; one pass, no flash buffers
         q = q.contiguous()
         res = [
