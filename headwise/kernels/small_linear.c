@@ -18,36 +18,11 @@
  * Needs AVX2 + FMA.
  */
 #include <immintrin.h>
-#include <math.h>
 #include <stdlib.h>
 
-enum { PRO_NONE = 0, PRO_RMSNORM = 1, PRO_SWIGLU = 2 };
-enum { MAX_PANEL_ROWS = 64 };  /* rows the 6 x 16 tiles take at once (their accumulators: 4 KB) */
+#include "common.h"  /* prologue, rope_epilogue: shared with quant_linear.c */
 
-/* The prologue for M rows into buf (M, I); returns the rows the matmul reads. */
-static const float *prologue(int kind, const float *x, const float *norm_w, float eps, float *buf,
-                             long M, long I) {
-    if (kind == PRO_RMSNORM) {
-        for (long m = 0; m < M; m++) {
-            const float *xm = x + m * I;
-            float *bm = buf + m * I;
-            double ss = 0.0;
-            for (long i = 0; i < I; i++) ss += (double)xm[i] * xm[i];
-            float r = 1.0f / sqrtf((float)(ss / (double)I) + eps);
-            for (long i = 0; i < I; i++) bm[i] = (xm[i] * r) * norm_w[i];
-        }
-        return buf;
-    }
-    if (kind == PRO_SWIGLU) {
-        for (long m = 0; m < M; m++) {
-            const float *g = x + m * 2 * I, *u = g + I;
-            float *bm = buf + m * I;
-            for (long i = 0; i < I; i++) bm[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-        }
-        return buf;
-    }
-    return x;
-}
+enum { MAX_PANEL_ROWS = 64 };  /* rows the 6 x 16 tiles take at once (their accumulators: 4 KB) */
 
 /* One block of 8 outputs for MC (1..4) rows of x: two accumulators per row (even/odd i). */
 static inline void block_rows(const float *w, const float *x, long I, int MC, __m256 out[4]) {
@@ -148,27 +123,6 @@ static void blocks_out(const float *Wb, const float *xs, const float *b, const f
                 default: block_rows(w, xm, I, 4, acc); break;
             }
             for (long m = 0; m < mc; m++) store_block(acc[m], b, r, y, m0 + m, O, ok, rows);
-        }
-    }
-}
-
-/* RoPE on the first rot_cols outputs of each row, in heads of head_dim channels (half-split
- * layout, HF's rotate_half): out[i] = y[i] c_i - y[i + h] s_i, out[i + h] = y[i + h] c_i + y[i] s_i,
- * h = head_dim / 2, with cos/sin (M, h) the angles of each row's position. It runs after the
- * matmul because a head's two halves come from different blocks; M x rot_cols elements, a few
- * microseconds, in place of a separate rotation op per layer. */
-static void rope_epilogue(float *y, long M, long O, const float *cos, const float *sin, long rot_cols,
-                          long head_dim) {
-    const long h = head_dim / 2;
-    for (long m = 0; m < M; m++) {
-        const float *c = cos + m * h, *s = sin + m * h;
-        for (long o = 0; o + head_dim <= rot_cols; o += head_dim) {
-            float *lo = y + m * O + o, *hi = lo + h;
-            for (long i = 0; i < h; i++) {
-                const float a = lo[i], b = hi[i];
-                lo[i] = a * c[i] - b * s[i];
-                hi[i] = b * c[i] + a * s[i];
-            }
         }
     }
 }

@@ -1,0 +1,204 @@
+"""Linear layers from GGML-quantized weights as stored in a GGUF file (issue 14): quant_linear.c.
+
+`run_quant(plan_quant(blocks, "q4_1", O, I), x)` is `F.linear(x, W)` for up to KERNEL_ROWS rows
+of fp32 x, computed from W's blocks (a uint8 tensor (O, row_bytes), the bytes the file holds)
+without an fp32 copy: each row of x is quantized to int8 per 32 values and dotted with the
+weight blocks in integers, llama.cpp's method (ggml_vec_dot_q4_1_q8_1), so the result carries
+that rounding of x (about 0.4% of a block's largest |x|) on top of the weight's own. The
+keywords are `run_linear`'s: an RMSNorm / SwiGLU prologue, a residual and a RoPE epilogue.
+
+`dequantize` gives the fp32 matrix (prefill: a fp32 GEMM on it) and `quantize` makes Q8_0 /
+Q4_0 / Q4_1 blocks from fp32 (int8 / int4 weights at load time), both bit for bit what the
+`gguf` package computes. `quant_unavailable(fmt)` says why the kernel cannot run.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import KERNEL_ROWS, PRO_NONE, PRO_SWIGLU, _ext
+
+# name -> (GGML type id, values per block, bytes per block): ggml-common.h's block_* structs
+FORMATS = {
+    "q4_0": (2, 32, 18),  # f16 d, 16 bytes of 4-bit q: w = d (q - 8)
+    "q4_1": (3, 32, 20),  # f16 d, f16 m, 16 bytes: w = d q + m
+    "q8_0": (8, 32, 34),  # f16 d, 32 int8: w = d q
+    "q4_k": (12, 256, 144),  # f16 d, f16 dmin, 12 bytes of 6-bit scales / mins, 128 bytes of 4-bit q
+    "q6_k": (14, 256, 210),  # 128 + 64 bytes of 6-bit q, 16 int8 scales, f16 d
+}
+QUANTIZE_FORMATS = ("q4_0", "q4_1", "q8_0")  # what `quantize` makes
+
+
+def _format(fmt: str) -> tuple[int, int, int]:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quantized format {fmt!r}; headwise computes from {', '.join(FORMATS)}")
+    return FORMATS[fmt]
+
+
+def row_bytes(fmt: str, in_features: int) -> int:
+    """Bytes of one weight row of in_features values (a whole number of blocks)."""
+    _, values, nbytes = _format(fmt)
+    if in_features <= 0 or in_features % values:
+        raise ValueError(f"{fmt}: in_features={in_features} is not a positive multiple of its {values}-value block")
+    return in_features // values * nbytes
+
+
+def quant_unavailable(fmt: str) -> str | None:
+    """None when run_quant can compute from `fmt` weights here, else why not."""
+    if fmt not in FORMATS:
+        return f"unknown quantized format {fmt!r} (headwise's kernels: {', '.join(FORMATS)})"
+    mod, why = _ext()
+    if why is not None:
+        return why
+    if not hasattr(mod, "quant_linear"):
+        return f"{mod.__name__} was built without the quantized kernels (quant_linear.c); reinstall headwise"
+    return None
+
+
+def _module():
+    mod, why = _ext()
+    why = why or (None if hasattr(mod, "quant_linear") else "the extension lacks quant_linear.c; reinstall headwise")
+    if why is not None:
+        raise RuntimeError(f"the quantized kernels are unavailable: {why}")
+    return mod
+
+
+def _blocks_ok(blocks: Tensor, fmt: str, out_features: int, in_features: int) -> None:
+    want = (out_features, row_bytes(fmt, in_features))
+    if not (blocks.dtype is torch.uint8 and blocks.is_cpu and blocks.is_contiguous() and tuple(blocks.shape) == want):
+        raise ValueError(
+            f"{fmt} weight of ({out_features}, {in_features}) needs contiguous uint8 CPU blocks of shape {want} "
+            f"(row bytes = in_features / block values * block bytes); got {blocks.dtype} {tuple(blocks.shape)}"
+            f"{'' if blocks.is_contiguous() else ' strided'} on {blocks.device}"
+        )
+
+
+class QuantPlan(NamedTuple):
+    """A quantized weight checked once for run_quant: its blocks (kept alive here), sizes, pointers."""
+
+    blocks: Tensor
+    fmt: str
+    out_features: int
+    in_features: int
+    bias: Tensor | None
+    fmt_id: int
+    weight_ptr: int
+    bias_ptr: int | None
+
+
+def plan_quant(
+    blocks: Tensor, fmt: str, out_features: int, in_features: int, bias: Tensor | None = None
+) -> QuantPlan:
+    """Check a weight's blocks (uint8 (O, row_bytes), as the GGUF stores them) and bias once."""
+    fmt_id = _format(fmt)[0]
+    _blocks_ok(blocks, fmt, out_features, in_features)
+    if bias is not None and not (_ok(bias) and bias.numel() == out_features):
+        raise ValueError(f"{fmt} linear needs a contiguous fp32 CPU bias of {out_features}; got {bias.dtype} "
+                         f"{tuple(bias.shape)}")
+    bias_ptr = None if bias is None else bias.data_ptr()
+    return QuantPlan(blocks, fmt, out_features, in_features, bias, fmt_id, blocks.data_ptr(), bias_ptr)
+
+
+def run_quant(
+    plan: QuantPlan,
+    x: Tensor,
+    *,
+    residual: Tensor | None = None,
+    prologue: int = PRO_NONE,
+    norm_weight: Tensor | None = None,
+    eps: float = 0.0,
+    rope: tuple[Tensor, Tensor, int, int] | None = None,
+) -> Tensor:
+    """prologue(x) @ W.T + bias + residual (+ RoPE) from a planned quantized W, x (..., I) fp32
+    (or (..., 2I) = [gate | up] with PRO_SWIGLU), at most KERNEL_ROWS rows. The keywords are
+    kernels.run_linear's. No autograd: for inference."""
+    mod = _module()
+    O, I = plan.out_features, plan.in_features
+    M = x.numel() // x.shape[-1] if x.dim() else 0
+    if x.dim() == 0 or x.shape[-1] != (2 * I if prologue == PRO_SWIGLU else I) or not 0 < M <= KERNEL_ROWS:
+        raise ValueError(
+            f"{plan.fmt} linear: x {tuple(x.shape)} does not fit a ({O}, {I}) weight (prologue {prologue}) "
+            f"or has not 1 to {KERNEL_ROWS} rows"
+        )
+    if not (
+        _ok(x)
+        and (residual is None or _ok(residual) and residual.numel() == M * O)
+        and (norm_weight is None or _ok(norm_weight) and norm_weight.numel() == I)
+    ):
+        raise ValueError(
+            f"{plan.fmt} linear needs contiguous fp32 CPU tensors: x (M, I), residual (M, O), norm_weight (I,); got "
+            + ", ".join(
+                f"{n} {t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ' strided'} on {t.device}"
+                for n, t in (("x", x), ("residual", residual), ("norm_weight", norm_weight))
+                if t is not None
+            )
+        )
+    cos = sin = None
+    cols = head_dim = 0
+    if rope is not None:
+        cos, sin, cols, head_dim = rope
+        if not (
+            head_dim > 0
+            and head_dim % 2 == 0
+            and 0 < cols <= O
+            and cols % head_dim == 0
+            and all(_ok(t) and t.shape == (M, head_dim // 2) for t in (cos, sin))
+        ):
+            raise ValueError(
+                f"{plan.fmt} linear: rope needs cos and sin (M, head_dim / 2) = ({M}, {head_dim // 2}) contiguous "
+                f"fp32 and whole heads of {head_dim} in the first {cols} of {O} outputs; got cos "
+                f"{tuple(cos.shape)} {cos.dtype}, sin {tuple(sin.shape)} {sin.dtype}"
+            )
+    y = torch.empty(*x.shape[:-1], O)
+    mod.quant_linear(
+        plan.fmt_id,
+        plan.weight_ptr,
+        x.data_ptr(),
+        plan.bias_ptr,
+        None if residual is None else residual.data_ptr(),
+        y.data_ptr(),
+        M,
+        O,
+        I,
+        prologue,
+        None if norm_weight is None else norm_weight.data_ptr(),
+        eps,
+        None if cos is None else cos.data_ptr(),
+        None if sin is None else sin.data_ptr(),
+        cols,
+        head_dim,
+    )
+    return y
+
+
+def dequantize(blocks: Tensor, fmt: str, out_features: int, in_features: int) -> Tensor:
+    """Blocks (O, row_bytes) uint8 -> the weight (O, I) fp32, bit for bit gguf.quants.dequantize."""
+    fmt_id = _format(fmt)[0]
+    _blocks_ok(blocks, fmt, out_features, in_features)
+    out = torch.empty(out_features, in_features)
+    _module().dequantize(fmt_id, blocks.data_ptr(), out.data_ptr(), out_features, in_features)
+    return out
+
+
+def quantize(weight: Tensor, fmt: str) -> Tensor:
+    """weight (O, I) fp32 -> its blocks (O, row_bytes) uint8 in q4_0 / q4_1 / q8_0, bit for bit
+    gguf.quants.quantize (ggml's reference quantizers)."""
+    fmt_id = _format(fmt)[0]
+    if fmt not in QUANTIZE_FORMATS:
+        raise ValueError(f"quantize makes {', '.join(QUANTIZE_FORMATS)}, not {fmt!r}")
+    if not (_ok(weight) and weight.dim() == 2):
+        raise ValueError(
+            f"quantize needs a contiguous fp32 CPU weight (O, I); got {weight.dtype} {tuple(weight.shape)} "
+            f"on {weight.device}"
+        )
+    O, I = weight.shape
+    out = torch.empty(O, row_bytes(fmt, I), dtype=torch.uint8)
+    _module().quantize(fmt_id, weight.data_ptr(), out.data_ptr(), O, I)
+    return out
+
+
+def _ok(t: Tensor) -> bool:
+    return t.dtype is torch.float32 and t.is_cpu and t.is_contiguous()
