@@ -36,6 +36,7 @@ from .. import kernels
 from ..attention import MultiHeadAttention
 from ..attention.step import PlainStep, Step
 from ..config import ModelConfig
+from .linear import QuantizedLinear
 from .packing import PackedLinear
 
 # Steps of at most this many rows (B*T) take the few-rows route; 0 turns it off. Above ~64 rows
@@ -278,7 +279,8 @@ def fused_linear(
     For the few-rows route only (it has checked grad mode and tracing: PackedLinear.route_plan).
     rope = (a RotaryEmbedding over whole heads of D, cos, sin (N, D/2), columns): RoPE on the first
     `columns` outputs, in heads of D, each row at its own position."""
-    plan = module.route_plan(x) if type(module) is PackedLinear else None
+    kind = type(module)
+    plan = module.route_plan(x) if kind is PackedLinear or kind is QuantizedLinear else None
     if plan is not None:
         prologue, norm_weight, eps = kernels.PRO_NONE, None, 0.0
         if norm is not None:
@@ -290,9 +292,8 @@ def fused_linear(
             prologue = kernels.PRO_SWIGLU
         if rope is not None:
             rope = (rope[1], rope[2], rope[3], rope[0].dim)  # (cos, sin, columns, head_dim)
-        return kernels.run_linear(
-            plan, x, residual=residual, prologue=prologue, norm_weight=norm_weight, eps=eps, rope=rope
-        )
+        run = kernels.run_linear if kind is PackedLinear else module.run  # QuantizedLinear: kernels.quant
+        return run(plan, x, residual=residual, prologue=prologue, norm_weight=norm_weight, eps=eps, rope=rope)
     if norm is not None:
         x = norm(x)
     elif swiglu:

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from . import gguf_cache
 from .gguf_cache import cache_entry, default_cache_dir  # noqa: F401 -- part of this module's API
+from .linear import FORMAT_OF_GGML, row_bytes
 from .quants import UnsupportedQuantType, dequantize, supported_types, type_name
 from .tokenizer import Tokenizer
 
@@ -36,17 +37,24 @@ def read_gguf(
     *,
     use_cache: bool = True,
     cache_dir: str | os.PathLike | None = None,
+    keep_quantized: bool = False,
 ) -> tuple[dict, dict[str, Tensor], Tokenizer]:
     """Read a GGUF: (HF config dict, {HF name: tensor}, Tokenizer).
 
     dtype: tensors come back fp32 (exact dequantized values) unless given.
     use_cache: read/write the converted copy under `cache_dir` (default
     $HEADWISE_CACHE or ~/.cache/headwise); False always converts from the file.
+    keep_quantized: tensors in a format headwise computes from (q4_0, q4_1, q8_0, q4_k,
+    q6_k; models/linear.py) come back as QuantTensor blocks, the rest fp32 (weights="auto").
+    These are read from the file each time (~2 s for SmolLM2, the metadata parse): the
+    cache holds fp32.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such GGUF file")
-    if not use_cache:
+    if keep_quantized:
+        config, tensors, tokenizer = convert_gguf(path, keep_quantized=True)
+    elif not use_cache:
         config, tensors, tokenizer = convert_gguf(path)
     else:
         entry = cache_entry(path, cache_dir)
@@ -57,7 +65,7 @@ def read_gguf(
             config, tensors, tokenizer = convert_gguf(path)
             gguf_cache.write(entry, config, tensors, tokenizer)
     if dtype is not None:
-        tensors = {name: t.to(dtype) for name, t in tensors.items()}
+        tensors = {name: t.to(dtype) if isinstance(t, Tensor) else t for name, t in tensors.items()}
     return config, tensors, tokenizer
 
 
@@ -323,7 +331,9 @@ def _one_thread():
         torch.set_num_threads(n)
 
 
-def llama_tensors(reader, cfg: dict, path: Path) -> dict[str, Tensor]:
+def llama_tensors(reader, cfg: dict, path: Path, *, keep_quantized: bool = False) -> dict[str, Tensor]:
+    """{HF name: fp32 tensor}; keep_quantized: tensors in a format models/linear.py computes
+    from (q4_0, q4_1, q8_0, q4_k, q6_k) come as QuantTensor blocks, copied out of the file."""
     out = {}
     with _one_thread():
         for t in reader.tensors:
@@ -337,6 +347,14 @@ def llama_tensors(reader, cfg: dict, path: Path) -> dict[str, Tensor]:
             want = _expected_shape(hf, cfg)
             if shape != want:
                 raise GGUFError(f"{path}: tensor {t.name} has shape {shape}, but the config implies {want} for {hf}")
+            if keep_quantized and int(t.tensor_type) in FORMAT_OF_GGML and len(shape) == 2:
+                w = _stored_blocks(t, shape)
+                if ".attn_q." in t.name:  # a row permutation: it applies to rows of blocks alike
+                    w = w._replace(blocks=unpermute_qk(w.blocks, cfg["num_attention_heads"]).contiguous())
+                elif ".attn_k." in t.name:
+                    w = w._replace(blocks=unpermute_qk(w.blocks, cfg["num_key_value_heads"]).contiguous())
+                out[hf] = w
+                continue
             try:
                 w = dequantize(t.data, t.tensor_type, shape)
             except (UnsupportedQuantType, ValueError) as e:
@@ -355,11 +373,23 @@ def llama_tensors(reader, cfg: dict, path: Path) -> dict[str, Tensor]:
     return out
 
 
+def _stored_blocks(t, shape: tuple[int, int]):
+    """A tensor's blocks as (O, row_bytes) uint8, copied out of the mapped file (so the map can close)."""
+    from .quantized_load import QuantTensor
+
+    fmt = FORMAT_OF_GGML[int(t.tensor_type)]
+    raw = np.array(t.data, copy=True).reshape(-1).view(np.uint8)
+    need = shape[0] * row_bytes(fmt, shape[1])
+    if raw.size != need:
+        raise GGUFError(f"tensor {t.name} ({fmt}, shape {shape}) needs {need} bytes, the file has {raw.size}")
+    return QuantTensor(torch.from_numpy(raw).view(shape[0], -1), fmt, shape)
+
+
 _ARCHS = ("llama",)
 
 
-def convert_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, Tensor], Tokenizer]:
-    """Convert straight from the file (no cache)."""
+def convert_gguf(path: str | os.PathLike, *, keep_quantized: bool = False) -> tuple[dict, dict[str, Tensor], Tokenizer]:
+    """Convert straight from the file (no cache). keep_quantized: see llama_tensors."""
     path = Path(path)
     reader = open_gguf(path)
     meta = read_metadata(reader)
@@ -370,7 +400,7 @@ def convert_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, Tensor], Toke
     names = {t.name for t in reader.tensors}
     config = llama_config(meta, names, tokenizer, path)
     config["gguf"] = {"file": path.name, "tensor_types": _type_counts(reader)}
-    return config, llama_tensors(reader, config, path), tokenizer
+    return config, llama_tensors(reader, config, path, keep_quantized=keep_quantized), tokenizer
 
 
 def _type_counts(reader) -> dict[str, int]:

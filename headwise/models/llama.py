@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from ..attention import RotaryEmbedding
 from ..attention.step import Step, make_step
 from ..config import ModelConfig, RopeScaling
+from .linear import QuantizedEmbedding, QuantizedLinear
 from .blocks import DecoderBlock, RMSNorm, check_input_ids, fused_linear, logits_rows, route_allowed
 from .loading import CheckpointError, To, hf_activation, hf_eos, need
 
@@ -166,15 +167,21 @@ class Llama(nn.Module):
         self.tie_weights()
         self.tokenizer = None  # set by headwise.load
 
+    ties_quantized = True  # tie_weights shares a QuantizedEmbedding's blocks with the head
+
     def tie_weights(self) -> None:
-        if self.config.tie_embeddings:
+        if not self.config.tie_embeddings:
+            return
+        if isinstance(self.embed, QuantizedEmbedding):  # one buffer of blocks for both
+            self.lm_head = QuantizedLinear.tied_to(self.embed)
+        else:
             self.lm_head.weight = self.embed.weight
 
     def init_buffers(self) -> None:
         """Recompute RoPE's inv_freq (a non-persistent buffer) next to the weights, in fp32:
         after a meta-device build it is still on meta."""
         fresh = make_rope(self.config)
-        self.rope.inv_freq = fresh.inv_freq.to(self.embed.weight.device)
+        self.rope.inv_freq = fresh.inv_freq.to(self.norm.weight.device)  # embed.weight may be a dequantized copy
 
     def forward(
         self, input_ids: Tensor, step: Step | None = None, *, cache=None, attention_mask: Tensor | None = None

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from .packing import pack_linears
+from .quantized_load import SAVED_FILE, check_weights, fuse_rows, install, mixed, requantize, warn_mixed
 
 # model_type -> family module; architectures[0] is the fallback key.
 FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2", "bert": "bert"}
@@ -166,6 +167,7 @@ def convert(
 
     group_size = Counter(_PART.match(to.name).group(1) for to in expanded.values() if _PART.match(to.name))
     groups: dict[str, dict[int, Tensor]] = {}
+    fp32_fused: list[str] = []  # fused from parts in different quantized formats
     out: dict[str, Tensor] = {}
     for hf, to in expanded.items():
         t = tensors.pop(hf)
@@ -182,7 +184,12 @@ def convert(
             blocks = groups.pop(name)
             if sorted(blocks) != list(range(len(blocks))):
                 raise AssertionError(f"table bug: {name} has row blocks {sorted(blocks)}")
-            out[name] = torch.cat([blocks[j] for j in range(len(blocks))], dim=0)
+            parts = [blocks[j] for j in range(len(blocks))]
+            kinds = mixed(parts)
+            if kinds:
+                fp32_fused.append(f"{name} [{kinds}]")
+            out[name] = fuse_rows(parts)  # torch.cat, or rows of blocks stacked
+    warn_mixed(fp32_fused, what)
     return out
 
 
@@ -223,6 +230,7 @@ def from_hf(
     backend: str = "auto",
     source: str | None = None,
     pack: bool = True,
+    weights: str = "auto",
 ) -> nn.Module:
     """HF config dict + HF-named tensors -> a headwise model (eval mode). `tensors` is not modified.
 
@@ -230,12 +238,32 @@ def from_hf(
     backend: the attention backend every layer uses. source: named in error messages.
     pack: CPU inference runs its linears on oneDNN-prepacked weights (packing.py), made on
     first use; False keeps plain nn.Linear (no second copy of the weights).
+    weights: as in `load` (quantized_load.py); tensors may hold QuantTensor blocks.
     """
-    return _build(hf_config, dict(tensors), dtype=dtype, backend=backend, source=source, pack=pack)
+    dtype, weights = _weights_dtype(weights, dtype)
+    return _build(hf_config, dict(tensors), dtype=dtype, backend=backend, source=source, pack=pack, weights=weights)
+
+
+def _weights_dtype(weights: str, dtype) -> tuple[torch.dtype | None, str]:
+    """Check weights= against dtype=: weights="bf16" means dtype bf16; other dtypes conflict with it."""
+    weights = check_weights(weights)
+    dtype = as_dtype(dtype)
+    if weights == "bf16":
+        if dtype not in (None, torch.bfloat16):
+            raise ValueError(f"weights='bf16' and dtype={dtype} disagree; pass one of them")
+        dtype = torch.bfloat16
+    return dtype, weights
 
 
 def _build(
-    hf_config: dict, tensors: dict[str, Tensor], *, dtype, backend: str, source: str | None, pack: bool = True
+    hf_config: dict,
+    tensors: dict[str, Tensor],
+    *,
+    dtype,
+    backend: str,
+    source: str | None,
+    pack: bool = True,
+    weights: str = "auto",
 ) -> nn.Module:
     """from_hf on a dict it owns: entries are popped as they are used, so peak memory stays
     near one copy of the weights (plus one layer's fused tensors)."""
@@ -261,11 +289,19 @@ def _build(
 
     with torch.device("meta"):
         model = family.Model(cfg, backend=backend)
+    return _finish(model, state, weights=weights, pack=pack, what=family.__name__ + " table")
+
+
+def _finish(model: nn.Module, state: dict, *, weights: str, pack: bool, what: str) -> nn.Module:
+    """A meta-built model + its headwise state dict (QuantTensors where quantized) -> the model."""
+    requantize(state, model, weights)
+    install(model, state)
     expected = dict(model.named_parameters())  # tied aliases appear once
+    expected |= {n: b for n, b in model.named_buffers() if n.endswith(".blocks")}
     wrong = sorted(n for n, t in state.items() if n in expected and t.shape != expected[n].shape)
     if set(state) != set(expected) or wrong:  # the table and the model disagree: a bug here
         raise AssertionError(
-            f"{family.__name__} table does not build the model: not produced "
+            f"{what} does not build the model: not produced "
             f"{sorted(set(expected) - set(state))}, unknown {sorted(set(state) - set(expected))}, "
             f"wrong shape {wrong}"
         )
@@ -280,14 +316,20 @@ def _build(
     return model.eval()
 
 
-def load(path_or_name: str | os.PathLike, *, dtype=None, backend: str = "auto", pack: bool = True) -> nn.Module:
+def load(
+    path_or_name: str | os.PathLike, *, weights: str = "auto", dtype=None, backend: str = "auto", pack: bool = True
+) -> nn.Module:
     """A checkpoint directory, a .gguf file, or a builtin model name -> model (eval mode).
 
     The model carries `.config` (ModelConfig) and `.tokenizer` (None when the checkpoint
-    has none). dtype: None keeps the checkpoint's; backend: the attention backend.
-    pack: gradient-free CPU forwards use oneDNN-prepacked weights (see packing.py; ~1.5x
-    faster decoding, one more copy of each weight once used); False for plain nn.Linear.
+    has none). weights: "auto" keeps a GGUF's quantized tensors as stored (QuantizedLinear,
+    models/linear.py), "fp32" / "bf16" dequantize, "q8_0" / "q4_0" / "q4_1" (or "int8" /
+    "int4") requantize the linears and token embedding (quantized_load.py). dtype: None
+    keeps the checkpoint's float dtype; backend: the attention backend. pack: gradient-free
+    CPU forwards of float linears use oneDNN-prepacked weights (see packing.py; ~1.5x faster
+    decoding, one more copy of each weight once used); False for plain nn.Linear.
     """
+    dtype, weights = _weights_dtype(weights, dtype)
     path, name = Path(path_or_name), str(path_or_name)
     if not path.exists():
         try:
@@ -305,7 +347,7 @@ def load(path_or_name: str | os.PathLike, *, dtype=None, backend: str = "auto", 
     if path.is_file() and path.suffix == ".gguf":
         from .gguf import read_gguf
 
-        hf_config, tensors, tokenizer = read_gguf(path)
+        hf_config, tensors, tokenizer = read_gguf(path, keep_quantized=weights == "auto")
         model = _build(
             {**hf_config, "_name_or_path": name},
             tensors,
@@ -313,6 +355,7 @@ def load(path_or_name: str | os.PathLike, *, dtype=None, backend: str = "auto", 
             backend=backend,
             source=name if name == str(path) else f"{name} ({path})",
             pack=pack,
+            weights=weights,
         )
         model.tokenizer = tokenizer
         return model
@@ -320,12 +363,39 @@ def load(path_or_name: str | os.PathLike, *, dtype=None, backend: str = "auto", 
         raise ValueError(f"{path} is a file; pass its checkpoint directory (config.json + weights) or a .gguf file")
     from .checkpoint_files import read_checkpoint, tokenizer_for
 
+    if (path / SAVED_FILE).is_file():
+        return _load_saved(path, weights=weights, dtype=dtype, backend=backend, pack=pack)
     hf_config, tensors, source = read_checkpoint(path)
     model = _build(
-        {**hf_config, "_name_or_path": name}, tensors, dtype=dtype, backend=backend, source=source, pack=pack
+        {**hf_config, "_name_or_path": name},
+        tensors,
+        dtype=dtype,
+        backend=backend,
+        source=source,
+        pack=pack,
+        weights=weights,
     )
     model.tokenizer = tokenizer_for(path)
     st_config = path / "sentence_bert_config.json"  # sentence-transformers truncates to this length
     if st_config.is_file():
         model.max_seq_length = json.loads(st_config.read_text()).get("max_seq_length")
+    return model
+
+
+def _load_saved(path: Path, *, weights: str, dtype, backend: str, pack: bool) -> nn.Module:
+    """A directory written by quantized_load.save -> the same model."""
+    from .quantized_load import read_saved
+
+    cfg, state, meta = read_saved(path)
+    if dtype is not None:
+        state = {n: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t for n, t in state.items()}
+    family = family_of({"model_type": cfg.arch})
+    with torch.device("meta"):
+        model = family.Model(cfg, backend=backend)
+    model = _finish(model, state, weights=weights, pack=pack, what=f"{path / SAVED_FILE}")
+    from .checkpoint_files import tokenizer_for
+
+    model.tokenizer = tokenizer_for(path)
+    if meta.get("max_seq_length"):
+        model.max_seq_length = meta["max_seq_length"]
     return model

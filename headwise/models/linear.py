@@ -1,0 +1,250 @@
+"""Linears and embeddings that keep their weight as GGML blocks and compute from them.
+
+    lin = QuantizedLinear(576, 1536, "q4_1", blocks=blocks)   # blocks (1536, 360) uint8
+    y = lin(x)                                                 # x (..., 576) -> (..., 1536)
+
+A row of the weight is `in_features / block` blocks of a GGML format (ggml-common.h:
+block_q4_0, block_q4_1, block_q8_0, block_q4_K, block_q6_K), exactly as a GGUF file stores
+it, so a quantized file loads with one copy of each weight and no fp32 parameter. Rows are
+independent: permuting rows (llama.cpp's Q/K order) or stacking them (fused QKV) works on the
+blocks directly.
+
+Forwards of up to kernels.KERNEL_ROWS rows (decode steps) go to headwise.kernels.quant's
+integer kernel (activations quantized per block on the fly, as llama.cpp's vec_dot does),
+where it runs; other forwards (prefill, or no kernel) dequantize the weight into a temporary
+and call F.linear, so no fp32 copy outlives the call. The dequantization is the kernel's
+where it runs, else models/quants.py's torch decoders (bit-exact with the gguf package).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import kernels
+from . import quants
+
+# name -> (ggml type id, values per block, bytes per block); kernels.quant.FORMATS has the same
+FORMATS = {
+    "q4_0": (2, 32, 18),
+    "q4_1": (3, 32, 20),
+    "q8_0": (8, 32, 34),
+    "q4_k": (12, 256, 144),
+    "q6_k": (14, 256, 210),
+}
+FORMAT_OF_GGML = {ggml: name for name, (ggml, _, _) in FORMATS.items()}
+
+
+def row_bytes(fmt: str, in_features: int) -> int:
+    """Bytes of one row of `in_features` values in `fmt`; in_features must be whole blocks."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quantized format {fmt!r}; formats: {', '.join(FORMATS)}")
+    _, block, nbytes = FORMATS[fmt]
+    if in_features % block:
+        raise ValueError(f"{fmt} stores rows in blocks of {block} values; in_features={in_features} is not a multiple")
+    return in_features // block * nbytes
+
+
+@functools.cache
+def _quant_module():
+    """headwise.kernels.quant, or None where it is not importable (not built, or an older tree)."""
+    try:
+        from ..kernels import quant
+    except ImportError:
+        return None
+    return quant
+
+
+def kernel_unavailable(fmt: str) -> str | None:
+    """None when the quantized matmul kernel runs `fmt` here, else why not."""
+    quant = _quant_module()
+    if quant is None:
+        return "headwise.kernels.quant cannot be imported (the compiled extension lacks it)"
+    return quant.quant_unavailable(fmt)
+
+
+def dequantize(blocks: Tensor, fmt: str, out_features: int, in_features: int) -> Tensor:
+    """(O, row_bytes) uint8 blocks -> (O, I) fp32, a new tensor."""
+    quant = _quant_module()
+    if quant is not None and quant.quant_unavailable(fmt) is None:
+        return quant.dequantize(blocks, fmt, out_features, in_features)
+    _, _, nbytes = FORMATS[fmt]
+    decode = quants.KERNELS[FORMATS[fmt][0]][2]
+    return decode(blocks.reshape(-1, nbytes)).reshape(out_features, in_features)
+
+
+def quantize(weight: Tensor, fmt: str) -> Tensor:
+    """(O, I) float weight -> (O, row_bytes) uint8 blocks of `fmt`, rounded as llama.cpp's
+    reference quantizer rounds (the kernel's quantize, else gguf.quants' numpy one)."""
+    O, I = weight.shape
+    row_bytes(fmt, I)  # checks the format and the block fit
+    w = weight.detach().float().contiguous()
+    quant = _quant_module()
+    if quant is not None and quant.quant_unavailable(fmt) is None:
+        return quant.quantize(w, fmt)
+    import gguf
+
+    try:
+        out = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType(FORMATS[fmt][0]))
+    except NotImplementedError:
+        raise ValueError(
+            f"no quantizer for {fmt} here (gguf.quants has none and headwise.kernels.quant is unavailable); "
+            "requantize to q8_0, q4_0 or q4_1"
+        ) from None
+    return torch.from_numpy(np.ascontiguousarray(out).view(np.uint8)).reshape(O, -1)
+
+
+def _blocks_buffer(out_features: int, in_features: int, fmt: str, blocks: Tensor | None, device) -> Tensor:
+    shape = (out_features, row_bytes(fmt, in_features))
+    if blocks is None:
+        return torch.empty(shape, dtype=torch.uint8, device=device)
+    if blocks.dtype != torch.uint8 or tuple(blocks.shape) != shape:
+        raise ValueError(
+            f"{fmt} blocks for a ({out_features}, {in_features}) weight must be uint8 {shape}, "
+            f"got {blocks.dtype} {tuple(blocks.shape)}"
+        )
+    return blocks
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T + b with W kept as GGML blocks (`blocks` buffer, (O, row_bytes) uint8).
+
+    No gradients flow to W (it is integers); the bias, an fp32 Parameter, is trainable.
+    `.weight` is a dequantized *copy* for code that inspects weights; edit `blocks` instead."""
+
+    _plan = None
+    _plan_key: tuple | None = None
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        fmt: str,
+        bias: bool = False,
+        *,
+        blocks: Tensor | None = None,
+        device=None,
+    ):
+        super().__init__()
+        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        self.register_buffer("blocks", _blocks_buffer(out_features, in_features, fmt, blocks, device))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
+
+    @classmethod
+    def tied_to(cls, embedding: "QuantizedEmbedding") -> "QuantizedLinear":
+        """An output head (V, C) that reads the embedding's blocks: one buffer for both."""
+        V, C = embedding.num_embeddings, embedding.embedding_dim
+        return cls(C, V, embedding.fmt, blocks=embedding.blocks)
+
+    @property
+    def weight(self) -> Tensor:
+        """(O, I) fp32, dequantized now: a copy, not a view (writing to it changes nothing)."""
+        return dequantize(self.blocks, self.fmt, self.out_features, self.in_features)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the stored weight (the blocks; the bias is not counted)."""
+        return self.blocks.numel()
+
+    def kernel_plan(self):
+        """kernels.quant's plan of the blocks and bias, remade when either is replaced."""
+        b = self.bias
+        key = (self.blocks.data_ptr(), None if b is None else b.data_ptr())
+        if key != self._plan_key:
+            quant = _quant_module()
+            self._plan = quant.plan_quant(self.blocks, self.fmt, self.out_features, self.in_features, b)
+            self._plan_key = key
+        return self._plan
+
+    def route_plan(self, x: Tensor):
+        """The kernel plan when x (N, in) goes to the quantized kernel from the decoder block's
+        few-rows route (which has checked grad mode and tracing), else None: as
+        PackedLinear.route_plan."""
+        if self._kernel_takes(x):
+            return self.kernel_plan()
+        return None
+
+    def _kernel_takes(self, x: Tensor) -> bool:
+        return (
+            x.is_cpu
+            and x.dtype is torch.float32
+            and x.is_contiguous()
+            and x.numel() <= kernels.KERNEL_ROWS * x.shape[-1]
+            and self.blocks.is_cpu
+            and (self.bias is None or self.bias.dtype is torch.float32)
+            and kernel_unavailable(self.fmt) is None
+        )
+
+    @staticmethod
+    def run(plan, x: Tensor, **epilogue) -> Tensor:
+        """kernels.quant.run_quant: what fused_linear calls with route_plan's plan."""
+        return _quant_module().run_quant(plan, x, **epilogue)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if (
+            not torch.compiler.is_compiling()
+            and not (
+                torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad))
+            )
+            and self._kernel_takes(x)
+        ):
+            return self.run(self.kernel_plan(), x)
+        w = self.weight  # a temporary: prefill dequantizes per call rather than keep fp32 weights
+        return F.linear(x, w if x.dtype is torch.float32 else w.to(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
+            f"bias={self.bias is not None}"
+        )
+
+
+class QuantizedEmbedding(nn.Module):
+    """nn.Embedding over GGML blocks (`blocks` (V, row_bytes) uint8): a lookup dequantizes
+    only the rows it gathers."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, fmt: str, *, blocks: Tensor | None = None, device=None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.fmt = num_embeddings, embedding_dim, fmt
+        self.register_buffer("blocks", _blocks_buffer(num_embeddings, embedding_dim, fmt, blocks, device))
+
+    @property
+    def weight(self) -> Tensor:
+        """(V, C) fp32, dequantized now: a copy, not a view."""
+        return dequantize(self.blocks, self.fmt, self.num_embeddings, self.embedding_dim)
+
+    def weight_bytes(self) -> int:
+        return self.blocks.numel()
+
+    def forward(self, ids: Tensor) -> Tensor:
+        rows = self.blocks.index_select(0, ids.reshape(-1))  # (N, row_bytes)
+        return dequantize(rows, self.fmt, rows.shape[0], self.embedding_dim).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, fmt={self.fmt}"
+
+
+QUANTIZED = (QuantizedLinear, QuantizedEmbedding)
+
+
+def weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of the model's weights by storage format ("q4_1", "q8_0", ..., or a dtype name such
+    as "float32"), each tensor once however many modules share it (a tied output head)."""
+    seen: set[int] = set()
+    out: dict[str, int] = {}
+
+    def add(kind: str, t: Tensor) -> None:
+        if t.data_ptr() in seen:
+            return
+        seen.add(t.data_ptr())
+        out[kind] = out.get(kind, 0) + t.numel() * t.element_size()
+
+    for m in model.modules():
+        if isinstance(m, QUANTIZED):
+            add(m.fmt, m.blocks)
+    for p in model.parameters():
+        add(str(p.dtype).removeprefix("torch."), p)
+    return out

@@ -1,0 +1,230 @@
+"""`headwise.load(..., weights=...)`: which weights stay or become GGML blocks, and the saved form.
+
+    weights="auto"   a GGUF's tensors as stored where a quantized kernel format exists
+                     (q4_0, q4_1, q8_0, q4_k, q6_k); other types and safetensors stay float
+    weights="fp32"   everything dequantized to fp32 (the loader as it was before issue 14)
+    weights="bf16"   everything dequantized, then cast to bf16
+    weights="q8_0" | "q4_0" | "q4_1" (aliases "int8" = q8_0, "int4" = q4_1)
+                     linear weights and the token embedding requantized to that format
+
+Norms, biases and position embeddings always stay float. In transit (reader -> loading.convert
+-> model) a quantized weight is a `QuantTensor`; `install` then swaps the meta-built model's
+nn.Linear / nn.Embedding for QuantizedLinear / QuantizedEmbedding holding the blocks.
+
+Saved form (`save(model, dir)`): model.safetensors (the state dict: blocks as uint8 tensors,
+a tied output head's blocks once), headwise_model.json (the ModelConfig and each quantized
+module's format) and the tokenizer files; `headwise.load(dir)` reads it back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from .linear import FORMATS, QUANTIZED, QuantizedEmbedding, QuantizedLinear, dequantize, quantize
+
+ALIASES = {"int8": "q8_0", "int4": "q4_1"}
+TARGETS = ("q8_0", "q4_0", "q4_1")  # what weights= may requantize to (gguf.quants has their quantizers)
+WEIGHTS = ("auto", "fp32", "bf16", *TARGETS, *ALIASES)
+SAVED_FILE = "headwise_model.json"
+SAVED_FORMAT = "headwise-model-1"
+
+
+def check_weights(weights: str) -> str:
+    """The canonical weights= value (aliases resolved), or a ValueError listing the valid ones."""
+    key = str(weights).lower()
+    if key not in WEIGHTS:
+        raise ValueError(
+            f"weights={weights!r} is not one of {', '.join(WEIGHTS)} "
+            "(auto: a GGUF as stored; fp32/bf16: dequantized; a format: requantized to it)"
+        )
+    return ALIASES.get(key, key)
+
+
+class QuantTensor(NamedTuple):
+    """A weight as GGML blocks, between the reader and the module that will hold it.
+
+    Duck-types the few Tensor methods loading.convert calls (shape, is_floating_point,
+    contiguous), so the family tables apply unchanged."""
+
+    blocks: Tensor  # (O, row_bytes) uint8
+    fmt: str
+    shape: tuple[int, int]  # (O, I): the logical weight's
+
+    def is_floating_point(self) -> bool:
+        return False
+
+    def contiguous(self) -> "QuantTensor":
+        return self
+
+    def t(self):
+        raise ValueError(f"a {self.fmt} weight cannot be transposed; load this checkpoint with weights='fp32'")
+
+    def dequantize(self) -> Tensor:
+        return dequantize(self.blocks, self.fmt, *self.shape)
+
+
+def fuse_rows(parts: list) -> Tensor | QuantTensor:
+    """Stack row blocks (q | k | v, gate | up): blocks when every part is in one format,
+    else fp32 (the caller warns: the projection then has no quantized copy)."""
+    quantized = [p for p in parts if isinstance(p, QuantTensor)]
+    if not quantized:
+        return torch.cat(parts, dim=0)
+    fmts = {p.fmt for p in quantized}
+    if len(quantized) == len(parts) and len(fmts) == 1:
+        O = sum(p.shape[0] for p in parts)
+        return QuantTensor(torch.cat([p.blocks for p in parts], dim=0), quantized[0].fmt, (O, parts[0].shape[1]))
+    return torch.cat([p.dequantize() if isinstance(p, QuantTensor) else p.float() for p in parts], dim=0)
+
+
+def mixed(parts: list) -> str | None:
+    """When fuse_rows(parts) falls back to fp32 although some parts are blocks: the parts'
+    formats in row order ("q4_k|q4_k|q6_k"), else None."""
+    q = [p for p in parts if isinstance(p, QuantTensor)]
+    if not q or (len(q) == len(parts) and len({p.fmt for p in q}) == 1):
+        return None
+    return "|".join(p.fmt if isinstance(p, QuantTensor) else str(p.dtype).removeprefix("torch.") for p in parts)
+
+
+def warn_mixed(names: list[str], what: str) -> None:
+    if names:
+        warnings.warn(
+            f"{what}: {len(names)} fused projections mix storage formats and are kept as fp32 "
+            f"(no quantized kernel for them): {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}",
+            stacklevel=4,
+        )
+
+
+def _quantizable(model: nn.Module, vocab_size: int) -> dict[str, nn.Module]:
+    """state name -> module for the weights weights=<format> requantizes: every nn.Linear and the
+    token embedding (vocab rows), not position / segment tables. A tied output head follows its
+    embedding; where the family cannot tie a quantized head (tie_weights assigns a Parameter),
+    the embedding stays float."""
+    ties = bool(getattr(model.config, "tie_embeddings", False)) and getattr(model.config, "lm_head", False)
+    can_tie = ties and hasattr(type(model), "ties_quantized")
+    out = {}
+    for name, m in model.named_modules():
+        if type(m) is nn.Linear or (
+            type(m) is nn.Embedding and m.num_embeddings == vocab_size and (can_tie or not ties)
+        ):
+            out[f"{name}.weight"] = m
+    return out
+
+
+def requantize(state: dict, model: nn.Module, weights: str) -> None:
+    """Apply weights= to a converted state dict in place, before `install`: dequantize
+    (fp32/bf16) or requantize (a format) its weights; "auto" leaves it as it is."""
+    if weights == "auto":
+        return
+    if weights in ("fp32", "bf16"):
+        dtype = torch.float32 if weights == "fp32" else torch.bfloat16
+        for name, t in state.items():
+            if isinstance(t, QuantTensor):
+                state[name] = t.dequantize().to(dtype)
+        return
+    block = FORMATS[weights][1]
+    for name, m in _quantizable(model, model.config.vocab_size).items():
+        t = state.get(name)
+        if t is None:
+            continue
+        if isinstance(t, QuantTensor):
+            if t.fmt == weights:
+                continue
+            t = t.dequantize()
+        if t.shape[1] % block:
+            continue  # not whole blocks: stays float (llama.cpp does the same)
+        state[name] = QuantTensor(quantize(t, weights), weights, tuple(t.shape))
+
+
+def install(model: nn.Module, state: dict) -> None:
+    """Swap the meta-built modules whose weight arrives quantized for Quantized* modules,
+    renaming `<module>.weight` to `<module>.blocks` in `state`."""
+    for name in [n for n, t in state.items() if isinstance(t, QuantTensor)]:
+        module_name = name.removesuffix(".weight")
+        qt = state.pop(name)
+        old = model.get_submodule(module_name)
+        device = old.weight.device
+        if isinstance(old, nn.Linear):
+            new = QuantizedLinear(old.in_features, old.out_features, qt.fmt, bias=old.bias is not None, device=device)
+        elif isinstance(old, nn.Embedding):
+            new = QuantizedEmbedding(old.num_embeddings, old.embedding_dim, qt.fmt, device=device)
+        else:
+            raise AssertionError(f"{name} is quantized but {module_name} is a {type(old).__name__}")
+        parent, _, attr = module_name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, new)
+        state[f"{module_name}.blocks"] = qt.blocks
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
+def formats(model: nn.Module) -> dict[str, str]:
+    """module name -> format of every quantized module (a tied head included)."""
+    return {n: m.fmt for n, m in model.named_modules(remove_duplicate=False) if isinstance(m, QUANTIZED)}
+
+
+# ---------------------------------------------------------------------------- saved form
+
+
+def save(model: nn.Module, path) -> Path:
+    """Write a headwise model (quantized or not) to a directory `headwise.load` reads back."""
+    from safetensors.torch import save_file
+
+    from ..config import ModelConfig
+
+    cfg = getattr(model, "config", None)
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"save needs a headwise model with a ModelConfig in .config, got {type(model).__name__}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state, seen = {}, set()
+    for name, t in model.state_dict().items():
+        if t.data_ptr() in seen:  # a tied head: tie_weights restores it
+            continue
+        seen.add(t.data_ptr())
+        state[name] = t.detach().contiguous()
+    save_file(state, str(path / "model.safetensors"), metadata={"format": SAVED_FORMAT})
+    meta = {
+        "format": SAVED_FORMAT,
+        "config": dataclasses.asdict(cfg),
+        "quantized": formats(model),
+        "max_seq_length": getattr(model, "max_seq_length", None),
+    }
+    (path / SAVED_FILE).write_text(json.dumps(meta, indent=1))
+    if getattr(model, "tokenizer", None) is not None:
+        model.tokenizer.save(path)
+    return path
+
+
+def read_saved(path: Path) -> tuple:
+    """A directory written by `save` -> (ModelConfig, state with QuantTensors, meta dict)."""
+    from safetensors.torch import load_file
+
+    from ..config import ModelConfig, RopeScaling
+
+    meta = json.loads((path / SAVED_FILE).read_text())
+    if meta.get("format") != SAVED_FORMAT:
+        raise ValueError(f"{path / SAVED_FILE}: format {meta.get('format')!r}, expected {SAVED_FORMAT!r}")
+    c = dict(meta["config"])
+    if c.get("rope_scaling"):
+        c["rope_scaling"] = RopeScaling(**c["rope_scaling"])
+    c["eos_token_ids"] = tuple(c.get("eos_token_ids") or ())
+    cfg = ModelConfig(**c)
+    state = load_file(str(path / "model.safetensors"))
+    for module_name, fmt in meta["quantized"].items():
+        blocks = state.pop(f"{module_name}.blocks", None)
+        if blocks is None:
+            continue  # a tied head: its embedding carries the blocks
+        I = _in_features(fmt, blocks.shape[1])
+        state[f"{module_name}.weight"] = QuantTensor(blocks, fmt, (blocks.shape[0], I))
+    return cfg, state, meta
+
+
+def _in_features(fmt: str, nbytes: int) -> int:
+    _, block, block_bytes = FORMATS[fmt]
+    return nbytes // block_bytes * block
