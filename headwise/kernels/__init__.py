@@ -1,4 +1,4 @@
-"""CPU kernels PyTorch lacks for small-batch decoding, built on first use with the system C compiler.
+"""CPU kernels PyTorch lacks for small-batch decoding, compiled when the package is installed.
 
 `small_linear(x, block_weight(w), ...)` is `F.linear` for a few rows of x (a decode step):
 it streams the weight from memory once, in a blocked layout that reads as one run per 8
@@ -9,36 +9,35 @@ from memory once for all rows. It folds in the op before it (RMSNorm
 or SwiGLU) and a residual add after it, which saves a PyTorch call each. Only fp32 on x86-64
 with AVX2 + FMA. PackedLinear keeps the blocked copy of its weight (models/packing.py).
 
-The C sources (small_linear.c, and decode_attention.c for kernels.attention) are compiled
-once into one library in <cache>/kernels/ ($HEADWISE_CACHE or ~/.cache/headwise; ~1 s) and
-loaded with ctypes. Where that cannot work (no compiler, another
-CPU, torch not on OpenMP, or HEADWISE_KERNELS=0), `kernels_unavailable()` says why and callers
+The C sources (small_linear.c, decode_attention.c for kernels.attention, _module.c: the Python
+entry points) are a C extension that `pip install` builds (setup.py) in two variants,
+`_cpu_avx2` and `_cpu_avx512`; `_ext()` imports the one this CPU runs, chosen at run time from
+its flags (HEADWISE_ISA=avx2 / avx512 forces one). Where none can run (not built at install, no
+AVX2, torch not on OpenMP, or HEADWISE_KERNELS=0), `kernels_unavailable()` says why and callers
 keep PyTorch's ops.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
+import importlib
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..paths import default_cache_dir
-
-_SOURCES = [Path(__file__).with_name(n) for n in ("small_linear.c", "decode_attention.c")]  # one library
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 PRO_NONE, PRO_RMSNORM, PRO_SWIGLU = 0, 1, 2
 KERNEL_ROWS = 64  # the most rows one call takes (small_linear.c's MAX_PANEL_ROWS: its accumulators)
+# Each variant and the CPU flags it needs (/proc/cpuinfo's names), best first: setup.py's VARIANTS.
+ISA_VARIANTS = {
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"),
+    "avx2": ("avx2", "fma", "f16c"),
+}
 
 
 def _dispatch_rows() -> int:
@@ -54,26 +53,31 @@ def _dispatch_rows() -> int:
 MAX_ROWS = _dispatch_rows()
 
 
-def _build() -> Path:
-    """Compile the C sources into one library in the cache (once per sources and flags); returns the .so."""
-    src = b"".join(p.read_bytes() for p in _SOURCES)
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    key = hashlib.sha256(src + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
-    out = default_cache_dir() / "kernels" / f"headwise-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp_so = Path(tmp) / out.name
-        proc = subprocess.run(
-            [cc, *_FLAGS, *map(str, _SOURCES), "-o", str(tmp_so), "-lm"], capture_output=True, text=True, timeout=120
-        )
-        if proc.returncode:
-            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:300]}")
-        os.replace(tmp_so, out)  # atomic: a concurrent reader sees all of it or none
-    return out
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo is not there)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def pick_isa(flags: set[str] | None = None) -> tuple[str | None, str | None]:
+    """(variant, None) for the best kernel variant this CPU runs, or (None, why not).
+    HEADWISE_ISA=avx2 / avx512 asks for one (refused if the CPU lacks its flags)."""
+    flags = cpu_flags() if flags is None else flags
+    wanted = os.environ.get("HEADWISE_ISA", "").strip().lower()
+    if wanted and wanted not in ISA_VARIANTS:
+        return None, f"HEADWISE_ISA={wanted!r} is not one of {sorted(ISA_VARIANTS)}"
+    for isa in [wanted] if wanted else ISA_VARIANTS:
+        missing = [f for f in ISA_VARIANTS[isa] if f not in flags]
+        if not missing:
+            return isa, None
+        if wanted:
+            return None, f"HEADWISE_ISA={wanted}: this CPU lacks {', '.join(missing)}"
+    return None, "the CPU lacks AVX2 + FMA + F16C"
 
 
 def _omp_libraries() -> set[str]:
@@ -86,38 +90,42 @@ def _omp_libraries() -> set[str]:
 
 
 @functools.cache
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
+def _ext() -> tuple[ModuleType | None, str | None]:
+    """(the kernel module for this CPU, None), or (None, why it cannot run here)."""
     if os.environ.get("HEADWISE_KERNELS", "1") == "0":
         return None, "disabled by HEADWISE_KERNELS=0"
-    if platform.machine() not in ("x86_64", "AMD64"):
+    if platform.machine().lower() not in ("x86_64", "amd64"):
         return None, f"x86-64 only (this is {platform.machine()})"
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return None, f"needs AVX2 (PyTorch reports {torch.backends.cpu.get_cpu_capability()})"
+    isa, why = pick_isa()
+    if isa is None:
+        return None, why
     if "OpenMP" not in torch.__config__.parallel_info():
         return None, "PyTorch is not built with OpenMP; the kernel would bring a second thread pool"
+    before = _omp_libraries()
     try:
-        before = _omp_libraries()
-        lib = ctypes.CDLL(str(_build()))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        return None, f"could not build or load the kernel: {e}"
+        mod = importlib.import_module(f"{__name__}._cpu_{isa}")
+    except ImportError as e:
+        return None, (
+            f"the compiled kernels (headwise.kernels._cpu_{isa}) are not installed: {e}. They are built by "
+            "`pip install` (setup.py); reinstall with a C compiler on PATH"
+        )
     if len(_omp_libraries()) > max(1, len(before)):  # ours did not bind to torch's libgomp
-        return None, f"the kernel loaded a second OpenMP runtime ({sorted(_omp_libraries())})"
-    fn = lib.hw_small_linear_f32
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_float]
-    fn.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long]  # RoPE: cos, sin, columns, head dim
-    fn.restype = ctypes.c_int
-    att = lib.hw_decode_attention_f32  # kernels/attention.py: decode_attention
-    att.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 10 + [ctypes.c_void_p, ctypes.c_float, ctypes.c_long]
-    att.restype = ctypes.c_int
-    return lib, _self_check(fn)
+        return None, f"the kernels loaded a second OpenMP runtime ({sorted(_omp_libraries())})"
+    return mod, _self_check(mod)
 
 
-def _self_check(fn) -> str | None:
+def isa() -> str | None:
+    """The kernel variant in use ("avx2" / "avx512"), or None where none runs."""
+    mod, why = _ext()
+    return None if why is not None else mod.__name__.rsplit("_", 1)[-1]
+
+
+def _self_check(mod: ModuleType) -> str | None:
     g = torch.Generator().manual_seed(0)
     x, w, b = (torch.randn(*s, generator=g) for s in ((3, 37), (13, 37), (13,)))
     y, blocked = torch.empty(3, 13), block_weight(w)
     ptrs = (blocked.data_ptr(), x.data_ptr(), b.data_ptr(), None, y.data_ptr())
-    fn(*ptrs, 3, 13, 37, PRO_NONE, None, 0.0, None, None, 0, 0)
+    mod.small_linear(*ptrs, 3, 13, 37, PRO_NONE, None, 0.0, None, None, 0, 0)
     if not torch.allclose(y, F.linear(x, w, b), atol=1e-4):
         return "the compiled kernel disagrees with F.linear"
     return None
@@ -125,7 +133,7 @@ def _self_check(fn) -> str | None:
 
 def kernels_unavailable() -> str | None:
     """None when small_linear runs here, else why it does not."""
-    return _load()[1]
+    return _ext()[1]
 
 
 def block_weight(weight: Tensor) -> Tensor:
@@ -190,7 +198,7 @@ def run_linear(
     rope: tuple[Tensor, Tensor, int, int] | None = None,
 ) -> Tensor:
     """small_linear on a planned weight: checks x, residual, norm_weight and rope only."""
-    lib, why = _load()
+    mod, why = _ext()
     if why is not None:
         raise RuntimeError(f"small_linear is unavailable: {why}")
     O, I = plan.out_features, plan.in_features
@@ -230,7 +238,7 @@ def run_linear(
                 f"{tuple(cos.shape)} {cos.dtype}, sin {tuple(sin.shape)} {sin.dtype}"
             )
     y = torch.empty(*x.shape[:-1], O)
-    rc = lib.hw_small_linear_f32(
+    rc = mod.small_linear(
         plan.weight_ptr,
         x.data_ptr(),
         plan.bias_ptr,

@@ -17,7 +17,7 @@ import functools
 import torch
 from torch import Tensor
 
-from . import _load, kernels_unavailable
+from . import _ext, kernels_unavailable
 
 MAX_G, MAX_D = 16, 256  # decode_attention.c's MAX_G, MAX_D: its per-pair stack buffers
 
@@ -91,7 +91,7 @@ def _run(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None, scale: float, 
     C, Hkv, G, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(C, Hkv, G) if want_lse else None
-    rc = _load()[0].hw_decode_attention_f32(
+    rc = _ext()[0].decode_attention(
         q.data_ptr(),
         k.data_ptr(),
         v.data_ptr(),

@@ -246,8 +246,10 @@ def test_decode_backend_matches_math(p):
     assert explain(q, k, v, **kw).chosen == "decode"  # auto takes it for these on CPU
     ref = attend(q, k, v, backend="math", return_lse=True, **kw)
     res = attend(q, k, v, backend="decode", return_lse=True, **kw)
-    _check_close(res.out, ref.out, torch.float32)
-    assert (res.lse - ref.lse).abs().max() <= 1e-5
+    # fp32 against fp32: with scale 0.5 and D=128 the scores reach ~30, where both sides' exp()
+    # rounds at ~1e-6 relative, so the bound is relative to the values (~4 at most) as well
+    torch.testing.assert_close(res.out, ref.out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(res.lse, ref.lse, atol=1e-5, rtol=1e-6)
 
 
 @given(p=problems())

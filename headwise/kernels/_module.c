@@ -1,0 +1,67 @@
+/* The CPython module of headwise's CPU kernels: one per ISA variant, built by `pip install`
+ * (setup.py: headwise.kernels._cpu_avx2, _cpu_avx512, the same sources with different -m flags)
+ * and picked at run time by kernels/__init__.py from the CPU's flags. HW_MODULE names the
+ * variant (a -D flag). Each function takes data_ptr() ints / None, ints and floats, in the
+ * order of the C kernel it calls (small_linear.c, decode_attention.c); the Python callers in
+ * kernels/ check shapes, dtypes and contiguity first. */
+#include "pyargs.h"
+
+int hw_small_linear_f32(const float *Wb, const float *x, const float *b, const float *r, float *y, long M, long O,
+                        long I, int kind, const float *norm_w, float eps, const float *cos, const float *sin,
+                        long rot_cols, long head_dim);
+int hw_decode_attention_f32(const float *q, const float *k, const float *v, float *out, float *lse, long C, long Hkv,
+                            long G, long D, long sk_c, long sk_h, long sk_t, long sv_c, long sv_h, long sv_t,
+                            const long *lengths, float scale, long all_keys);
+
+/* small_linear(Wb, x, b, r, y, M, O, I, prologue, norm_w, eps, cos, sin, rot_cols, head_dim) -> int rc */
+static PyObject *py_small_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    const float *Wb, *x, *b, *r, *norm_w, *cos, *sin;
+    float *y;
+    long M, O, I, kind, rot_cols, head_dim;
+    float eps;
+    if (!(hw_nargs("small_linear", nargs, 15) && HW_P(0, Wb) && HW_P(1, x) && HW_P(2, b) && HW_P(3, r) &&
+          HW_P(4, y) && HW_L(5, M) && HW_L(6, O) && HW_L(7, I) && HW_L(8, kind) && HW_P(9, norm_w) &&
+          HW_F(10, eps) && HW_P(11, cos) && HW_P(12, sin) && HW_L(13, rot_cols) && HW_L(14, head_dim)))
+        return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = hw_small_linear_f32(Wb, x, b, r, y, M, O, I, (int)kind, norm_w, eps, cos, sin, rot_cols, head_dim);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(rc);
+}
+
+/* decode_attention(q, k, v, out, lse, C, Hkv, G, D, sk_c, sk_h, sk_t, sv_c, sv_h, sv_t, lengths, scale,
+ * all_keys) -> int rc */
+static PyObject *py_decode_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    const float *q, *k, *v;
+    float *out, *lse;
+    const long *lengths;
+    long C, Hkv, G, D, sk_c, sk_h, sk_t, sv_c, sv_h, sv_t, all_keys;
+    float scale;
+    if (!(hw_nargs("decode_attention", nargs, 18) && HW_P(0, q) && HW_P(1, k) && HW_P(2, v) && HW_P(3, out) &&
+          HW_P(4, lse) && HW_L(5, C) && HW_L(6, Hkv) && HW_L(7, G) && HW_L(8, D) && HW_L(9, sk_c) &&
+          HW_L(10, sk_h) && HW_L(11, sk_t) && HW_L(12, sv_c) && HW_L(13, sv_h) && HW_L(14, sv_t) &&
+          HW_P(15, lengths) && HW_F(16, scale) && HW_L(17, all_keys)))
+        return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = hw_decode_attention_f32(q, k, v, out, lse, C, Hkv, G, D, sk_c, sk_h, sk_t, sv_c, sv_h, sv_t, lengths, scale,
+                                 all_keys);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(rc);
+}
+
+static PyMethodDef methods[] = {
+    {"small_linear", (PyCFunction)(void (*)(void))py_small_linear, METH_FASTCALL, "small_linear.c"},
+    {"decode_attention", (PyCFunction)(void (*)(void))py_decode_attention, METH_FASTCALL, "decode_attention.c"},
+    {NULL, NULL, 0, NULL},
+};
+
+#define HW_STR2(x) #x
+#define HW_STR(x) HW_STR2(x)
+#define HW_CAT2(a, b) a##b
+#define HW_CAT(a, b) HW_CAT2(a, b)
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, HW_STR(HW_MODULE), "headwise's CPU kernels", -1, methods};
+
+PyMODINIT_FUNC HW_CAT(PyInit_, HW_MODULE)(void) { return PyModule_Create(&module); }
