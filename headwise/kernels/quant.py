@@ -89,15 +89,14 @@ class QuantPlan(NamedTuple):
     bias_ptr: int | None
 
 
-def plan_quant(
-    blocks: Tensor, fmt: str, out_features: int, in_features: int, bias: Tensor | None = None
-) -> QuantPlan:
+def plan_quant(blocks: Tensor, fmt: str, out_features: int, in_features: int, bias: Tensor | None = None) -> QuantPlan:
     """Check a weight's blocks (uint8 (O, row_bytes), as the GGUF stores them) and bias once."""
     fmt_id = _format(fmt)[0]
     _blocks_ok(blocks, fmt, out_features, in_features)
     if bias is not None and not (_ok(bias) and bias.numel() == out_features):
-        raise ValueError(f"{fmt} linear needs a contiguous fp32 CPU bias of {out_features}; got {bias.dtype} "
-                         f"{tuple(bias.shape)}")
+        raise ValueError(
+            f"{fmt} linear needs a contiguous fp32 CPU bias of {out_features}; got {bias.dtype} {tuple(bias.shape)}"
+        )
     bias_ptr = None if bias is None else bias.data_ptr()
     return QuantPlan(blocks, fmt, out_features, in_features, bias, fmt_id, blocks.data_ptr(), bias_ptr)
 

