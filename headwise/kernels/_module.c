@@ -51,9 +51,17 @@ static PyObject *py_decode_attention(PyObject *self, PyObject *const *args, Py_s
     return PyLong_FromLong(rc);
 }
 
+/* quant_linear.c's wrappers (their arguments: the comments above each there) */
+PyObject *hwpy_quant_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *hwpy_dequantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *hwpy_quantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
 static PyMethodDef methods[] = {
     {"small_linear", (PyCFunction)(void (*)(void))py_small_linear, METH_FASTCALL, "small_linear.c"},
     {"decode_attention", (PyCFunction)(void (*)(void))py_decode_attention, METH_FASTCALL, "decode_attention.c"},
+    {"quant_linear", (PyCFunction)(void (*)(void))hwpy_quant_linear, METH_FASTCALL, "quant_linear.c"},
+    {"dequantize", (PyCFunction)(void (*)(void))hwpy_dequantize, METH_FASTCALL, "quant_linear.c"},
+    {"quantize", (PyCFunction)(void (*)(void))hwpy_quantize, METH_FASTCALL, "quant_linear.c"},
     {NULL, NULL, 0, NULL},
 };
 
