@@ -42,7 +42,7 @@ def load_models():
     from headwise.models.gguf import read_gguf
 
     transformers.logging.set_verbosity_error()
-    model = headwise.load(MODEL)  # fp32 (the GGUF is dequantized)
+    model = headwise.load(MODEL, weights="fp32")  # the GGUF dequantized: fp32 against fp32 (quantized.py: as stored)
     if next(model.parameters()).dtype != torch.float32:
         model = model.float()
     hf_config, tensors, _ = read_gguf(resolve(MODEL))
@@ -82,7 +82,7 @@ def model_bytes(model) -> dict:
 # ------------------------------------------------------------------ plain linears (diagnostic)
 def unpacked_model():
     """The same model with plain nn.Linear (headwise.load(..., pack=False)): what packing buys."""
-    model = headwise.load(MODEL, pack=False)
+    model = headwise.load(MODEL, weights="fp32", pack=False)
     return model if next(model.parameters()).dtype == torch.float32 else model.float()
 
 

@@ -20,6 +20,7 @@ model(ids, cache=...)). `Worker` is the parent's handle on one such process.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -86,7 +87,12 @@ def main(checkout: str, threads: int) -> None:
 
     if threads > 0:
         torch.set_num_threads(threads)
-    model = headwise.load(MODEL)
+    # fp32 on both sides: checkouts from before issue 14 dequantize the GGUF; later ones keep it
+    # quantized unless asked (weights="fp32"), and this compares the forward, not the weight format
+    if "weights" in inspect.signature(headwise.load).parameters:
+        model = headwise.load(MODEL, weights="fp32")
+    else:
+        model = headwise.load(MODEL)
     cfg = model.config
 
     def info(_):

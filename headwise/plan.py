@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass, field
 
 from headwise.config import PRESETS, AttentionConfig, ModelConfig, get_preset, parse_overrides
+from headwise.formats import QUANT_FORMATS
 
 DTYPE_BYTES = {
     "fp32": 4, "float32": 4,
@@ -21,6 +22,22 @@ DTYPE_BYTES = {
     "int8": 1,
     "fp8": 1, "float8": 1,  # e4m3 / e5m2; scales of quantized formats are not counted
 }  # fmt: skip
+
+
+def weight_bytes(cfg: ModelConfig, params: dict[str, int], dtype: str, weights: str | None) -> dict[str, int]:
+    """Bytes of the weights by format: all in `dtype`, or with weights= a quantized format (q4_1,
+    q8_0, ...) for the matrices (attention, MLP, embeddings, lm_head) and `dtype` for norms and
+    the rest, as headwise.load(..., weights=) keeps them. Learned position tables stay in dtype."""
+    if weights is None or weights.strip().lower() in DTYPE_BYTES:
+        fmt = dtype if weights is None else weights.strip().lower()
+        return {fmt: params["total"] * dtype_bytes(fmt)}
+    fmt = weights.strip().lower()
+    if fmt not in QUANT_FORMATS:
+        raise ValueError(f"unknown weights {weights!r}; valid: {', '.join([*DTYPE_BYTES, *QUANT_FORMATS])}")
+    _, values, nbytes = QUANT_FORMATS[fmt]
+    positions = cfg.max_positions * cfg.d_model if cfg.positions == "learned" else 0
+    matrices = params["attention"] + params["mlp"] + params["embeddings"] - positions + params["lm_head"]
+    return {fmt: -(-matrices // values) * nbytes, dtype: (params["total"] - matrices) * dtype_bytes(dtype)}
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -181,6 +198,7 @@ class Plan:
     max_batch: int | None = None  # for `context`
     kv_pool_blocks: int | None = None  # an engine's KV pool in what is left: blocks of `block_size` tokens
     block_size: int = 16
+    weight_formats: dict[str, int] = field(default_factory=dict)  # bytes per format (weights=)
     notes: list[str] = field(default_factory=list)
 
 
@@ -192,12 +210,15 @@ def plan(
     memory: int | str | None = None,
     reserve: int | str = 0,
     block_size: int = 16,
+    weights: str | None = None,
 ) -> Plan:
+    """dtype: the KV cache's (and the weights', unless `weights` names their format: e.g. "q4_1"
+    for a 4-bit GGUF computed as stored, "int8" / "fp32")."""
     context = cfg.max_positions if context is None else context
     if context <= 0 or batch <= 0:
         raise ValueError(f"context={context} and batch={batch} must be positive")
-    nbytes = dtype_bytes(dtype)
     params = count_params(cfg)
+    formats = weight_bytes(cfg, params, dtype, weights)
     per_token = kv_bytes_per_token(cfg, dtype)
     result = Plan(
         config=cfg,
@@ -206,7 +227,8 @@ def plan(
         dtype=dtype,
         params=params,
         flops=flops_per_token(cfg, context),
-        weight_bytes=params["total"] * nbytes,
+        weight_bytes=sum(formats.values()),
+        weight_formats=formats,
         kv_bytes_per_token=per_token,
         kv_bytes=per_token * context * batch if cfg.causal else 0,
         memory=None if memory is None else parse_size(memory),
@@ -230,7 +252,7 @@ def plan(
         result.max_context = result.max_batch = 0
         devices = -(-(result.weight_bytes + result.reserve) // max(result.memory, 1))  # ceil
         notes.append(
-            f"weights alone ({fmt_bytes(result.weight_bytes)} in {dtype}) + reserve do not fit in "
+            f"weights alone ({fmt_bytes(result.weight_bytes)} in {'+'.join(formats)}) + reserve do not fit in "
             f"{fmt_bytes(result.memory)}: {fmt_bytes(-free)} short; shard over >= {devices} such devices "
             "or use a smaller --dtype"
         )
@@ -295,7 +317,10 @@ def format_plan(p: Plan) -> str:
     rows = [["parameters", fmt_count(pc["total"]), f"{pc['total']:,}"]]
     for part in ("attention", "mlp", "embeddings", "lm_head", "norms", "other"):
         rows.append([f"  {part}", fmt_count(pc[part]), _pct(pc[part], pc["total"])])
-    rows.append([f"weights ({p.dtype})", fmt_bytes(p.weight_bytes), ""])
+    rows.append([f"weights ({'+'.join(p.weight_formats) or p.dtype})", fmt_bytes(p.weight_bytes), ""])
+    if len(p.weight_formats) > 1:
+        for fmt, n in p.weight_formats.items():
+            rows.append([f"  in {fmt}", fmt_bytes(n), _pct(n, p.weight_bytes)])
     kv_how = f"2 x L {cfg.num_layers} x Hkv {attn.num_kv_heads} x D {attn.head_dim} x {dtype_bytes(p.dtype)} B"
     rows.append(["KV cache per token", fmt_bytes(p.kv_bytes_per_token), kv_how])
     kv_total = fmt_bytes(p.kv_bytes) if cfg.causal else "none (encoder)"
@@ -366,6 +391,8 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     arg("--context", type=int, metavar="N", help="tokens per sequence (default: the model's max_positions)")
     arg("--batch", type=int, default=1, metavar="B", help="sequences held at once (default: 1)")
     arg("--dtype", default="bf16", help="dtype of weights and KV cache: fp32, fp16, bf16, int8, fp8 (default: bf16)")
+    arg("--weights", metavar="FORMAT", help="the weights' own format where it differs from --dtype: a GGML block "
+        f"format computed as stored ({', '.join(QUANT_FORMATS)}) for the matrices, norms staying in --dtype")  # fmt: skip
     arg("--memory", metavar="SIZE", help="memory budget, e.g. 80GiB, 80GB (10^9 bytes), 24G (= 24GiB); "
         "adds the largest context and batch that fit after the weights")  # fmt: skip
     arg("--reserve", default="0", metavar="SIZE",
@@ -380,7 +407,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
 def run_plan(args: argparse.Namespace) -> int:
     """Print the plan for args.model (or every preset); 0 on success, 2 on bad input."""
     try:
-        kwargs = dict(context=args.context, batch=args.batch, dtype=args.dtype)
+        kwargs = dict(context=args.context, batch=args.batch, dtype=args.dtype, weights=getattr(args, "weights", None))
         kwargs.update(memory=args.memory, reserve=getattr(args, "reserve", 0))
         overrides = parse_overrides(getattr(args, "overrides", None) or [])
         if args.model.strip().lower() == "all":

@@ -328,3 +328,27 @@ def test_model_config_from_scratch():
                       num_kv_heads=1, d_ff=1024, max_positions=128)  # fmt: skip
     assert cfg.attention.kind == "MQA"
     assert kv_bytes_per_token(cfg, "fp16") == 2 * 4 * 1 * 32 * 2
+
+
+def test_quantized_weights_match_the_gguf_file():
+    """weights="q4_1": the matrices' bytes equal what the shipped Q4_1 GGUF stores for them (its
+    block linears are Q4_1; its token embedding is Q8_0, so that one is priced from the file's
+    Q8_0 tensor, at 34/32 bytes per value, against plan's q8_0)."""
+    import gguf
+
+    from headwise.models.builtin import resolve
+
+    tensors = gguf.GGUFReader(resolve("smollm2")).tensors
+    by_type = {}
+    for t in tensors:
+        by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + int(t.n_bytes)
+    cfg = get_preset("smollm2-135m")
+    emb = cfg.vocab_size * cfg.d_model
+    q4 = plan(cfg, dtype="fp32", weights="q4_1").weight_formats
+    q8 = plan(cfg, dtype="fp32", weights="q8_0").weight_formats
+    assert q4["q4_1"] - emb // 32 * 20 == by_type["Q4_1"]
+    assert q8["q8_0"] * 20 == q4["q4_1"] * 34  # the same blocks of 32, 34 bytes each instead of 20
+    assert emb // 32 * 34 == by_type["Q8_0"]
+    assert q4["fp32"] == by_type["F32"]  # norms
+    with pytest.raises(ValueError, match="q4_1"):
+        plan(cfg, weights="q3_xs")

@@ -1,0 +1,21 @@
+"""The GGML block formats headwise computes from, as plain data (no torch): plan.py sizes weights
+with it, kernels/quant.py checks blocks against it.
+
+name -> (GGML type id, values per block, bytes per block), the block_* structs of ggml-common.h.
+"""
+
+from __future__ import annotations
+
+QUANT_FORMATS = {
+    "q4_0": (2, 32, 18),  # f16 d, 16 bytes of 4-bit q: w = d (q - 8)
+    "q4_1": (3, 32, 20),  # f16 d, f16 m, 16 bytes: w = d q + m
+    "q8_0": (8, 32, 34),  # f16 d, 32 int8: w = d q
+    "q4_k": (12, 256, 144),  # f16 d, f16 dmin, 12 bytes of 6-bit scales / mins, 128 bytes of 4-bit q
+    "q6_k": (14, 256, 210),  # 128 + 64 bytes of 6-bit q, 16 int8 scales, f16 d
+}
+
+
+def bits_per_weight(fmt: str) -> float:
+    """Bits a weight takes in `fmt`, its block's scales included (q4_1: 5.0, q8_0: 8.5)."""
+    _, values, nbytes = QUANT_FORMATS[fmt]
+    return 8 * nbytes / values
