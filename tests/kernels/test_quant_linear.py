@@ -180,6 +180,8 @@ def test_dequantize_equals_gguf_bit_for_bit(fmt, O, I):
     want = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qtype(fmt)))
     got = quant.dequantize(blocks, fmt, O, I)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # the bits, signed zeros included
+    out = torch.full((O, I), float("nan"))
+    assert quant.dequantize(blocks, fmt, O, I, out=out) is out and torch.equal(out, got)
 
 
 def awkward_weights(O, I):
@@ -251,6 +253,8 @@ def test_bad_weights_are_refused():
         quant.quantize(torch.randn(4, 100), "q8_0")
     with pytest.raises(ValueError, match="shape"):
         quant.dequantize(blocks, "q4_1", 4, 512)
+    with pytest.raises(ValueError, match="out must be"):
+        quant.dequantize(blocks, "q4_1", 4, 256, out=torch.empty(4, 255))
 
 
 @pytest.mark.parametrize(
