@@ -107,9 +107,10 @@ def open_gguf(path: str | os.PathLike):
 
     try:
         try:
-            reader = _reader_class()(path)
+            # "c": a private (copy-on-write) map, so tensors viewing it are writable
+            reader = _reader_class()(path, "c")
         except TypeError:  # a future gguf changed `_get`'s signature: the stock reader is slower but fine
-            reader = gguf.GGUFReader(path)
+            reader = gguf.GGUFReader(path, "c")
     except Exception as e:  # noqa: BLE001 -- numpy/struct/unicode errors all mean the same here
         # A short file fails inside the reader: an index past the end of the map, or a
         # reshape of a tensor whose bytes are missing.
@@ -373,12 +374,19 @@ def llama_tensors(reader, cfg: dict, path: Path, *, keep_quantized: bool = False
     return out
 
 
+_FUSED = (".attn_q.", ".attn_k.", ".attn_v.", ".ffn_gate.", ".ffn_up.")  # rows stacked by loading.convert
+
+
 def _stored_blocks(t, shape: tuple[int, int]):
-    """A tensor's blocks as (O, row_bytes) uint8, copied out of the mapped file (so the map can close)."""
+    """A tensor's blocks as (O, row_bytes) uint8. Parts of a fused projection stay views of the
+    mapped file (the fusing copies them once); the rest are copied out now, so that each weight
+    is copied once, with no temporaries, and the map can close after loading."""
     from .quantized_load import QuantTensor
 
     fmt = FORMAT_OF_GGML[int(t.tensor_type)]
-    raw = np.array(t.data, copy=True).reshape(-1).view(np.uint8)
+    raw = np.asarray(t.data).reshape(-1).view(np.uint8)
+    if not any(part in t.name for part in _FUSED):
+        raw = raw.copy()
     need = shape[0] * row_bytes(fmt, shape[1])
     if raw.size != need:
         raise GGUFError(f"tensor {t.name} ({fmt}, shape {shape}) needs {need} bytes, the file has {raw.size}")

@@ -1,0 +1,261 @@
+"""headwise.load(..., weights=...): the shipped SmolLM2 GGUF run from its blocks as stored, int8 /
+int4 at load time for safetensors checkpoints, and the saved quantized form.
+
+References: the weights="fp32" path (dequantized; equal to transformers, test_gguf.py), the
+gguf package's tensor sizes, float64 F.linear, and sentence embeddings of the fp32 encoder."""
+
+import functools
+import gc
+import json
+import math
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import headwise
+from headwise.analysis.corpus import pydoc_corpus
+from headwise.cache import ContiguousKVCache
+from headwise.models.builtin import resolve
+from headwise.models.gguf import open_gguf
+from headwise.models.linear import QuantizedEmbedding, QuantizedLinear, weight_bytes
+from headwise.models.quantized_load import save
+
+from ..helpers import save_hf
+from .conftest import decoder_configs
+from .test_gguf import write_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def smol():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the OpenMP import-order note, when torch came first
+        return headwise.load("smollm2"), headwise.load("smollm2", weights="fp32")
+
+
+@functools.cache
+def stored_types():
+    """name -> (ggml type name, bytes) of every tensor in the shipped file, from gguf's reader."""
+    r = open_gguf(resolve("smollm2"))  # gguf.GGUFReader, with its metadata parse made faster
+    return {t.name: (t.tensor_type.name, int(t.n_bytes)) for t in r.tensors}
+
+
+def test_auto_keeps_every_weight_as_stored_once(smol):
+    q, _ = smol
+    assert isinstance(q.embed, QuantizedEmbedding) and q.embed.fmt == "q8_0"
+    assert isinstance(q.lm_head, QuantizedLinear) and q.lm_head.blocks is q.embed.blocks  # tied: one buffer
+    for layer in q.layers:
+        for lin in (layer.attn.qkv_proj, layer.attn.out_proj, layer.mlp.gate_up, layer.mlp.down):
+            assert type(lin) is QuantizedLinear and lin.fmt == "q4_1"
+    # nothing float is bigger than a norm (or RoPE's inv_freq): no fp32 copy of any weight
+    floats = [(n, t.shape) for n, t in (*q.named_parameters(), *q.named_buffers()) if t.is_floating_point()]
+    assert all(len(shape) == 1 for _, shape in floats), [f for f in floats if len(f[1]) > 1]
+    stored = stored_types()
+    by_type = {}
+    for kind, nbytes in stored.values():
+        by_type[kind.lower()] = by_type.get(kind.lower(), 0) + nbytes
+    got = weight_bytes(q)
+    assert got["q8_0"] == by_type["q8_0"] and got["q4_1"] == by_type["q4_1"]
+    assert got["float32"] == by_type["f32"]  # the norms
+
+
+def test_blocks_dequantize_to_the_fp32_path_bit_for_bit(smol):
+    """Q/K rows unpermuted and q|k|v, gate|up stacked on the blocks give exactly the weights the
+    dequantizing path builds (which equal transformers', test_gguf.py)."""
+    q, f = smol
+    fp32 = dict(f.named_modules())
+    n = 0
+    for name, m in q.named_modules():
+        if isinstance(m, (QuantizedLinear, QuantizedEmbedding)):
+            assert torch.equal(m.weight, fp32[name].weight), name
+            n += 1
+    assert n == 2 + 4 * q.config.num_layers
+
+
+def heldout_ids(tokenizer, n=384):
+    text = "\n\n".join(pydoc_corpus().heldout_paragraphs[:8])
+    ids = tokenizer.encode(text)[:n]
+    assert len(ids) == n
+    return ids
+
+
+def teacher_forced_logits(model, ids, chunk=64):
+    """Logits of every position, fed `chunk` tokens a step through a KV cache, so each step takes
+    the few-rows route (the quantized kernel) as generation does."""
+    c = model.config
+    cache = ContiguousKVCache(c.num_layers, 1, c.num_kv_heads, len(ids), c.head_dim)
+    with torch.inference_mode():
+        return torch.cat([model(torch.tensor([ids[s : s + chunk]]), cache=cache)[0] for s in range(0, len(ids), chunk)])
+
+
+def perplexity(logits, ids):
+    lp = torch.log_softmax(logits[:-1].double(), -1)
+    return math.exp(-lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].mean().item())
+
+
+def test_quantized_compute_keeps_perplexity_and_top_tokens(smol, monkeypatch):
+    q, f = smol
+    calls = []
+    run = QuantizedLinear.run
+    monkeypatch.setattr(QuantizedLinear, "run", staticmethod(lambda p, x, **k: calls.append(1) or run(p, x, **k)))
+    ids = heldout_ids(q.tokenizer)
+    lq, lf = teacher_forced_logits(q, ids), teacher_forced_logits(f, ids)
+    assert len(calls) == len(range(0, len(ids), 64)) * (4 * q.config.num_layers + 1)  # every linear: the kernel
+    pq, pf = perplexity(lq, ids), perplexity(lf, ids)
+    assert abs(pq / pf - 1) < 0.005, (pq, pf)  # measured: 16.69 vs 16.68 (+0.06%)
+    # logits: int8 activations per 32 values move them by ~0.1 on a scale of ~30 (measured max ~1.3)
+    assert (lq - lf).abs().mean() < 0.25 and (lq - lf).abs().max() < 3
+    # the top token is the same wherever fp32's top two are not a near-tie
+    top2 = lf.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.5
+    assert torch.equal(lq.argmax(-1)[clear], lf.argmax(-1)[clear])
+
+
+PROMPTS = ["def fibonacci(n):", "Water boils at", "In Python, a list comprehension", "Once upon a time,"]
+NEAR_TIE = 0.25  # logits: fp32's top-two gap below which int8 activation rounding may flip the pick
+
+
+def test_greedy_tokens_agree_until_a_near_tie(smol):
+    """32 greedy tokens from the quantized and the fp32 model. Measured here: the first three
+    prompts agree on all 32; "Once upon a time," forks at token 28, where fp32's top two logits
+    are 0.07 apart (on 9 prompts tried, 3 agreed on all 32, and every fork was at a gap < 0.18)."""
+    q, f = smol
+    whole = 0
+    for p in PROMPTS:
+        a = headwise.generate(q, p, max_new_tokens=32, temperature=0)
+        b = headwise.generate(f, p, max_new_tokens=32, temperature=0)
+        fork = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if fork is None:
+            assert a.token_ids == b.token_ids
+            whole += 1
+            continue
+        with torch.inference_mode():
+            logits = f(torch.tensor([b.prompt_token_ids + b.token_ids[:fork]]))[0, -1]
+        top = logits.topk(2).values
+        assert top[0] - top[1] < NEAR_TIE, f"{p!r} forks at token {fork} where fp32 is sure ({top.tolist()})"
+    assert whole >= 3
+
+
+MEMORY_CONSTANT = 96 << 20  # the tokenizer (49k tokens, ~35 MiB) and what parsing the GGUF's metadata leaves
+
+
+def test_resident_memory_after_load():
+    """Fresh process: resident bytes added by loading <= 1.3x the file's weight bytes + 96 MiB
+    (measured: +183 MiB for 92 MiB of weights; the fp32 path adds ~600 MiB)."""
+    weights = sum(nbytes for _, nbytes in stored_types().values())
+    code = (
+        "import gc, headwise, torch\n"
+        "def rss(): return int(open('/proc/self/status').read().split('VmRSS:')[1].split()[0]) * 1024\n"
+        "before = rss(); m = headwise.load('smollm2'); gc.collect(); print(rss() - before)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    added = int(out.stdout.split()[-1])
+    assert added <= 1.3 * weights + MEMORY_CONSTANT, f"{added / 2**20:.0f} MiB for {weights / 2**20:.0f} MiB"
+
+
+def test_saved_quantized_model_loads_back_the_same(smol, tmp_path):
+    q, _ = smol
+    save(q, tmp_path / "smol")
+    assert json.loads((tmp_path / "smol" / "headwise_model.json").read_text())["quantized"]["embed"] == "q8_0"
+    back = headwise.load(tmp_path / "smol")
+    assert back.lm_head.blocks is back.embed.blocks
+    for (n, a), (m, b) in zip(q.state_dict().items(), back.state_dict().items()):
+        assert n == m and a.dtype == b.dtype and torch.equal(a, b), n
+    ids = torch.tensor([q.tokenizer.encode("The capital of France is")])
+    with torch.inference_mode():
+        assert torch.equal(back(ids), q(ids))
+    assert back.tokenizer.encode("hello world") == q.tokenizer.encode("hello world")
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return headwise.load("minilm"), headwise.load("minilm", weights="int8")
+
+
+def test_minilm_int8_embeddings_keep_cosine(minilm):
+    f, q = minilm
+    assert isinstance(q.embed, QuantizedEmbedding) and q.embed.fmt == "q8_0"
+    assert type(q.pos_embed) is torch.nn.Embedding  # position and segment tables stay fp32
+    assert sum(type(m) is QuantizedLinear for m in q.modules()) == 6 * 4 + (1 if q.config.pooler else 0)
+    texts = pydoc_corpus().heldout_sentences[:48]
+    cos = F.cosine_similarity(headwise.embed(q, texts), headwise.embed(f, texts))
+    assert cos.min() >= 0.999, cos.min()
+
+
+def test_saved_int8_encoder_loads_back_the_same(minilm, tmp_path):
+    _, q = minilm
+    back = headwise.load(save(q, tmp_path / "minilm8"))
+    texts = ["a sentence to embed", "and another one"]
+    assert torch.equal(headwise.embed(back, texts), headwise.embed(q, texts))
+
+
+@pytest.mark.parametrize("weights,fmt", [("int8", "q8_0"), ("int4", "q4_1"), ("q4_0", "q4_0")])
+@pytest.mark.parametrize("name", ["llama-mqa-tied", "llama-bias", "gpt2"])
+def test_requantized_safetensors_checkpoint(tmp_path_factory, name, weights, fmt):
+    """Linears become blocks of `fmt` computing F.linear on their dequantized weight; biases,
+    norms (and GPT-2's tied embedding, which its family ties as a Parameter) stay float."""
+    torch.manual_seed(0)
+    config, cls = decoder_configs()[name]()
+    path = save_hf(tmp_path_factory, name, cls(config).eval())
+    ref, q = headwise.load(path, weights="fp32"), headwise.load(path, weights=weights)
+    lins = [(n, m) for n, m in q.named_modules() if isinstance(m, QuantizedLinear)]
+    assert lins and all(m.fmt == fmt for _, m in lins)
+    if name == "llama-mqa-tied":
+        assert q.lm_head.blocks is q.embed.blocks
+    if name == "gpt2":
+        assert q.lm_head.weight is q.embed.weight  # float, still tied
+    fp = dict(ref.named_modules())
+    for n, m in lins:
+        err = (m.weight - fp[n].weight).abs()  # what quantizing cost: under a step of the format
+        assert err.max() <= fp[n].weight.abs().max() / (6 if fmt != "q8_0" else 100), n
+        if m.bias is not None:
+            assert torch.equal(m.bias, fp[n].bias)
+    ids = torch.randint(0, config.vocab_size, (2, 9))
+    with torch.inference_mode():
+        lq, lf = q(ids), ref(ids)
+    assert torch.isfinite(lq).all() and F.cosine_similarity(lq.flatten(), lf.flatten(), dim=0) > 0.9
+
+
+def test_bf16_and_fp32_dequantize(smol, tmp_path):
+    tiny = tmp_path / "tiny.gguf"
+    write_tiny_llama(tiny)
+    b = headwise.load(tiny, weights="bf16")
+    assert not any(isinstance(m, (QuantizedLinear, QuantizedEmbedding)) for m in b.modules())
+    assert {p.dtype for p in b.parameters()} == {torch.bfloat16}
+    with pytest.raises(ValueError, match="disagree"):
+        headwise.load(tiny, weights="bf16", dtype="fp32")
+
+
+def test_mixed_formats_fall_back_to_fp32_with_one_warning(tmp_path):
+    """The tiny file mixes types inside q|k|v and gate|up (as Q4_K_M files put V in Q6_K): those
+    projections are fp32, the rest kept as stored, and every weight equals the fp32 path's."""
+    tiny = tmp_path / "tiny.gguf"
+    write_tiny_llama(tiny)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        q = headwise.load(tiny)
+    mixed = [w for w in caught if "mix storage formats" in str(w.message)]
+    assert len(mixed) == 1
+    msg = str(mixed[0].message)
+    assert "layers.0.attn.qkv_proj.weight [q4_k|q4_0|q4_1]" in msg and "layers.1.mlp.gate_up.weight" in msg
+    assert type(q.layers[0].attn.qkv_proj) is not QuantizedLinear
+    assert q.layers[1].mlp.down.fmt == "q8_0" and q.lm_head.fmt == "q6_k" and q.embed.fmt == "q8_0"
+    f = headwise.load(tiny, weights="fp32")
+    fp = dict(f.named_modules())
+    for n, m in q.named_modules():
+        if hasattr(m, "weight") and isinstance(getattr(m, "weight", None), torch.Tensor) and n in fp:
+            assert torch.equal(m.weight, fp[n].weight), n
+    ids = torch.randint(0, q.config.vocab_size, (1, 12))
+    with torch.inference_mode():
+        lq, lf = q(ids), f(ids)
+    assert (lq - lf).abs().max() < 0.05 * lf.abs().max()
+
+
+def test_bad_weights_value_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="weights='int3' is not one of auto, fp32, bf16, q8_0, q4_0, q4_1, int8"):
+        headwise.load("smollm2", weights="int3")
+    gc.collect()

@@ -1,0 +1,208 @@
+"""QuantizedLinear / QuantizedEmbedding (models/linear.py) against F.linear and indexing on the
+weight as the gguf package dequantizes it (independent of our decoders and kernels).
+
+Both routes are forced: the PyTorch fallback (dequantize, F.linear: exact up to F.linear's own
+rounding) and the kernel (kernels.quant: within the rounding of its int8 activations)."""
+
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from headwise import kernels
+from headwise.models import linear
+from headwise.models.blocks import RMSNorm, fused_linear
+from headwise.models.linear import FORMATS, QuantizedEmbedding, QuantizedLinear, weight_bytes
+from headwise.models.packing import pack_linears, prepack, unpack_linears
+
+SHAPES = [(7, 32), (33, 96), (64, 256), (130, 512)]  # (O, I): odd row counts, 1..16 blocks of 32
+K_SHAPES = [(7, 256), (33, 512)]  # the K-quants' blocks are 256 values
+
+
+def make_blocks(fmt, O, I, seed=0):
+    """Blocks as llama.cpp's quantizer writes them (q4_0, q4_1, q8_0) or random with sane f16
+    scales (q4_k, q6_k: gguf cannot quantize them)."""
+    g = torch.Generator().manual_seed(seed)
+    if fmt in ("q4_0", "q4_1", "q8_0"):
+        w = torch.randn(O, I, generator=g) * 0.05
+        return torch.from_numpy(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType(FORMATS[fmt][0])))
+    _, block, nbytes = FORMATS[fmt]
+    b = torch.randint(0, 256, (O * I // block, nbytes), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(O * I // block, 2, generator=g) * 0.01).half().view(torch.uint8)  # (N, 4) bytes
+    if fmt == "q4_k":  # d, dmin at bytes 0..3
+        b[:, 0:4] = scales
+    else:  # q6_k: d at bytes 208..209
+        b[:, 208:210] = scales[:, 0:2]
+    return b.reshape(O, -1).contiguous()
+
+
+def reference_weight(blocks, fmt, O, I):
+    """gguf's numpy dequantizer: the reference transformers uses too."""
+    out = gguf.quants.dequantize(blocks.numpy().reshape(-1), gguf.GGMLQuantizationType(FORMATS[fmt][0]))
+    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(O, I)
+
+
+def cases():
+    for fmt in FORMATS:
+        for O, I in K_SHAPES if fmt in ("q4_k", "q6_k") else SHAPES:
+            yield fmt, O, I
+
+
+@pytest.fixture
+def no_kernel(monkeypatch):
+    monkeypatch.setattr(linear, "kernel_unavailable", lambda fmt: "forced off by the test")
+
+
+@pytest.mark.parametrize("fmt,O,I", list(cases()))
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_fallback_is_flinear_on_the_dequantized_weight(fmt, O, I, rows, no_kernel):
+    blocks = make_blocks(fmt, O, I)
+    bias = torch.randn(O)
+    lin = QuantizedLinear(I, O, fmt, bias=True, blocks=blocks)
+    with torch.no_grad():
+        lin.bias.copy_(bias)
+    x = torch.randn(rows, I)
+    w = reference_weight(blocks, fmt, O, I)
+    assert torch.equal(lin.weight, w)  # our decoders are bit for bit gguf's
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), F.linear(x, w, bias), rtol=1e-6, atol=1e-6)
+
+
+def activation_bound(x, w, block):
+    """|x W^T - x_q W^T| when x is rounded to int8 per `block` values (scale amax / 127: at most
+    half a step, amax / 254, per value), plus fp32 accumulation."""
+    xb = x.double().reshape(x.shape[0], -1, block)  # (M, nb, block)
+    step = xb.abs().amax(-1) / 254  # (M, nb)
+    wb = w.double().abs().reshape(w.shape[0], -1, block).sum(-1)  # (O, nb)
+    return 1.05 * step @ wb.T + 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-6
+
+
+def kernel_block(fmt):
+    return FORMATS[fmt][1]  # the K-quants quantize x per 256 (q8_K), the others per 32 (q8_0/q8_1)
+
+
+def test_the_kernel_runs_here():
+    """This machine (x86-64, AVX2) builds headwise.kernels with the quantized kernels."""
+    for fmt in FORMATS:
+        assert linear.kernel_unavailable(fmt) is None
+
+
+@pytest.mark.parametrize("fmt,O,I", list(cases()))
+@pytest.mark.parametrize("rows", [1, 3, 16, kernels.KERNEL_ROWS])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_within_activation_rounding(fmt, O, I, rows, threads, monkeypatch):
+    calls = []
+    run = QuantizedLinear.run
+    monkeypatch.setattr(QuantizedLinear, "run", staticmethod(lambda p, x, **k: calls.append(1) or run(p, x, **k)))
+    blocks = make_blocks(fmt, O, I, seed=rows)
+    lin = QuantizedLinear(I, O, fmt, blocks=blocks)
+    x = torch.randn(rows, I)
+    w = reference_weight(blocks, fmt, O, I)
+    n = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            y = lin(x)
+    finally:
+        torch.set_num_threads(n)
+    assert calls, "the kernel was not used"
+    err = (y.double() - x.double() @ w.double().T).abs()
+    assert (err <= activation_bound(x, w, kernel_block(fmt))).all(), err.max()
+
+
+def test_many_rows_dequantize_per_call_and_keep_no_copy(monkeypatch):
+    monkeypatch.setattr(QuantizedLinear, "run", None)  # the kernel must not be called
+    blocks = make_blocks("q4_1", 64, 256)
+    lin = QuantizedLinear(256, 64, "q4_1", blocks=blocks)
+    x = torch.randn(kernels.KERNEL_ROWS + 1, 256)
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), F.linear(x, reference_weight(blocks, "q4_1", 64, 256)))
+    assert [n for n, _ in lin.named_buffers()] == ["blocks"] and list(lin.parameters()) == []
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q6_k"])
+def test_fused_linear_prologues_and_residual(fmt):
+    """The decoder block's few-rows call: RMSNorm or SwiGLU folded in before, a residual after;
+    against the same ops in float64 on the dequantized weight."""
+    I, O, M = 256, 96, 4
+    lin = QuantizedLinear(I, O, fmt, blocks=make_blocks(fmt, O, I))
+    w = reference_weight(lin.blocks, fmt, O, I)
+    norm = RMSNorm(I, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(I) + 0.5)
+        x, r, gu = torch.randn(M, I), torch.randn(M, O), torch.randn(M, 2 * I)
+        assert lin.route_plan(x) is not None
+        for got, h in (
+            (fused_linear(lin, x, norm=norm, residual=r), norm(x)),
+            (fused_linear(lin, gu, swiglu=True, residual=r), F.silu(gu[:, :I]) * gu[:, I:]),
+        ):
+            err = (got.double() - (h.double() @ w.double().T + r.double())).abs()
+            assert (err <= activation_bound(h, w, kernel_block(fmt)) + 1e-5).all(), err.max()
+
+
+def test_route_plan_refuses_what_the_kernel_cannot_take():
+    lin = QuantizedLinear(256, 32, "q8_0", blocks=make_blocks("q8_0", 32, 256))
+    assert lin.route_plan(torch.randn(kernels.KERNEL_ROWS, 256)) is not None
+    assert lin.route_plan(torch.randn(kernels.KERNEL_ROWS + 1, 256)) is None
+    assert lin.route_plan(torch.randn(2, 256, dtype=torch.bfloat16)) is None
+    assert lin.route_plan(torch.randn(256, 2).t()) is None  # strided
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_embedding_gathers_dequantized_rows(fmt):
+    V, C = 50, 256
+    blocks = make_blocks(fmt, V, C)
+    emb = QuantizedEmbedding(V, C, fmt, blocks=blocks)
+    ids = torch.tensor([[3, 0, 49], [7, 7, 1]])
+    assert torch.equal(emb(ids), reference_weight(blocks, fmt, V, C)[ids])
+
+
+def test_tied_head_shares_the_embedding_blocks():
+    emb = QuantizedEmbedding(64, 256, "q8_0", blocks=make_blocks("q8_0", 64, 256))
+    head = QuantizedLinear.tied_to(emb)
+    assert head.blocks is emb.blocks and (head.in_features, head.out_features) == (256, 64)
+    model = torch.nn.ModuleDict({"embed": emb, "head": head})
+    assert weight_bytes(model) == {"q8_0": emb.blocks.numel()}  # counted once
+
+
+def test_weight_is_a_copy_repr_and_bytes():
+    lin = QuantizedLinear(256, 8, "q4_0", blocks=make_blocks("q4_0", 8, 256))
+    before = lin.blocks.clone()
+    lin.weight.zero_()  # a copy: the blocks do not change
+    assert torch.equal(lin.blocks, before)
+    assert "fmt=q4_0" in repr(lin) and lin.weight_bytes() == 8 * 8 * 18
+
+
+def test_bad_blocks_and_formats_are_named():
+    with pytest.raises(ValueError, match=r"uint8 \(8, 144\)"):
+        QuantizedLinear(256, 8, "q4_0", blocks=torch.zeros(8, 100, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="unknown quantized format 'q5_0'"):
+        QuantizedLinear(256, 8, "q5_0")
+    with pytest.raises(ValueError, match="not a multiple"):
+        QuantizedLinear(100, 8, "q8_0")
+
+
+def test_packing_leaves_quantized_linears_alone():
+    model = torch.nn.Sequential(torch.nn.Linear(256, 8), QuantizedLinear(8 * 32, 4, "q8_0"))
+    pack_linears(model)
+    prepack(model)
+    assert type(model[1]) is QuantizedLinear
+    unpack_linears(model)
+    assert type(model[1]) is QuantizedLinear and type(model[0]) is torch.nn.Linear
+
+
+def test_models_import_and_run_without_the_extension():
+    code = (
+        "import torch, headwise.models\n"
+        "from headwise.models.linear import QuantizedLinear, kernel_unavailable\n"
+        "lin = QuantizedLinear(32, 4, 'q8_0', blocks=torch.zeros(4, 34, dtype=torch.uint8))\n"
+        "print(kernel_unavailable('q8_0') is not None, lin(torch.ones(2, 32)).abs().sum().item())\n"
+    )
+    env = {"HEADWISE_KERNELS": "0", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "0.0"]
