@@ -69,6 +69,12 @@ static inline __m256 rounded8(__m256 v) {
 
 /* ---- x: fp32 rows -> int8 blocks of 32 ---- */
 
+/* 4 x 8 int32 -> 32 int8 in order (the packs interleave 128-bit lanes; the permute undoes it). */
+static inline __m256i pack32(const __m256i i[4]) {
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    return _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 /* Row-major x (M, I) -> q (M, I) int8, d and s (M, I / 32): d = amax / 127, q = round-to-even(x / d)
  * (x times 1 / d in fp32, as llama.cpp's quantize_row_q8_0 does), s = d * sum(q). */
 static void quantize_x(const float *x, long M, long I, int8_t *q, float *d, float *s) {
@@ -92,10 +98,7 @@ static void quantize_x(const float *x, long M, long I, int8_t *q, float *d, floa
         __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
         t4 = _mm_hadd_epi32(t4, t4);
         t4 = _mm_hadd_epi32(t4, t4);
-        /* packs interleave the 128-bit lanes; the permute puts the 32 values back in order */
-        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(q + mb * QK), p);
+        _mm256_storeu_si256((__m256i *)(q + mb * QK), pack32(i));
         d[mb] = dd;
         s[mb] = dd * (float)_mm_cvtsi128_si32(t4);
     }
@@ -343,12 +346,22 @@ static inline void store_f16(uint8_t *p, float v) {
 }
 
 static void quantize_block(int fmt, const float *x, uint8_t *out) {
-    if (fmt == Q8_0) {  /* quantize_row_q8_0_ref: d = amax / 127, q = roundf(x / d) */
+    if (fmt == Q8_0) {  /* quantize_row_q8_0_ref: d = amax / 127, q = roundf(x * (1 / d)) */
         float amax = 0.0f;
         for (int j = 0; j < QK; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
         const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
         store_f16(out, d);
-        for (int j = 0; j < QK; j++) out[2 + j] = (uint8_t)(int8_t)roundf(x[j] * id);
+        /* roundf, half away from zero, branch-free: v - trunc(v) is exact, so the test is too */
+        const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+        __m256i i[4];
+        for (int k = 0; k < 4; k++) {
+            const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + 8 * k), _mm256_set1_ps(id));
+            const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            const __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(v, t)), half, _CMP_GE_OQ);
+            const __m256 step = _mm256_and_ps(up, _mm256_or_ps(one, _mm256_and_ps(v, sign)));  /* +-1 or 0 */
+            i[k] = _mm256_cvttps_epi32(_mm256_add_ps(t, step));
+        }
+        _mm256_storeu_si256((__m256i *)(out + 2), pack32(i));
         return;
     }
     float d, id, lo;

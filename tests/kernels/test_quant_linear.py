@@ -99,11 +99,13 @@ def test_bias_residual_and_leading_dims(fmt):
     assert_close(got.reshape(3, 13), quantized_x(x.reshape(3, 512)), blocks, fmt, b, r.reshape(3, 13))
 
 
-def test_zero_rows_and_tiny_values():
-    """A block of zeros quantizes to d = 0 (no division by zero); tiny values keep their scale."""
-    blocks, x = random_blocks("q4_1", 5, 256), torch.randn(2, 256)
+def test_zero_rows_tiny_values_and_ties():
+    """A block of zeros quantizes to d = 0 (no division by zero); tiny values keep their scale;
+    exact ties (d = 1: x = 127 and halves) round half to even, as the kernel's conversion does."""
+    blocks, x = random_blocks("q4_1", 5, 256), torch.randn(3, 256)
     x[0, :32] = 0
     x[1] *= 1e-30
+    x[2, :32] = torch.cat([torch.tensor([127.0, 126.0]), torch.arange(30) - 14.5])
     assert_close(run(blocks, "q4_1", x), quantized_x(x), blocks, "q4_1")
 
 
@@ -185,7 +187,7 @@ def test_dequantize_equals_gguf_bit_for_bit(fmt, O, I):
 
 
 def awkward_weights(O, I):
-    """Normal values plus blocks gguf's quantizers treat specially: all zero, one value, ties."""
+    """Normal values plus blocks gguf's quantizers treat specially: all zero, one value, exact ties."""
     g = torch.Generator().manual_seed(1)
     w = torch.randn(O, I, generator=g) * torch.rand(O, 1, generator=g) * 10
     w[0, :32] = 0
@@ -193,11 +195,14 @@ def awkward_weights(O, I):
     w[0, 40] = -3.0  # a single negative maximum
     w[1, :32] = torch.arange(32) / 2 - 8  # halves: x / d lands on .5 ties
     w[1, 32:64] = 1e-9
+    halves = torch.arange(30) - 14.5  # exact .5 ties where the step d is 1
+    w[2, :32] = torch.cat([torch.tensor([127.0, -127.0]), halves])  # Q8_0: d = 1
+    w[2, 32:64] = torch.cat([torch.tensor([0.0, 15.0]), halves.abs().clamp(max=14.5)])  # Q4_1: d = 1, min 0
     return w
 
 
 @pytest.mark.parametrize("fmt", quant.QUANTIZE_FORMATS)
-@pytest.mark.parametrize("O,I", [(2, 64), (13, 576), (300, 1536)])
+@pytest.mark.parametrize("O,I", [(3, 64), (13, 576), (300, 1536)])
 def test_quantize_equals_gguf_bit_for_bit(fmt, O, I):
     w = awkward_weights(O, I)
     want = torch.from_numpy(gguf.quants.quantize(w.numpy(), qtype(fmt)))
