@@ -116,7 +116,7 @@ def run_quant(
     kernels.run_linear's. No autograd: for inference."""
     mod = _module()
     O, I = plan.out_features, plan.in_features
-    M = x.numel() // x.shape[-1] if x.dim() else 0
+    M = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
     if x.dim() == 0 or x.shape[-1] != (2 * I if prologue == PRO_SWIGLU else I) or not 0 < M <= KERNEL_ROWS:
         raise ValueError(
             f"{plan.fmt} linear: x {tuple(x.shape)} does not fit a ({O}, {I}) weight (prologue {prologue}) "

@@ -266,6 +266,8 @@ def test_bad_weights_are_refused():
     "x,kw,match",
     [
         (torch.randn(2, 255), {}, "does not fit"),
+        (torch.randn(2, 0), {}, "does not fit"),
+        (torch.randn(0, 256), {}, f"1 to {KERNEL_ROWS} rows"),
         (torch.randn(KERNEL_ROWS + 1, 256), {}, f"1 to {KERNEL_ROWS} rows"),
         (torch.randn(2, 256).half(), {}, "fp32"),
         (torch.randn(256, 2).t(), {}, "strided"),
