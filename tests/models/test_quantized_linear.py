@@ -69,7 +69,28 @@ def test_fallback_is_flinear_on_the_dequantized_weight(fmt, O, I, rows, no_kerne
     w = reference_weight(blocks, fmt, O, I)
     assert torch.equal(lin.weight, w)  # our decoders are bit for bit gguf's
     with torch.no_grad():
-        torch.testing.assert_close(lin(x), F.linear(x, w, bias), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(lin(x), F.linear(rounded_x(x), w, bias), rtol=1e-6, atol=1e-6)
+
+
+def rounded_x(x):
+    """x as the kernel rounds it before its integer dots (kernels/quant.py, tests/kernels):
+    per 32 values d = amax / 127, q = round-half-even(x * (1 / d)), in fp32; back as q * d."""
+    b = x.reshape(x.shape[0], -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(b * torch.where(d == 0, 0, 1 / d)) * d).reshape(x.shape)
+
+
+@pytest.mark.parametrize("fmt,O,I", list(cases()))
+def test_every_route_computes_the_same_rows(fmt, O, I):
+    """A row's output does not depend on the route its step takes: the kernel (<= KERNEL_ROWS
+    rows), dequantize + F.linear (more rows), or the PyTorch fallback agree to fp32 rounding."""
+    lin = QuantizedLinear(I, O, fmt, blocks=make_blocks(fmt, O, I))
+    x = torch.randn(kernels.KERNEL_ROWS + 6, I)
+    with torch.no_grad():
+        many = lin(x)  # one call of 70 rows: dequantize + F.linear
+        few = torch.cat([lin(x[i : i + 5]) for i in range(0, len(x), 5)])  # the kernel
+        size = rounded_x(x).abs() @ lin.weight.abs().T
+    assert ((many - few).abs() <= 2e-6 * size + 1e-6).all()
 
 
 def activation_bound(x, w, block):
@@ -114,14 +135,30 @@ def test_kernel_within_activation_rounding(fmt, O, I, rows, threads, monkeypatch
     assert (err <= activation_bound(x, w, kernel_block(fmt))).all(), err.max()
 
 
-def test_many_rows_dequantize_per_call_and_keep_no_copy(monkeypatch):
+@pytest.mark.parametrize("tile", [linear.TILE_VALUES, 256 * 7])  # one tile, or 10 tiles of 7 rows (the last 1)
+def test_many_rows_dequantize_tiles_and_keep_no_copy(monkeypatch, tile):
     monkeypatch.setattr(QuantizedLinear, "run", None)  # the kernel must not be called
+    monkeypatch.setattr(linear, "TILE_VALUES", tile)
     blocks = make_blocks("q4_1", 64, 256)
-    lin = QuantizedLinear(256, 64, "q4_1", blocks=blocks)
-    x = torch.randn(kernels.KERNEL_ROWS + 1, 256)
+    lin = QuantizedLinear(256, 64, "q4_1", bias=True, blocks=blocks)
     with torch.no_grad():
-        torch.testing.assert_close(lin(x), F.linear(x, reference_weight(blocks, "q4_1", 64, 256)))
-    assert [n for n, _ in lin.named_buffers()] == ["blocks"] and list(lin.parameters()) == []
+        lin.bias.normal_()
+    x = torch.randn(3, kernels.KERNEL_ROWS, 256)
+    with torch.inference_mode():
+        got = lin(x)
+    want = F.linear(rounded_x(x.reshape(-1, 256)), reference_weight(blocks, "q4_1", 64, 256), lin.bias.detach())
+    torch.testing.assert_close(got, want.view(3, -1, 64))
+    assert [n for n, _ in lin.named_buffers()] == ["blocks"] and [n for n, _ in lin.named_parameters()] == ["bias"]
+
+
+def test_gradients_reach_the_bias_and_the_input():
+    """Training through a quantized layer (the bias, or whatever comes before it): the rounding
+    of x passes gradients straight through, as if it were not there."""
+    lin = QuantizedLinear(64, 8, "q8_0", bias=True, blocks=make_blocks("q8_0", 8, 64))
+    x = torch.randn(100, 64, requires_grad=True)
+    lin(x).sum().backward()
+    torch.testing.assert_close(x.grad, lin.weight.sum(0).expand(100, 64))
+    torch.testing.assert_close(lin.bias.grad, torch.full((8,), 100.0))
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q6_k"])
