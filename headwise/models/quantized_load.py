@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .linear import FORMATS, QUANTIZED, QuantizedEmbedding, QuantizedLinear, dequantize, quantize
+from .linear import FORMATS, QUANTIZED, QuantizedEmbedding, QuantizedLinear, dequantize, kernel_unavailable, quantize
 
 ALIASES = {"int8": "q8_0", "int4": "q4_1"}
 TARGETS = ("q8_0", "q4_0", "q4_1")  # what weights= may requantize to (gguf.quants has their quantizers)
@@ -161,6 +161,20 @@ def install(model: nn.Module, state: dict) -> None:
         state[f"{module_name}.blocks"] = qt.blocks
     if hasattr(model, "tie_weights"):
         model.tie_weights()
+    _say_without_kernel(model)
+
+
+def _say_without_kernel(model: nn.Module) -> None:
+    """One warning when quantized layers will run on the PyTorch fallback (dequantize per call)."""
+    why = {m.fmt: kernel_unavailable(m.fmt) for m in model.modules() if isinstance(m, QUANTIZED)}
+    why = {fmt: reason for fmt, reason in why.items() if reason is not None}
+    if why:
+        warnings.warn(
+            f"the quantized layers ({', '.join(sorted(why))}) have no kernel here ({next(iter(why.values()))}); "
+            "they dequantize their weight on every call, which is slow for decoding. "
+            "Reinstall headwise on x86-64 with AVX2, or load with weights='fp32'",
+            stacklevel=4,
+        )
 
 
 def formats(model: nn.Module) -> dict[str, str]:

@@ -6,6 +6,7 @@ rounding) and the kernel (kernels.quant: within the rounding of its int8 activat
 
 import subprocess
 import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -232,14 +233,23 @@ def test_packing_leaves_quantized_linears_alone():
     assert type(model[1]) is QuantizedLinear and type(model[0]) is torch.nn.Linear
 
 
-def test_models_import_and_run_without_the_extension():
+def test_models_import_and_run_without_the_extension(tmp_path):
+    """The PyTorch fallback, and load says once that it will be used."""
     code = (
-        "import torch, headwise.models\n"
+        "import sys, torch, headwise.models\n"
         "from headwise.models.linear import QuantizedLinear, kernel_unavailable\n"
         "lin = QuantizedLinear(32, 4, 'q8_0', blocks=torch.zeros(4, 34, dtype=torch.uint8))\n"
         "print(kernel_unavailable('q8_0') is not None, lin(torch.ones(2, 32)).abs().sum().item())\n"
+        "import warnings, headwise\n"
+        "from tests.models.test_gguf import write_tiny_llama\n"
+        "write_tiny_llama(sys.argv[1])\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    headwise.load(sys.argv[1])\n"
+        "print(sum('have no kernel here' in str(x.message) for x in w))\n"
     )
     env = {"HEADWISE_KERNELS": "0", "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    args = [sys.executable, "-c", code, str(tmp_path / "tiny.gguf")]
+    out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120, cwd=Path(__file__).parents[2])
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["True", "0.0"]
+    assert out.stdout.split() == ["True", "0.0", "1"]
