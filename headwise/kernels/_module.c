@@ -55,6 +55,7 @@ static PyObject *py_decode_attention(PyObject *self, PyObject *const *args, Py_s
 PyObject *hwpy_quant_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *hwpy_dequantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *hwpy_quantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *hwpy_repack8(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 static PyMethodDef methods[] = {
     {"small_linear", (PyCFunction)(void (*)(void))py_small_linear, METH_FASTCALL, "small_linear.c"},
@@ -62,6 +63,7 @@ static PyMethodDef methods[] = {
     {"quant_linear", (PyCFunction)(void (*)(void))hwpy_quant_linear, METH_FASTCALL, "quant_linear.c"},
     {"dequantize", (PyCFunction)(void (*)(void))hwpy_dequantize, METH_FASTCALL, "quant_linear.c"},
     {"quantize", (PyCFunction)(void (*)(void))hwpy_quantize, METH_FASTCALL, "quant_linear.c"},
+    {"repack8", (PyCFunction)(void (*)(void))hwpy_repack8, METH_FASTCALL, "quant_linear.c"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -36,6 +36,7 @@
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  /* GGML type ids */
 enum { QK = 32, QK_K = 256 };
 enum { ERR_ALLOC = -1, ERR_FORMAT = -2, ERR_SHAPE = -3 };
+enum { X8 = 0x100 };  /* fmt | X8: Q4_0 / Q4_1 rows packed in groups of 8 (hw_repack8) */
 
 /* Bytes per block and values per block, or 0 for a format this file does not know. */
 static long block_bytes(int fmt) {
@@ -254,6 +255,118 @@ static inline __attribute__((always_inline)) void rows_out(int fmt, const uint8_
     }
 }
 
+/* ---- Q4_0 / Q4_1 rows packed in groups of 8 (fmt | X8) ----
+ * The layout (llama.cpp's q4_0_8x8 repacking, ours in detail): O rows in groups of 8, the last
+ * padded with zero rows; per group and block b, the 8 rows' d (f16), Q4_1's 8 m's, then 4 chunks:
+ * chunk c is each row's quant bytes 4c .. 4c + 3 (values 4c .. 4c + 3 in the low nibbles,
+ * 16 + 4c .. in the high ones), 8 rows x 4 bytes. Same bytes per weight as the file. One 32-byte
+ * load holds 4 values of 8 rows, so a maddubs against 4 bytes of x (broadcast) gives the 8 rows'
+ * partial sums in lanes; a block's 8 products add in int16 (|sum| <= 8 x 2 x 15 x 127 < 2^15)
+ * before one madd, and the 8 rows' dw and mw are one vector each. AMD EPYC, 1 thread: ~2.3x the
+ * row-by-row kernel at 1 row of x, ~1.8x from 2 rows. */
+
+static long hdr_bytes(int fmt) { return fmt == Q4_1 ? 4 : 2; }  /* the f16 fields before a block's quants */
+
+static inline void copy_to(int pack, uint8_t *row, uint8_t *grp, size_t n) {
+    if (pack) memcpy(grp, row, n);
+    else memcpy(row, grp, n);
+}
+
+/* nrows (<= 8) rows of blocks (row_bytes apart) <-> one packed group of nb blocks (pack = 1: to it). */
+static void repack_group(int fmt, uint8_t *rows, long row_bytes, long nrows, long nb, uint8_t *grp, int pack) {
+    const long bb = block_bytes(fmt), h = hdr_bytes(fmt);
+    if (pack) memset(grp, 0, (size_t)(8 * nb * bb));
+    for (long r = 0; r < nrows; r++)
+        for (long b = 0; b < nb; b++) {
+            uint8_t *row = rows + r * row_bytes + b * bb, *g = grp + b * 8 * bb;
+            for (long f = 0; f < h / 2; f++) copy_to(pack, row + 2 * f, g + 16 * f + 2 * r, 2);  /* d (, m) */
+            for (long c = 0; c < 4; c++) copy_to(pack, row + h + 4 * c, g + 8 * h + 32 * c + 4 * r, 4);
+        }
+}
+
+/* 8 packed rows against MC (1..4) rows of quantized x: out[m] lane r = row r's output. */
+static inline __attribute__((always_inline)) void group_tile(int fmt, int MC, const uint8_t *grp, long nb,
+                                                             const int8_t *qx, const float *dx, const float *sx,
+                                                             long I, __m256 out[4]) {
+    const long gb = 8 * block_bytes(fmt), h = 8 * hdr_bytes(fmt);
+    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[4], macc[4];
+    for (int m = 0; m < MC; m++) acc[m] = macc[m] = _mm256_setzero_ps();
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *p = grp + b * gb;
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        const __m256 mw = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))
+                                      : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
+        __m256i lo[4], hi[4];
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(p + h + 32 * c));
+            lo[c] = _mm256_and_si256(v, mask), hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        }
+        for (int m = 0; m < MC; m++) {
+            int32_t xb[8];  /* 8 x 4 bytes of x's block */
+            memcpy(xb, qx + m * I + b * QK, QK);
+            __m256i sum = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(xb[c])));
+                sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(xb[4 + c])));
+            }
+            const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, ones));
+            acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(dx + m * nb + b)), f, acc[m]);
+            macc[m] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(sx + m * nb + b), macc[m]);
+        }
+    }
+    for (int m = 0; m < MC; m++) out[m] = _mm256_add_ps(acc[m], macc[m]);
+}
+
+#define GROUP_MC(F, mc, ...)                                 \
+    switch (mc) {                                            \
+        case 1: group_tile(F, 1, __VA_ARGS__); break;        \
+        case 2: group_tile(F, 2, __VA_ARGS__); break;        \
+        case 3: group_tile(F, 3, __VA_ARGS__); break;        \
+        default: group_tile(F, 4, __VA_ARGS__); break;       \
+    }
+
+/* Outputs [8 g, 8 g + 8) (those below O) of packed group g for all M rows, plus bias and residual. */
+static void group_out(int fmt, const uint8_t *w, const int8_t *qx, const float *dx, const float *sx,
+                      const float *b, const float *r, float *y, long M, long O, long I, long g) {
+    const long nb = I / QK, o = 8 * g, n = O - o < 8 ? O - o : 8;
+    const uint8_t *grp = w + g * nb * 8 * block_bytes(fmt);
+    for (long m0 = 0; m0 < M; m0 += 4) {
+        const long mc = M - m0 < 4 ? M - m0 : 4;
+        __m256 out[4];
+        if (fmt == Q4_1) {
+            GROUP_MC(Q4_1, mc, grp, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
+        } else {
+            GROUP_MC(Q4_0, mc, grp, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
+        }
+        for (long m = 0; m < mc; m++) {
+            float t[8];
+            _mm256_storeu_ps(t, out[m]);
+            for (long k = 0; k < n; k++) {
+                float v = t[k];
+                if (b) v += b[o + k];
+                if (r) v += r[(m0 + m) * O + o + k];
+                y[(m0 + m) * O + o + k] = v;
+            }
+        }
+    }
+}
+
+/* (O, row_bytes) blocks -> packed groups (ceil(O / 8) x 8 rows), or back (pack = 0). */
+int hw_repack8(int fmt, const uint8_t *src, uint8_t *dst, long O, long I, int pack) {
+    if (fmt != Q4_0 && fmt != Q4_1) return ERR_FORMAT;
+    if (O < 1 || I < 1 || I % QK) return ERR_SHAPE;
+    const long nb = I / QK, row_bytes = nb * block_bytes(fmt), G = (O + 7) / 8;
+    #pragma omp parallel for schedule(static) if (O * I >= (1L << 16))
+    for (long g = 0; g < G; g++) {
+        const long n = O - 8 * g < 8 ? O - 8 * g : 8;
+        uint8_t *rows = (uint8_t *)(pack ? src : dst) + 8 * g * row_bytes;
+        uint8_t *grp = (uint8_t *)(pack ? dst : src) + g * 8 * row_bytes;
+        repack_group(fmt, rows, row_bytes, n, nb, grp, pack);
+    }
+    return 0;
+}
+
 #define PARALLEL_ROWS(F)                                                                        \
     _Pragma("omp parallel for schedule(static) if (par)") for (long p = 0; p < npair; p++)      \
         rows_out(F, w, row_bytes, qx, dx, sx, b, r, y, M, O, I, 2 * p, O - 2 * p < 2 ? 1 : 2);
@@ -261,7 +374,9 @@ static inline __attribute__((always_inline)) void rows_out(int fmt, const uint8_
 int hw_quant_linear(int fmt, const uint8_t *w, const float *x, const float *b, const float *r, float *y, long M,
                     long O, long I, int kind, const float *norm_w, float eps, const float *cos, const float *sin,
                     long rot_cols, long head_dim) {
-    if (!block_bytes(fmt)) return ERR_FORMAT;
+    const int packed = (fmt & X8) != 0;
+    fmt &= ~X8;
+    if (!block_bytes(fmt) || (packed && fmt != Q4_0 && fmt != Q4_1)) return ERR_FORMAT;
     if (M < 1 || O < 1 || I < 1 || I % block_values(fmt)) return ERR_SHAPE;
     const long nb = I / QK, row_bytes = I / block_values(fmt) * block_bytes(fmt);
     float *buf = kind != PRO_NONE ? malloc(sizeof(float) * (size_t)(M * I)) : NULL;
@@ -278,12 +393,17 @@ int hw_quant_linear(int fmt, const uint8_t *w, const float *x, const float *b, c
      * 576 x 576 took 147 us on 2 threads vs 29 us on one (medians). Not tuned on an idle one. */
     const int par = M * O * I >= (1L << 20);
     const long npair = (O + 1) / 2;
-    switch (fmt) {
-        case Q4_0: PARALLEL_ROWS(Q4_0) break;
-        case Q4_1: PARALLEL_ROWS(Q4_1) break;
-        case Q8_0: PARALLEL_ROWS(Q8_0) break;
-        case Q4_K: PARALLEL_ROWS(Q4_K) break;
-        default: PARALLEL_ROWS(Q6_K) break;
+    if (packed) {
+        #pragma omp parallel for schedule(static) if (par)
+        for (long g = 0; g < (O + 7) / 8; g++) group_out(fmt, w, qx, dx, sx, b, r, y, M, O, I, g);
+    } else {
+        switch (fmt) {
+            case Q4_0: PARALLEL_ROWS(Q4_0) break;
+            case Q4_1: PARALLEL_ROWS(Q4_1) break;
+            case Q8_0: PARALLEL_ROWS(Q8_0) break;
+            case Q4_K: PARALLEL_ROWS(Q4_K) break;
+            default: PARALLEL_ROWS(Q6_K) break;
+        }
     }
     free(buf), free(qx), free(dx);
     if (cos) rope_epilogue(y, M, O, cos, sin, rot_cols, head_dim);
@@ -322,9 +442,31 @@ static void dequantize_row(int fmt, const uint8_t *row, float *out, long I) {
 }
 
 int hw_dequantize(int fmt, const uint8_t *w, float *out, long O, long I) {
-    if (!block_bytes(fmt)) return ERR_FORMAT;
+    const int packed = (fmt & X8) != 0;
+    fmt &= ~X8;
+    if (!block_bytes(fmt) || (packed && fmt != Q4_0 && fmt != Q4_1)) return ERR_FORMAT;
     if (O < 1 || I < 1 || I % block_values(fmt)) return ERR_SHAPE;
     const long row_bytes = I / block_values(fmt) * block_bytes(fmt);
+    if (packed) {  /* each group back to rows in a scratch, then as rows */
+        int rc = 0;
+        #pragma omp parallel for schedule(static) if (O * I >= (1L << 16))
+        for (long g = 0; g < (O + 7) / 8; g++) {
+            const long n = O - 8 * g < 8 ? O - 8 * g : 8;
+            uint8_t *rows = malloc((size_t)(8 * row_bytes));
+            if (!rows) {
+                #pragma omp atomic write
+                rc = ERR_ALLOC;
+                continue;
+            }
+            repack_group(fmt, rows, row_bytes, n, I / QK, (uint8_t *)w + g * 8 * row_bytes, 0);
+            for (long k = 0; k < n; k++) {
+                if (fmt == Q4_1) dequantize_row(Q4_1, rows + k * row_bytes, out + (8 * g + k) * I, I);
+                else dequantize_row(Q4_0, rows + k * row_bytes, out + (8 * g + k) * I, I);
+            }
+            free(rows);
+        }
+        return rc;
+    }
     #pragma omp parallel for schedule(static) if (O * I >= (1L << 16))
     for (long o = 0; o < O; o++) {
         switch (fmt) {  /* constant fmt: each case is its own loop */
@@ -436,6 +578,21 @@ PyObject *hwpy_dequantize(PyObject *self, PyObject *const *args, Py_ssize_t narg
     rc = hw_dequantize((int)fmt, w, out, O, I);
     Py_END_ALLOW_THREADS
     return hw_result("dequantize", rc);
+}
+
+/* repack8(fmt, src, dst, O, I, pack) -> None: Q4_0 / Q4_1 rows to groups of 8 (pack = 1) or back */
+PyObject *hwpy_repack8(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    const uint8_t *src;
+    uint8_t *dst;
+    long fmt, O, I, pack;
+    if (!(hw_nargs("repack8", nargs, 6) && HW_L(0, fmt) && HW_P(1, src) && HW_P(2, dst) && HW_L(3, O) &&
+          HW_L(4, I) && HW_L(5, pack)))
+        return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = hw_repack8((int)fmt, src, dst, O, I, (int)pack);
+    Py_END_ALLOW_THREADS
+    return hw_result("repack8", rc);
 }
 
 /* quantize(fmt, w, out, O, I) -> None */

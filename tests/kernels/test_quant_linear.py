@@ -70,10 +70,12 @@ def assert_close(got, xq, blocks, fmt, b=None, r=None):
     assert (err <= 2e-6 * size + 1e-6).all(), f"{fmt}: max error {err.max():.3g}, vs size {size.max():.3g}"
 
 
-def run(blocks, fmt, x, b=None, **kw):
+def run(blocks, fmt, x, b=None, packed=False, **kw):
+    """run_quant on blocks (O, row_bytes); packed=True: through pack_rows() of them."""
     O = blocks.shape[0]
     I = blocks.shape[1] // quant.FORMATS[fmt][2] * quant.FORMATS[fmt][1]
-    return quant.run_quant(quant.plan_quant(blocks, fmt, O, I, b), x, **kw)
+    w = quant.pack_rows(blocks, fmt, O, I) if packed else blocks
+    return quant.run_quant(quant.plan_quant(w, fmt, O, I, b, packed=packed), x, **kw)
 
 
 def test_every_format_runs_here():
@@ -124,6 +126,43 @@ def test_same_bits_at_any_thread_count(fmt, M):
         torch.set_num_threads(before)
     assert torch.equal(one, two)
     assert_close(two, quantized_x(x), blocks, fmt)
+
+
+@pytest.mark.parametrize("fmt", quant.PACKABLE)
+@pytest.mark.parametrize("O,I", [(1, 64), (13, 576), (32, 1536), (3001, 256)])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 16, KERNEL_ROWS])
+def test_packed_rows_equal_float64_reference(fmt, O, I, M):
+    """The 8-row groups (any O: the last group padded) against the same reference as the rows."""
+    blocks, x = random_blocks(fmt, O, I, seed=M), torch.randn(M, I)
+    assert_close(run(blocks, fmt, x, packed=True), quantized_x(x), blocks, fmt)
+
+
+@pytest.mark.parametrize("fmt", quant.PACKABLE)
+def test_packed_rows_with_bias_residual_rope_and_threads(fmt):
+    blocks, x, b, r = random_blocks(fmt, 21, 512), torch.randn(5, 512), torch.randn(21), torch.randn(5, 21)
+    angles = torch.rand(5, 4) * 6
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(blocks, fmt, x, b, packed=True, residual=r, rope=(angles.cos(), angles.sin(), 16, 8))
+        torch.set_num_threads(2)
+        two = run(blocks, fmt, x, b, packed=True, residual=r, rope=(angles.cos(), angles.sin(), 16, 8))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    want = run(blocks, fmt, x, b, residual=r, rope=(angles.cos(), angles.sin(), 16, 8))  # rows: checked above
+    torch.testing.assert_close(one, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", quant.PACKABLE)
+@pytest.mark.parametrize("O", [1, 13, 64])
+def test_pack_rows_round_trip_and_dequantize(fmt, O):
+    blocks = random_blocks(fmt, O, 512, seed=O)
+    packed = quant.pack_rows(blocks, fmt, O, 512)
+    assert packed.shape == (-(-O // 8), 8 * blocks.shape[1])
+    assert torch.equal(quant.unpack_rows(packed, fmt, O, 512), blocks)
+    got = quant.dequantize(packed, fmt, O, 512, packed=True)
+    assert torch.equal(got.view(torch.int32), gguf_weight(blocks, fmt).float().view(torch.int32))
 
 
 def assert_within_x_rounding(got, x, blocks, fmt, r=None):
@@ -224,7 +263,8 @@ def smollm2():
 
 @pytest.mark.parametrize("name,fmt,M", [("blk.0.ffn_down.weight", "q4_1", 8), ("token_embd.weight", "q8_0", 1)])
 def test_smollm2_weights(smollm2, name, fmt, M):
-    """The shipped file's Q4_1 ffn_down (576, 1536) and Q8_0 token_embd = tied lm_head (49152, 576)."""
+    """The shipped file's Q4_1 ffn_down (576, 1536) and Q8_0 token_embd = tied lm_head (49152, 576);
+    the Q4_1 one also packed."""
     t = smollm2[name]
     assert t.tensor_type == qtype(fmt)
     I, O = (int(n) for n in t.shape)
@@ -234,6 +274,8 @@ def test_smollm2_weights(smollm2, name, fmt, M):
     )
     x = torch.randn(M, I)
     assert_close(run(blocks, fmt, x), quantized_x(x), blocks, fmt)
+    if fmt in quant.PACKABLE:
+        assert_close(run(blocks, fmt, x, packed=True), quantized_x(x), blocks, fmt)
 
 
 def test_bad_weights_are_refused():
@@ -258,6 +300,10 @@ def test_bad_weights_are_refused():
         quant.quantize(torch.randn(4, 100), "q8_0")
     with pytest.raises(ValueError, match="shape"):
         quant.dequantize(blocks, "q4_1", 4, 512)
+    with pytest.raises(ValueError, match="q8_0 has no packed layout"):
+        quant.pack_rows(random_blocks("q8_0", 4, 256), "q8_0", 4, 256)
+    with pytest.raises(ValueError, match=r"pack_rows\(\) groups of shape \(1, 1280\)"):
+        quant.plan_quant(blocks, "q4_1", 4, 256, packed=True)  # rows given where groups are expected
     with pytest.raises(ValueError, match="out must be"):
         quant.dequantize(blocks, "q4_1", 4, 256, out=torch.empty(4, 255))
 
