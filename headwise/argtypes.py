@@ -66,6 +66,16 @@ def backend_name(text: str) -> str:
     return text
 
 
+def weights_name(text: str) -> str:
+    """A headwise.load weights= value: auto, fp32, bf16, or a quantized format (int8, q4_1, ...)."""
+    from .models.quantized_load import check_weights
+
+    try:
+        return check_weights(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def model_task(source: str) -> str | None:
     """ "chat" (a decoder), "embed" (an encoder), or None when it cannot be told without loading."""
     from .models.builtin import BUILTIN, _canonical

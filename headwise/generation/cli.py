@@ -16,6 +16,7 @@ from ..argtypes import (
     Formatter,
     backend_name,
     fail,
+    weights_name,
     model_for,
     nonneg_float,
     nonneg_int,
@@ -40,7 +41,7 @@ def _load(args, task: str):
     prog = f"headwise {args.command}"
     t0 = time.perf_counter()
     try:
-        model = load(args.model, dtype=None, backend=args.backend)
+        model = load(args.model, weights=args.weights, backend=args.backend)
     except (OSError, ValueError, LookupError) as e:  # missing files, bad checkpoints, uninstalled builtins
         fail(prog, e)
         return None
@@ -190,6 +191,13 @@ def _common(p, default_model: str, task: str):
         help="builtin name (see `headwise models`), checkpoint directory or .gguf file",
     )
     p.add_argument("--backend", default="auto", type=backend_name, help="attention backend (see `headwise backends`)")
+    p.add_argument(
+        "--weights",
+        default="auto",
+        type=weights_name,
+        help="auto (default): a GGUF computed from its quantized blocks as stored; fp32 / bf16: dequantized; "
+        "int8 / int4 (q8_0 / q4_1), q4_0: quantized at load",
+    )
 
 
 def _sampling_args(p):

@@ -7,6 +7,7 @@ a model; the gateway resolves that name to a route (an alias, a local model, or
     [models.smollm2]            # a local model: builtin name or checkpoint path
     source = "smollm2-135m-instruct"
     cache = "paged"             # paged | int8: the format of the engine's KV block pool
+    weights = "auto"            # auto (a GGUF computed as stored) | fp32 | bf16 | int8 | int4 | q4_0
     max_num_seqs = 64           # the engine's limits: any headwise.EngineConfig field but kv_dtype
     [providers.peer]            # an upstream OpenAI-compatible server
     base_url = "http://10.0.0.2:8000/v1"
@@ -49,7 +50,8 @@ class LocalModel:
     source: str  # builtin name or checkpoint dir / .gguf path
     backend: str = "auto"  # attention backend (headwise.attention registry)
     cache: str = "paged"  # paged | int8 -> the engine's kv_dtype
-    dtype: str | None = None  # None keeps the checkpoint's (the GGUF is dequantized to fp32)
+    dtype: str | None = None  # None keeps the checkpoint's float dtype
+    weights: str = "auto"  # headwise.load's weights=: auto (a GGUF as stored), fp32, bf16, int8, int4, q4_0, ...
     # the engine's limits (max_num_seqs, num_blocks, block_size, max_num_batched_tokens, max_waiting_requests,
     # max_waiting_tokens, memory_budget_bytes): keys of [models.NAME] in the file, validated by EngineConfig
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -68,6 +70,12 @@ class LocalModel:
             )
         if self.cache not in CACHE_KINDS:
             raise ConfigError(f"{where} cache = {self.cache!r}; choose one of {', '.join(CACHE_KINDS)}")
+        from ..models.quantized_load import check_weights
+
+        try:
+            object.__setattr__(self, "weights", check_weights(self.weights))
+        except ValueError as e:
+            raise ConfigError(f"{where} {e}") from None
         if not isinstance(self.engine, EngineConfig):
             raise ConfigError(
                 f"{where} engine must be a headwise.engine.EngineConfig, got {type(self.engine).__name__}"

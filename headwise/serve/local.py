@@ -29,13 +29,13 @@ EMBED_BATCH = 16  # texts per embedding micro-batch: ~0.1-0.5 s of MiniLM on a C
 
 def weights_key(spec: LocalModel) -> tuple:
     """Specs with the same key load the same weights: they share one model object."""
-    return (spec.source, spec.dtype, spec.backend)
+    return (spec.source, spec.dtype, spec.weights, spec.backend)
 
 
 def default_loader(spec: LocalModel):
     import headwise
 
-    return headwise.load(spec.source, dtype=spec.dtype, backend=spec.backend)
+    return headwise.load(spec.source, weights=spec.weights, dtype=spec.dtype, backend=spec.backend)
 
 
 class LocalRuntime:
