@@ -32,7 +32,7 @@ FORMATS = {
 QUANTIZE_FORMATS = ("q4_0", "q4_1", "q8_0")  # what `quantize` makes
 # Formats `pack_rows` can store in groups of 8 rows, the layout the kernel reads fastest
 # (quant_linear.c: ~2.3x at 1 row of x, ~1.8x from 2, AMD EPYC): same bytes as the file's.
-PACKABLE = ("q4_0", "q4_1")
+PACKABLE = ("q4_0", "q4_1", "q8_0")
 _X8 = 0x100  # quant_linear.c's X8: a format id | _X8 is that format packed
 
 
@@ -85,7 +85,7 @@ def _blocks_ok(blocks: Tensor, fmt: str, out_features: int, in_features: int, pa
 
 
 def pack_rows(blocks: Tensor, fmt: str, out_features: int, in_features: int) -> Tensor:
-    """Q4_0 / Q4_1 blocks (O, row_bytes) -> the same bytes in groups of 8 rows, (ceil(O / 8),
+    """Q4_0 / Q4_1 / Q8_0 blocks (O, row_bytes) -> the same bytes in groups of 8 rows, (ceil(O / 8),
     8 row_bytes) (the last group padded with zero rows), the layout run_quant reads fastest:
     plan it with `plan_quant(..., packed=True)`. `unpack_rows` undoes it bit for bit."""
     _blocks_ok(blocks, fmt, out_features, in_features)

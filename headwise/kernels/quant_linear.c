@@ -36,7 +36,7 @@
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  /* GGML type ids */
 enum { QK = 32, QK_K = 256 };
 enum { ERR_ALLOC = -1, ERR_FORMAT = -2, ERR_SHAPE = -3 };
-enum { X8 = 0x100 };  /* fmt | X8: Q4_0 / Q4_1 rows packed in groups of 8 (hw_repack8) */
+enum { X8 = 0x100 };  /* fmt | X8: Q4_0 / Q4_1 / Q8_0 rows packed in groups of 8 (hw_repack8) */
 
 /* Bytes per block and values per block, or 0 for a format this file does not know. */
 static long block_bytes(int fmt) {
@@ -255,11 +255,11 @@ static inline __attribute__((always_inline)) void rows_out(int fmt, const uint8_
     }
 }
 
-/* ---- Q4_0 / Q4_1 rows packed in groups of 8 (fmt | X8) ----
+/* ---- Q4_0 / Q4_1 / Q8_0 rows packed in groups of 8 (fmt | X8) ----
  * The layout (llama.cpp's q4_0_8x8 repacking, ours in detail): O rows in groups of 8, the last
  * padded with zero rows; per group and block b, the 8 rows' d (f16), Q4_1's 8 m's, then 4 chunks:
- * chunk c is each row's quant bytes 4c .. 4c + 3 (values 4c .. 4c + 3 in the low nibbles,
- * 16 + 4c .. in the high ones), 8 rows x 4 bytes. Same bytes per weight as the file. One 32-byte
+ * chunk c is each row's quant bytes 4c .. 4c + 3 (Q4: values 4c .. 4c + 3 in the low nibbles,
+ * 16 + 4c .. in the high ones; Q8_0: 8 chunks of values 4c .. 4c + 3), 8 rows x 4 bytes. Same bytes per weight as the file. One 32-byte
  * load holds 4 values of 8 rows, so a maddubs against 4 bytes of x (broadcast) gives the 8 rows'
  * partial sums in lanes; a block's 8 products add in int16 (|sum| <= 8 x 2 x 15 x 127 < 2^15)
  * before one madd, and the 8 rows' dw and mw are one vector each. AMD EPYC, 1 thread: ~2.3x the
@@ -280,7 +280,7 @@ static void repack_group(int fmt, uint8_t *rows, long row_bytes, long nrows, lon
         for (long b = 0; b < nb; b++) {
             uint8_t *row = rows + r * row_bytes + b * bb, *g = grp + b * 8 * bb;
             for (long f = 0; f < h / 2; f++) copy_to(pack, row + 2 * f, g + 16 * f + 2 * r, 2);  /* d (, m) */
-            for (long c = 0; c < 4; c++) copy_to(pack, row + h + 4 * c, g + 8 * h + 32 * c + 4 * r, 4);
+            for (long c = 0; c < (bb - h) / 4; c++) copy_to(pack, row + h + 4 * c, g + 8 * h + 32 * c + 4 * r, 4);
         }
 }
 
@@ -318,6 +318,34 @@ static inline __attribute__((always_inline)) void group_tile(int fmt, int MC, co
     for (int m = 0; m < MC; m++) out[m] = _mm256_add_ps(acc[m], macc[m]);
 }
 
+/* Q8_0's groups: 8 chunks of 4 signed values a row; the sign trick per chunk, whose pairs (up to
+ * 2 x 128 x 127) need an int32 sum each. */
+static inline __attribute__((always_inline)) void group_tile_q8(int MC, const uint8_t *grp, long nb, const int8_t *qx,
+                                                                const float *dx, long I, __m256 out[4]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4];
+    for (int m = 0; m < MC; m++) acc[m] = _mm256_setzero_ps();
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *p = grp + b * 8 * 34;
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        __m256i sum[4];
+        for (int m = 0; m < MC; m++) sum[m] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * c)), a = _mm256_abs_epi8(v);
+            for (int m = 0; m < MC; m++) {
+                int32_t x4;
+                memcpy(&x4, qx + m * I + b * QK + 4 * c, 4);
+                const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(x4), v);
+                sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(a, sx), ones));
+            }
+        }
+        for (int m = 0; m < MC; m++)
+            acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(dx + m * nb + b)),
+                                     _mm256_cvtepi32_ps(sum[m]), acc[m]);
+    }
+    for (int m = 0; m < MC; m++) out[m] = acc[m];
+}
+
 #define GROUP_MC(F, mc, ...)                                 \
     switch (mc) {                                            \
         case 1: group_tile(F, 1, __VA_ARGS__); break;        \
@@ -334,7 +362,14 @@ static void group_out(int fmt, const uint8_t *w, const int8_t *qx, const float *
     for (long m0 = 0; m0 < M; m0 += 4) {
         const long mc = M - m0 < 4 ? M - m0 : 4;
         __m256 out[4];
-        if (fmt == Q4_1) {
+        if (fmt == Q8_0) {
+            switch (mc) {
+                case 1: group_tile_q8(1, grp, nb, qx + m0 * I, dx + m0 * nb, I, out); break;
+                case 2: group_tile_q8(2, grp, nb, qx + m0 * I, dx + m0 * nb, I, out); break;
+                case 3: group_tile_q8(3, grp, nb, qx + m0 * I, dx + m0 * nb, I, out); break;
+                default: group_tile_q8(4, grp, nb, qx + m0 * I, dx + m0 * nb, I, out); break;
+            }
+        } else if (fmt == Q4_1) {
             GROUP_MC(Q4_1, mc, grp, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
         } else {
             GROUP_MC(Q4_0, mc, grp, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
@@ -354,7 +389,7 @@ static void group_out(int fmt, const uint8_t *w, const int8_t *qx, const float *
 
 /* (O, row_bytes) blocks -> packed groups (ceil(O / 8) x 8 rows), or back (pack = 0). */
 int hw_repack8(int fmt, const uint8_t *src, uint8_t *dst, long O, long I, int pack) {
-    if (fmt != Q4_0 && fmt != Q4_1) return ERR_FORMAT;
+    if (fmt != Q4_0 && fmt != Q4_1 && fmt != Q8_0) return ERR_FORMAT;
     if (O < 1 || I < 1 || I % QK) return ERR_SHAPE;
     const long nb = I / QK, row_bytes = nb * block_bytes(fmt), G = (O + 7) / 8;
     #pragma omp parallel for schedule(static) if (O * I >= (1L << 16))
@@ -376,7 +411,7 @@ int hw_quant_linear(int fmt, const uint8_t *w, const float *x, const float *b, c
                     long rot_cols, long head_dim) {
     const int packed = (fmt & X8) != 0;
     fmt &= ~X8;
-    if (!block_bytes(fmt) || (packed && fmt != Q4_0 && fmt != Q4_1)) return ERR_FORMAT;
+    if (!block_bytes(fmt) || (packed && fmt != Q4_0 && fmt != Q4_1 && fmt != Q8_0)) return ERR_FORMAT;
     if (M < 1 || O < 1 || I < 1 || I % block_values(fmt)) return ERR_SHAPE;
     const long nb = I / QK, row_bytes = I / block_values(fmt) * block_bytes(fmt);
     float *buf = kind != PRO_NONE ? malloc(sizeof(float) * (size_t)(M * I)) : NULL;
@@ -444,7 +479,7 @@ static void dequantize_row(int fmt, const uint8_t *row, float *out, long I) {
 int hw_dequantize(int fmt, const uint8_t *w, float *out, long O, long I) {
     const int packed = (fmt & X8) != 0;
     fmt &= ~X8;
-    if (!block_bytes(fmt) || (packed && fmt != Q4_0 && fmt != Q4_1)) return ERR_FORMAT;
+    if (!block_bytes(fmt) || (packed && fmt != Q4_0 && fmt != Q4_1 && fmt != Q8_0)) return ERR_FORMAT;
     if (O < 1 || I < 1 || I % block_values(fmt)) return ERR_SHAPE;
     const long row_bytes = I / block_values(fmt) * block_bytes(fmt);
     if (packed) {  /* each group back to rows in a scratch, then as rows */
@@ -461,6 +496,7 @@ int hw_dequantize(int fmt, const uint8_t *w, float *out, long O, long I) {
             repack_group(fmt, rows, row_bytes, n, I / QK, (uint8_t *)w + g * 8 * row_bytes, 0);
             for (long k = 0; k < n; k++) {
                 if (fmt == Q4_1) dequantize_row(Q4_1, rows + k * row_bytes, out + (8 * g + k) * I, I);
+                else if (fmt == Q8_0) dequantize_row(Q8_0, rows + k * row_bytes, out + (8 * g + k) * I, I);
                 else dequantize_row(Q4_0, rows + k * row_bytes, out + (8 * g + k) * I, I);
             }
             free(rows);
@@ -580,7 +616,7 @@ PyObject *hwpy_dequantize(PyObject *self, PyObject *const *args, Py_ssize_t narg
     return hw_result("dequantize", rc);
 }
 
-/* repack8(fmt, src, dst, O, I, pack) -> None: Q4_0 / Q4_1 rows to groups of 8 (pack = 1) or back */
+/* repack8(fmt, src, dst, O, I, pack) -> None: Q4_0 / Q4_1 / Q8_0 rows to groups of 8 (pack = 1) or back */
 PyObject *hwpy_repack8(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     const uint8_t *src;
     uint8_t *dst;
