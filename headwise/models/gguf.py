@@ -45,15 +45,24 @@ def read_gguf(
     use_cache: read/write the converted copy under `cache_dir` (default
     $HEADWISE_CACHE or ~/.cache/headwise); False always converts from the file.
     keep_quantized: tensors in a format headwise computes from (q4_0, q4_1, q8_0, q4_k,
-    q6_k; models/linear.py) come back as QuantTensor blocks, the rest fp32 (weights="auto").
-    These are read from the file each time (~2 s for SmolLM2, the metadata parse): the
-    cache holds fp32.
+    q6_k; models/linear.py) come back as QuantTensor blocks, the rest fp32 (weights="auto"),
+    cached in an entry of their own (<entry>-stored: the blocks as uint8 tensors), since
+    parsing the file's metadata takes ~2 s for SmolLM2 and reading the entry ~0.3 s.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such GGUF file")
-    if keep_quantized:
+    if keep_quantized and not use_cache:
         config, tensors, tokenizer = convert_gguf(path, keep_quantized=True)
+    elif keep_quantized:
+        entry = cache_entry(path, cache_dir)
+        entry = entry.with_name(entry.name + "-stored")
+        cached = gguf_cache.read(entry)
+        if cached is not None:
+            config, tensors, tokenizer = _unflatten(*cached)
+        else:
+            config, tensors, tokenizer = convert_gguf(path, keep_quantized=True)
+            gguf_cache.write(entry, *_flatten(config, tensors), tokenizer)
     elif not use_cache:
         config, tensors, tokenizer = convert_gguf(path)
     else:
@@ -67,6 +76,26 @@ def read_gguf(
     if dtype is not None:
         tensors = {name: t.to(dtype) if isinstance(t, Tensor) else t for name, t in tensors.items()}
     return config, tensors, tokenizer
+
+
+def _flatten(config: dict, tensors: dict) -> tuple[dict, dict[str, Tensor]]:
+    """QuantTensors -> their blocks, with {name: [fmt, O, I]} under config["stored_blocks"]."""
+    stored = {n: [t.fmt, *t.shape] for n, t in tensors.items() if not isinstance(t, Tensor)}
+    flat = {n: t if isinstance(t, Tensor) else t.blocks for n, t in tensors.items()}
+    return {**config, "stored_blocks": stored}, flat
+
+
+def _unflatten(config: dict, flat: dict[str, Tensor], tokenizer: Tokenizer) -> tuple[dict, dict, Tokenizer]:
+    from .quantized_load import QuantTensor
+
+    config = dict(config)
+    stored = config.pop("stored_blocks")
+    for name, t in flat.items():
+        # as _stored_blocks: parts of fused projections stay views of the mapped entry (the fusing
+        # copies them), the rest are copied now, so the map closes once loading is done
+        t = t if any(part in name for part in _FUSED_HF) else t.clone()
+        flat[name] = QuantTensor(t, stored[name][0], tuple(stored[name][1:])) if name in stored else t
+    return config, flat, tokenizer
 
 
 # ---- parsing ------------------------------------------------------------------------
@@ -375,6 +404,7 @@ def llama_tensors(reader, cfg: dict, path: Path, *, keep_quantized: bool = False
 
 
 _FUSED = (".attn_q.", ".attn_k.", ".attn_v.", ".ffn_gate.", ".ffn_up.")  # rows stacked by loading.convert
+_FUSED_HF = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.")  # the same, by HF name
 
 
 def _stored_blocks(t, shape: tuple[int, int]):
