@@ -290,6 +290,7 @@ static inline __attribute__((always_inline)) void group_tile(int fmt, int MC, co
                                                              long I, __m256 out[4]) {
     const long gb = 8 * block_bytes(fmt), h = 8 * hdr_bytes(fmt);
     const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    (void)ones;  /* unused with VNNI */
     __m256 acc[4], macc[4];
     for (int m = 0; m < MC; m++) acc[m] = macc[m] = _mm256_setzero_ps();
     for (long b = 0; b < nb; b++) {
@@ -306,11 +307,19 @@ static inline __attribute__((always_inline)) void group_tile(int fmt, int MC, co
             int32_t xb[8];  /* 8 x 4 bytes of x's block */
             memcpy(xb, qx + m * I + b * QK, QK);
             __m256i sum = _mm256_setzero_si256();
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)  /* the same integers, summed in int32 directly */
+            for (int c = 0; c < 4; c++) {
+                sum = _mm256_dpbusd_epi32(sum, lo[c], _mm256_set1_epi32(xb[c]));
+                sum = _mm256_dpbusd_epi32(sum, hi[c], _mm256_set1_epi32(xb[4 + c]));
+            }
+            const __m256 f = _mm256_cvtepi32_ps(sum);
+#else
             for (int c = 0; c < 4; c++) {
                 sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(xb[c])));
                 sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(xb[4 + c])));
             }
             const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, ones));
+#endif
             acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(dx + m * nb + b)), f, acc[m]);
             macc[m] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(sx + m * nb + b), macc[m]);
         }
@@ -323,6 +332,7 @@ static inline __attribute__((always_inline)) void group_tile(int fmt, int MC, co
 static inline __attribute__((always_inline)) void group_tile_q8(int MC, const uint8_t *grp, long nb, const int8_t *qx,
                                                                 const float *dx, long I, __m256 out[4]) {
     const __m256i ones = _mm256_set1_epi16(1);
+    (void)ones;  /* unused with VNNI */
     __m256 acc[4];
     for (int m = 0; m < MC; m++) acc[m] = _mm256_setzero_ps();
     for (long b = 0; b < nb; b++) {
@@ -336,7 +346,11 @@ static inline __attribute__((always_inline)) void group_tile_q8(int MC, const ui
                 int32_t x4;
                 memcpy(&x4, qx + m * I + b * QK + 4 * c, 4);
                 const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(x4), v);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                sum[m] = _mm256_dpbusd_epi32(sum[m], a, sx);
+#else
                 sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(a, sx), ones));
+#endif
             }
         }
         for (int m = 0; m < MC; m++)
