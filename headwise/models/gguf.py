@@ -23,6 +23,7 @@ from torch import Tensor
 from . import gguf_cache
 from .gguf_cache import cache_entry, default_cache_dir  # noqa: F401 -- part of this module's API
 from .linear import FORMAT_OF_GGML, row_bytes
+from .quantized_load import flatten, unflatten
 from .quants import UnsupportedQuantType, dequantize, supported_types, type_name
 from .tokenizer import Tokenizer
 
@@ -59,10 +60,10 @@ def read_gguf(
         entry = entry.with_name(entry.name + "-stored")
         cached = gguf_cache.read(entry)
         if cached is not None:
-            config, tensors, tokenizer = _unflatten(*cached)
+            (config, tensors), tokenizer = unflatten(*cached[:2]), cached[2]
         else:
             config, tensors, tokenizer = convert_gguf(path, keep_quantized=True)
-            gguf_cache.write(entry, *_flatten(config, tensors), tokenizer)
+            gguf_cache.write(entry, *flatten(config, tensors), tokenizer)
     elif not use_cache:
         config, tensors, tokenizer = convert_gguf(path)
     else:
@@ -76,26 +77,6 @@ def read_gguf(
     if dtype is not None:
         tensors = {name: t.to(dtype) if isinstance(t, Tensor) else t for name, t in tensors.items()}
     return config, tensors, tokenizer
-
-
-def _flatten(config: dict, tensors: dict) -> tuple[dict, dict[str, Tensor]]:
-    """QuantTensors -> their blocks, with {name: [fmt, O, I]} under config["stored_blocks"]."""
-    stored = {n: [t.fmt, *t.shape] for n, t in tensors.items() if not isinstance(t, Tensor)}
-    flat = {n: t if isinstance(t, Tensor) else t.blocks for n, t in tensors.items()}
-    return {**config, "stored_blocks": stored}, flat
-
-
-def _unflatten(config: dict, flat: dict[str, Tensor], tokenizer: Tokenizer) -> tuple[dict, dict, Tokenizer]:
-    from .quantized_load import QuantTensor
-
-    config = dict(config)
-    stored = config.pop("stored_blocks")
-    for name, t in flat.items():
-        # as _stored_blocks: parts of fused projections stay views of the mapped entry (the fusing
-        # copies them), the rest are copied now, so the map closes once loading is done
-        t = t if any(part in name for part in _FUSED_HF) else t.clone()
-        flat[name] = QuantTensor(t, stored[name][0], tuple(stored[name][1:])) if name in stored else t
-    return config, flat, tokenizer
 
 
 # ---- parsing ------------------------------------------------------------------------
@@ -404,7 +385,6 @@ def llama_tensors(reader, cfg: dict, path: Path, *, keep_quantized: bool = False
 
 
 _FUSED = (".attn_q.", ".attn_k.", ".attn_v.", ".ffn_gate.", ".ffn_up.")  # rows stacked by loading.convert
-_FUSED_HF = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.")  # the same, by HF name
 
 
 def _stored_blocks(t, shape: tuple[int, int]):

@@ -64,6 +64,7 @@ def _quant_module():
     return quant
 
 
+@functools.cache  # asked ~120 times a decode step; the answer is fixed for the process
 def kernel_unavailable(fmt: str) -> str | None:
     """None when the quantized matmul kernel runs `fmt` here, else why not."""
     quant = _quant_module()

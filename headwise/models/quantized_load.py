@@ -182,7 +182,29 @@ def formats(model: nn.Module) -> dict[str, str]:
     return {n: m.fmt for n, m in model.named_modules(remove_duplicate=False) if isinstance(m, QUANTIZED)}
 
 
-# ---------------------------------------------------------------------------- saved form
+# ---------------------------------------------------------------------------- cached and saved forms
+
+_FUSED_HF = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.")  # rows loading.convert stacks
+
+
+def flatten(config: dict, tensors: dict) -> tuple[dict, dict[str, Tensor]]:
+    """For the GGUF cache's stored entry (gguf.read_gguf): QuantTensors -> their blocks, with
+    {name: [fmt, O, I]} under config["stored_blocks"]."""
+    stored = {n: [t.fmt, *t.shape] for n, t in tensors.items() if not isinstance(t, Tensor)}
+    flat = {n: t if isinstance(t, Tensor) else t.blocks for n, t in tensors.items()}
+    return {**config, "stored_blocks": stored}, flat
+
+
+def unflatten(config: dict, flat: dict[str, Tensor]) -> tuple[dict, dict]:
+    """flatten undone: the blocks back as QuantTensors."""
+    config = dict(config)
+    stored = config.pop("stored_blocks")
+    for name, t in flat.items():
+        # as gguf._stored_blocks: parts of fused projections stay views of the mapped entry (the fusing
+        # copies them), the rest are copied now, so the map closes once loading is done
+        t = t if any(part in name for part in _FUSED_HF) else t.clone()
+        flat[name] = QuantTensor(t, stored[name][0], tuple(stored[name][1:])) if name in stored else t
+    return config, flat
 
 
 def save(model: nn.Module, path) -> Path:
