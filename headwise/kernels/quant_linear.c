@@ -18,10 +18,10 @@
  *   Q6_K: 16-value groups k: w = d sc_k (q - 32)     (sign trick, scales multiply the int16 pairs)
  * Output rows are split over the OpenMP threads (torch's libgomp: one pool), two weight rows at
  * a time against up to four rows of x, so one weight load serves every row of x.
+ * Rows packed in groups of 8 (fmt | X8, quant_blocks.h) go through group_out, ~2x faster.
  *
- * hw_dequantize writes the fp32 matrix (prefill runs a fp32 GEMM on it) and hw_quantize makes
- * Q8_0 / Q4_0 / Q4_1 blocks from fp32 (int8 / int4 at load time), both bit for bit what
- * ggml's reference code (and the gguf package's numpy port) computes.
+ * quant_convert.c has dequantize, quantize and the packing; the Python entry points of all of
+ * them are at the end of this file.
  */
 #ifdef HW_MODULE
 #include "pyargs.h" /* Python.h before any system header, as CPython asks */
@@ -32,49 +32,9 @@
 #include <string.h>
 
 #include "common.h"
-
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  /* GGML type ids */
-enum { QK = 32, QK_K = 256 };
-enum { ERR_ALLOC = -1, ERR_FORMAT = -2, ERR_SHAPE = -3 };
-enum { X8 = 0x100 };  /* fmt | X8: Q4_0 / Q4_1 / Q8_0 rows packed in groups of 8 (hw_repack8) */
-
-/* Bytes per block and values per block, or 0 for a format this file does not know. */
-static long block_bytes(int fmt) {
-    switch (fmt) {
-        case Q4_0: return 18;
-        case Q4_1: return 20;
-        case Q8_0: return 34;
-        case Q4_K: return 144;
-        case Q6_K: return 210;
-        default: return 0;
-    }
-}
-static long block_values(int fmt) { return fmt == Q4_K || fmt == Q6_K ? QK_K : QK; }
-
-static inline float f16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
-/* A value the compiler may not fuse into an FMA with what follows: the reference quantizers
- * and decoders round the product before the add, and we match them bit for bit. */
-static inline float rounded(float v) {
-    __asm__("" : "+x"(v));
-    return v;
-}
-static inline __m256 rounded8(__m256 v) {
-    __asm__("" : "+x"(v));
-    return v;
-}
+#include "quant_blocks.h"
 
 /* ---- x: fp32 rows -> int8 blocks of 32 ---- */
-
-/* 4 x 8 int32 -> 32 int8 in order (the packs interleave 128-bit lanes; the permute undoes it). */
-static inline __m256i pack32(const __m256i i[4]) {
-    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-    return _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
 
 /* Row-major x (M, I) -> q (M, I) int8, d and s (M, I / 32): d = amax / 127, q = round-to-even(x / d)
  * (x times 1 / d in fp32, as llama.cpp's quantize_row_q8_0 does), s = d * sum(q). */
@@ -104,71 +64,6 @@ static void quantize_x(const float *x, long M, long I, int8_t *q, float *d, floa
         s[mb] = dd * (float)_mm_cvtsi128_si32(t4);
     }
 }
-
-/* ---- weights: one 32-value block -> 32 bytes ---- */
-
-/* One 32-block of a weight, unpacked: q (32 bytes in value order), the scale dw and offset mw
- * (w = dw q + mw), and for signed formats the int16 multipliers of the product pairs (Q6_K's
- * two 16-value scales; ones otherwise). */
-typedef struct {
-    __m256i q, mul;
-    float dw, mw;
-} wblock;
-
-static inline __m256i nibbles16(const uint8_t *qs) {  /* 16 bytes -> low nibbles, then high */
-    const __m128i t = _mm_loadu_si128((const __m128i *)qs);
-    const __m256i v = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
-    return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
-}
-
-/* ggml's get_scale_min_k4: sub-block j's 6-bit scale and min from a Q4_K block's 12 bytes. */
-static inline void k4_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
-    if (j < 4) {
-        *sc = s[j] & 63, *mn = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-}
-
-/* Block b (of I / 32) of weight row `row`. */
-static inline __attribute__((always_inline)) wblock unpack(int fmt, const uint8_t *row, long b) {
-    wblock w;
-    w.mul = _mm256_set1_epi16(1);
-    if (fmt == Q4_0) {
-        const uint8_t *p = row + b * 18;
-        w.q = nibbles16(p + 2), w.dw = f16(p), w.mw = -8.0f * w.dw;
-    } else if (fmt == Q4_1) {
-        const uint8_t *p = row + b * 20;
-        w.q = nibbles16(p + 4), w.dw = f16(p), w.mw = f16(p + 2);
-    } else if (fmt == Q8_0) {
-        const uint8_t *p = row + b * 34;
-        w.q = _mm256_loadu_si256((const __m256i *)(p + 2)), w.dw = f16(p), w.mw = 0.0f;
-    } else if (fmt == Q4_K) {
-        const uint8_t *p = row + (b / 8) * 144;
-        const int j = (int)(b % 8);
-        int sc, mn;
-        k4_scale_min(p + 4, j, &sc, &mn);
-        __m256i v = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * (j / 2)));
-        if (j & 1) v = _mm256_srli_epi16(v, 4);
-        w.q = _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
-        w.dw = f16(p) * (float)sc, w.mw = -(f16(p + 2) * (float)mn);
-    } else {  /* Q6_K */
-        const uint8_t *p = row + (b / 8) * 210;
-        const int j = (int)(b % 8), h = j / 4;
-        const __m256i lo = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32 * (j % 2)));
-        const __m256i hi = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
-        const __m128i sh_lo = _mm_cvtsi32_si128(4 * ((j % 4) / 2)), sh_hi = _mm_cvtsi32_si128(2 * (j % 4));
-        const __m256i ql = _mm256_and_si256(_mm256_srl_epi16(lo, sh_lo), _mm256_set1_epi8(0x0F));
-        const __m256i qh = _mm256_and_si256(_mm256_srl_epi16(hi, sh_hi), _mm256_set1_epi8(0x03));
-        w.q = _mm256_sub_epi8(_mm256_or_si256(ql, _mm256_slli_epi16(qh, 4)), _mm256_set1_epi8(32));
-        const int8_t *sc = (const int8_t *)(p + 192);
-        w.mul = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
-        w.dw = f16(p + 208), w.mw = 0.0f;
-    }
-    return w;
-}
-
 /* 8 int32 sums of 4 adjacent u8 x s8 products (the same in both ISAs: no pair saturates, as
  * |u| <= 128 and |s| <= 127 keep a pair within int16). */
 static inline __m256i dot_u8s8(__m256i u, __m256i s) {
@@ -255,34 +150,7 @@ static inline __attribute__((always_inline)) void rows_out(int fmt, const uint8_
     }
 }
 
-/* ---- Q4_0 / Q4_1 / Q8_0 rows packed in groups of 8 (fmt | X8) ----
- * The layout (llama.cpp's q4_0_8x8 repacking, ours in detail): O rows in groups of 8, the last
- * padded with zero rows; per group and block b, the 8 rows' d (f16), Q4_1's 8 m's, then 4 chunks:
- * chunk c is each row's quant bytes 4c .. 4c + 3 (Q4: values 4c .. 4c + 3 in the low nibbles,
- * 16 + 4c .. in the high ones; Q8_0: 8 chunks of values 4c .. 4c + 3), 8 rows x 4 bytes. Same bytes per weight as the file. One 32-byte
- * load holds 4 values of 8 rows, so a maddubs against 4 bytes of x (broadcast) gives the 8 rows'
- * partial sums in lanes; a block's 8 products add in int16 (|sum| <= 8 x 2 x 15 x 127 < 2^15)
- * before one madd, and the 8 rows' dw and mw are one vector each. AMD EPYC, 1 thread: ~2.3x the
- * row-by-row kernel at 1 row of x, ~1.8x from 2 rows. */
-
-static long hdr_bytes(int fmt) { return fmt == Q4_1 ? 4 : 2; }  /* the f16 fields before a block's quants */
-
-static inline void copy_to(int pack, uint8_t *row, uint8_t *grp, size_t n) {
-    if (pack) memcpy(grp, row, n);
-    else memcpy(row, grp, n);
-}
-
-/* nrows (<= 8) rows of blocks (row_bytes apart) <-> one packed group of nb blocks (pack = 1: to it). */
-static void repack_group(int fmt, uint8_t *rows, long row_bytes, long nrows, long nb, uint8_t *grp, int pack) {
-    const long bb = block_bytes(fmt), h = hdr_bytes(fmt);
-    if (pack) memset(grp, 0, (size_t)(8 * nb * bb));
-    for (long r = 0; r < nrows; r++)
-        for (long b = 0; b < nb; b++) {
-            uint8_t *row = rows + r * row_bytes + b * bb, *g = grp + b * 8 * bb;
-            for (long f = 0; f < h / 2; f++) copy_to(pack, row + 2 * f, g + 16 * f + 2 * r, 2);  /* d (, m) */
-            for (long c = 0; c < (bb - h) / 4; c++) copy_to(pack, row + h + 4 * c, g + 8 * h + 32 * c + 4 * r, 4);
-        }
-}
+/* ---- rows packed in groups of 8 (fmt | X8: quant_blocks.h) ---- */
 
 /* 8 packed rows against MC (1..4) rows of quantized x: out[m] lane r = row r's output. */
 static inline __attribute__((always_inline)) void group_tile(int fmt, int MC, const uint8_t *grp, long nb,
@@ -400,22 +268,6 @@ static void group_out(int fmt, const uint8_t *w, const int8_t *qx, const float *
         }
     }
 }
-
-/* (O, row_bytes) blocks -> packed groups (ceil(O / 8) x 8 rows), or back (pack = 0). */
-int hw_repack8(int fmt, const uint8_t *src, uint8_t *dst, long O, long I, int pack) {
-    if (fmt != Q4_0 && fmt != Q4_1 && fmt != Q8_0) return ERR_FORMAT;
-    if (O < 1 || I < 1 || I % QK) return ERR_SHAPE;
-    const long nb = I / QK, row_bytes = nb * block_bytes(fmt), G = (O + 7) / 8;
-    #pragma omp parallel for schedule(static) if (O * I >= (1L << 16))
-    for (long g = 0; g < G; g++) {
-        const long n = O - 8 * g < 8 ? O - 8 * g : 8;
-        uint8_t *rows = (uint8_t *)(pack ? src : dst) + 8 * g * row_bytes;
-        uint8_t *grp = (uint8_t *)(pack ? dst : src) + g * 8 * row_bytes;
-        repack_group(fmt, rows, row_bytes, n, nb, grp, pack);
-    }
-    return 0;
-}
-
 #define PARALLEL_ROWS(F)                                                                        \
     _Pragma("omp parallel for schedule(static) if (par)") for (long p = 0; p < npair; p++)      \
         rows_out(F, w, row_bytes, qx, dx, sx, b, r, y, M, O, I, 2 * p, O - 2 * p < 2 ? 1 : 2);
@@ -458,135 +310,6 @@ int hw_quant_linear(int fmt, const uint8_t *w, const float *x, const float *b, c
     if (cos) rope_epilogue(y, M, O, cos, sin, rot_cols, head_dim);
     return 0;
 }
-
-/* ---- dequantize: blocks -> fp32, in gguf.quants' order of operations ---- */
-
-/* out[0..32) = q * d (d_lo for the first 16 values, d_hi for the rest), + m when add_m. */
-static inline void emit32(float *out, __m256i q, float d_lo, float d_hi, float m, int add_m) {
-    for (int k = 0; k < 4; k++) {
-        const __m128i bytes = k < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
-        const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8 * (k % 2))));
-        __m256 o = rounded8(_mm256_mul_ps(v, _mm256_set1_ps(k < 2 ? d_lo : d_hi)));
-        if (add_m) o = _mm256_add_ps(o, _mm256_set1_ps(m));
-        _mm256_storeu_ps(out + 8 * k, o);
-    }
-}
-
-static void dequantize_row(int fmt, const uint8_t *row, float *out, long I) {
-    for (long b = 0; b < I / QK; b++) {
-        const wblock w = unpack(fmt, row, b);
-        float *o = out + b * QK;
-        if (fmt == Q4_0) {
-            emit32(o, _mm256_sub_epi8(w.q, _mm256_set1_epi8(8)), w.dw, w.dw, 0.0f, 0);
-        } else if (fmt == Q4_1 || fmt == Q4_K) {  /* dw q + m; Q4_K's m = -(dmin mn): (d sc) q - dmin mn */
-            emit32(o, w.q, w.dw, w.dw, w.mw, 1);
-        } else if (fmt == Q8_0) {
-            emit32(o, w.q, w.dw, w.dw, 0.0f, 0);
-        } else {  /* Q6_K: (d sc_k) q per 16 values */
-            const int8_t *sc = (const int8_t *)(row + (b / 8) * 210 + 192);
-            const int j = (int)(b % 8);
-            emit32(o, w.q, w.dw * (float)sc[2 * j], w.dw * (float)sc[2 * j + 1], 0.0f, 0);
-        }
-    }
-}
-
-int hw_dequantize(int fmt, const uint8_t *w, float *out, long O, long I) {
-    const int packed = (fmt & X8) != 0;
-    fmt &= ~X8;
-    if (!block_bytes(fmt) || (packed && fmt != Q4_0 && fmt != Q4_1 && fmt != Q8_0)) return ERR_FORMAT;
-    if (O < 1 || I < 1 || I % block_values(fmt)) return ERR_SHAPE;
-    const long row_bytes = I / block_values(fmt) * block_bytes(fmt);
-    if (packed) {  /* each group back to rows in a scratch, then as rows */
-        int rc = 0;
-        #pragma omp parallel for schedule(static) if (O * I >= (1L << 16))
-        for (long g = 0; g < (O + 7) / 8; g++) {
-            const long n = O - 8 * g < 8 ? O - 8 * g : 8;
-            uint8_t *rows = malloc((size_t)(8 * row_bytes));
-            if (!rows) {
-                #pragma omp atomic write
-                rc = ERR_ALLOC;
-                continue;
-            }
-            repack_group(fmt, rows, row_bytes, n, I / QK, (uint8_t *)w + g * 8 * row_bytes, 0);
-            for (long k = 0; k < n; k++) {
-                if (fmt == Q4_1) dequantize_row(Q4_1, rows + k * row_bytes, out + (8 * g + k) * I, I);
-                else if (fmt == Q8_0) dequantize_row(Q8_0, rows + k * row_bytes, out + (8 * g + k) * I, I);
-                else dequantize_row(Q4_0, rows + k * row_bytes, out + (8 * g + k) * I, I);
-            }
-            free(rows);
-        }
-        return rc;
-    }
-    #pragma omp parallel for schedule(static) if (O * I >= (1L << 16))
-    for (long o = 0; o < O; o++) {
-        switch (fmt) {  /* constant fmt: each case is its own loop */
-            case Q4_0: dequantize_row(Q4_0, w + o * row_bytes, out + o * I, I); break;
-            case Q4_1: dequantize_row(Q4_1, w + o * row_bytes, out + o * I, I); break;
-            case Q8_0: dequantize_row(Q8_0, w + o * row_bytes, out + o * I, I); break;
-            case Q4_K: dequantize_row(Q4_K, w + o * row_bytes, out + o * I, I); break;
-            default: dequantize_row(Q6_K, w + o * row_bytes, out + o * I, I); break;
-        }
-    }
-    return 0;
-}
-
-/* ---- quantize: fp32 -> Q8_0 / Q4_0 / Q4_1, ggml's reference quantizers ---- */
-
-static inline void store_f16(uint8_t *p, float v) {
-    const uint16_t h = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
-    memcpy(p, &h, 2);
-}
-
-static void quantize_block(int fmt, const float *x, uint8_t *out) {
-    if (fmt == Q8_0) {  /* quantize_row_q8_0_ref: d = amax / 127, q = roundf(x * (1 / d)) */
-        float amax = 0.0f;
-        for (int j = 0; j < QK; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
-        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        store_f16(out, d);
-        /* roundf, half away from zero, branch-free: v - trunc(v) is exact, so the test is too */
-        const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
-        __m256i i[4];
-        for (int k = 0; k < 4; k++) {
-            const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + 8 * k), _mm256_set1_ps(id));
-            const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-            const __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(v, t)), half, _CMP_GE_OQ);
-            const __m256 step = _mm256_and_ps(up, _mm256_or_ps(one, _mm256_and_ps(v, sign)));  /* +-1 or 0 */
-            i[k] = _mm256_cvttps_epi32(_mm256_add_ps(t, step));
-        }
-        _mm256_storeu_si256((__m256i *)(out + 2), pack32(i));
-        return;
-    }
-    float d, id, lo;
-    if (fmt == Q4_0) {  /* quantize_row_q4_0_ref: d = (the value of largest |x|) / -8, q = x / d + 8 */
-        float amax = 0.0f, max = 0.0f;
-        for (int j = 0; j < QK; j++)
-            if (fabsf(x[j]) > amax) amax = fabsf(x[j]), max = x[j];
-        d = max / -8.0f, lo = 0.0f;
-        store_f16(out, d);
-    } else {  /* quantize_row_q4_1_ref: d = (max - min) / 15, q = (x - min) / d, m = min */
-        float min = x[0], max = x[0];
-        for (int j = 1; j < QK; j++) min = x[j] < min ? x[j] : min, max = x[j] > max ? x[j] : max;
-        d = (max - min) / 15.0f, lo = min;
-        store_f16(out, d), store_f16(out + 2, min);
-    }
-    id = d != 0.0f ? 1.0f / d : 0.0f;
-    const float add = fmt == Q4_0 ? 8.5f : 0.5f;  /* + 0.5, then truncate: round half up */
-    uint8_t *qs = out + (fmt == Q4_0 ? 2 : 4);
-    for (int j = 0; j < QK / 2; j++) {
-        const int a = (int)(rounded((x[j] - lo) * id) + add), c = (int)(rounded((x[j + 16] - lo) * id) + add);
-        qs[j] = (uint8_t)((a < 15 ? a : 15) | ((c < 15 ? c : 15) << 4));
-    }
-}
-
-int hw_quantize(int fmt, const float *w, uint8_t *out, long O, long I) {
-    if (fmt != Q4_0 && fmt != Q4_1 && fmt != Q8_0) return ERR_FORMAT;
-    if (O < 1 || I < 1 || I % QK) return ERR_SHAPE;
-    const long nb = O * (I / QK), bytes = block_bytes(fmt);
-    #pragma omp parallel for schedule(static) if (O * I >= (1L << 16))
-    for (long k = 0; k < nb; k++) quantize_block(fmt, w + k * QK, out + k * bytes);
-    return 0;
-}
-
 #ifdef HW_MODULE /* the extension's Python entry points (_module.c's method table lists them) */
 
 static PyObject *hw_result(const char *name, int rc) {
