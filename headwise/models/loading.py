@@ -4,6 +4,8 @@
                                          model.safetensors.index.json, or pytorch_model.bin)
     headwise.load("model.gguf")         via headwise.models.gguf.read_gguf
     headwise.load("smollm2")            a builtin name, via headwise.models.builtin.resolve
+    headwise.load(p, weights="int8")    quantized weights: quantized_load.py (a GGUF keeps its own by
+                                         default); a directory written by quantized_load.save loads too
     from_hf(hf_config, tensors)         the dict-level entry every path above ends in
 
 Each family file holds one visible table, HF name -> `To(headwise name, HF shape)`.

@@ -232,6 +232,18 @@ def test_bf16_and_fp32_dequantize(smol, tmp_path):
     assert {p.dtype for p in b.parameters()} == {torch.bfloat16}
     with pytest.raises(ValueError, match="disagree"):
         headwise.load(tiny, weights="bf16", dtype="fp32")
+    q8 = headwise.load(tiny, weights="q8_0")  # dequantized, then every linear and the embedding requantized
+    assert {m.fmt for m in q8.modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))} == {"q8_0"}
+    assert sum(isinstance(m, QuantizedLinear) for m in q8.modules()) == 1 + 4 * q8.config.num_layers
+
+
+def test_saved_model_loads_dequantized_or_requantized(smol, tmp_path):
+    q, f = smol
+    path = save(q, tmp_path / "smol")
+    back = headwise.load(path, weights="fp32")
+    assert not any(isinstance(m, (QuantizedLinear, QuantizedEmbedding)) for m in back.modules())
+    assert torch.equal(back.layers[3].mlp.down.weight, f.layers[3].mlp.down.weight)
+    assert back.lm_head.weight is back.embed.weight
 
 
 def test_mixed_formats_fall_back_to_fp32_with_one_warning(tmp_path):
