@@ -61,7 +61,9 @@ def captured_logs():
 
 @pytest.fixture(scope="package")
 def smol():
-    return headwise.load("smollm2-135m-instruct")
+    # fp32 here and in the served config below: the tests hold the server's batched, paged steps to
+    # generate()'s exact tokens, true where the arithmetic is fp32 throughout (tests/engine/test_smollm2.py)
+    return headwise.load("smollm2-135m-instruct", weights="fp32")
 
 
 @pytest.fixture(scope="package")
@@ -229,7 +231,7 @@ def main(peer, tiny_dir, servers_dir):
         {
             "server": {"api_keys": [MAIN_KEY], "api_key_env": "", "max_body_bytes": 64 * 1024},
             "models": {
-                "smollm2": {"source": "smollm2-135m-instruct", "max_num_seqs": 16},
+                "smollm2": {"source": "smollm2-135m-instruct", "weights": "fp32", "max_num_seqs": 16},
                 "minilm": {"source": "all-minilm-l6-v2"},
                 "tiny": {"source": str(tiny_dir), "max_model_len": 96},
                 "tiny-1seq": {"source": str(tiny_dir), "max_num_seqs": 1, "max_waiting_requests": 1},
