@@ -145,10 +145,11 @@ def main() -> None:
     hf = None if args.no_hf else hf_model(path)
     llama = None
     if not args.no_llama:
-        from peers import llama_cpp
+        from peers import llama_cpp  # benchmarks/peers/llama_cpp.py: `python benchmarks/peers/llama_cpp.py build` first
 
         llama = llama_cpp
-        log(f"llama.cpp: {llama_cpp.describe()}")
+        info = llama_cpp.build_info()
+        log(f"llama.cpp: {json.dumps(info)[:300]}")
 
     # agreement: greedy tokens of the quantized model vs fp32 (quality, not speed)
     _, ids_q = decode_rate(models["hw_q"], 32, V)
@@ -172,7 +173,8 @@ def main() -> None:
             elif name == "hf_fp32":
                 dec[name].append(hf_decode_rate(hf, args.new_tokens, V))
             else:
-                res = llama.bench(path, threads=args.threads, n_prompt=args.prefill, n_gen=args.new_tokens)
+                # one timed run per round (llama-bench warms up first), interleaved with ours
+                res = llama.llama_bench(path, args.threads, n_prompt=args.prefill, n_gen=args.new_tokens, reps=1)
                 dec[name].append(res["tg"])
                 pre[name].append(res["pp"])
         log(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in dec.items()))

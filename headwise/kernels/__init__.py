@@ -202,41 +202,7 @@ def run_linear(
     if why is not None:
         raise RuntimeError(f"small_linear is unavailable: {why}")
     O, I = plan.out_features, plan.in_features
-    M = x.numel() // x.shape[-1]
-    if x.shape[-1] != (2 * I if prologue == PRO_SWIGLU else I) or M > KERNEL_ROWS:
-        raise ValueError(
-            f"small_linear: x {tuple(x.shape)} does not fit a ({O}, {I}) weight "
-            f"(prologue {prologue}) or has more than {KERNEL_ROWS} rows"
-        )
-    if not (
-        _ok(x)
-        and (residual is None or _ok(residual) and residual.numel() == M * O)
-        and (norm_weight is None or _ok(norm_weight) and norm_weight.numel() == I)
-    ):
-        raise ValueError(
-            "small_linear needs contiguous fp32 CPU tensors: x (M, I), residual (M, O), norm_weight (I,); got "
-            + ", ".join(
-                f"{n} {t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ' strided'} on {t.device}"
-                for n, t in (("x", x), ("residual", residual), ("norm_weight", norm_weight))
-                if t is not None
-            )
-        )
-    cos = sin = None
-    cols = head_dim = 0
-    if rope is not None:
-        cos, sin, cols, head_dim = rope
-        if not (
-            head_dim > 0
-            and head_dim % 2 == 0
-            and 0 < cols <= O
-            and cols % head_dim == 0
-            and all(_ok(t) and t.shape == (M, head_dim // 2) for t in (cos, sin))
-        ):
-            raise ValueError(
-                f"small_linear: rope needs cos and sin (M, head_dim / 2) = ({M}, {head_dim // 2}) contiguous fp32 "
-                f"and whole heads of {head_dim} in the first {cols} of {O} outputs; got cos "
-                f"{tuple(cos.shape)} {cos.dtype}, sin {tuple(sin.shape)} {sin.dtype}"
-            )
+    M, cos, sin, cols, head_dim = check_call("small_linear", O, I, x, residual, prologue, norm_weight, rope)
     y = torch.empty(*x.shape[:-1], O)
     rc = mod.small_linear(
         plan.weight_ptr,
@@ -258,6 +224,57 @@ def run_linear(
     if rc:
         raise MemoryError("small_linear: could not allocate the prologue buffer")
     return y
+
+
+def check_call(
+    what: str,
+    O: int,
+    I: int,
+    x: Tensor,
+    residual: Tensor | None,
+    prologue: int,
+    norm_weight: Tensor | None,
+    rope: tuple[Tensor, Tensor, int, int] | None,
+) -> tuple[int, Tensor | None, Tensor | None, int, int]:
+    """The checks every small-row linear kernel call needs (run_linear, quant.run_quant) against
+    an (O, I) weight: x (M, I) (or (M, 2I) with PRO_SWIGLU), 1 <= M <= KERNEL_ROWS, residual (M, O),
+    norm_weight (I,), rope = (cos, sin (M, head_dim / 2), columns, head_dim); all contiguous fp32
+    on the CPU. Returns (M, cos, sin, columns, head_dim), the last four None / 0 without rope."""
+    M = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    if x.dim() == 0 or x.shape[-1] != (2 * I if prologue == PRO_SWIGLU else I) or not 0 < M <= KERNEL_ROWS:
+        raise ValueError(
+            f"{what}: x {tuple(x.shape)} does not fit a ({O}, {I}) weight "
+            f"(prologue {prologue}) or has not 1 to {KERNEL_ROWS} rows (no more than {KERNEL_ROWS})"
+        )
+    if not (
+        _ok(x)
+        and (residual is None or _ok(residual) and residual.numel() == M * O)
+        and (norm_weight is None or _ok(norm_weight) and norm_weight.numel() == I)
+    ):
+        raise ValueError(
+            f"{what} needs contiguous fp32 CPU tensors: x (M, I), residual (M, O), norm_weight (I,); got "
+            + ", ".join(
+                f"{n} {t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ' strided'} on {t.device}"
+                for n, t in (("x", x), ("residual", residual), ("norm_weight", norm_weight))
+                if t is not None
+            )
+        )
+    if rope is None:
+        return M, None, None, 0, 0
+    cos, sin, cols, head_dim = rope
+    if not (
+        head_dim > 0
+        and head_dim % 2 == 0
+        and 0 < cols <= O
+        and cols % head_dim == 0
+        and all(_ok(t) and t.shape == (M, head_dim // 2) for t in (cos, sin))
+    ):
+        raise ValueError(
+            f"{what}: rope needs cos and sin (M, head_dim / 2) = ({M}, {head_dim // 2}) contiguous fp32 "
+            f"and whole heads of {head_dim} in the first {cols} of {O} outputs; got cos "
+            f"{tuple(cos.shape)} {cos.dtype}, sin {tuple(sin.shape)} {sin.dtype}"
+        )
+    return M, cos, sin, cols, head_dim
 
 
 def _ok(t: Tensor) -> bool:

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import KERNEL_ROWS, PRO_NONE, PRO_SWIGLU, _ext
+from . import PRO_NONE, _ext, check_call
 
 # name -> (GGML type id, values per block, bytes per block): ggml-common.h's block_* structs
 FORMATS = {
@@ -148,41 +148,7 @@ def run_quant(
     kernels.run_linear's. No autograd: for inference."""
     mod = _module()
     O, I = plan.out_features, plan.in_features
-    M = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-    if x.dim() == 0 or x.shape[-1] != (2 * I if prologue == PRO_SWIGLU else I) or not 0 < M <= KERNEL_ROWS:
-        raise ValueError(
-            f"{plan.fmt} linear: x {tuple(x.shape)} does not fit a ({O}, {I}) weight (prologue {prologue}) "
-            f"or has not 1 to {KERNEL_ROWS} rows"
-        )
-    if not (
-        _ok(x)
-        and (residual is None or _ok(residual) and residual.numel() == M * O)
-        and (norm_weight is None or _ok(norm_weight) and norm_weight.numel() == I)
-    ):
-        raise ValueError(
-            f"{plan.fmt} linear needs contiguous fp32 CPU tensors: x (M, I), residual (M, O), norm_weight (I,); got "
-            + ", ".join(
-                f"{n} {t.dtype} {tuple(t.shape)}{'' if t.is_contiguous() else ' strided'} on {t.device}"
-                for n, t in (("x", x), ("residual", residual), ("norm_weight", norm_weight))
-                if t is not None
-            )
-        )
-    cos = sin = None
-    cols = head_dim = 0
-    if rope is not None:
-        cos, sin, cols, head_dim = rope
-        if not (
-            head_dim > 0
-            and head_dim % 2 == 0
-            and 0 < cols <= O
-            and cols % head_dim == 0
-            and all(_ok(t) and t.shape == (M, head_dim // 2) for t in (cos, sin))
-        ):
-            raise ValueError(
-                f"{plan.fmt} linear: rope needs cos and sin (M, head_dim / 2) = ({M}, {head_dim // 2}) contiguous "
-                f"fp32 and whole heads of {head_dim} in the first {cols} of {O} outputs; got cos "
-                f"{tuple(cos.shape)} {cos.dtype}, sin {tuple(sin.shape)} {sin.dtype}"
-            )
+    M, cos, sin, cols, head_dim = check_call(f"{plan.fmt} linear", O, I, x, residual, prologue, norm_weight, rope)
     y = torch.empty(*x.shape[:-1], O)
     mod.quant_linear(
         plan.fmt_id,
