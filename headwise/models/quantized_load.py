@@ -219,10 +219,14 @@ def save(model: nn.Module, path) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state, seen = {}, set()
+    modules = dict(model.named_modules())
     for name, t in model.state_dict().items():
         if t.data_ptr() in seen:  # a tied head: tie_weights restores it
             continue
         seen.add(t.data_ptr())
+        owner = modules.get(name.removesuffix(".blocks"))
+        if name.endswith(".blocks") and isinstance(owner, QUANTIZED):
+            t = owner.file_blocks()  # the file's layout, whatever the kernel reads
         state[name] = t.detach().contiguous()
     save_file(state, str(path / "model.safetensors"), metadata={"format": SAVED_FORMAT})
     meta = {

@@ -253,3 +253,47 @@ def test_models_import_and_run_without_the_extension(tmp_path):
     out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120, cwd=Path(__file__).parents[2])
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "0.0", "1"]
+
+
+@pytest.mark.parametrize("fmt", linear.PACKABLE)
+@pytest.mark.parametrize("O", [8, 13, 70])  # whole groups of 8 rows, and a padded last group
+def test_packed_layout_computes_the_same(fmt, O):
+    """pack(): the same bytes in kernels.quant's 8-row groups; kernel, tiled prefill, .weight,
+    the embedding lookup and a tied head all give what the file layout gives."""
+    import copy
+
+    I = 256
+    rows = QuantizedLinear(I, O, fmt, blocks=make_blocks(fmt, O, I))
+    packed = copy.deepcopy(rows)
+    assert packed.pack() and packed.packed and packed.blocks.shape == (-(-O // 8), 8 * rows.blocks.shape[1])
+    assert torch.equal(packed.weight, rows.weight) and torch.equal(packed.file_blocks(), rows.blocks)
+    for n in (1, 5, kernels.KERNEL_ROWS + 3):
+        x = torch.randn(n, I)
+        with torch.inference_mode():
+            torch.testing.assert_close(packed(x), rows(x), rtol=1e-5, atol=1e-5)
+    emb = QuantizedEmbedding(O, I, fmt, blocks=rows.blocks.clone())
+    ids = torch.tensor([[0, O - 1, O // 2], [1, 1, O - 2]])
+    want = emb(ids)
+    assert emb.pack() and torch.equal(emb(ids), want)
+    head = QuantizedLinear.tied_to(emb)
+    assert head.packed and head.blocks is emb.blocks
+
+
+def test_pack_quantized_keeps_a_tied_head_on_one_buffer(tmp_path):
+    import headwise
+    from headwise.models.linear import pack_quantized
+    from headwise.models.quantized_load import save
+
+    from .test_gguf import write_tiny_llama
+
+    write_tiny_llama(tmp_path / "t.gguf", tied=True)
+    model = headwise.load(tmp_path / "t.gguf", weights="q8_0")
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.inference_mode():
+        before = model(ids)
+    assert pack_quantized(model) == 1 + 4 * model.config.num_layers
+    assert model.lm_head.blocks is model.embed.blocks and model.embed.packed
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids), before, rtol=0, atol=1e-3 * before.abs().max().item())
+    back = headwise.load(save(model, tmp_path / "saved"))  # saved in the file's layout
+    assert not back.embed.packed and torch.equal(back.embed.blocks, model.embed.file_blocks())
