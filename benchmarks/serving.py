@@ -7,6 +7,10 @@ Contenders, each a real server process on 127.0.0.1, driven over HTTP by the sam
              LlamaForCausalLM built from the very same GGUF tensors (as benchmarks/decode.py
              does), `generate` with a token streamer, one request at a time behind a lock,
              the same /v1/completions SSE format
+  llama.cpp  (--llama) llama.cpp's `llama-server -np <largest client count>` on the same GGUF file,
+             the same threads, the same KV budget in tokens as headwise's pool (benchmarks/peers/
+             llama_cpp.py builds it); the client sends it the same token-id prompts; its streamed chunks
+             are one token each, so where its final chunk carries no usage the chunks are counted
 and, at 1 client only, not a server:
   hw_generate  headwise.generate(prompt, greedy, ignore_eos) in a worker process
              (benchmarks/_worker.py, the same environment as the servers), one request after
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -103,10 +108,11 @@ class Server:
                 self.proc.wait()
 
 
-def start_servers(logdir: Path, max_num_seqs: int) -> dict[str, Server]:
+def start_servers(logdir: Path, max_num_seqs: int, num_blocks: int | None = None) -> dict[str, Server]:
     config = logdir / "serve.toml"
+    pool = f"num_blocks = {num_blocks}\n" if num_blocks else ""
     config.write_text(
-        f'[server]\napi_key_env = ""\n[models."{MODEL}"]\nsource = "{MODEL}"\nmax_num_seqs = {max_num_seqs}\n'
+        f'[server]\napi_key_env = ""\n[models."{MODEL}"]\nsource = "{MODEL}"\nmax_num_seqs = {max_num_seqs}\n{pool}'
     )
     hw_port, base_port = free_port(), free_port()
     servers = {
@@ -132,6 +138,18 @@ def start_servers(logdir: Path, max_num_seqs: int) -> dict[str, Server]:
     for s in servers.values():
         s.wait_ready()
     return servers
+
+
+def proc_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+
+def llama_cpp_gguf() -> Path:
+    """The file headwise serves: the builtin model's GGUF."""
+    from headwise.models.builtin import resolve
+
+    return resolve(MODEL)
 
 
 # ------------------------------------------------------------------ the client
@@ -164,6 +182,7 @@ async def one_request(client, url: str, prompt: list[int], output_len: int) -> d
                 if data.get("usage"):
                     out["output_tokens"] = data["usage"]["completion_tokens"]
         out["e2e"] = time.perf_counter() - t0
+        out["output_tokens"] = out["output_tokens"] or len(out["chunks"])  # llama-server: a token a chunk
         out["ok"] = bool(out["chunks"]) and out["output_tokens"] == output_len
         if not out["ok"]:
             out["error"] = f"{out['output_tokens']} tokens instead of {output_len}"
@@ -287,7 +306,7 @@ def level_table(rows: list[tuple[str, int, dict]]) -> str:
 
 
 def verdicts(results: dict, runs: dict, log: Log) -> dict:
-    hw, base = results["headwise"], results["baseline"]
+    hw, base = results["headwise"], results.get("baseline", {})
     out = {}
 
     def line(name, value, target, ok):
@@ -311,6 +330,17 @@ def verdicts(results: dict, runs: dict, log: Log) -> dict:
         line("headwise 16 clients / 1 client, output tok/s", f"{r:.2f}x", ">= 6x", r >= 6)
         t = hw[16]["tpot_s"]["median"] / hw[1]["tpot_s"]["median"]
         line("headwise p50 TPOT 16 clients / 1 client", f"{t:.2f}x", "< 4x", t < 4)
+    llama = results.get("llama.cpp", {})
+    if 1 in hw and 1 in llama:
+        r = hw[1]["output_throughput"] / llama[1]["output_throughput"]
+        line("headwise / llama-server at 1 client, output tok/s", f"{r:.2f}x", ">= 0.8x", r >= 0.8)
+    if 16 in hw and 16 in llama:
+        r = hw[16]["output_throughput"] / llama[16]["output_throughput"]
+        line("headwise / llama-server -np 16 at 16 clients, output tok/s", f"{r:.2f}x", ">= 1.5x", r >= 1.5)
+    mem = results.get("memory", {})
+    if "headwise" in mem and "llama.cpp" in mem:
+        r = mem["headwise"] / mem["llama.cpp"]
+        line("headwise serve / llama-server resident memory (VmRSS after the run)", f"{r:.2f}x", "<= 1.5x", r <= 1.5)
     if 16 in hw and 16 in base:
         r = hw[16]["output_throughput"] / base[16]["output_throughput"]
         line("headwise / baseline at 16 clients, output tok/s", f"{r:.2f}x", ">= 8x", r >= 8)
@@ -350,6 +380,13 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=1, help="rounds over all levels (default 1)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="engine's max_num_seqs (default 64)")
     p.add_argument("--quick", action="store_true", help="32+32 tokens, 1/4/16 clients, nothing saved")
+    p.add_argument(
+        "--llama",
+        action="store_true",
+        help="add llama.cpp's llama-server as a contender (build it first: python benchmarks/peers/llama_cpp.py build)",
+    )
+    p.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline server")
+    p.add_argument("--threads", type=int, default=2, help="llama-server's threads (headwise: torch's default)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
     if args.quick:
@@ -384,10 +421,11 @@ def main(argv=None) -> int:
             return fixed
         return 3 if c == 1 else (c if base else min(64, 2 * c) if c < 64 else c)
 
+    contenders = ["headwise", *([] if args.no_baseline else ["baseline"]), *(["llama.cpp"] if args.llama else [])]
     plan = [
         (name, c)
         for c in sorted(set(args.concurrency) | set(args.baseline_concurrency))
-        for name in ("headwise", "baseline")
+        for name in contenders
         if c in (args.baseline_concurrency if name == "baseline" else args.concurrency)
     ]
     plan += [("hw_generate", 1)] if 1 in args.concurrency else []
@@ -397,12 +435,26 @@ def main(argv=None) -> int:
         info = worker.ask("info")
         vocab = info["vocab_size"]
         log(f"hw_generate worker: headwise from {info['headwise']}, {info['threads']} threads, env {info['wait_env']}")
-        servers = start_servers(Path(tmp), args.max_num_seqs)
+        # the same KV budget in tokens for both engines: every client's prompt + output, 16-token blocks
+        budget = max(args.concurrency) * (args.input_len + args.output_len + 16)
+        servers = start_servers(Path(tmp), args.max_num_seqs, num_blocks=-(-budget // 16) if args.llama else None)
+        if args.no_baseline:
+            servers.pop("baseline").stop()
+        stack = contextlib.ExitStack()
+        if args.llama:
+            from peers import llama_cpp
+
+            log(f"llama.cpp {llama_cpp.build_info().get('version', '')}: -np {max(args.concurrency)} -c {budget}")
+            servers["llama.cpp"] = stack.enter_context(
+                llama_cpp.start_server(
+                    llama_cpp_gguf(), args.threads, parallel=max(args.concurrency), ctx=budget, timeout_s=300
+                )
+            )
         try:
             for s in servers.values():  # warm-up: one short request each
                 asyncio.run(run_level(s.url, prompts(1), 4, 1))
             run_generate(worker, prompts(1), 4)
-            runs: dict[str, dict[int, list]] = {"headwise": {}, "baseline": {}, "hw_generate": {}}
+            runs: dict[str, dict[int, list]] = {n: {} for n in [*contenders, "hw_generate"]}
             for rnd in range(args.rounds):
                 for c in sorted({c for _, c in plan}):
                     names = [n for n, cc in plan if cc == c]
@@ -421,9 +473,15 @@ def main(argv=None) -> int:
                             f"{r['output_throughput']:.1f} out tok/s, p50 decode {decode_rate(r):.1f} tok/s, "
                             f"load {la} -> {loadavg()[0]}" + (f"  errors {r['errors']}" if r["errors"] else "")
                         )
+            memory = {"headwise": proc_rss(servers["headwise"].proc.pid)}
+            if args.llama:
+                memory["llama.cpp"] = servers["llama.cpp"].rss_bytes()
+            log("resident memory after the run: " + ", ".join(f"{n} {b / 2**20:.0f} MiB" for n, b in memory.items()))
         finally:
-            for s in servers.values():
-                s.stop()
+            for name, s in servers.items():
+                if name != "llama.cpp":
+                    s.stop()
+            stack.close()
             worker.close()
     # the median round per level (by output throughput; hw_generate by its decode rate)
     key = {"hw_generate": decode_rate}
@@ -433,14 +491,12 @@ def main(argv=None) -> int:
         }
         for name, levels in runs.items()
     }
+    results["memory"] = memory
     env["loadavg_after"] = loadavg()
     env.update(busy_and_steal(ticks0, cpu_ticks()))
     log("")
     rows = [
-        (name, c, results[name][c])
-        for c in sorted({c for _, c in plan})
-        for name in ("headwise", "baseline")
-        if c in results[name]
+        (name, c, results[name][c]) for c in sorted({c for _, c in plan}) for name in contenders if c in results[name]
     ]
     log(level_table(rows))
     log("")
@@ -451,12 +507,12 @@ def main(argv=None) -> int:
             parts.append(
                 f"{results['headwise'][c]['output_throughput'] / hw1['output_throughput']:.2f}x its 1-client throughput"
             )
-        if c in results["baseline"]:
+        if c in results.get("baseline", {}):
             ratio = results["headwise"][c]["output_throughput"] / results["baseline"][c]["output_throughput"]
             parts.append(f"{ratio:.2f}x the baseline's")
         log(f"headwise at {c} clients: " + ", ".join(parts))
     if 1 in results["hw_generate"]:
-        one = {n: decode_rate(results[n][1]) for n in ("headwise", "baseline", "hw_generate") if 1 in results[n]}
+        one = {n: decode_rate(results[n][1]) for n in [*contenders, "hw_generate"] if 1 in results[n]}
         log(
             "decode at 1 client, tokens after the first per second, median request (servers: 1 / TPOT as the "
             "client sees it; hw_generate: generate()'s tokens_per_second): "
