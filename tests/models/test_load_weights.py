@@ -75,8 +75,8 @@ def test_blocks_dequantize_to_the_fp32_path_bit_for_bit(smol):
     assert n == 2 + 4 * q.config.num_layers
 
 
-def heldout_ids(tokenizer, n=384):
-    text = "\n\n".join(pydoc_corpus().heldout_paragraphs[:8])
+def heldout_ids(tokenizer, n=1024):
+    text = "\n\n".join(pydoc_corpus().heldout_paragraphs[:40])
     ids = tokenizer.encode(text)[:n]
     assert len(ids) == n
     return ids
@@ -105,7 +105,11 @@ def test_quantized_compute_keeps_perplexity_and_top_tokens(smol, monkeypatch):
     lq, lf = teacher_forced_logits(q, ids), teacher_forced_logits(f, ids)
     assert len(calls) == len(range(0, len(ids), 64)) * (4 * q.config.num_layers + 1)  # every linear: the kernel
     pq, pf = perplexity(lq, ids), perplexity(lf, ids)
-    assert abs(pq / pf - 1) < 0.005, (pq, pf)  # measured: 16.69 vs 16.68 (+0.06%)
+    # The issue's bound. Measured: 19.28 vs 19.23 (+0.26%). Int8 activations make the result
+    # chaotic in the last bits: scaling every attn_norm weight by 1 + 1e-7 moves this to +0.53%,
+    # and the kernel's packed layout (pack_quantized; same sums, another order) gives +0.52%,
+    # so the mean cost of the rounding is ~0.4% and this bound sits near it.
+    assert abs(pq / pf - 1) < 0.005, (pq, pf)
     # logits: int8 activations per 32 values move them by ~0.1 on a scale of ~30 (measured max ~1.3)
     assert (lq - lf).abs().mean() < 0.25 and (lq - lf).abs().max() < 3
     # the top token is the same wherever fp32's top two are not a near-tie
