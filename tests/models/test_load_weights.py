@@ -75,8 +75,8 @@ def test_blocks_dequantize_to_the_fp32_path_bit_for_bit(smol):
     assert n == 2 + 4 * q.config.num_layers
 
 
-def heldout_ids(tokenizer, n=1024):
-    text = "\n\n".join(pydoc_corpus().heldout_paragraphs[:40])
+def heldout_ids(tokenizer, n=1024, part=0):
+    text = "\n\n".join(pydoc_corpus().heldout_paragraphs[40 * part : 40 * (part + 1)])
     ids = tokenizer.encode(text)[:n]
     assert len(ids) == n
     return ids
@@ -101,14 +101,18 @@ def test_quantized_compute_keeps_perplexity_and_top_tokens(smol, monkeypatch):
     calls = []
     run = QuantizedLinear.run
     monkeypatch.setattr(QuantizedLinear, "run", staticmethod(lambda p, x, **k: calls.append(1) or run(p, x, **k)))
-    ids = heldout_ids(q.tokenizer)
-    lq, lf = teacher_forced_logits(q, ids), teacher_forced_logits(f, ids)
-    assert len(calls) == len(range(0, len(ids), 64)) * (4 * q.config.num_layers + 1)  # every linear: the kernel
-    pq, pf = perplexity(lq, ids), perplexity(lf, ids)
-    # The bound. Measured: 19.28 vs 19.23 (+0.26%). Int8 activations make the result
-    # chaotic in the last bits: scaling every attn_norm weight by 1 + 1e-7 moves this to +0.53%,
-    # and the kernel's packed layout (pack_quantized; same sums, another order) gives +0.52%,
-    # so the mean cost of the rounding is ~0.4% and this bound sits near it.
+    # three held-out texts of 1024 tokens: at one text the ratio wanders by ~0.25% with the last
+    # bits (int8 activations make it chaotic: scaling every attn_norm weight by 1 + 1e-7 moved one
+    # text from +0.26% to +0.53%); over 3072 tokens it measured +0.41% (row layout) and +0.46%
+    # (the kernel's 8-row packed layout, the default: same sums in another order), the mean cost
+    # of rounding x to int8 per 32 values. The bound is the issue's.
+    nll_q = nll_f = 0.0
+    for part in range(3):
+        ids = heldout_ids(q.tokenizer, part=part)
+        lq, lf = teacher_forced_logits(q, ids), teacher_forced_logits(f, ids)
+        nll_q, nll_f = nll_q + math.log(perplexity(lq, ids)), nll_f + math.log(perplexity(lf, ids))
+    assert len(calls) == 3 * len(range(0, len(ids), 64)) * (4 * q.config.num_layers + 1)  # every linear: the kernel
+    pq, pf = math.exp(nll_q / 3), math.exp(nll_f / 3)
     assert abs(pq / pf - 1) < 0.005, (pq, pf)
     # logits: int8 activations per 32 values move them by ~0.1 on a scale of ~30 (measured max ~1.3)
     assert (lq - lf).abs().mean() < 0.25 and (lq - lf).abs().max() < 3
