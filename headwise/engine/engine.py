@@ -26,6 +26,7 @@ import uuid
 from typing import Callable
 
 from ..generation.output import OutputProcessor
+from ..models.linear import weight_bytes
 from ..generation.sampling import SamplingParams
 from .config import EngineConfig
 from .core import EngineCore, TokenOutput
@@ -310,6 +311,7 @@ class Engine(Frontends):
                     if c["decode_tokens"] and self._decode_seconds > 0
                     else None
                 ),
+                weight_bytes=weight_bytes(self.model),
             )
 
     def __repr__(self) -> str:

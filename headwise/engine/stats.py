@@ -54,6 +54,7 @@ class EngineStats:
     itl_s: Samples  # recent inter-token latency samples, seconds
     decode_tokens_per_second: float | None  # tokens after each request's first / the time they took,
     # over finished/aborted requests; None before any had 2 tokens
+    weight_bytes: dict[str, int]  # the model's weights by storage format ("q4_1", "q8_0", "float32", ...)
 
     def as_dict(self) -> dict:
         """Plain numbers: the latency samples as {"count", "p50", "p90", "p99"}."""

@@ -113,3 +113,20 @@ def test_stop_string_on_the_last_allowed_token_is_a_stop(smol):
     assert ref.finish_reason == "stop" and len(ref.token_ids) == 8
     out = Engine(smol, max_num_seqs=2, num_blocks=64).generate([prompt], params)[0]
     assert (out.token_ids, out.text, out.finish_reason) == (ref.token_ids, ref.text, "stop")
+
+
+def test_stats_report_weight_bytes_per_format_as_the_file_stores_them():
+    """The default load computes from the GGUF's blocks: stats() prices the weights per format,
+    and the figures equal the file's own tensor bytes per GGML type (gguf's reader)."""
+    import gguf
+
+    from headwise.models.builtin import resolve
+
+    path = resolve("smollm2-135m-instruct")
+    want: dict[str, int] = {}
+    for t in gguf.GGUFReader(path).tensors:
+        name = {"F32": "float32"}.get(t.tensor_type.name, t.tensor_type.name.lower())
+        want[name] = want.get(name, 0) + int(t.n_bytes)
+    engine = Engine(headwise.load(path), max_num_seqs=2, num_blocks=8)
+    assert engine.stats().weight_bytes == want
+    assert engine.stats().as_dict()["weight_bytes"] == want
