@@ -4,8 +4,8 @@
 cache) on the file as shipped (Q4_1) and on two copies llama-quantize makes of it: Q8_0 (the
 same weights in 8-bit blocks) and F32 (dequantized, what headwise computes from today). Each
 llama-bench call times `--reps` runs after a warm-up; `--rounds` calls per file, in an order
-rotated every round (benchmarks/_common.py's method); the table shows the median of the rounds'
-means and the range.
+rotated every round (benchmarks/_common.py's method); the table shows, per file, the median
+over the calls of each call's median run, and the best and worst call.
 
     .venv/bin/python benchmarks/peers/llama_cpp.py build    # once, ~7 min on 2 cores
     .venv/bin/python benchmarks/peers/run_llama_bench.py    # ~3 min; saves results/llama_cpp.txt
@@ -82,14 +82,16 @@ def main(argv=None) -> int:
     load = busy_and_steal(ticks, cpu_ticks())
 
     def fig(name: str, key: str) -> str:
-        xs = [x[key] for x in runs[name]]
-        std = statistics.median(x[key + "_std"] for x in runs[name])
-        return f"{statistics.median(xs):.1f} ±{std:.1f} [{min(xs):.1f}-{max(xs):.1f}]"
+        # per call the median of its timed runs (a run another process interrupted moves a mean,
+        # not a median); over the rounds the median and the best, since on a shared machine the
+        # best round is the one closest to the machine's own speed.
+        xs = [statistics.median(x[key + "_samples"] or [x[key]]) for x in runs[name]]
+        return f"{statistics.median(xs):.1f} (best {max(xs):.1f}, worst {min(xs):.1f})"
 
     rows = [[name, f"{files[name].stat().st_size / 2**20:.0f}", fig(name, "pp"), fig(name, "tg")] for name in names]
     log("")
     log(table(["weights", "file MiB", f"pp{a.n_prompt} tok/s", f"tg{a.n_gen} tok/s"], rows))
-    log("(median of the rounds' means ±llama-bench's stddev within a call [range of the rounds' means])")
+    log(f"(tok/s: each llama-bench call's median of {a.reps} timed runs; median, best and worst of {a.rounds} calls)")
     log(f"load average after: {loadavg()}; during the runs: {load}")
     log(f"llama-bench's cpu_info: {runs[names[0]][0]['cpu_info']}; build {runs[names[0]][0]['build']}")
     if not a.no_save:
