@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -235,10 +236,12 @@ def llama_bench(
 
 
 def decode_prefill(gguf: str | Path, threads: int, reps: int = 5) -> dict[str, float]:
-    """The two figures benchmarks/decode.py tabulates, from llama-bench: {"decode_tok_s": tg128
-    (batch-1 decode from an empty cache), "prefill_tok_s": pp512}. Needs a build (see `tool`)."""
+    """The two figures benchmarks/decode.py tabulates, from one llama-bench call: {"decode_tok_s":
+    tg128 (batch-1 decode from an empty cache), "prefill_tok_s": pp512}, each the median of `reps`
+    timed runs. Needs a build (see `tool`)."""
     r = llama_bench(gguf, threads, n_prompt=512, n_gen=128, reps=reps)
-    return {"decode_tok_s": r["tg"], "prefill_tok_s": r["pp"]}
+    # the median run, not llama-bench's mean: on a shared machine one interrupted run moves the mean
+    return {"decode_tok_s": statistics.median(r["tg_samples"]), "prefill_tok_s": statistics.median(r["pp_samples"])}
 
 
 def quantize(gguf: str | Path, type: str, out: str | Path | None = None, version: str = VERSION) -> Path:
