@@ -88,6 +88,18 @@ class ContiguousLayerCache(LayerCacheBase):
         n_t = None if counts is None else torch.tensor(counts, dtype=torch.long, device=self.device)
         return self._write_masked(k, v, T, n_t)
 
+    def claim(self, T: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        """For a caller that writes T new tokens' K/V into the buffers itself and then attends over
+        each sequence's first L_b + T keys (kernels.layer's one-call decode step): books the tokens
+        and returns (K, V (B, Hkv, max_seq_len, D), each sequence's first new slot (B,) int64), or
+        None where the buffers are not plain fp32 (int8, static for torch.compile)."""
+        if self.static or self.store.int8 or self.dtype is not torch.float32:
+            return None
+        self._book(T, None)
+        pos = self._len.clone()
+        self._len += T
+        return self.store.k[0], self.store.v[0], pos
+
     def _check_fits(self, n: list[int]) -> None:
         for b, (L, c) in enumerate(zip(self._host, n)):
             if L + c > self.max_seq_len:

@@ -5,6 +5,7 @@
  * order of the C kernel it calls (small_linear.c, decode_attention.c); the Python callers in
  * kernels/ check shapes, dtypes and contiguity first. */
 #include "pyargs.h"
+#include <stdint.h>
 
 int hw_small_linear_f32(const float *Wb, const float *x, const float *b, const float *r, float *y, long M, long O,
                         long I, int kind, const float *norm_w, float eps, const float *cos, const float *sin,
@@ -12,6 +13,30 @@ int hw_small_linear_f32(const float *Wb, const float *x, const float *b, const f
 int hw_decode_attention_f32(const float *q, const float *k, const float *v, float *out, float *lse, long C, long Hkv,
                             long G, long D, long sk_c, long sk_h, long sk_t, long sv_c, long sv_h, long sv_t,
                             const long *lengths, float scale, long all_keys);
+
+int hw_decoder_step(const int64_t *lin, const float *attn_norm, const float *mlp_norm, float eps, const float *x,
+                    float *y, long M, long C, long H, long Hkv, long D, long F, const float *cos, const float *sin,
+                    float *kc, float *vc, long s_b, long s_h, long s_t, const int64_t *pos, float scale);
+
+/* decoder_step(lin, attn_norm, mlp_norm, eps, x, y, M, C, H, Hkv, D, F, cos, sin, kc, vc, s_b, s_h, s_t, pos,
+ * scale) -> int rc (decoder_step.c) */
+static PyObject *py_decoder_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    const int64_t *lin, *pos;
+    const float *attn_norm, *mlp_norm, *x, *cos, *sin;
+    float *y, *kc, *vc, eps, scale;
+    long M, C, H, Hkv, D, F, s_b, s_h, s_t;
+    if (!(hw_nargs("decoder_step", nargs, 21) && HW_P(0, lin) && HW_P(1, attn_norm) && HW_P(2, mlp_norm) &&
+          HW_F(3, eps) && HW_P(4, x) && HW_P(5, y) && HW_L(6, M) && HW_L(7, C) && HW_L(8, H) && HW_L(9, Hkv) &&
+          HW_L(10, D) && HW_L(11, F) && HW_P(12, cos) && HW_P(13, sin) && HW_P(14, kc) && HW_P(15, vc) &&
+          HW_L(16, s_b) && HW_L(17, s_h) && HW_L(18, s_t) && HW_P(19, pos) && HW_F(20, scale)))
+        return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = hw_decoder_step(lin, attn_norm, mlp_norm, eps, x, y, M, C, H, Hkv, D, F, cos, sin, kc, vc, s_b, s_h, s_t,
+                         pos, scale);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(rc);
+}
 
 /* small_linear(Wb, x, b, r, y, M, O, I, prologue, norm_w, eps, cos, sin, rot_cols, head_dim) -> int rc */
 static PyObject *py_small_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -59,6 +84,7 @@ PyObject *hwpy_repack8(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 static PyMethodDef methods[] = {
     {"small_linear", (PyCFunction)(void (*)(void))py_small_linear, METH_FASTCALL, "small_linear.c"},
+    {"decoder_step", (PyCFunction)(void (*)(void))py_decoder_step, METH_FASTCALL, "decoder_step.c"},
     {"decode_attention", (PyCFunction)(void (*)(void))py_decode_attention, METH_FASTCALL, "decode_attention.c"},
     {"quant_linear", (PyCFunction)(void (*)(void))hwpy_quant_linear, METH_FASTCALL, "quant_linear.c"},
     {"dequantize", (PyCFunction)(void (*)(void))hwpy_dequantize, METH_FASTCALL, "quant_linear.c"},

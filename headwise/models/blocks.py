@@ -37,6 +37,7 @@ from ..attention import MultiHeadAttention
 from ..attention.step import PlainStep, Step
 from ..config import ModelConfig
 from .linear import QuantizedLinear
+from .layer_step import one_call_step
 from .packing import PackedLinear
 
 # Steps of at most this many rows (B*T) take the few-rows route; 0 turns it off. Above ~64 rows
@@ -210,6 +211,16 @@ class DecoderBlock(nn.Module):
         B, T, C = x.shape
         N, H, Hkv, D = B * T, attn.num_heads, attn.num_kv_heads, attn.head_dim  # per layer: pruning changes them
         h = x.reshape(N, C)
+        if (
+            T == 1
+            and cache is not None
+            and h.dtype is torch.float32
+            and type(p.attn_norm) is type(p.mlp_norm) is RMSNorm
+        ):
+            # a decode step: the layer in one kernel call where it applies (layer_step.py)
+            y = one_call_step(self, p, h, step, cache)
+            if y is not None:
+                return y.view(B, T, C)
         rope = p.rope
         if rope is not None and not rope.interleaved and rope.dim == D and h.dtype == torch.float32:
             # RoPE of all q and k heads in the QKV call (the kernel's epilogue, or the module after it)

@@ -1,0 +1,105 @@
+"""The decoder block's few-rows route for a decode step in one kernel call (kernels/layer.py).
+
+When every new row is one token of its own sequence over a contiguous fp32 cache, and the layer
+is the pre-norm SwiGLU kind whose four linears all run on headwise's kernels (fp32 blocked or
+quantized), blocks.DecoderBlock._few_rows hands the whole layer to `kernels.layer.run_step`:
+the same kernels it would call one by one, without ~40 Python-level operations between them.
+Anything else (a prefill, a paged or int8 or static cache, ALiBi, a forced attention backend,
+uneven GQA groups, another norm or MLP) returns None and the route continues as written.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import kernels
+from ..kernels import attention as kernel_attention
+from ..kernels import layer as kernel_layer
+from .linear import QuantizedLinear
+from .packing import PackedLinear
+
+
+def one_call_step(block, p, h: Tensor, step, cache) -> Tensor | None:
+    """h (N, C) of a T=1 step -> the layer's output (N, C), or None where the one call does not apply.
+    The caller has checked that both norms are RMSNorm (blocks.py defines it)."""
+    N = h.shape[0]
+    claim = getattr(cache, "claim", None)
+    if claim is None or step.num_real is not None or N > kernels.KERNEL_ROWS or cache.batch_size != N:
+        return None
+    plan = _cached_plan(block, p, h)
+    if plan is None:
+        return None
+    cos, sin = step.rope_rows(p.rope)
+    claimed = claim(1)
+    if claimed is None:
+        return None
+    k, v, pos = claimed
+    return kernel_layer.run_step(plan, h, cos, sin, k, v, pos)
+
+
+def _weights_key(p) -> tuple:
+    """What the plan depends on besides the modules themselves (p changes when one is replaced):
+    each weight tensor and, outside inference mode, its version (in-place edits bump it)."""
+    key = []
+    for m in (p.qkv, p.out, *p.mlp._modules.values(), p.attn_norm, p.mlp_norm):
+        t = m._buffers.get("blocks")
+        if t is None:
+            t = m._parameters["weight"]
+        key += (id(t), None if t.is_inference() else t._version)
+    return tuple(key)
+
+
+def _cached_plan(block, p, h: Tensor):
+    """_plan, checked again only when the parts, a weight, the row count or the kernels' state change."""
+    attn = p.attn
+    # what a caller may change between steps: the attention backend, a kernel switched off (tests do)
+    state = (attn.backend, attn._buffers.get("kv_map") is None, id(kernels.kernels_unavailable), kernels.MAX_ROWS)
+    key = (id(p), h.shape[0], *state, *_weights_key(p))
+    memo = block.__dict__.get("_step_memo")
+    if memo is not None and memo[0] == key:
+        return memo[1]
+    plan = _plan(block, p, h)
+    block.__dict__["_step_memo"] = (key, plan)
+    return plan
+
+
+def _linear_plan(module, h: Tensor, rows: int):
+    kind = type(module)
+    if kind is QuantizedLinear:
+        return module.route_plan(h)  # x is only checked for dtype / rows: any fp32 (N, in) says the same
+    if kind is PackedLinear and module.weight.dtype is torch.float32 and rows <= kernels.MAX_ROWS:
+        return module.kernel_plan() if kernels.kernels_unavailable() is None else None
+    return None
+
+
+def _plan(block, p, h: Tensor):
+    """The layer's kernel_layer.StepPlan, remade when a module or a weight changes; None if it cannot run."""
+    attn, rope, mm = p.attn, p.rope, p.mlp._modules
+    H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    if not (
+        p.swiglu
+        and rope is not None
+        and not rope.interleaved
+        and rope.dim == D
+        and attn.alibi_slopes is None
+        and attn.backend == "auto"
+        and attn._buffers.get("kv_map") is None
+        and H % Hkv == 0
+        and kernel_attention.fits(H // Hkv, D)
+        and p.attn_norm.eps == p.mlp_norm.eps
+        and p.attn_norm.weight.dtype is torch.float32
+        and p.mlp_norm.weight.dtype is torch.float32
+        and kernel_attention.decode_attention_unavailable() is None
+    ):
+        return None
+    plans = tuple(_linear_plan(m, h, h.shape[0]) for m in (p.qkv, p.out, mm["gate_up"], mm["down"]))
+    if any(pl is None for pl in plans):
+        return None
+    key = (*map(id, plans), p.attn_norm.weight.data_ptr(), p.mlp_norm.weight.data_ptr(), H, Hkv, D)
+    cached = block.__dict__.get("_step_plan")
+    if cached is None or cached[0] != key:
+        norms = (p.attn_norm.weight.detach(), p.mlp_norm.weight.detach())
+        cached = (key, kernel_layer.plan_step(plans, *norms, p.attn_norm.eps, H, Hkv, D))
+        block.__dict__["_step_plan"] = cached
+    return cached[1]

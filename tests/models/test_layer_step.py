@@ -1,0 +1,107 @@
+"""The decode step's one kernel call per layer (models/layer_step.py, kernels/decoder_step.c):
+taken where it applies, equal to Hugging Face transformers (fp32) and to the block's route made
+of the same kernels one by one (quantized), and left alone where it does not apply."""
+
+import pytest
+import torch
+
+import headwise
+from headwise.cache import ContiguousKVCache
+from headwise.kernels import layer as kernel_layer
+from headwise.models import blocks
+
+from .conftest import hf_checkpoints
+from .test_block_route import CONFIGS, TOL, _decode, _ids
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """name -> (HF model, checkpoint dir): test_block_route's tiny models."""
+    return hf_checkpoints(tmp_path_factory, CONFIGS, seed=7)
+
+
+@pytest.fixture
+def one_calls(monkeypatch):
+    calls = []
+    real = kernel_layer.run_step
+
+    def spy(plan, x, *args):
+        calls.append(x.shape[0])
+        return real(plan, x, *args)
+
+    monkeypatch.setattr(kernel_layer, "run_step", spy)
+    return calls
+
+
+def _without_one_call(fn, *args):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(blocks, "one_call_step", lambda *a: None)
+        return fn(*args)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-mha-bias", "llama-mqa-tied", "llama3-rope", "qwen2"])
+@pytest.mark.parametrize("B", [1, 3])
+@torch.inference_mode()
+def test_decode_steps_take_one_call_and_match_hf(saved, one_calls, name, B):
+    hf, path = saved(name)
+    model = headwise.load(path)
+    ids = _ids(B, 20, seed=B)
+    got = _decode(model, ids, prefill=8)  # a prefill, then 12 one-token steps
+    assert one_calls == [B] * (2 * 12)  # 2 layers x 12 decode steps; the prefill is not one
+    assert (got - hf(ids).logits[:, 8:]).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("weights", ["q8_0", "q4_1", "q4_0"])
+@torch.inference_mode()
+def test_quantized_one_call_equals_the_same_kernels_called_one_by_one(saved, one_calls, weights):
+    _, path = saved("llama-gqa")
+    model = headwise.load(path, weights=weights)
+    ids = _ids(2, 16, seed=11)
+    got = _decode(model, ids, prefill=6)
+    assert len(one_calls) == 2 * 10
+    want = _without_one_call(_decode, model, ids, 6)
+    assert torch.equal(got, want)  # the same kernels in the same order: the same bits
+
+
+@torch.inference_mode()
+def test_ragged_rows_write_and_read_their_own_slots(saved, one_calls):
+    """Rows at different lengths after a right-padded prefill: each row writes its own slot and
+    attends over its own keys; every row equals HF on that row alone."""
+    hf, path = saved("llama-gqa")
+    model = headwise.load(path)
+    lengths, new = [3, 7, 5], 5
+    ids = _ids(3, 7 + new, seed=5)
+    cfg = model.config
+    cache = ContiguousKVCache(cfg.num_layers, 3, cfg.num_kv_heads, 16, cfg.head_dim)
+    mask = (torch.arange(7)[None] < torch.tensor(lengths)[:, None]).long()
+    model(ids[:, :7], cache=cache, attention_mask=mask)
+    rows = [ids[b, :n].tolist() for b, n in enumerate(lengths)]
+    outs = []
+    for t in range(new):
+        step_ids = ids[:, 7 + t : 8 + t]
+        outs.append(model(step_ids, cache=cache)[:, -1])
+        for b in range(3):
+            rows[b].append(int(step_ids[b]))
+    assert len(one_calls) == 2 * new
+    for b in range(3):
+        want = hf(torch.tensor([rows[b]])).logits[0, -new:]  # the logits at the fed tokens
+        got = torch.stack([o[b] for o in outs])
+        assert (got - want).abs().max() <= TOL, b
+
+
+@torch.inference_mode()
+def test_cases_it_leaves_to_the_route(saved, one_calls):
+    _, path = saved("llama-gqa")
+    model = headwise.load(path)
+    ids = _ids(2, 10, seed=3)
+    cfg = model.config
+    int8 = ContiguousKVCache(cfg.num_layers, 2, cfg.num_kv_heads, 16, cfg.head_dim, kv_dtype="int8")
+    model(ids[:, :6], cache=int8)
+    model(ids[:, 6:7], cache=int8)  # an int8 cache: its buffers are not fp32
+    assert one_calls == []
+    for layer in model.layers:
+        layer.attn.backend = "math"  # a backend asked for by name: the user's choice is kept
+    plain = ContiguousKVCache(cfg.num_layers, 2, cfg.num_kv_heads, 16, cfg.head_dim)
+    model(ids[:, :6], cache=plain)
+    model(ids[:, 6:7], cache=plain)
+    assert one_calls == []
