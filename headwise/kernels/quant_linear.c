@@ -292,7 +292,7 @@ int hw_quant_linear(int fmt, const uint8_t *w, const float *x, const float *b, c
     /* One thread below ~1M multiply-adds (~35 us of work, a batch-1 576 x 1536), where waking
      * the pool can cost more than it saves: on a busy machine (2 cores, 2 other jobs) a batch-1
      * 576 x 576 took 147 us on 2 threads vs 29 us on one (medians). Not tuned on an idle one. */
-    const int par = M * O * I >= (1L << 20);
+    const int par = M * O * I >= (1L << 18);
     const long npair = (O + 1) / 2;
     if (packed) {
         #pragma omp parallel for schedule(static) if (par)
