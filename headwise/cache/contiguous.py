@@ -88,17 +88,23 @@ class ContiguousLayerCache(LayerCacheBase):
         n_t = None if counts is None else torch.tensor(counts, dtype=torch.long, device=self.device)
         return self._write_masked(k, v, T, n_t)
 
-    def claim(self, T: int) -> tuple[Tensor, Tensor, Tensor] | None:
-        """For a caller that writes T new tokens' K/V into the buffers itself and then attends over
-        each sequence's first L_b + T keys (kernels.layer's one-call decode step): books the tokens
-        and returns (K, V (B, Hkv, max_seq_len, D), each sequence's first new slot (B,) int64), or
-        None where the buffers are not plain fp32 (int8, static for torch.compile)."""
-        if self.static or self.store.int8 or self.dtype is not torch.float32:
+    def claim_decode(self, rows: int):
+        """For a caller that writes one new token per sequence into the buffers itself and then
+        attends over each sequence's keys (kernels.layer's one-call decode step): books the tokens
+        and returns (K, V, (base, pos, head stride, key stride)) — sequence b's keys start base[b]
+        floats into K, its new key is pos[b] — or None where this cache cannot hand its buffers
+        out (int8, static for torch.compile, not fp32, or `rows` is not one per sequence)."""
+        if rows != self.batch_size or self.static or self.store.int8 or self.dtype is not torch.float32:
             return None
-        self._book(T, None)
+        self._book(1, None)
         pos = self._len.clone()
-        self._len += T
-        return self.store.k[0], self.store.v[0], pos
+        self._len += 1
+        k, v = self.store.k[0], self.store.v[0]
+        sb, sh, st = k.stride()[:3]
+        base = self.__dict__.get("_base")
+        if base is None or len(base) != rows or base[1:2].tolist() not in ([], [sb]):
+            base = self.__dict__["_base"] = torch.arange(rows, dtype=torch.int64) * sb
+        return k, v, (base, pos, sh, st)
 
     def _check_fits(self, n: list[int]) -> None:
         for b, (L, c) in enumerate(zip(self._host, n)):

@@ -247,3 +247,28 @@ class PackedLayerStep:
         cache._write(self.layer_index, step._slots, None, k, v)
         step._mark_written(self.layer_index)
         return PagedRead(step, self.layer_index)
+
+    def claim_decode(self, rows: int):
+        """contiguous.ContiguousLayerCache.claim_decode for a step in which every sequence adds one
+        token and holds its blocks as one run (a sequence decoded alone always does: the pool hands
+        it the next block): K, V of this layer (Hkv, num_blocks, block_size, D) and each row's run
+        start and new key. None otherwise (prefill chunks, scattered blocks, int8, not fp32)."""
+        step, cache = self.step, self.step.cache
+        if rows != step.N or step.N != step.B or cache.kv_dtype or cache.dtype is not torch.float32:
+            return None
+        runs = step.__dict__.get("_decode_runs")  # the same for every layer of the step
+        if runs is None:
+            runs, bs, first = False, cache.block_size, []
+            for t, L in zip(step._tables, step.starts):
+                if any(t[i + 1] != t[i] + 1 for i in range(L // bs)):  # blocks 0 .. L // bs consecutive
+                    break
+                first.append(t[0] * bs)
+            else:
+                D = cache.head_dim
+                runs = (torch.tensor(first, dtype=torch.int64) * D, torch.tensor(step.starts, dtype=torch.int64))
+            step._decode_runs = runs
+        if runs is False:
+            return None
+        k, v = cache._k[0][self.layer_index], cache._v[0][self.layer_index]  # (Hkv, NB, bs, D)
+        step._mark_written(self.layer_index)
+        return k, v, (runs[0], runs[1], k.stride(0), k.stride(2))

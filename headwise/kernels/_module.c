@@ -16,23 +16,23 @@ int hw_decode_attention_f32(const float *q, const float *k, const float *v, floa
 
 int hw_decoder_step(const int64_t *lin, const float *attn_norm, const float *mlp_norm, float eps, const float *x,
                     float *y, long M, long C, long H, long Hkv, long D, long F, const float *cos, const float *sin,
-                    float *kc, float *vc, long s_b, long s_h, long s_t, const int64_t *pos, float scale);
+                    float *kc, float *vc, const int64_t *base, long s_h, long s_t, const int64_t *pos, float scale);
 
-/* decoder_step(lin, attn_norm, mlp_norm, eps, x, y, M, C, H, Hkv, D, F, cos, sin, kc, vc, s_b, s_h, s_t, pos,
+/* decoder_step(lin, attn_norm, mlp_norm, eps, x, y, M, C, H, Hkv, D, F, cos, sin, kc, vc, base, s_h, s_t, pos,
  * scale) -> int rc (decoder_step.c) */
 static PyObject *py_decoder_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    const int64_t *lin, *pos;
+    const int64_t *lin, *pos, *base;
     const float *attn_norm, *mlp_norm, *x, *cos, *sin;
     float *y, *kc, *vc, eps, scale;
-    long M, C, H, Hkv, D, F, s_b, s_h, s_t;
+    long M, C, H, Hkv, D, F, s_h, s_t;
     if (!(hw_nargs("decoder_step", nargs, 21) && HW_P(0, lin) && HW_P(1, attn_norm) && HW_P(2, mlp_norm) &&
           HW_F(3, eps) && HW_P(4, x) && HW_P(5, y) && HW_L(6, M) && HW_L(7, C) && HW_L(8, H) && HW_L(9, Hkv) &&
           HW_L(10, D) && HW_L(11, F) && HW_P(12, cos) && HW_P(13, sin) && HW_P(14, kc) && HW_P(15, vc) &&
-          HW_L(16, s_b) && HW_L(17, s_h) && HW_L(18, s_t) && HW_P(19, pos) && HW_F(20, scale)))
+          HW_P(16, base) && HW_L(17, s_h) && HW_L(18, s_t) && HW_P(19, pos) && HW_F(20, scale)))
         return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = hw_decoder_step(lin, attn_norm, mlp_norm, eps, x, y, M, C, H, Hkv, D, F, cos, sin, kc, vc, s_b, s_h, s_t,
+    rc = hw_decoder_step(lin, attn_norm, mlp_norm, eps, x, y, M, C, H, Hkv, D, F, cos, sin, kc, vc, base, s_h, s_t,
                          pos, scale);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(rc);

@@ -39,12 +39,13 @@ static int linear(const int64_t *lin, const float *x, const float *r, float *y, 
 }
 
 /* lin: 4 x (fmt, weight, bias) for qkv (C -> (H + 2 Hkv) D), out (H D -> C), gate_up (C -> 2F),
- * down (F -> C). x, y (M, C); cos, sin (M, D / 2); kc, vc: this layer's K and V (B >= M rows,
- * strides s_b, s_h, s_t in floats, each key's D floats contiguous); pos (M,): the slot row m
- * writes, so it then attends over pos[m] + 1 keys. Returns 0, -1 (no memory) or a kernel's code. */
+ * down (F -> C). x, y (M, C); cos, sin (M, D / 2); kc, vc: this layer's K and V, row m's keys at
+ * kc + base[m] + h s_h + t s_t (floats; each key's D floats contiguous): a contiguous cache's
+ * sequence m, or the run of consecutive blocks a paged sequence holds; pos (M,): the key row m
+ * writes, so it then attends over keys 0 .. pos[m]. Returns 0, -1 (no memory) or a kernel's code. */
 int hw_decoder_step(const int64_t *lin, const float *attn_norm, const float *mlp_norm, float eps, const float *x,
                     float *y, long M, long C, long H, long Hkv, long D, long F, const float *cos, const float *sin,
-                    float *kc, float *vc, long s_b, long s_h, long s_t, const int64_t *pos, float scale) {
+                    float *kc, float *vc, const int64_t *base, long s_h, long s_t, const int64_t *pos, float scale) {
     const long QKV = (H + 2 * Hkv) * D, HD = H * D;
     float *buf = malloc(sizeof(float) * (size_t)(M * (QKV + 2 * HD + C + 2 * F)));
     long *lengths = malloc(sizeof(long) * (size_t)M);
@@ -57,14 +58,19 @@ int hw_decoder_step(const int64_t *lin, const float *attn_norm, const float *mlp
         const float *row = qkv + m * QKV;
         memcpy(q + m * HD, row, sizeof(float) * (size_t)HD);
         for (long j = 0; j < Hkv; j++) {
-            const long at = m * s_b + j * s_h + pos[m] * s_t;
+            const long at = base[m] + j * s_h + pos[m] * s_t;
             memcpy(kc + at, row + HD + j * D, sizeof(float) * (size_t)D);
             memcpy(vc + at, row + HD + (Hkv + j) * D, sizeof(float) * (size_t)D);
         }
         lengths[m] = pos[m] + 1;
     }
-    rc = hw_decode_attention_f32(q, kc, vc, o, NULL, M, Hkv, H / Hkv, D, s_b, s_h, s_t, s_b, s_h, s_t, lengths, scale,
-                                 0);
+    /* each row over its own keys (one sequence each); rows in parallel, each call then on one thread */
+    int arc = 0;
+    #pragma omp parallel for schedule(dynamic) reduction(| : arc) if (M > 1)
+    for (long m = 0; m < M; m++)
+        arc |= hw_decode_attention_f32(q + m * HD, kc + base[m], vc + base[m], o + m * HD, NULL, 1, Hkv, H / Hkv, D, 0,
+                                       s_h, s_t, 0, s_h, s_t, lengths + m, scale, 0);
+    rc = arc;
     if (rc) goto done;
     rc = linear(lin + 3, o, x, h, M, C, HD, PRO_NONE, NULL, 0.0f, NULL, NULL, 0, 0);
     if (rc) goto done;

@@ -1,6 +1,6 @@
 """One decode step of a pre-norm SwiGLU decoder layer in one kernel call (decoder_step.c).
 
-`run_step(plan, x, cos, sin, k_cache, v_cache, pos)`: RMSNorm + QKV + RoPE, the new K/V written
+`run_step(plan, x, cos, sin, k_cache, v_cache, rows)`: RMSNorm + QKV + RoPE, the new K/V written
 into the cache at each row's slot, attention over every key up to it, out-projection + residual,
 RMSNorm + gate/up, SwiGLU + down + residual: the decoder block's few-rows route (models/blocks.py)
 for a step of one new token per sequence over a contiguous cache, with its ~40 Python-level
@@ -49,14 +49,18 @@ def plan_step(plans: tuple, attn_norm: Tensor, mlp_norm: Tensor, eps: float, H: 
     return StepPlan(torch.tensor(lin, dtype=torch.int64), plans, (attn_norm, mlp_norm), eps, (C, H, Hkv, D, F), D**-0.5)
 
 
-def run_step(plan: StepPlan, x: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, pos: Tensor) -> Tensor:
-    """x (M, C) -> the layer's output (M, C); row m writes slot pos[m] of k, v (B >= M, Hkv, N, D)
-    and attends over its first pos[m] + 1 keys. For the block's route, which has checked dtypes,
-    contiguity and limits (M <= 64, the decode kernel's G and D); cos, sin (M, D / 2)."""
+def run_step(
+    plan: StepPlan, x: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, rows: tuple[Tensor, Tensor, int, int]
+) -> Tensor:
+    """x (M, C) -> the layer's output (M, C). rows = (base, pos, head stride, key stride), what a
+    cache's `claim_decode` returns beside k and v: row m's keys start at k[base[m]] (floats from
+    k's first element) and it writes key pos[m], then attends over keys 0 .. pos[m]. For the
+    block's route, which has checked dtypes, contiguity and limits (M <= 64, the decode kernel's
+    G and D); cos, sin (M, D / 2)."""
     C, H, Hkv, D, F = plan.dims
     M = x.shape[0]
     y = torch.empty(M, C)
-    sb, sh, st = k.stride()[:3]
+    base, pos, s_h, s_t = rows
     rc = _ext()[0].decoder_step(
         plan.lin.data_ptr(),
         plan.norms[0].data_ptr(),
@@ -74,9 +78,9 @@ def run_step(plan: StepPlan, x: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: 
         sin.data_ptr(),
         k.data_ptr(),
         v.data_ptr(),
-        sb,
-        sh,
-        st,
+        base.data_ptr(),
+        s_h,
+        s_t,
         pos.data_ptr(),
         plan.scale,
     )

@@ -212,12 +212,12 @@ class DecoderBlock(nn.Module):
         N, H, Hkv, D = B * T, attn.num_heads, attn.num_kv_heads, attn.head_dim  # per layer: pruning changes them
         h = x.reshape(N, C)
         if (
-            T == 1
+            (T == 1 or B == 1)  # a decode step, or a packed one (the cache says whether each row is a sequence)
             and cache is not None
             and h.dtype is torch.float32
             and type(p.attn_norm) is type(p.mlp_norm) is RMSNorm
         ):
-            # a decode step: the layer in one kernel call where it applies (layer_step.py)
+            # one new token per sequence: the layer in one kernel call where it applies (layer_step.py)
             y = one_call_step(self, p, h, step, cache)
             if y is not None:
                 return y.view(B, T, C)

@@ -24,18 +24,18 @@ def one_call_step(block, p, h: Tensor, step, cache) -> Tensor | None:
     """h (N, C) of a T=1 step -> the layer's output (N, C), or None where the one call does not apply.
     The caller has checked that both norms are RMSNorm (blocks.py defines it)."""
     N = h.shape[0]
-    claim = getattr(cache, "claim", None)
-    if claim is None or step.num_real is not None or N > kernels.KERNEL_ROWS or cache.batch_size != N:
+    claim = getattr(cache, "claim_decode", None)
+    if claim is None or step.num_real is not None or N > kernels.KERNEL_ROWS:
         return None
     plan = _cached_plan(block, p, h)
     if plan is None:
         return None
     cos, sin = step.rope_rows(p.rope)
-    claimed = claim(1)
+    claimed = claim(N)
     if claimed is None:
         return None
-    k, v, pos = claimed
-    return kernel_layer.run_step(plan, h, cos, sin, k, v, pos)
+    k, v, rows = claimed
+    return kernel_layer.run_step(plan, h, cos, sin, k, v, rows)
 
 
 def _weights_key(p) -> tuple:

@@ -58,7 +58,9 @@ def test_many_queued_streams_that_hang_up_cost_no_prefill(tiny_llama):
     )
 
     async def run():
-        first = engine.stream(prompts[5], LONG, request_id="busy")
+        # long enough to outlast the 50 ms below: the one-call decode step runs this model at ~1 ms a token
+        busy = SamplingParams(max_new_tokens=256 - len(prompts[5]), temperature=0, ignore_eos=True)
+        first = engine.stream(prompts[5], busy, request_id="busy")
         await anext(first)  # the one slot is taken
         gens = [engine.stream(prompts[11], LONG, request_id=f"gone-{i}") for i in range(100)]
         tasks = [asyncio.ensure_future(anext(g)) for g in gens]
