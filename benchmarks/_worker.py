@@ -87,10 +87,11 @@ def main(checkout: str, threads: int) -> None:
 
     if threads > 0:
         torch.set_num_threads(threads)
-    # fp32 on both sides: checkouts from before issue 14 dequantize the GGUF; later ones keep it
-    # quantized unless asked (weights="fp32"), and this compares the forward, not the weight format
+    # fp32 by default: checkouts from before issue 14 dequantize the GGUF; later ones keep it
+    # quantized unless asked, and compare_commits compares the forward, not the weight format.
+    # HW_WORKER_WEIGHTS=auto: what `headwise serve` loads (serving.py's like-for-like generate()).
     if "weights" in inspect.signature(headwise.load).parameters:
-        model = headwise.load(MODEL, weights="fp32")
+        model = headwise.load(MODEL, weights=os.environ.get("HW_WORKER_WEIGHTS", "fp32"))
     else:
         model = headwise.load(MODEL)
     cfg = model.config

@@ -431,7 +431,9 @@ def main(argv=None) -> int:
     plan += [("hw_generate", 1)] if 1 in args.concurrency else []
     with tempfile.TemporaryDirectory(prefix="hw-serving-") as tmp:
         # threads 0: torch's default, as the servers have; the servers' environment
-        worker = Worker("hw_generate", ROOT, 0, Path(tmp) / "hw_generate.log", {**os.environ, **SERVER_ENV})
+        # the weights the server loads (the default: the GGUF as stored), so generate() is like for like
+        worker_env = {**os.environ, **SERVER_ENV, "HW_WORKER_WEIGHTS": "auto"}
+        worker = Worker("hw_generate", ROOT, 0, Path(tmp) / "hw_generate.log", worker_env)
         info = worker.ask("info")
         vocab = info["vocab_size"]
         log(f"hw_generate worker: headwise from {info['headwise']}, {info['threads']} threads, env {info['wait_env']}")
