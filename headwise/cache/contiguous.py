@@ -101,10 +101,10 @@ class ContiguousLayerCache(LayerCacheBase):
         self._len += 1
         k, v = self.store.k[0], self.store.v[0]
         sb, sh, st = k.stride()[:3]
-        base = self.__dict__.get("_base")
-        if base is None or len(base) != rows or base[1:2].tolist() not in ([], [sb]):
-            base = self.__dict__["_base"] = torch.arange(rows, dtype=torch.int64) * sb
-        return k, v, (base, pos, sh, st)
+        memo = self.__dict__.get("_base")  # (rows, stride, offsets): the same every step
+        if memo is None or memo[:2] != (rows, sb):
+            memo = self.__dict__["_base"] = (rows, sb, torch.arange(rows, dtype=torch.int64) * sb)
+        return k, v, (memo[2], pos, sh, st)
 
     def _check_fits(self, n: list[int]) -> None:
         for b, (L, c) in enumerate(zip(self._host, n)):

@@ -19,16 +19,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..formats import QUANT_FORMATS
 from . import PRO_NONE, _ext, check_call
 
-# name -> (GGML type id, values per block, bytes per block): ggml-common.h's block_* structs
-FORMATS = {
-    "q4_0": (2, 32, 18),  # f16 d, 16 bytes of 4-bit q: w = d (q - 8)
-    "q4_1": (3, 32, 20),  # f16 d, f16 m, 16 bytes: w = d q + m
-    "q8_0": (8, 32, 34),  # f16 d, 32 int8: w = d q
-    "q4_k": (12, 256, 144),  # f16 d, f16 dmin, 12 bytes of 6-bit scales / mins, 128 bytes of 4-bit q
-    "q6_k": (14, 256, 210),  # 128 + 64 bytes of 6-bit q, 16 int8 scales, f16 d
-}
+FORMATS = QUANT_FORMATS  # name -> (GGML type id, values per block, bytes per block): headwise/formats.py
 QUANTIZE_FORMATS = ("q4_0", "q4_1", "q8_0")  # what `quantize` makes
 # Formats `pack_rows` can store in groups of 8 rows, the layout the kernel reads fastest
 # (quant_linear.c: ~2.3x at 1 row of x, ~1.8x from 2, AMD EPYC): same bytes as the file's.
