@@ -14,7 +14,8 @@ tensor right before the output projection, where a head is a slice:
   - `mask`: a multiplier per head, (H,) or (B, H); 0 ablates a head, and with
     requires_grad its gradient is the head importance of Michel et al. 2019.
   - `replace`: the value an ablated head takes instead of zero, (H, D) per layer
-    (mean ablation: a head's average output over a corpus).
+    (mean ablation: a head's average output over a corpus), or (H, T, D) per position
+    (activation patching: another run's outputs, patching.py).
 z' = z * m + (1 - m) * replace, so m = 1 leaves the model exactly as it was.
 """
 
@@ -124,7 +125,10 @@ class _LayerHook:
             if replace is None:
                 out = out * m
             else:
-                out = out * m + (1 - m) * replace.to(out.dtype)[None, :, None, :]  # (1, H, 1, D)
+                r = replace.to(out.dtype)
+                if r.dim() == 3 and r.shape[1] != out.shape[2]:
+                    raise ValueError(f"replace[{i}] has {r.shape[1]} positions but this run has T={out.shape[2]}")
+                out = out * m + (1 - m) * (r[None, :, None, :] if r.dim() == 2 else r[None])  # (1, H, 1|T, D)
         if self.capturing:
             self._capture(layer, q, k, v, out, lse, weights, kwargs)
         return out
@@ -207,7 +211,7 @@ def attached(
     """Install capture points / interventions on every attention layer of `model` for one `with`.
 
     mask: one entry per attention layer, a (H,) or (B, H) tensor or None (untouched).
-    replace: one entry per layer, (H, D) or None (ablated heads become zero).
+    replace: one entry per layer, (H, D), (H, T, D) or None (ablated heads become zero).
     """
     layers = attention_layers(model)
     for name, seq, what in (
@@ -217,9 +221,12 @@ def attached(
         _check_per_layer(name, seq, what, len(layers))
     if replace is not None:
         for i, (r, layer) in enumerate(zip(replace, layers)):
-            if r is not None and tuple(r.shape) != (layer.num_heads, layer.head_dim):
+            if r is not None and (
+                r.dim() not in (2, 3) or (r.shape[0], r.shape[-1]) != (layer.num_heads, layer.head_dim)
+            ):
                 raise ValueError(
-                    f"replace[{i}] must be (H, D) = ({layer.num_heads}, {layer.head_dim}), got {tuple(r.shape)}"
+                    f"replace[{i}] must be (H, D) = ({layer.num_heads}, {layer.head_dim}) or per position "
+                    f"(H, T, D), got {tuple(r.shape)}"
                 )
     busy = [i for i, layer in enumerate(layers) if layer.hook is not None]
     if busy:
