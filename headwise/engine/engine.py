@@ -25,9 +25,9 @@ import time
 import uuid
 from typing import Callable
 
-from ..generation.output import OutputProcessor
+from ..generation.output import OutputProcessor, Resume
 from ..models.linear import weight_bytes
-from ..generation.sampling import SamplingParams
+from ..generation.sampling import SamplingParams, skip_draws
 from .config import EngineConfig
 from .core import EngineCore, TokenOutput
 from .frontends import Frontends
@@ -109,10 +109,16 @@ class Engine(Frontends):
             raise ValueError(f"one prompt per request; got a list of {len(ids)} prompts (use generate() for a batch)")
         return ids[0]
 
-    def _add(self, ids: list[int], sampling, request_id, sink, *, limits: bool) -> RequestGroup:
+    def _add(self, ids: list[int], sampling, request_id, sink, *, limits: bool, resume: Resume | None = None):
+        """-> the queued RequestGroup. resume: continue a completion begun elsewhere (its ids
+        join the prompt; its text and seeded draws pick up where they stopped)."""
         params = sampling if sampling is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling must be a headwise.SamplingParams, got {type(params).__name__}")
+        if resume is not None:
+            if params.n != 1:
+                raise ValueError(f"resume continues one completion; got n={params.n}")
+            ids = list(ids) + list(resume.token_ids)
         self.core.check(ids, params)
         if params.n * len(ids) > self.max_waiting_tokens:
             raise ValueError(
@@ -125,6 +131,10 @@ class Engine(Frontends):
         for i in range(params.n):
             r = self.core.request(group, i, stops)
             r.text = self.output.sequence(ids, params, stops)
+            if resume is not None:
+                r.text.resume(resume)
+                if r.generator is not None and not params.greedy:
+                    skip_draws(r.generator, len(resume.token_ids), self.model.config.vocab_size)
             group.children.append(r)
         with self._lock:
             self._check_alive()

@@ -67,19 +67,20 @@ class Frontends:
 
     # ------------------------------------------------------------------ streaming
     async def stream(
-        self, prompt, sampling: SamplingParams | None = None, *, request_id: str | None = None
+        self, prompt, sampling: SamplingParams | None = None, *, request_id: str | None = None, resume=None
     ) -> AsyncIterator[StreamPiece]:
         """Stream one request's pieces (async generator). Validates and queues at the first
         __anext__ (QueueFull / ValueError raise there) and starts the engine thread if needed.
         Closing the generator early (a client that went away) aborts the request and frees
-        its blocks at once."""
+        its blocks at once. resume (generation.output.Resume): continue a completion that
+        another server began (the gateway's failover); max_new_tokens counts the new tokens."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
         def sink(item):
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        group = self._add(self._one_prompt(prompt), sampling, request_id, sink, limits=True)
+        group = self._add(self._one_prompt(prompt), sampling, request_id, sink, limits=True, resume=resume)
         group.keep_output = False  # its reader has every piece: nothing to keep for result()
         done = False
         try:

@@ -74,6 +74,17 @@ def _failure(s: str) -> list[int]:
     return f
 
 
+@dataclass(frozen=True)
+class Resume:
+    """A completion begun elsewhere (a replica that died mid-stream): the ids it generated,
+    which the model now reads as prompt, and how many characters of their text the client has.
+    The text state picks up where that stream stopped: what it held back (a stop-string prefix,
+    an unfinished UTF-8 character) comes out next, and a stop string may straddle the seam."""
+
+    token_ids: tuple[int, ...]
+    text_chars: int  # characters of decode(token_ids) already streamed
+
+
 @dataclass
 class TextSequence:
     """One sequence's output while decoding: token ids, text, stop detection, finish reason."""
@@ -109,6 +120,16 @@ class TextSequence:
             self.finish_reason = "length"
             if self.decoder is not None:
                 self.text += self.decoder.flush()
+
+    def resume(self, r: Resume) -> None:
+        """Start from text already generated and partly streamed (`Resume`). token_ids stays
+        empty: max_new_tokens counts this run's tokens, as the engine core does."""
+        if self.decoder is not None:
+            for t in r.token_ids:
+                self.text += self.decoder.push(t)
+            if self.params.stop:
+                self.stops.feed(self.text, 0)
+        self.emitted = min(r.text_chars, len(self.text))
 
     def new_text(self) -> str:
         """Text that is safe to stream now: all of it once finished, else all but a tail

@@ -114,6 +114,15 @@ def sample(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def skip_draws(generator: torch.Generator, n: int, vocab: int) -> None:
+    """Advance `generator` past n calls of sample() on (1, vocab) logits, as if n tokens had been
+    drawn: torch.multinomial draws one exponential per vocabulary entry whatever the
+    probabilities, so a seeded request resumed elsewhere draws what it would have drawn."""
+    flat = torch.ones(1, vocab)
+    for _ in range(n):
+        torch.multinomial(flat, 1, generator=generator)
+
+
 @dataclass
 class TokenLogprobs:
     token_id: int

@@ -98,6 +98,7 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
     async def lifespan(app: FastAPI):
         state.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=512, max_keepalive_connections=64))
         state.gateway = Gateway(config, state.runtimes, state.client, state.metrics)
+        state.gateway.start()
         load_all(list(state.runtimes.values()), on_done=state.loaded)
         try:
             yield
@@ -108,6 +109,7 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
                 state._drain_timer.cancel()  # uvicorn is done waiting: nothing left to cut
             timeout = config.server.drain_timeout
             await asyncio.to_thread(lambda: [rt.shutdown(timeout) for rt in state.runtimes.values()])
+            await state.gateway.aclose()
             await state.client.aclose()
 
     # redirect_slashes=False: "POST /v1/chat/completions/" is a 404 with the envelope, not a 307

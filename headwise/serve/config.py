@@ -13,6 +13,9 @@ a model; the gateway resolves that name to a route (an alias, a local model, or
     base_url = "http://10.0.0.2:8000/v1"
     api_key_env = "PEER_KEY"    # the key itself never sits in the file
     models = ["smollm2-135m-instruct"]
+    [replicas.pool]             # other `headwise serve` processes serving the same models
+    urls = ["http://10.0.0.3:8000", "http://10.0.0.4:8000"]   # their root URLs (/health, /v1)
+    models = ["smollm2-135m-instruct"]                        # clients send "pool/smollm2-135m-instruct"
     [routes.chat]               # an alias: weighted targets, then fallbacks
     targets = [{target = "smollm2", weight = 3}, {target = "peer/smollm2-135m-instruct", weight = 1}]
     fallbacks = ["smollm2"]
@@ -125,6 +128,53 @@ class Provider:
 
 
 @dataclass(frozen=True)
+class ReplicaSet:
+    """`headwise serve` processes that serve the same models (same weights: a stream that one
+    of them began, another finishes). Routing and failover: serve/replicas.py, serve/failover.py."""
+
+    name: str
+    urls: tuple[str, ...]  # root URLs ("http://host:port"): /health and /v1/... are appended
+    models: tuple[str, ...]  # model names each replica serves; targets "NAME/model"
+    api_key_env: str | None = None  # env var holding the replicas' API key
+    timeout: float = 60.0  # seconds to wait for a replica's first byte, and then between two events
+    health_interval: float = 2.0  # seconds between two polls of each replica's /health
+    # requests whose prompt shares its first affinity_chars characters (an agent's system prompt,
+    # a long document) go to the same replica, whose prefix cache holds it; 0: no affinity
+    affinity_chars: int = 256
+    # ... unless that replica has this many more requests in flight than the least busy one
+    affinity_slack: int = 4
+    failovers: int = 2  # replicas a stream may move to after the one it started on dies
+
+    def __post_init__(self):
+        where = f"[replicas.{self.name}]"
+        if not self.urls:
+            raise ConfigError(f'{where} lists no urls; add urls = ["http://host:port", ...]')
+        for u in self.urls:
+            url = urlparse(u)
+            if url.scheme not in ("http", "https") or not url.netloc:
+                raise ConfigError(f"{where} url {u!r} is not an http(s) URL")
+            if url.path.rstrip("/") not in ("",):
+                raise ConfigError(
+                    f"{where} url {u!r} has a path; give the server's root URL (http://host:port), "
+                    "the gateway adds /health and /v1/..."
+                )
+        if len(set(self.urls)) != len(self.urls):
+            raise ConfigError(f"{where} lists a url twice; each replica once")
+        if not self.models:
+            raise ConfigError(f'{where} lists no models; add models = ["..."] (names the replicas serve)')
+        if not (self.timeout > 0 and self.health_interval > 0):
+            raise ConfigError(f"{where} needs timeout > 0 and health_interval > 0 (seconds)")
+        for key in ("affinity_chars", "affinity_slack", "failovers"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"{where} {key} must be an integer >= 0, got {v!r}")
+
+    @property
+    def api_key(self) -> str | None:
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+
+@dataclass(frozen=True)
 class Target:
     target: str  # a local model name or "provider/model"
     weight: float = 1.0
@@ -203,24 +253,32 @@ class ServeConfig:
     models: dict[str, LocalModel] = field(default_factory=dict)
     providers: dict[str, Provider] = field(default_factory=dict)
     routes: dict[str, Route] = field(default_factory=dict)
+    replicas: dict[str, ReplicaSet] = field(default_factory=dict)
 
     def __post_init__(self):
-        known = set(self.models) | {f"{p.name}/{m}" for p in self.providers.values() for m in p.models}
+        both = sorted(set(self.providers) & set(self.replicas))
+        if both:
+            raise ConfigError(f"{both} name both a provider and a replica set ('NAME/model' would clash); rename one")
+        known = set(self.models) | set(self.remote_names())
         for route in self.routes.values():
             for name in [t.target for t in route.targets] + list(route.fallbacks):
                 if name not in known:
                     raise ConfigError(
                         f"[routes.{route.name}] target {name!r} is neither a local model nor "
-                        f"provider/model; known: {', '.join(sorted(known)) or 'none'}"
+                        f"provider/model or replicas/model; known: {', '.join(sorted(known)) or 'none'}"
                     )
         clash = set(self.routes) & known
         if clash:
             raise ConfigError(f"route names {sorted(clash)} hide models of the same name; rename the routes")
 
+    def remote_names(self) -> list[str]:
+        """provider/model and replica-set/model names."""
+        sets = [*self.providers.values(), *self.replicas.values()]
+        return [f"{p.name}/{m}" for p in sets for m in p.models]
+
     def model_names(self) -> list[str]:
         """Every name a client may send, in a stable order."""
-        upstream = [f"{p.name}/{m}" for p in self.providers.values() for m in p.models]
-        return [*self.models, *upstream, *self.routes]
+        return [*self.models, *self.remote_names(), *self.routes]
 
 
 def default_config(host: str | None = None, port: int | None = None) -> ServeConfig:
@@ -265,9 +323,9 @@ def _take(table: dict, cls, where: str, **fixed) -> Any:
 
 def parse_config(data: dict) -> ServeConfig:
     """A parsed TOML document -> ServeConfig (errors name the table and key)."""
-    unknown = sorted(set(data) - {"server", "models", "providers", "routes"})
+    unknown = sorted(set(data) - {"server", "models", "providers", "routes", "replicas"})
     if unknown:
-        raise ConfigError(f"unknown table(s) {', '.join(unknown)}; known: server, models, providers, routes")
+        raise ConfigError(f"unknown table(s) {', '.join(unknown)}; known: server, models, providers, replicas, routes")
     server = dict(data.get("server", {}))
     if "api_keys" in server:
         server["api_keys"] = tuple(server["api_keys"])
@@ -277,6 +335,14 @@ def parse_config(data: dict) -> ServeConfig:
         t = dict(t)
         t["models"] = tuple(t.get("models", ()))
         providers[name] = _take(t, Provider, f"[providers.{name}]", name=name)
+    replicas = {}
+    for name, t in data.get("replicas", {}).items():
+        t = dict(t)
+        for key in ("urls", "models"):
+            if not isinstance(t.get(key, []), list):
+                raise ConfigError(f'[replicas.{name}] {key} must be a list, e.g. {key} = ["..."]')
+            t[key] = tuple(x.rstrip("/") if key == "urls" and isinstance(x, str) else x for x in t.get(key, ()))
+        replicas[name] = _take(t, ReplicaSet, f"[replicas.{name}]", name=name)
     routes = {}
     for name, t in data.get("routes", {}).items():
         t = dict(t)
@@ -286,9 +352,9 @@ def parse_config(data: dict) -> ServeConfig:
         )
         t["fallbacks"] = tuple(t.get("fallbacks", ()))
         routes[name] = _take(t, Route, f"[routes.{name}]", name=name)
-    if not models and not providers:
-        raise ConfigError("the config serves nothing: add a [models.NAME] or [providers.NAME] table")
-    return ServeConfig(_take(server, ServerSettings, "[server]"), models, providers, routes)
+    if not models and not providers and not replicas:
+        raise ConfigError("the config serves nothing: add a [models.NAME], [providers.NAME] or [replicas.NAME] table")
+    return ServeConfig(_take(server, ServerSettings, "[server]"), models, providers, routes, replicas)
 
 
 def load_config(path: str | os.PathLike, host: str | None = None, port: int | None = None) -> ServeConfig:

@@ -1,4 +1,4 @@
-"""The gateway: a model name -> a route -> targets (local engines or upstream providers).
+"""The gateway: a model name -> a route -> targets (local engines, upstream providers, replica sets).
 
 A route draws a target by weight; on a retryable failure (overload, loading, upstream
 down or timing out) it draws again among the others, up to `retries` more times, then
@@ -11,6 +11,8 @@ An upstream's answer that turns out broken (not JSON, a stream cut short: upstre
 counts as a failure too, even when found mid-stream; such a stream's target is settled
 when the stream ends, not when it starts.
 A plain model name is a route of one target with no retries and no cooldown.
+A replica set's target ("NAME/model", failover.py) picks a replica itself (replicas.py) and
+moves a stream that breaks mid-way to another replica; to a route it is one target.
 Upstream URLs and keys come only from the config.
 """
 
@@ -27,8 +29,10 @@ from fastapi.responses import Response
 
 from .config import Route, ServeConfig, Target
 from .errors import APIError
+from .failover import ReplicaTarget
 from .openai import chat, completions, embeddings
 from .openai.common import until_disconnect
+from .replicas import ReplicaPool
 from .upstream import UpstreamTarget
 
 HANDLERS = {"chat": chat.create, "completions": completions.create, "embeddings": embeddings.create}
@@ -68,8 +72,21 @@ class Gateway:
         for p in config.providers.values():
             for m in p.models:
                 self.targets[f"{p.name}/{m}"] = UpstreamTarget(f"{p.name}/{m}", p, m, client)
+        self.pools = {s.name: ReplicaPool(s, client, self.rng, metrics) for s in config.replicas.values()}
+        for s in config.replicas.values():
+            for m in s.models:
+                self.targets[f"{s.name}/{m}"] = ReplicaTarget(f"{s.name}/{m}", s, m, self.pools[s.name], client)
         self.health: dict[str, _Health] = {name: _Health() for name in self.targets}
         self.draining = False
+
+    def start(self) -> None:
+        """Background work on the server's loop: the replicas' /health polls."""
+        for pool in self.pools.values():
+            pool.start()
+
+    async def aclose(self) -> None:
+        for pool in self.pools.values():
+            await pool.aclose()
 
     def names(self) -> list[tuple[str, str]]:
         """(model id, owner) for /v1/models."""
@@ -135,7 +152,7 @@ class Gateway:
         last: APIError | None = None
         for name in self.plan(route):
             target = self.targets[name]
-            later = isinstance(target, UpstreamTarget) and bool(body.get("stream"))  # settles when it ends
+            later = getattr(target, "settles_streams", False) and bool(body.get("stream"))  # settles when it ends
             try:
                 resp = await target.handle(
                     endpoint,

@@ -91,6 +91,21 @@ class Metrics:
             ["target", "kind"],
             registry=r,
         )
+        self.replica_requests = Counter(
+            "headwise_gateway_replica_requests",
+            "requests sent to each replica, by how it was chosen (affinity, balanced, retry, resume)",
+            ["target", "replica", "how"],
+            registry=r,
+        )
+        self.replica_is_up = Gauge(
+            "headwise_gateway_replica_up", "1 while a replica is in the rotation", ["replicas", "replica"], registry=r
+        )
+        self.failovers = Counter(
+            "headwise_gateway_failovers",
+            "streams whose replica died mid-way, by outcome (resumed on another replica, failed)",
+            ["target", "outcome"],
+            registry=r,
+        )
         r.register(EngineCollector(runtimes))
 
     def token_piece(self, model: str, streams, piece) -> None:
@@ -115,6 +130,15 @@ class Metrics:
 
     def cooldown(self, target: str, cooling: bool) -> None:
         self.cooling.labels(target).set(1.0 if cooling else 0.0)
+
+    def replica_request(self, target: str, replica: str, how: str) -> None:
+        self.replica_requests.labels(target, replica, how).inc()
+
+    def replica_up(self, replicas: str, replica: str, up: bool) -> None:
+        self.replica_is_up.labels(replicas, replica).set(1.0 if up else 0.0)
+
+    def failover(self, target: str, outcome: str) -> None:
+        self.failovers.labels(target, outcome).inc()
 
     def fault(self, target: str, kind: str) -> None:
         self.faults.labels(target, kind).inc()

@@ -34,6 +34,21 @@ class StreamOptions(Strict):
     include_usage: Optional[bool] = None  # a last chunk with usage and no choices
 
 
+class ResumeFields(Strict):
+    """Continue a completion another server began (the gateway's failover, serve/failover.py)."""
+
+    token_ids: Annotated[list[TokenId], Field(min_length=1)]  # generated so far; read as prompt now
+    text_chars: Annotated[int, Field(ge=0)]  # characters of their text the client already has
+
+
+class HeadwiseFields(Strict):
+    """headwise's own request extension, for a gateway in front of replicas; OpenAI clients never
+    need it (the gateway strips what it asked for before the client sees a chunk)."""
+
+    token_ids: bool = False  # each streamed chunk carries "headwise": {"token_ids": [...]}
+    resume: Optional[ResumeFields] = None
+
+
 class SamplingFields(Strict):
     """Fields chat and completions share; the vLLM extensions (top_k, min_p,
     repetition_penalty, ignore_eos, stop_token_ids) map onto headwise.SamplingParams."""
@@ -57,6 +72,7 @@ class SamplingFields(Strict):
     repetition_penalty: Optional[Annotated[float, Field(ge=0.01, le=10)]] = None  # tinier: logits overflow
     ignore_eos: Optional[bool] = None
     stop_token_ids: Optional[Annotated[list[TokenId], Field(max_length=64)]] = None
+    headwise: Optional[HeadwiseFields] = None  # token ids in chunks, resume after ids (replicas)
 
 
 # ---------------------------------------------------------------- chat

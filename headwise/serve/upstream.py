@@ -62,6 +62,7 @@ class Events:
 
     def __init__(self, chunks, secret: str | None):
         self.chunks, self.secret, self.buf, self.done = chunks, secret, b"", False
+        self.event: dict | None = None
 
     async def next(self) -> bytes | None:
         """The next event, or None when the upstream's stream ends. Raises Fault."""
@@ -94,6 +95,7 @@ class Events:
             raise Fault("invalid_json", "sent a stream event that is not JSON") from None
         if not isinstance(event, dict):
             raise Fault("invalid_json", "sent a stream event that is not a JSON object")
+        self.event = event  # the parsed object, for a reader that looks inside (failover.py)
         if "error" in event:
             fields = plain_fields(event["error"], self.secret)
             raise Fault(
@@ -109,6 +111,8 @@ class UpstreamTarget:
     """An OpenAI-compatible server; requests are forwarded with `model` renamed, answers
     checked and passed back (streams event for event). The timeout covers the wait for the
     first byte (for a stream, its first event): for a non-streamed answer, the whole answer."""
+
+    settles_streams = True  # a stream's outcome is known at its end: the gateway's settle(ok)
 
     def __init__(self, name: str, provider: Provider, model: str, client: httpx.AsyncClient):
         self.name, self.provider, self.model, self.client = name, provider, model, client

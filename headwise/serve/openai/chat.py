@@ -20,6 +20,7 @@ from .common import (
     new_id,
     off_loop,
     reject_unsupported,
+    resume_of,
     sampling_params,
     sse_events,
     tokenize,
@@ -59,7 +60,9 @@ def message_texts(req: ChatCompletionRequest):
 
 
 def prepare(runtime, req: ChatCompletionRequest):
-    """-> (prompt ids, SamplingParams). CPU work (template, tokenizer): call it off the loop."""
+    """-> (prompt ids, SamplingParams, Resume or None). CPU work (template, tokenizer): call it off
+    the loop. A resumed completion (headwise.resume) continues after the chat-templated prompt
+    plus the ids generated so far, its max_tokens reduced by them."""
     reject_unsupported(
         req,
         {
@@ -77,24 +80,29 @@ def prepare(runtime, req: ChatCompletionRequest):
     )
     prompt = render_prompt(runtime.tokenizer, req)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = check_context([len(prompt)], requested, runtime.max_model_len, "messages")
+    resume, requested = resume_of(req, [prompt], runtime.model.config.vocab_size, requested)
+    done = len(resume.token_ids) if resume else 0
+    max_tokens = check_context([len(prompt) + done], requested, runtime.max_model_len, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return prompt, sampling_params(req, max_tokens, logprobs)
+    return prompt, sampling_params(req, max_tokens, logprobs), resume
 
 
 async def create(runtime, req: ChatCompletionRequest, model: str, request: Request, *, timeout=None, metrics=None):
     runtime.require("generate", "/v1/chat/completions")
     check_chars(message_texts(req), runtime.spec.max_input_chars, "messages")
-    prompt, sampling = await off_loop(prepare, runtime, req)
+    prompt, sampling, resume = await off_loop(prepare, runtime, req)
     rid, created = new_id("chatcmpl"), int(time.time())
     streams = Streams(runtime, rid, sampling.n)
-    await streams.start([prompt], sampling, timeout)
-    usage = Usage(prompt_tokens=len(prompt))
+    await streams.start([prompt], sampling, timeout, resume)
+    usage = Usage(prompt_tokens=len(prompt), resumed=len(resume.token_ids) if resume else 0)
     tok, top = runtime.tokenizer, sampling.logprobs  # None: no logprobs asked for
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        ids = bool(req.headwise and req.headwise.token_ids)
         return StreamingResponse(
-            _events(streams, rid, created, model, sampling.n, usage, tok, top, include_usage, metrics),
+            _events(
+                streams, rid, created, model, sampling.n, usage, tok, top, include_usage, metrics, ids, resume is None
+            ),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -127,7 +135,8 @@ async def _collect(streams, rid, created, model, n, usage, tok, top, metrics):
     }
 
 
-def _events(streams, rid, created, model, n, usage, tok, top, include_usage, metrics):
+def _events(streams, rid, created, model, n, usage, tok, top, include_usage, metrics, token_ids=False, roles=True):
+    """roles: the first chunk names the assistant (not when resuming a stream that already did)."""
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
 
     def choice(i, piece):
@@ -138,8 +147,10 @@ def _events(streams, rid, created, model, n, usage, tok, top, include_usage, met
             "finish_reason": piece.finish_reason,
         }
 
-    roles = [
+    first = [
         {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         for i in range(n)
     ]
-    return sse_events(streams, head, usage, metrics, model, include_usage, choice, first=roles)
+    return sse_events(
+        streams, head, usage, metrics, model, include_usage, choice, first=first if roles else None, token_ids=token_ids
+    )

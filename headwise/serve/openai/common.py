@@ -134,6 +134,33 @@ def check_context(prompt_lens: list[int], max_tokens: int | None, limit: int, wh
     return max_tokens
 
 
+def resume_of(req: SamplingFields, prompts: list[list[int]], vocab: int, requested: int | None):
+    """-> (generation.output.Resume or None, max_tokens left for this run) from the request's
+    headwise.resume: a completion another replica began, continued here (serve/failover.py)."""
+    hw = req.headwise
+    if hw is None or hw.resume is None:
+        return None, requested
+    from ...generation.output import Resume
+
+    ids = hw.resume.token_ids
+    if len(prompts) != 1 or (req.n or 1) != 1:
+        raise APIError(
+            400, "headwise.resume continues one completion: send one prompt and n = 1", param="headwise.resume"
+        )
+    check_ids(ids, vocab, "headwise.resume.token_ids")
+    left = None
+    if requested is not None:
+        left = requested - len(ids)
+        if left < 1:
+            raise APIError(
+                400,
+                f"headwise.resume holds {len(ids)} tokens and max_tokens is {requested}: nothing is left to "
+                "generate; raise max_tokens or drop the resume",
+                param="max_tokens",
+            )
+    return Resume(tuple(ids), hw.resume.text_chars), left
+
+
 def tokenize(tok, text: str, *, special: bool = True) -> list[int]:
     try:
         # encode_batch, not encode: HF tokenizers' encode holds the GIL while it works (4 MiB:
@@ -161,9 +188,10 @@ def check_ids(ids: list[int], vocab: int, param: str) -> list[int]:
 class Usage:
     prompt_tokens: int = 0
     completion: dict[int, int] = field(default_factory=dict)  # choice index -> tokens generated
+    resumed: int = 0  # tokens another server generated before this one resumed (headwise.resume)
 
     def as_dict(self) -> dict:
-        c = sum(self.completion.values())
+        c = sum(self.completion.values()) + self.resumed
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": c, "total_tokens": self.prompt_tokens + c}
 
 
@@ -181,11 +209,11 @@ class Streams:
         self.firsts: list = []
         self.t_start = time.perf_counter()
 
-    async def start(self, prompts: list[list[int]], sampling, timeout: float | None) -> None:
+    async def start(self, prompts: list[list[int]], sampling, timeout: float | None, resume=None) -> None:
         try:
             async with asyncio.timeout(timeout):
                 for p, ids in enumerate(prompts):
-                    gen = self.runtime.stream(ids, sampling, request_id=f"{self.request_id}-{p}")
+                    gen = self.runtime.stream(ids, sampling, request_id=f"{self.request_id}-{p}", resume=resume)
                     self.gens.append(gen)
                     self.firsts.append(await anext(gen, None))
         except TimeoutError:
@@ -273,11 +301,14 @@ async def collect(streams, total: int, usage, metrics, model: str):
     return texts, reasons, lps
 
 
-async def sse_events(streams, head: dict, usage, metrics, model: str, include_usage: bool, choice, first=None):
+async def sse_events(
+    streams, head: dict, usage, metrics, model: str, include_usage: bool, choice, first=None, token_ids=False
+):
     """A streamed answer as SSE chunks: `first` (a list of choices, sent before any piece),
     then `choice(i, piece)` for each piece that carries text, logprobs or a finish reason,
     then the usage chunk (if asked for) and [DONE]. An error after the start travels as an
-    error event."""
+    error event. token_ids (headwise.token_ids, asked for by a gateway): every piece's ids ride
+    along as "headwise": {"token_ids": [...]}, also in pieces whose text is held back."""
     if include_usage:
         head = {**head, "usage": None}
     try:
@@ -289,7 +320,9 @@ async def sse_events(streams, head: dict, usage, metrics, model: str, include_us
                 metrics.token_piece(model, streams, piece)
             if piece.finish_reason == "abort":
                 raise APIError(503, ABORTED, code="aborted")
-            if piece.text or piece.finish_reason or piece.logprobs:
+            if token_ids and piece.token_ids:
+                yield sse({**head, "choices": [choice(i, piece)], "headwise": {"token_ids": piece.token_ids}})
+            elif piece.text or piece.finish_reason or piece.logprobs:
                 yield sse({**head, "choices": [choice(i, piece)]})
         if metrics:
             metrics.finished(model, streams)

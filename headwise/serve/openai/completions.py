@@ -21,6 +21,7 @@ from .common import (
     new_id,
     off_loop,
     reject_unsupported,
+    resume_of,
     sampling_params,
     sse_events,
     tokenize,
@@ -49,7 +50,8 @@ def prompts_of(runtime, req: CompletionRequest) -> list[list[int]]:
 
 
 def prepare(runtime, req: CompletionRequest):
-    """-> (prompts as ids, SamplingParams). CPU work (the tokenizer): call it off the loop."""
+    """-> (prompts as ids, SamplingParams, Resume or None). CPU work (the tokenizer): call it off
+    the loop. A resumed completion (headwise.resume) continues after prompt + the ids so far."""
     n = req.n or 1
     reject_unsupported(
         req,
@@ -60,8 +62,11 @@ def prepare(runtime, req: CompletionRequest):
         },
     )
     prompts = prompts_of(runtime, req)
-    max_tokens = check_context([len(p) for p in prompts], req.max_tokens or DEFAULT_MAX_TOKENS, runtime.max_model_len)
-    return prompts, sampling_params(req, max_tokens, req.logprobs)
+    vocab = runtime.model.config.vocab_size
+    resume, requested = resume_of(req, prompts, vocab, req.max_tokens or DEFAULT_MAX_TOKENS)
+    done = len(resume.token_ids) if resume else 0
+    max_tokens = check_context([len(p) + done for p in prompts], requested, runtime.max_model_len)
+    return prompts, sampling_params(req, max_tokens, req.logprobs), resume
 
 
 async def create(runtime, req: CompletionRequest, model: str, request: Request, *, timeout=None, metrics=None):
@@ -70,17 +75,17 @@ async def create(runtime, req: CompletionRequest, model: str, request: Request, 
     check_chars(
         [p] if isinstance(p, str) else [t for t in p if isinstance(t, str)], runtime.spec.max_input_chars, "prompt"
     )
-    prompts, sampling = await off_loop(prepare, runtime, req)
+    prompts, sampling, resume = await off_loop(prepare, runtime, req)
     rid, created = new_id("cmpl"), int(time.time())
     streams = Streams(runtime, rid, sampling.n)
-    await streams.start(prompts, sampling, timeout)
-    usage = Usage(prompt_tokens=sum(len(p) for p in prompts))
+    await streams.start(prompts, sampling, timeout, resume)
+    usage = Usage(prompt_tokens=sum(len(p) for p in prompts), resumed=len(resume.token_ids) if resume else 0)
     total = len(prompts) * sampling.n
     ctx = (streams, rid, created, model, total, usage, runtime.tokenizer, sampling.logprobs, metrics)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
-            _events(*ctx, include_usage),
+            _events(*ctx, include_usage, bool(req.headwise and req.headwise.token_ids)),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -108,7 +113,7 @@ async def _collect(streams, rid, created, model, total, usage, tok, logprobs, me
     }
 
 
-def _events(streams, rid, created, model, total, usage, tok, logprobs, metrics, include_usage):
+def _events(streams, rid, created, model, total, usage, tok, logprobs, metrics, include_usage, token_ids=False):
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
     offsets = [0] * total  # characters streamed so far per choice (text_offset)
 
@@ -117,4 +122,4 @@ def _events(streams, rid, created, model, total, usage, tok, logprobs, metrics, 
         offsets[i] += len(piece.text)
         return {"index": i, "text": piece.text, "logprobs": lp, "finish_reason": piece.finish_reason}
 
-    return sse_events(streams, head, usage, metrics, model, include_usage, choice)
+    return sse_events(streams, head, usage, metrics, model, include_usage, choice, token_ids=token_ids)
