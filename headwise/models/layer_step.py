@@ -45,8 +45,8 @@ def _weights_key(p) -> tuple:
     for m in (p.qkv, p.out, *p.mlp._modules.values(), p.attn_norm, p.mlp_norm):
         t = m._buffers.get("blocks")
         if t is None:
-            t = m._parameters["weight"]
-        key += (id(t), None if t.is_inference() else t._version)
+            t = m._parameters.get("weight")  # None: a module of neither kind (parallel's RowParallelLinear)
+        key += (id(t), None if t is None or t.is_inference() else t._version)
     return tuple(key)
 
 
