@@ -4,7 +4,8 @@
     batch, cap = capture(model, "The bank approved the loan.", points=("pattern", "result"))
 
 hooks.py (capture points, interventions) -> capture.py (patterns for texts) ->
-roles.py, attribution.py, importance.py, ablation.py, prune.py -> analyze.py (the
+roles.py, attribution.py, importance.py, ablation.py, prune.py, patching.py + dla.py
+(cause: activation patching, direct logit attribution) -> analyze.py (the
 whole study) -> report.py (figures, HTML, JSON) -> cli.py (`headwise analyze`).
 """
 
@@ -13,9 +14,12 @@ from .analyze import DEFAULT_TEXT, Settings, analyze
 from .attribution import HintAccumulator, rollout, value_norms, weighted_norms
 from .capture import Batch, capture, encode, from_ids
 from .corpus import load_corpus
+from .dla import Attribution, direct_logit_attribution
 from .hooks import POINTS, Capture, attached, attention_layers, head_results
 from .importance import Importance, head_importance
 from .metrics import EmbeddingMetric, LMMetric
+from .pairs import Pair, load_pairs
+from .patching import Patching, patch_heads
 from .prune import load_pruned, param_count, prune_heads, save_pruned
 from .roles import HeadRoles, head_roles
 
@@ -34,6 +38,8 @@ __all__ = [
     "encode",
     "from_ids",
     "load_corpus",
+    "Attribution",
+    "direct_logit_attribution",
     "POINTS",
     "Capture",
     "attached",
@@ -43,6 +49,10 @@ __all__ = [
     "head_importance",
     "EmbeddingMetric",
     "LMMetric",
+    "Pair",
+    "load_pairs",
+    "Patching",
+    "patch_heads",
     "load_pruned",
     "param_count",
     "prune_heads",
