@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from ..config import ModelConfig
 from ..attention.step import padding_mask
 from .blocks import check_input_ids, check_length, make_attention, make_mlp
+from .linear import Embedding
 from .loading import CheckpointError, To, hf_activation, need
 
 
@@ -71,9 +72,9 @@ class Bert(nn.Module):
         super().__init__()
         self.config = config
         C = config.d_model
-        self.embed = nn.Embedding(config.vocab_size, C)  # (V, C)
-        self.pos_embed = nn.Embedding(config.max_positions, C)  # (max_positions, C)
-        self.type_embed = nn.Embedding(max(1, config.type_vocab_size), C)  # (types, C)
+        self.embed = Embedding(config.vocab_size, C)  # (V, C)
+        self.pos_embed = Embedding(config.max_positions, C)  # (max_positions, C)
+        self.type_embed = Embedding(max(1, config.type_vocab_size), C)  # (types, C)
         self.embed_norm = nn.LayerNorm(C, eps=config.norm_eps)
         self.layers = nn.ModuleList(EncoderBlock(config, backend=backend) for _ in range(config.num_layers))
         self.pooler = nn.Linear(C, C) if config.pooler else None  # dense + tanh over [CLS]

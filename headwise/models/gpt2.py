@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from ..config import ModelConfig
 from ..attention.step import Step, make_step
 from .blocks import DecoderBlock, check_input_ids, check_length, logits_rows, route_allowed
+from .linear import Embedding
 from .loading import CheckpointError, To, hf_activation, hf_eos, need
 
 
@@ -59,8 +60,8 @@ class GPT2(nn.Module):
         super().__init__()
         self.config = config
         C, V = config.d_model, config.vocab_size
-        self.embed = nn.Embedding(V, C)  # (V, C) wte
-        self.pos_embed = nn.Embedding(config.max_positions, C)  # (max_positions, C) wpe
+        self.embed = Embedding(V, C)  # (V, C) wte
+        self.pos_embed = Embedding(config.max_positions, C)  # (max_positions, C) wpe
         self.layers = nn.ModuleList(DecoderBlock(config, backend=backend) for _ in range(config.num_layers))
         self.norm = nn.LayerNorm(C, eps=config.norm_eps)  # ln_f
         self.lm_head = nn.Linear(C, V, bias=False)

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from ..attention import RotaryEmbedding
 from ..attention.step import Step, make_step
 from ..config import ModelConfig, RopeScaling
-from .linear import QuantizedEmbedding, QuantizedLinear
+from .linear import Embedding, QuantizedEmbedding, QuantizedLinear
 from .blocks import DecoderBlock, RMSNorm, check_input_ids, fused_linear, logits_rows, route_allowed
 from .loading import CheckpointError, To, hf_activation, hf_eos, need
 
@@ -26,7 +26,10 @@ from .loading import CheckpointError, To, hf_activation, hf_eos, need
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     """(D/2,) fp32 inverse frequencies, scaled as cfg.rope_scaling says (as HF's ROPE_INIT_FUNCTIONS)."""
     D, s = cfg.head_dim, cfg.rope_scaling
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))  # (D/2,)
+    # on the CPU even inside a meta-device build: meta ops without a C++ kernel import torch._dynamo
+    # (~1.5 s per process) for D/2 numbers that init_buffers computes again next to the weights
+    exponent = torch.arange(0, D, 2, dtype=torch.int64, device="cpu").float() / D
+    inv_freq = 1.0 / (cfg.rope_theta**exponent)  # (D/2,)
     if s is None or s.kind == "dynamic":  # dynamic depends on the sequence: DynamicNTKRotary
         return inv_freq
     if s.kind == "linear":  # positions / factor == inv_freq / factor
@@ -157,7 +160,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         C, V = config.d_model, config.vocab_size
-        self.embed = nn.Embedding(V, C)  # (V, C)
+        self.embed = Embedding(V, C)  # (V, C)
         self.rope = make_rope(config)  # one module, shared by every layer
         self.layers = nn.ModuleList(
             DecoderBlock(config, rope=self.rope, backend=backend) for _ in range(config.num_layers)

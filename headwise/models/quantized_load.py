@@ -111,7 +111,7 @@ def _quantizable(model: nn.Module, vocab_size: int) -> dict[str, nn.Module]:
     out = {}
     for name, m in model.named_modules():
         if type(m) is nn.Linear or (
-            type(m) is nn.Embedding and m.num_embeddings == vocab_size and (can_tie or not ties)
+            isinstance(m, nn.Embedding) and m.num_embeddings == vocab_size and (can_tie or not ties)
         ):
             out[f"{name}.weight"] = m
     return out
