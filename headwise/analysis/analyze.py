@@ -7,6 +7,7 @@ Steps (each with a progress bar), all numbers into one JSON-able dict:
   4. importance (Michel et al. 2019) on the fit half
   5. ablation curves on the held-out half: importance / per-layer / mean ablation / random
   6. real pruning of the least important fraction: params, latency, quality, save + reload
+  7. cause: activation patching and direct logit attribution per head on prompt pairs
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from . import ablation, metrics, prune
+from . import ablation, metrics, patching, prune
 from .attribution import HintAccumulator, attribute
 from .capture import Batch, forward, is_causal
 from .corpus import Corpus
@@ -49,6 +50,8 @@ class Settings:
     per_layer: bool = True
     induction_len: int = 32
     latency_rounds: int = 10
+    patching: bool = True  # activation patching + direct logit attribution (patching.study)
+    pairs: Sequence | None = None  # patching.Pair list; None = pairs.default_pairs (skips ones that don't fit)
 
     def resolved(self, causal: bool) -> "Settings":
         s = copy.copy(self)
@@ -261,4 +264,10 @@ def analyze(
     if s.prune > 0:
         result["pruning"] = prune_study(model, imp, metric, held, s.prune, out, s.latency_rounds, prog)
         lap("pruning")
+
+    if s.patching:
+        bar = prog.step("patching", 0)
+        result["patching"] = patching.study(model, s.pairs, progress=bar)
+        bar.close()
+        lap("patching")
     return result

@@ -49,6 +49,12 @@ def add_cli(sub) -> None:
     p.add_argument("--fractions", type=_fractions, help="fractions of heads removed on the curves, comma-separated")
     p.add_argument("--prune", type=float, default=0.3, help="fraction pruned for real, 0 to skip (default %(default)s)")
     p.add_argument("--no-mean-ablation", action="store_true", help="skip the mean-ablation curve")
+    p.add_argument(
+        "--pairs",
+        help="JSONL of prompt pairs for activation patching, one object a line: clean, corrupted (same token "
+        "length) and, for decoders, answer and wrong (single tokens); default: built-in pairs",
+    )
+    p.add_argument("--no-patching", action="store_true", help="skip activation patching and direct logit attribution")
     p.add_argument("--threads", type=positive_int, help="torch CPU threads")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
@@ -60,6 +66,7 @@ def run(args) -> int:
     import headwise
     from .analyze import analyze
     from .corpus import load_corpus
+    from .pairs import load_pairs
     from .report import write
 
     if args.threads:
@@ -71,6 +78,7 @@ def run(args) -> int:
     try:
         check_model(args.model)  # a typo is reported before the corpus and model load
         corpus = load_corpus(args.corpus)
+        pairs = load_pairs(args.pairs) if args.pairs else None
         model = headwise.load(args.model, dtype="fp32")
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"headwise analyze: {e}", file=sys.stderr)
@@ -82,6 +90,8 @@ def run(args) -> int:
         seeds=args.seeds,
         prune=args.prune,
         mean_ablation=not args.no_mean_ablation,
+        patching=not args.no_patching,
+        pairs=pairs,
     )
     if args.fractions:
         settings.fractions = args.fractions
@@ -128,6 +138,10 @@ def summary_text(result: dict) -> str:
             f"{lat['pruned']['median'] * 1e3:.1f} ms (median of {lat['full']['rounds']}, load "
             f"{lat['loadavg'][0]}), quality drop {p['drop_after']:.2%}"
         )
+    pt = result.get("patching")
+    if pt and pt.get("top"):
+        best = ", ".join(f"L{t['layer']}H{t['head']} {t['value']:.2f}" for t in pt["top"][:3])
+        lines.append(f"patching ({pt['metric']}, {len(pt['pairs'])} pairs): heads that recover most: {best}")
     hints = result.get("hints")
     if hints:
         n = sum(sum(r) for r in hints["flagged"])

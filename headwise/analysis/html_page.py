@@ -163,9 +163,24 @@ function summary() {
       CPU latency (median, batch ${p.latency_batch.join("x")}) ${(1e3 * lat.full.median).toFixed(1)} ms -> ${(1e3 * lat.pruned.median).toFixed(1)} ms,
       quality drop ${(100 * p.drop_after).toFixed(2)}%.</p>`);
   }
+  if (s.patching) out.push(patchingTable(s.patching));
   if (s.corpus) out.push(`<p class="muted">Corpus: ${s.corpus.source}; fit ${s.corpus.fit_tokens} tokens, held out ${s.corpus.heldout_tokens} tokens.</p>`);
   $("summary").innerHTML = out.join("");
 }
+function patchingTable(p) {   // activation patching: per pair, the metric and the heads that recover most
+  const unit = p.metric === "logit_diff" ? "logit difference answer - wrong" : "cosine to the clean embedding";
+  const rows = p.pairs.map((r) => `<tr><td>${esc(r.clean)}<br><span class="muted">${esc(r.corrupted)}</span></td>` +
+    `<td>${r.answer === null ? "-" : esc(r.answer) + " / " + esc(r.wrong)}</td><td>${fmt(r.metric_clean, 2)}</td>` +
+    `<td>${fmt(r.metric_corrupted, 2)}</td><td>${fmt(r.all_heads_recovered, 2)}</td>` +
+    `<td>${r.top.slice(0, 3).map((t) => `L${t.layer}H${t.head} ${fmt(t.value, 2)}`).join(", ")}</td>` +
+    `<td>${r.dla_total === undefined ? "-" : fmt(r.dla_total, 2) + " / " + fmt(r.dla_logit, 2)}</td></tr>`).join("");
+  const skipped = p.skipped.map((s) => `<li>${esc(s.clean)}: ${esc(s.reason)}</li>`).join("");
+  return `<p id="patching">Activation patching (${unit}): each head's clean output put into the corrupted run;
+    recovered = (patched - corrupted) / (clean - corrupted).</p><table><tr><th>clean / corrupted prompt</th>
+    <th>answer / wrong</th><th>clean</th><th>corrupted</th><th>all heads patched</th><th>heads that recover most</th>
+    <th>DLA sum / logit</th></tr>${rows}</table>` + (skipped ? `<p class="muted">Skipped pairs:</p><ul>${skipped}</ul>` : "");
+}
+function esc(s) { return String(s).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;"); }
 function init() {
   $("about").textContent = `${D.model.name}: ${D.model.layers} layers, heads per layer ${D.model.heads.join(",")}; text: ${V.text}`;
   for (let l = 0; l < L; l++) $("layer").add(new Option(String(l), String(l)));

@@ -8,6 +8,7 @@ Figures (matplotlib, Agg backend: no display needed):
   ablation.png          quality drop vs fraction of heads removed, importance vs random orders
   weights_vs_norms.png  raw weights vs value-weighted norms (Kobayashi et al. 2020)
   importance.png        Michel et al.'s normalized importance, pruned heads crossed out
+  patching.png, dla.png activation patching and direct logit attribution (patching_report.py)
 
 The HTML page inlines its data, script, style and the figures (as data: URIs), so it
 opens from disk with no network: pick a layer, a head and a token and see where it
@@ -249,6 +250,12 @@ def write(result: dict, out: str | Path) -> dict:
             continue
         draw(result, out / name)
         figures.append(out / name)
+    from . import patching_report
+
+    for name, (draw, wanted) in patching_report.FIGURES.items():
+        if wanted(result):
+            draw(result, out / name)
+            figures.append(out / name)
     json_path = out / "analysis.json"
     json_path.write_text(json.dumps(_finite(result), separators=(",", ":")))
     html_path = out / "report.html"
@@ -272,6 +279,10 @@ def html(result: dict, figures: list[Path]) -> str:
 
     data = {k: result[k] for k in ("model", "view", "roles", "hints", "importance") if k in result}
     data["summary"] = {k: result[k] for k in ("ablation", "pruning", "corpus", "timings_s") if k in result}
+    if result.get("patching"):
+        from .patching_report import summary
+
+        data["summary"]["patching"] = summary(result["patching"])
     if "ablation" in data["summary"]:
         data["summary"]["ablation"] = {k: v for k, v in result["ablation"].items() if k != "curves"}
     payload = json.dumps(_finite(data)).replace("</", "<\\/")  # cannot close the <script>

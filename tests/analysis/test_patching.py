@@ -3,6 +3,8 @@ built by hand, against transformers (the independent reference) and plain torch 
 
 import json
 
+import numpy as np
+
 import pytest
 import torch
 from torch import nn
@@ -333,3 +335,35 @@ def test_default_pairs_line_up_on_a_word_piece_decoder(tiny_llama_tok_dir):
     for p in res["pairs"]:
         assert len(p["tokens"]) == len(p["corrupted_tokens"])
         assert len(p["patching"]["recovered"]) == 2 and len(p["dla"]["diff"]["heads"][0]) == 6
+
+
+def test_analyze_with_a_pairs_file_reports_patching(tiny_llama_tok_dir, tmp_path, capsys):
+    from headwise.cli import main
+
+    import matplotlib.image as mpimg
+
+    path = tmp_path / "pairs.jsonl"
+    pair = {"clean": "the capital of france is", "corrupted": "the capital of italy is", "answer": " paris"}
+    path.write_text(json.dumps(pair | {"wrong": " rome"}) + "\n")
+    out = tmp_path / "out"
+    args = ["analyze", str(tiny_llama_tok_dir), "--out", str(out), "--fit", "1", "--heldout", "1", "--seq-len", "16"]
+    args += ["--seeds", "1", "--fractions", "0.5", "--prune", "0", "--no-mean-ablation", "--quiet"]
+    assert main(args + ["--pairs", str(path)]) == 0
+    assert "patching (logit_diff, 1 pairs): heads that recover most: L" in capsys.readouterr().out
+    res = json.loads((out / "analysis.json").read_text())
+    pt = res["patching"]
+    assert [p["clean"] for p in pt["pairs"]] == [pair["clean"]] and pt["pairs"][0]["answer"] == " paris"
+    model = headwise.load(tiny_llama_tok_dir)
+    direct = patching.patch_heads(model, Pair(pair["clean"], pair["corrupted"], " paris", " rome"))
+    assert np.allclose(pt["mean_recovered"], torch.stack(direct.recovered).numpy(), atol=1e-4)
+    for name in ("patching.png", "dla.png"):
+        img = mpimg.imread(out / name)
+        assert img.shape[0] > 100 and img[..., :3].std() > 0.01
+    html = (out / "report.html").read_text()
+    assert 'alt="patching.png"' in html and 'alt="dla.png"' in html and '"metric_corrupted"' in html
+
+    path.write_text(json.dumps(pair | {"wrong": " rome", "corrupted": "the capital of the italian republic is"}))
+    assert main(args + ["--pairs", str(path)]) == 2
+    assert "pair 1: the clean prompt has" in capsys.readouterr().err
+    assert main(args + ["--pairs", str(tmp_path / "none.jsonl")]) == 2
+    assert "none.jsonl: no such file" in capsys.readouterr().err
