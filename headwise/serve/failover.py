@@ -231,8 +231,12 @@ class ReplicaTarget:
 
         async def resume() -> Leg:
             hw = {**own, "token_ids": True}
-            if progress.ids:
-                hw["resume"] = {"token_ids": progress.ids, "text_chars": progress.chars}
+            if progress.ids:  # after what the client resumed from itself, if it did
+                before = own.get("resume") or {"token_ids": [], "text_chars": 0}
+                hw["resume"] = {
+                    "token_ids": before["token_ids"] + progress.ids,
+                    "text_chars": before["text_chars"] + progress.chars,
+                }
             leg, more = await self._first(
                 endpoint, {**send, "headwise": hw}, key, limit, True, metrics, "resume", tried
             )
@@ -242,15 +246,18 @@ class ReplicaTarget:
         return StreamingResponse(self._relay(got, progress, resume, metrics, settle), media_type="text/event-stream")
 
     async def _relay(self, leg: Leg, progress: Progress, resume, metrics, settle):
-        ok, moves, event = False, 0, leg.first
+        """Relay a stream, moving it to another replica when its own dies. Settles the target
+        when the stream ends (a client that hangs up reports nothing)."""
+        ended = ok = False
+        moves, event = 0, leg.first
         try:
             while True:
                 try:
                     if event is None:
                         event = await leg.next()
                     if event is _DONE:
+                        ended = ok = True
                         yield SSE_DONE
-                        ok = True
                         return
                     out = progress.take(event)
                     event = None
@@ -263,8 +270,8 @@ class ReplicaTarget:
                     await leg.close()
                     self.pool.down(dead, why)
                 if progress.finished:  # every token is out; only [DONE] was missing
+                    ended = ok = True
                     yield SSE_DONE
-                    ok = True
                     return
                 error = None
                 if not progress.resumable or moves >= self.spec.failovers:
@@ -278,6 +285,7 @@ class ReplicaTarget:
                 if metrics:
                     metrics.failover(self.name, "failed" if error else "resumed")
                 if error is not None:
+                    ended = True
                     log.warning("%s", error.message)
                     yield sse({"error": {**error.body()["error"], "code": "replica_failed"}})
                     yield SSE_DONE
@@ -287,5 +295,5 @@ class ReplicaTarget:
                 event = leg.first
         finally:
             await leg.close()
-            if settle:
+            if ended and settle:
                 settle(ok)

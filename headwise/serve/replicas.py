@@ -150,7 +150,10 @@ class ReplicaPool:
 
     async def _poll(self) -> None:
         while True:
-            await asyncio.gather(*(self.check(r) for r in self.replicas))
+            try:
+                await asyncio.gather(*(self.check(r) for r in self.replicas))
+            except Exception:  # a poll that breaks must not end polling for good
+                log.exception("replicas %s: health poll failed", self.spec.name)
             await asyncio.sleep(self.spec.health_interval)
 
     def start(self) -> None:

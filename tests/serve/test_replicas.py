@@ -121,6 +121,9 @@ def replicas(tiny_dir, servers_dir):
     try:
         yield [p.wait_ready() for p in procs]
     finally:
+        for p in procs:  # drain all at once, then wait for each
+            if p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGTERM)
         for p in procs:
             p.stop()
 
@@ -238,6 +241,31 @@ def test_resume_on_one_replica_continues_the_text(replicas):
     assert r.status_code == 400 and "nothing is left to generate" in r.json()["error"]["message"]
     r = httpx.post(url, json={**body, "n": 2, "headwise": {"resume": resume}}, headers=headers)
     assert r.status_code == 400 and r.json()["error"]["param"] == "headwise.resume"
+
+
+def test_resume_releases_text_held_back_at_the_seam(replicas, smol):
+    """Cut where the replica holds text back (it could start a stop string): the resumed replica
+    sends that text first, so the client's text is whole."""
+    url = replicas[1].url + "/v1/completions"
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "tiny", "prompt": "The harbour at dawn", "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+    ids = [
+        t
+        for p in _sse(url, {**body, "stream": True, "headwise": {"token_ids": True}}, headers)
+        for t in p["headwise"]["token_ids"]
+    ]
+    decode = smol.tokenizer.decode
+    k = next(i for i in range(12, 29) if decode(ids[: i + 1])[len(decode(ids[:i])) :].strip("\ufffd"))
+    tail = decode(ids[: k + 1])[len(decode(ids[:k])) :]  # the text token k adds
+    stop = {"stop": [tail + "\x07"]}  # never completes, but holds `tail` back when the text ends with it
+    pieces = _sse(url, {**body, **stop, "stream": True, "headwise": {"token_ids": True}}, headers)
+    texts = [p["choices"][0]["text"] for p in pieces]
+    assert [t for p in pieces for t in p["headwise"]["token_ids"]] == ids
+    sent = "".join(texts[: k + 1])
+    assert len(sent) < len(decode(ids[: k + 1]))  # held back at the cut
+    resume = {"token_ids": ids[: k + 1], "text_chars": len(sent)}
+    rest = _sse(url, {**body, **stop, "stream": True, "headwise": {"resume": resume}}, headers)
+    assert sent + "".join(p["choices"][0]["text"] for p in rest) == "".join(texts) == decode(ids)
 
 
 def _sse(url, body, headers) -> list[dict]:
