@@ -68,7 +68,7 @@ def fig_dla(result: dict, path: Path) -> None:
     plt = _plt()
     pt = result["patching"]
     img = _grid(pt["mean_dla"])
-    fig, axes = plt.subplots(1, 2, figsize=(4.0 + 0.35 * img.shape[1], 1.8 + 0.17 * img.shape[0]), dpi=80)
+    fig, axes = plt.subplots(1, 2, figsize=(6.0 + 0.35 * img.shape[1], 1.8 + 0.17 * img.shape[0]), dpi=80)
     im = _heat(axes[0], img, "each head's direct share (mean over pairs)", max(1e-6, float(np.nanmax(np.abs(img)))))
     fig.colorbar(im, ax=axes[0], fraction=0.04, label="logit difference")
     ax = axes[1]
@@ -91,7 +91,7 @@ def fig_dla(result: dict, path: Path) -> None:
     ax.set_xlabel("share of the logit difference")
     ax.set_ylabel("layer")
     logit = np.mean([p["dla"]["diff"]["logit"] for p in pt["pairs"]])
-    ax.set_title(f"per layer; embeddings and biases {other:+.2f}, logit difference {logit:.2f}", fontsize=8)
+    ax.set_title(f"per layer (mean over pairs); the rest (embeddings, biases)\n{other:+.2f} of {logit:.2f}", fontsize=8)
     ax.legend(fontsize=7)
     fig.suptitle(
         f"{result['model']['name']}: direct logit attribution on the clean prompts "
