@@ -6,11 +6,12 @@
 
 comm.py: the group, its collectives, ParallelError; layers.py: slices of a linear and the
 row-parallel / vocab-parallel modules; shard.py: which heads and units each rank keeps;
-launch.py: local processes for tests and benchmarks.
+launch.py: local processes for tests and benchmarks; local.py: generate() over N local ranks.
 """
 
 from .comm import Comm, ParallelError, init
 from .launch import RankOutcome, RanksFailed, spawn
+from .local import generate_on_ranks
 from .shard import check_world_size, legal_world_sizes, shard
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "RankOutcome",
     "RanksFailed",
     "check_world_size",
+    "generate_on_ranks",
     "init",
     "legal_world_sizes",
     "shard",

@@ -138,6 +138,8 @@ def _shard_attention(attn: MultiHeadAttention, comm: Comm, what: str, dequantize
     q_keep = [h for h in range(H) if kv_lo <= kv_of[h] < kv_hi]  # consecutive: groups are contiguous
     if q_keep != list(range(q_keep[0], q_keep[-1] + 1)):
         raise ValueError(f"{what}: the query heads of KV heads {kv_lo}..{kv_hi - 1} are not contiguous")
+    first = attn.qkv_proj if attn.fused else attn.q_proj
+    device = first.blocks.device if isinstance(first, QuantizedLinear) else first.weight.device
     kv_heads = range(kv_lo, kv_hi)
     q_rows, kv_rows = _head_rows(q_keep, D), _head_rows(kv_heads, D)
     if attn.fused:  # rows [Q | K | V]
@@ -157,7 +159,7 @@ def _shard_attention(attn: MultiHeadAttention, comm: Comm, what: str, dequantize
     nH = len(q_keep)
     local_map = [kv_of[h] - kv_lo for h in q_keep]
     uniform = nH % per == 0 and local_map == [h // (nH // per) for h in range(nH)]
-    attn.kv_map = None if uniform else torch.tensor(local_map, device=q_rows.device)
+    attn.kv_map = None if uniform else torch.tensor(local_map, device=device)
     attn.head_ids = [attn.head_ids[h] for h in q_keep]
     attn.num_heads, attn.num_kv_heads = nH, per
 

@@ -94,6 +94,8 @@ def outputs(model) -> dict:
     out["cache_k"] = tuple(cache.layer(0).store.k[0].shape)  # (B, Hkv, S, D)
     prompt = [5, 17, 3, 99, 42] if model.tokenizer is None else "The capital of France is"
     out["greedy"] = generate(model, prompt, max_new_tokens=8, temperature=0).token_ids
+    if model.tokenizer is None:  # unseeded sampling draws alike on every rank (shard seeds them alike)
+        out["sampled"] = generate(model, prompt, max_new_tokens=8, temperature=1.0).token_ids
     return out
 
 

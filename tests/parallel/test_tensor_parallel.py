@@ -63,6 +63,14 @@ def test_greedy_generate_equals_one_process(group, reference):
             assert [r[name]["greedy"] for r in per_rank] == [want] * N, name
 
 
+def test_unseeded_sampling_draws_the_same_tokens_on_every_rank(group, reference):
+    N, per_rank = group
+    for name in GROUPS[N]:
+        if _legal(name, N) and "sampled" in reference[name.partition("@")[0]]:
+            drawn = [r[name]["sampled"] for r in per_rank]
+            assert len(drawn[0]) == 8 and drawn == [drawn[0]] * N, (name, drawn)
+
+
 def test_cache_holds_only_this_ranks_heads(group, reference):
     N, per_rank = group
     for name in GROUPS[N]:
