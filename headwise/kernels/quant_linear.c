@@ -152,47 +152,50 @@ static inline __attribute__((always_inline)) void rows_out(int fmt, const uint8_
 
 /* ---- rows packed in groups of 8 (fmt | X8: quant_blocks.h) ---- */
 
-/* 8 packed rows against MC (1..4) rows of quantized x: out[m] lane r = row r's output. */
+/* 8 packed rows against MC (1..4) rows of quantized x: out[m] lane r = row r's output. The
+ * weight chunks are loaded one at a time and met by every row of x before the next, so the
+ * registers hold 2 chunks, MC int16 sums and MC accumulators (16 ymm: no spills at MC = 4). */
 static inline __attribute__((always_inline)) void group_tile(int fmt, int MC, const uint8_t *grp, long nb,
                                                              const int8_t *qx, const float *dx, const float *sx,
                                                              long I, __m256 out[4]) {
     const long gb = 8 * block_bytes(fmt), h = 8 * hdr_bytes(fmt);
-    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    (void)ones;  /* unused with VNNI */
-    __m256 acc[4], macc[4];
-    for (int m = 0; m < MC; m++) acc[m] = macc[m] = _mm256_setzero_ps();
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    __m256 acc[4];
+    for (int m = 0; m < MC; m++) acc[m] = _mm256_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const uint8_t *p = grp + b * gb;
+        const int8_t *xb = qx + b * QK;
+        __m256i sum[4];
+        for (int m = 0; m < MC; m++) sum[m] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(p + h + 32 * c));
+            const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            for (int m = 0; m < MC; m++) {
+                int32_t a, z;
+                memcpy(&a, xb + m * I + 4 * c, 4), memcpy(&z, xb + m * I + 16 + 4 * c, 4);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)  /* the same integers, summed in int32 directly */
+                sum[m] = _mm256_dpbusd_epi32(sum[m], lo, _mm256_set1_epi32(a));
+                sum[m] = _mm256_dpbusd_epi32(sum[m], hi, _mm256_set1_epi32(z));
+#else
+                sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)));
+                sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(z)));
+#endif
+            }
+        }
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
         const __m256 mw = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))
                                       : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
-        __m256i lo[4], hi[4];
-        for (int c = 0; c < 4; c++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(p + h + 32 * c));
-            lo[c] = _mm256_and_si256(v, mask), hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-        }
         for (int m = 0; m < MC; m++) {
-            int32_t xb[8];  /* 8 x 4 bytes of x's block */
-            memcpy(xb, qx + m * I + b * QK, QK);
-            __m256i sum = _mm256_setzero_si256();
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)  /* the same integers, summed in int32 directly */
-            for (int c = 0; c < 4; c++) {
-                sum = _mm256_dpbusd_epi32(sum, lo[c], _mm256_set1_epi32(xb[c]));
-                sum = _mm256_dpbusd_epi32(sum, hi[c], _mm256_set1_epi32(xb[4 + c]));
-            }
-            const __m256 f = _mm256_cvtepi32_ps(sum);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+            const __m256 f = _mm256_cvtepi32_ps(sum[m]);
 #else
-            for (int c = 0; c < 4; c++) {
-                sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(xb[c])));
-                sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(xb[4 + c])));
-            }
-            const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, ones));
+            const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[m], _mm256_set1_epi16(1)));
 #endif
             acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(dx + m * nb + b)), f, acc[m]);
-            macc[m] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(sx + m * nb + b), macc[m]);
+            acc[m] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(sx + m * nb + b), acc[m]);
         }
     }
-    for (int m = 0; m < MC; m++) out[m] = _mm256_add_ps(acc[m], macc[m]);
+    for (int m = 0; m < MC; m++) out[m] = acc[m];
 }
 
 /* Q8_0's groups: 8 chunks of 4 signed values a row; the sign trick per chunk, whose pairs (up to
