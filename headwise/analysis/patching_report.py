@@ -46,7 +46,8 @@ def fig_patching(result: dict, path: Path) -> None:
         what = f"{p['answer']!r} vs {p['wrong']!r}" if p.get("answer") is not None else "cosine"
         grids.append((_grid(p["patching"]["recovered"]), f"{_short(p['clean'])}\n({what})"))
     L, H = grids[0][0].shape
-    fig, axes = plt.subplots(1, len(grids), figsize=(0.6 + (0.9 + 0.32 * H) * len(grids), 1.6 + 0.17 * L), dpi=80)
+    size = (0.6 + (0.9 + 0.32 * H) * len(grids), 2.2 + 0.17 * L)
+    fig, axes = plt.subplots(1, len(grids), figsize=size, dpi=80, layout="constrained")  # room for the titles
     axes = np.atleast_1d(axes)
     limit = max(1.0, float(np.nanmax(np.abs(np.stack([g for g, _ in grids])))))
     for ax, (img, title) in zip(axes, grids):
@@ -54,13 +55,13 @@ def fig_patching(result: dict, path: Path) -> None:
         l, h = np.unravel_index(np.nanargmax(img), img.shape)
         ax.text(h, l, f"{img[l, h]:.2f}", ha="center", va="center", fontsize=6, color="k")
     unit = "logit difference" if pt["metric"] == "logit_diff" else "cosine to the clean embedding"
-    fig.colorbar(im, ax=list(axes), fraction=0.02, pad=0.02, label="recovered fraction")
+    fig.colorbar(im, ax=list(axes), fraction=0.02, label="recovered fraction")
     fig.suptitle(
         f"{result['model']['name']}: activation patching, one head's clean output into the corrupted run; "
         f"recovered {unit} (1 = all of it)",
         fontsize=9,
     )
-    fig.savefig(path, bbox_inches="tight")
+    fig.savefig(path)
     plt.close(fig)
 
 
