@@ -31,7 +31,7 @@ RESULTS = Path(__file__).parent / "results"
 
 def rank_run(comm, weights: str, lm_head: str, steps: int, rounds: int) -> dict:
     """On every rank: load, shard (N > 1), decode `steps` tokens `rounds` times; rank 0's figures."""
-    from headwise import load
+    from headwise.models import load
     from headwise.cache import ContiguousKVCache
 
     model = load("smollm2-135m-instruct", weights=weights)

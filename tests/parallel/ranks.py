@@ -40,7 +40,7 @@ PRUNE = {0: [0, 5, 8, 13, 16, 21]}
 def build(name: str):
     """A model by name: a SPECS entry (random weights from a fixed seed, prepacked linears as
     headwise.load makes them), `<spec>-pruned`, or a builtin checkpoint in fp32."""
-    from headwise import load
+    from headwise.models import load
     from headwise.models import GPT2, Bert, Llama
     from headwise.models.packing import pack_linears
 
