@@ -88,11 +88,23 @@ def load_pairs(path: str | Path) -> list[Pair]:
         unknown = sorted(set(obj) - {"clean", "corrupted", "answer", "wrong"})
         if unknown:
             raise ValueError(f"{path}:{n}: unknown keys {unknown}; keys: clean, corrupted, answer, wrong")
+        for key in ("clean", "corrupted"):
+            v = obj[key]
+            if not (isinstance(v, str) or (isinstance(v, list) and all(_is_id(i) for i in v))):
+                raise ValueError(f"{path}:{n}: {key} must be a text or a list of token ids, got {v!r:.60}")
+        for key in ("answer", "wrong"):
+            v = obj.get(key)
+            if not (v is None or isinstance(v, str) or _is_id(v)):
+                raise ValueError(f"{path}:{n}: {key} must be a text or one token id, got {v!r:.60}")
         ids = [tuple(v) if isinstance(v, list) else v for v in (obj["clean"], obj["corrupted"])]
         pairs.append(Pair(*ids, obj.get("answer"), obj.get("wrong")))
     if not pairs:
         raise ValueError(f"{path}: no pairs (one JSON object a line)")
     return pairs
+
+
+def _is_id(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass

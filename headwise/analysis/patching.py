@@ -18,7 +18,7 @@ residual stream; hooks.head_results): W_O is the same in both runs.
 The sum_l H_l patched runs (270 for SmolLM2) are rows of a few batches: row b runs
 the corrupted prompt with head (l, h) patched through hooks.attached (mask (B, H) = 0
 at (b, h), replace = the clean z (H, T, D)); a decoder's rows ask for the last
-position's logits only (Step.logits_indices), and reruns only the tokens after the
+position's logits only (Step.logits_indices) and reruns only the tokens after the
 prompts' shared prefix (`shared_prefix`). Pairs and their checks: pairs.py; the
 direct logit attribution beside it: dla.py; `study` runs both over a list of pairs.
 

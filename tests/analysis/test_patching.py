@@ -281,6 +281,8 @@ def test_bad_pairs_say_what_is_wrong(llama, tiny_bert_dir, tmp_path):
         ("{not json", r"pairs.jsonl:2: not JSON"),
         ('{"clean": "a"}', r':2: needs an object with "clean" and "corrupted"'),
         ('{"clean": "a", "corrupted": "b", "answr": "c"}', r":2: unknown keys \['answr'\]"),
+        ('{"clean": "a", "corrupted": [1, "b"]}', r":2: corrupted must be a text or a list of token ids"),
+        ('{"clean": "a", "corrupted": "b", "answer": [3]}', r":2: answer must be a text or one token id"),
     ):
         path = tmp_path / "pairs.jsonl"
         path.write_text('{"clean": [1, 2], "corrupted": [1, 3], "answer": 4, "wrong": 5}\n' + line + "\n")
