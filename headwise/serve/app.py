@@ -135,9 +135,14 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
             return errors.error_response(503, f"no model could be loaded: {detail}", code="model_failed")
         if any(s == "loading" for s in status.values()):
             return errors.error_response(503, f"not ready: {detail}", code="loading", retry_after=2)
+        pools = state.gateway.pools if state.gateway is not None else {}
+        replicas = {n: {r.url: "up" if r.up else f"down: {r.why}" for r in p.replicas} for n, p in pools.items()}
+        extra = {"replicas": replicas} if replicas else {}
         if failed:  # the others serve
-            return {"status": "degraded", "models": status, "errors": failed}
-        return {"status": "ok", "models": status}
+            return {"status": "degraded", "models": status, "errors": failed, **extra}
+        if any(all(not r.up for r in p.replicas) for p in pools.values()):  # a set with none up
+            return {"status": "degraded", "models": status, **extra}
+        return {"status": "ok", "models": status, **extra}
 
     @app.get("/metrics", response_class=Response)
     async def metrics():

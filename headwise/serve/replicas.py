@@ -39,12 +39,14 @@ log = logging.getLogger("headwise.serve")
 class Replica:
     url: str
     up: bool = True  # until a check says otherwise: a fresh gateway serves at once
-    ready: frozenset | None = None  # the models its /health says are ready (None: it did not say)
+    states: dict | None = None  # its /health's "models": name -> loading | ready | failed (None: not said)
     in_flight: int = 0  # requests (and streams) the gateway has open on it now
     why: str = ""  # why it is down
 
     def serves(self, model: str) -> bool:
-        return self.up and (self.ready is None or model in self.ready)
+        """Up, and the model ready there; a model its /health does not list (a nested gateway's
+        route or replica set) counts as served."""
+        return self.up and (self.states is None or self.states.get(model, "ready") == "ready")
 
 
 def affinity_key(endpoint: str, body: dict, chars: int) -> str | None:
@@ -108,8 +110,8 @@ class ReplicaPool:
         for r in self.replicas:
             if not r.up:
                 out.append(f"{r.url}: {r.why or 'down'}")
-            elif r.ready is not None and model not in r.ready:
-                out.append(f"{r.url}: model {model!r} is not ready there")
+            elif not r.serves(model):
+                out.append(f"{r.url}: model {model!r} is {r.states.get(model)} there")
         return "; ".join(out) or "none up"
 
     # ---- health -----------------------------------------------------------------
@@ -120,10 +122,10 @@ class ReplicaPool:
         r.up, r.why = False, why
         self._gauge(r)
 
-    def _up(self, r: Replica, ready: frozenset | None) -> None:
+    def _up(self, r: Replica, states: dict | None) -> None:
         if not r.up:
             log.info("replica %s is back (its /health answers 200)", r.url)
-        r.up, r.why, r.ready = True, "", ready
+        r.up, r.why, r.states = True, "", states
         self._gauge(r)
 
     def _gauge(self, r: Replica) -> None:
@@ -145,8 +147,7 @@ class ReplicaPool:
             models = resp.json().get("models")
         except (ValueError, AttributeError):
             models = None
-        ready = frozenset(m for m, s in models.items() if s == "ready") if isinstance(models, dict) else None
-        self._up(r, ready)
+        self._up(r, models if isinstance(models, dict) else None)
 
     async def _poll(self) -> None:
         while True:

@@ -98,8 +98,9 @@ def test_pick_balanced_prefers_the_less_busy_of_two():
     assert pool.pick("m", None, exclude={b, c})[0] is a
     assert pool.pick("other-model", None)[0] is not None  # /health not polled yet: every model
     for r in pool.replicas:
-        r.ready = frozenset({"m"})
-    assert pool.pick("other-model", None) == (None, "")
+        r.states = {"m": "ready", "other-model": "failed"}
+    assert pool.pick("other-model", None) == (None, "") and pool.pick("m", None)[0] is not None
+    assert "model 'other-model' is failed there" in pool.reasons("other-model")
 
 
 def test_affinity_key():
@@ -140,6 +141,7 @@ def gateway(replicas):
             "api_key_env": KEY_ENV,
             "health_interval": 0.2,
             "affinity_chars": AFFINITY_CHARS,
+            "affinity_slack": 8,
             "timeout": 30,
         }
         live = LiveServer(create_app(parse_config({"server": {"api_key_env": ""}, "replicas": {"pool": pool}})))
@@ -166,23 +168,24 @@ def counts(replicas) -> list[float]:
     return [served(r) for r in replicas]
 
 
-async def _stream(client, kind: str, prompt: str, max_tokens: int, progress=None, **kw) -> tuple[str, set, str]:
-    """One streamed request through the openai client -> (text, chunk ids, finish reason)."""
+async def _stream(client, kind: str, prompt: str, max_tokens: int, progress=None, **kw) -> tuple:
+    """One streamed request through the openai client -> (text, chunk ids, finish reason, usage)."""
     common = dict(model="pool/tiny", max_tokens=max_tokens, temperature=0, stream=True, **kw)
     if kind == "chat":
         messages = [{"role": "user", "content": prompt}]
         stream = await client.chat.completions.create(messages=messages, **common)
     else:
         stream = await client.completions.create(prompt=prompt, **common)
-    text, ids, finish = "", set(), None
+    text, ids, finish, usage = "", set(), None, None
     async for chunk in stream:
         ids.add(chunk.id)
+        usage = chunk.usage or usage
         for c in chunk.choices:
             text += (c.delta.content if kind == "chat" else c.text) or ""
             finish = c.finish_reason or finish
         if progress is not None:
             progress[prompt] += 1
-    return text, ids, finish
+    return text, ids, finish, usage
 
 
 def test_load_spreads_over_the_replicas(gateway, replicas, aclient):
@@ -195,7 +198,7 @@ def test_load_spreads_over_the_replicas(gateway, replicas, aclient):
             )
 
     results = asyncio.run(run())
-    assert all(finish == "length" and len(ids) == 1 for _, ids, finish in results)
+    assert all(finish == "length" and len(ids) == 1 for _, ids, finish, _ in results)
     got = [a - b for a, b in zip(counts(replicas), before)]
     assert sum(got) == 12 and min(got) >= 1, got  # least outstanding of two: none left idle
 
@@ -280,42 +283,58 @@ def _sse(url, body, headers) -> list[dict]:
     return out
 
 
-PROMPTS = [("chat", f"Tell me story number {i}.") for i in range(3)] + [
-    ("completions", f"Chapter {i}. It was a dark night") for i in range(3)
-]
+TALE = "A long tale of ships and harbours, told slowly by the fire. " * 4  # over affinity_chars
+
+
+def _prompts(pool) -> list[tuple[str, str]]:
+    """Three chat and three completion prompts whose long shared prefixes all have the same home
+    replica (the gateway's own pick chooses the completions' opening), so one SIGKILL cuts all six."""
+    chat = [("chat", f"{TALE}Tell me story number {i}.") for i in range(3)]
+    key = affinity_key("chat", {"messages": [{"role": "user", "content": chat[0][1]}]}, AFFINITY_CHARS)
+    home = pool.pick("tiny", key)[0]
+    opening = next(
+        o
+        for o in (f"Chapter {j}. {TALE}" for j in range(100))
+        if pool.pick("tiny", affinity_key("completions", {"prompt": o}, AFFINITY_CHARS))[0] is home
+    )
+    return chat + [("completions", f"{opening}Part {i}.") for i in range(3)]
 
 
 def test_sigkill_mid_stream_loses_no_token(gateway, replicas, aclient):
     pool = gateway.app.state.serve.gateway.pools["pool"]
-    kw = dict(extra_body={"ignore_eos": True})
+    prompts = _prompts(pool)
+    kw = dict(extra_body={"ignore_eos": True}, stream_options={"include_usage": True})
 
     async def run(kill: bool):
         progress = collections.Counter()
         async with aclient() as c:
-            tasks = [asyncio.create_task(_stream(c, k, p, 160, progress, **kw)) for k, p in PROMPTS]
+            tasks = [asyncio.create_task(_stream(c, k, p, 120, progress, **kw)) for k, p in prompts]
             victim = None
             if kill:
-                while min(progress[p] for _, p in PROMPTS) < 3:
+                while min(progress[p] for _, p in prompts) < 3:
                     await asyncio.sleep(0.002)
                 busiest = max(pool.replicas, key=lambda r: r.in_flight)
+                assert busiest.in_flight == len(prompts)  # all six at home (affinity_slack = 8)
                 victim = next(s for s in replicas if s.url == busiest.url)
-                assert busiest.in_flight >= 1
                 victim.proc.send_signal(signal.SIGKILL)
             return await asyncio.gather(*tasks), victim
 
     reference, _ = asyncio.run(run(kill=False))
     failovers = _failovers(gateway)
     killed, victim = asyncio.run(run(kill=True))
-    for (kind, prompt), ref, got in zip(PROMPTS, reference, killed):
+    for (kind, prompt), ref, got in zip(prompts, reference, killed):
         assert got[1] == {next(iter(got[1]))}  # one stream id from the first chunk to the last
         assert got[2] == ref[2] == "length"
         assert got[0] == ref[0], (kind, prompt)  # greedy: not a character lost or repeated
-    assert _failovers(gateway) - failovers >= 1  # some stream really moved
+        assert got[3] == ref[3] and ref[3].completion_tokens == 120  # usage counts both replicas' tokens
+    assert _failovers(gateway) - failovers == len(prompts)  # every stream really moved, once
     victim.proc.wait(timeout=10)
 
     # the dead replica is skipped: everything still answers, nothing is sent its way
     dead = next(r for r in pool.replicas if r.url == victim.url)
-    assert not dead.up
+    health = httpx.get(gateway.url + "/health").json()
+    assert not dead.up and health["replicas"]["pool"][victim.url].startswith("down: ")
+    sent_before = _sent_to(gateway, victim.url)
     for i in range(6):
         r = httpx.post(
             gateway.url + "/v1/completions",
@@ -323,6 +342,7 @@ def test_sigkill_mid_stream_loses_no_token(gateway, replicas, aclient):
             timeout=60,
         )
         assert r.status_code == 200, r.text
+    assert _sent_to(gateway, victim.url) == sent_before
 
     # back: restarted on its port, its /health turns 200, the gateway polls it back in
     victim.proc = subprocess.Popen(victim.proc.args, stdout=victim.log_path.open("a"), stderr=subprocess.STDOUT)
@@ -338,6 +358,11 @@ def test_sigkill_mid_stream_loses_no_token(gateway, replicas, aclient):
 
     asyncio.run(burst())
     assert served(victim) >= 1  # a fresh process: every request it counts came after the restart
+
+
+def _sent_to(gateway, url: str) -> float:
+    values = metrics_values(gateway.url, "headwise_gateway_replica_requests_total")
+    return sum(v for labels, v in values.items() if dict(labels)["replica"] == url)
 
 
 def _failovers(gateway) -> float:
