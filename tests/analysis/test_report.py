@@ -149,6 +149,10 @@ def test_html_page_in_chromium(bert_report):
                 }
             ) == len(view["tokens"])
             assert page.locator("#summary table").count() >= 1
+            pairs = data["patching"]["pairs"]  # the patching table: one row per pair, its top head
+            assert page.locator("#patching + table tr").count() == 1 + len(pairs) == 3
+            top = pairs[0]["patching"]["top"][0]
+            assert f"L{top['layer']}H{top['head']} {top['value']:.2f}" in page.text_content("#patching + table")
         finally:
             browser.close()
     assert requests == [url]  # the page itself, nothing else
