@@ -172,7 +172,7 @@ def patch_heads(
     z = [cap.z[l][0] for l in range(len(cap.z))]  # per layer (H, T, D)
     corrupted_value = float(measure(corrupted)[0])
     hpl = heads_per_layer(model)
-    with attached(model, mask=[torch.zeros(H) for H in hpl], replace=z):
+    with attached(model, mask=[torch.zeros(H, device=device) for H in hpl], replace=z):
         all_heads = float(measure(corrupted)[0])
     gap = clean_value - corrupted_value
     if not abs(gap) > MIN_GAP:
