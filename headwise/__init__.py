@@ -22,7 +22,7 @@ _LAZY = {
     "AttentionConfig": "headwise.config",
     "ModelConfig": "headwise.config",
     "get_preset": "headwise.config",
-    "load": "headwise.models.loading",
+    "load": "headwise.models.from_path",
     "generate": "headwise.generation",
     "SamplingParams": "headwise.generation",
     "GenerationResult": "headwise.generation",

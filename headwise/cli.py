@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import __version__, compare, plan
+from . import __version__, compare, plan, plan_report
 from .argtypes import Formatter, Parser, positive_int
 
 SEED_TABLE = ["bert-base", "gpt2", "gpt3-175b", "llama-2-7b", "llama-2-70b"]
@@ -48,7 +48,7 @@ def run_demo(args) -> int:
     print(f"[{len(texts)} texts embedded in {dt * 1e3:.0f} ms]\n")
 
     print("== headwise plan: the seed's table (+ Llama-2 70B, GQA 64/8), bf16, batch 1 ==\n")
-    print(plan.format_all([plan.plan(get_preset(n), dtype="bf16") for n in SEED_TABLE]))
+    print(plan_report.format_all([plan.plan(get_preset(n), dtype="bf16") for n in SEED_TABLE]))
     print()
     rows = compare.compare_backends(B=1, H=12, T=args.tokens, D=64, causal=True, rounds=args.rounds)
     print(compare.format_comparison(rows, f"== attention backends: B=1 H=12 T=S={args.tokens} D=64 causal fp32 =="))
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="headwise", description="Multi-head attention from the layer to the API.")
     parser.add_argument("--version", action="version", version=f"headwise {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    plan.add_cli(sub)
+    plan_report.add_cli(sub)
     compare.add_cli(sub)
     from .generation import cli as generation_cli
 

@@ -14,7 +14,6 @@ from torch import nn
 
 from headwise.config import PRESETS, AttentionConfig, ModelConfig, get_preset
 from headwise.plan import (
-    add_cli,
     attention_params,
     count_params,
     dtype_bytes,
@@ -26,6 +25,7 @@ from headwise.plan import (
     parse_size,
     plan,
 )
+from headwise.plan_report import add_cli
 
 GiB = 2**30
 META = torch.device("meta")  # shapes without storage: a 70B layer costs nothing
@@ -305,7 +305,7 @@ def test_cli_errors(capsys, argv, message):
 
 def test_cli_in_a_subprocess():
     script = (
-        "import argparse, sys; from headwise.plan import add_cli; p = argparse.ArgumentParser(prog='headwise'); "
+        "import argparse, sys; from headwise.plan_report import add_cli; p = argparse.ArgumentParser(prog='headwise'); "
         "add_cli(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))"
     )
     run = subprocess.run([sys.executable, "-c", script, "plan", "gpt2-small"], capture_output=True, text=True)

@@ -36,7 +36,7 @@ _WHY = {
 
 def _load(args, task: str):
     """The model, or None after printing why it cannot serve this command."""
-    from ..models.loading import load
+    from ..models.from_path import load
 
     prog = f"headwise {args.command}"
     t0 = time.perf_counter()

@@ -11,6 +11,7 @@ HF weight table; loading.py applies the tables.
 from .bert import Bert
 from .gpt2 import GPT2
 from .llama import Llama
-from .loading import CheckpointError, from_hf, load
+from .from_path import load
+from .loading import CheckpointError, from_hf
 
 __all__ = ["Bert", "GPT2", "Llama", "CheckpointError", "from_hf", "load"]

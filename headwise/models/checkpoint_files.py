@@ -1,7 +1,7 @@
 """Checkpoint directory -> (HF config, HF-named tensors): config.json next to model.safetensors,
 sharded safetensors or .bin (with their index), or pytorch_model.bin; and the directory's tokenizer.
 
-`loading.load` calls these and hands the dict to `from_hf`.
+`from_path.load` calls these and hands the dict to `from_hf`.
 """
 
 from __future__ import annotations

@@ -25,11 +25,8 @@ from .gguf_cache import cache_entry, default_cache_dir  # noqa: F401 -- part of 
 from .linear import FORMAT_OF_GGML, row_bytes
 from .quantized_load import flatten, unflatten
 from .quants import UnsupportedQuantType, dequantize, supported_types, type_name
+from .gguf_meta import GGUFError, gguf_tokenizer, read_metadata
 from .tokenizer import Tokenizer
-
-
-class GGUFError(ValueError):
-    """The file is not a GGUF headwise can read; the message names the file and the part."""
 
 
 def read_gguf(
@@ -136,77 +133,6 @@ def open_gguf(path: str | os.PathLike):
                 f"file has {size}; it is truncated"
             )
     return reader
-
-
-_BIG_ARRAY = 1024  # longer arrays (vocab, merges, token types) are read only when asked for
-
-
-def read_metadata(reader) -> dict:
-    """Every key -> Python value, except long arrays, which map to None (see `_strings`/`_numbers`)."""
-    import gguf
-
-    VT = gguf.GGUFValueType
-    meta = {}
-    for key, field in reader.fields.items():
-        kind = field.types[0] if field.types else None
-        if kind == VT.STRING:
-            meta[key] = _text(field.parts[-1], key)
-        elif kind == VT.ARRAY:
-            if len(field.data) > _BIG_ARRAY:
-                meta[key] = None
-            elif field.types[-1] == VT.STRING:
-                meta[key] = _strings(field, key)
-            else:
-                meta[key] = _numbers(field).tolist()
-        elif field.parts:
-            meta[key] = field.parts[-1][0].item()
-    return meta
-
-
-def _text(part: np.ndarray, what: str) -> str:
-    try:
-        return bytes(part).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise GGUFError(f"metadata {what} is not valid UTF-8 ({e})") from None
-
-
-def _strings(field, key: str) -> list[str]:
-    # bytes() of each part: the parts are plain views into the file, so this is one pass (~20 ms / 49k)
-    return [_text(field.parts[i], key) for i in field.data]
-
-
-def _numbers(field) -> np.ndarray:
-    return np.concatenate([field.parts[i] for i in field.data]) if field.data else np.zeros(0)
-
-
-# ---- tokenizer ----------------------------------------------------------------------
-
-
-def gguf_tokenizer(reader, meta: dict, path: Path) -> Tokenizer:
-    """The tokenizer described by `tokenizer.ggml.*` and `tokenizer.chat_template`."""
-    f = reader.fields
-    if "tokenizer.ggml.tokens" not in f:
-        raise GGUFError(f"{path} has no tokenizer.ggml.tokens; it carries no vocabulary")
-    tokens = _strings(f["tokenizer.ggml.tokens"], "tokenizer.ggml.tokens")
-    merges = _strings(f["tokenizer.ggml.merges"], "tokenizer.ggml.merges") if "tokenizer.ggml.merges" in f else []
-    types = _numbers(f["tokenizer.ggml.token_type"]).tolist() if "tokenizer.ggml.token_type" in f else None
-    try:
-        return Tokenizer.from_gguf_vocab(
-            model=meta.get("tokenizer.ggml.model"),
-            pre=meta.get("tokenizer.ggml.pre"),
-            tokens=tokens,
-            merges=merges,
-            token_types=types,
-            bos_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_id=meta.get("tokenizer.ggml.eos_token_id"),
-            pad_id=meta.get("tokenizer.ggml.padding_token_id"),
-            unk_id=meta.get("tokenizer.ggml.unknown_token_id"),
-            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-            add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-            chat_template=meta.get("tokenizer.chat_template"),
-        )
-    except ValueError as e:
-        raise GGUFError(f"{path}: {e}") from None
 
 
 # ---- llama: config and weights --------------------------------------------------------

@@ -8,6 +8,8 @@
                                          default); a directory written by quantized_load.save loads too
     from_hf(hf_config, tensors)         the dict-level entry every path above ends in
 
+`headwise.load` (finding the files) is from_path.py; this file is the build they all reach.
+
 Each family file holds one visible table, HF name -> `To(headwise name, HF shape)`.
 `from_hf` checks the checkpoint against it (missing, mis-shaped and unused tensors are
 all listed in one error), transposes and fuses, builds the model on the meta device
@@ -18,14 +20,10 @@ checkpoint_files.py.
 
 from __future__ import annotations
 
-import ctypes
 import fnmatch
 import importlib
-import json
-import os
 import re
 from collections import Counter
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -33,7 +31,7 @@ from torch import Tensor, nn
 
 from .linear import pack_quantized
 from .packing import pack_linears
-from .quantized_load import SAVED_FILE, check_weights, fuse_rows, install, mixed, requantize, warn_mixed
+from .quantized_load import check_weights, fuse_rows, install, mixed, requantize, warn_mixed
 
 # model_type -> family module; architectures[0] is the fallback key.
 FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2", "bert": "bert"}
@@ -321,107 +319,3 @@ def _finish(model: nn.Module, state: dict, *, weights: str, pack: bool, what: st
         # kernel reads 8 rows per load, ~1.3-2.3x the row layout's speed (kernels/quant.py)
         pack_quantized(model)
     return model.eval()
-
-
-def _return_freed_memory() -> None:
-    """Hand the heap pages the loading's temporaries freed back to the OS (glibc's malloc_trim):
-    glibc keeps freed blocks below its mmap threshold, which grows to the size of the largest
-    freed block, so after a load the process would otherwise keep ~60 MB (SmolLM2) it no longer
-    uses. Elsewhere, nothing."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def load(
-    path_or_name: str | os.PathLike, *, weights: str = "auto", dtype=None, backend: str = "auto", pack: bool = True
-) -> nn.Module:
-    """A checkpoint directory, a .gguf file, or a builtin model name -> model (eval mode).
-
-    The model carries `.config` (ModelConfig) and `.tokenizer` (None when the checkpoint
-    has none). weights: "auto" keeps a GGUF's quantized tensors as stored (QuantizedLinear,
-    models/linear.py), "fp32" / "bf16" dequantize, "q8_0" / "q4_0" / "q4_1" (or "int8" /
-    "int4") requantize the linears and token embedding (quantized_load.py). dtype: None
-    keeps the checkpoint's float dtype; backend: the attention backend. pack: gradient-free
-    CPU forwards of float linears use oneDNN-prepacked weights (see packing.py; ~1.5x faster
-    decoding, one more copy of each weight once used), and quantized blocks are re-laid in
-    the kernel's 8-row groups (the same bytes: no copy); False for plain nn.Linear and the
-    blocks in the file's row order.
-    """
-    model = _load(path_or_name, weights=weights, dtype=dtype, backend=backend, pack=pack)
-    _return_freed_memory()  # the reader's and the conversion's temporaries are gone by now
-    return model
-
-
-def _load(path_or_name, *, weights: str, dtype, backend: str, pack: bool) -> nn.Module:
-    dtype, weights = _weights_dtype(weights, dtype)
-    path, name = Path(path_or_name), str(path_or_name)
-    if not path.exists():
-        try:
-            from .builtin import resolve
-        except ImportError:
-            raise FileNotFoundError(f"{name!r}: no such checkpoint directory or .gguf file") from None
-        try:
-            path = resolve(name)
-        except (LookupError, ValueError) as e:
-            raise FileNotFoundError(
-                f"{name!r} is neither a checkpoint directory, a .gguf file nor a builtin model name: {e}"
-            ) from None
-    # config.name (what errors and reports say) is the name as typed, not the GGUF's general.name
-    # ("SmolLM2 135M Instruct") or the config.json's _name_or_path
-    if path.is_file() and path.suffix == ".gguf":
-        from .gguf import read_gguf
-
-        hf_config, tensors, tokenizer = read_gguf(path, keep_quantized=weights == "auto")
-        model = _build(
-            {**hf_config, "_name_or_path": name},
-            tensors,
-            dtype=dtype,
-            backend=backend,
-            source=name if name == str(path) else f"{name} ({path})",
-            pack=pack,
-            weights=weights,
-        )
-        model.tokenizer = tokenizer
-        return model
-    if not path.is_dir():
-        raise ValueError(f"{path} is a file; pass its checkpoint directory (config.json + weights) or a .gguf file")
-    from .checkpoint_files import read_checkpoint, tokenizer_for
-
-    if (path / SAVED_FILE).is_file():
-        return _load_saved(path, weights=weights, dtype=dtype, backend=backend, pack=pack)
-    hf_config, tensors, source = read_checkpoint(path)
-    model = _build(
-        {**hf_config, "_name_or_path": name},
-        tensors,
-        dtype=dtype,
-        backend=backend,
-        source=source,
-        pack=pack,
-        weights=weights,
-    )
-    model.tokenizer = tokenizer_for(path)
-    st_config = path / "sentence_bert_config.json"  # sentence-transformers truncates to this length
-    if st_config.is_file():
-        model.max_seq_length = json.loads(st_config.read_text()).get("max_seq_length")
-    return model
-
-
-def _load_saved(path: Path, *, weights: str, dtype, backend: str, pack: bool) -> nn.Module:
-    """A directory written by quantized_load.save -> the same model."""
-    from .quantized_load import read_saved
-
-    cfg, state, meta = read_saved(path)
-    if dtype is not None:
-        state = {n: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t for n, t in state.items()}
-    family = family_of({"model_type": cfg.arch})
-    with torch.device("meta"):
-        model = family.Model(cfg, backend=backend)
-    model = _finish(model, state, weights=weights, pack=pack, what=f"{path / SAVED_FILE}")
-    from .checkpoint_files import tokenizer_for
-
-    model.tokenizer = tokenizer_for(path)
-    if meta.get("max_seq_length"):
-        model.max_seq_length = meta["max_seq_length"]
-    return model

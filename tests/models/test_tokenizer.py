@@ -9,7 +9,8 @@ import shutil
 import pytest
 
 from headwise.models.builtin import resolve
-from headwise.models.gguf import gguf_tokenizer, open_gguf, read_metadata
+from headwise.models.gguf import open_gguf
+from headwise.models.gguf_meta import gguf_tokenizer, read_metadata
 from headwise.models.chat_template import ChatTemplateError
 from headwise.models.stream_decode import StreamDecoder
 from headwise.models.tokenizer import Tokenizer
