@@ -99,6 +99,39 @@ def outputs(model) -> dict:
     return out
 
 
+ENGINE_PROMPTS = [[7, 8, 9, 10, 11, 12, 13, 14, 1, 2], [7, 8, 9, 10, 11, 12, 13, 14, 3], [5, 6], [40, 41, 42, 43, 44]]
+ENGINE_PROMPTS += [[7, 8, 9, 10, 11, 12, 13, 14, 60, 61, 62], [90] * 9]  # shared 8-token prefixes: 2 blocks of 4
+
+
+def engine_outputs(comm, name: str) -> dict:
+    """Greedy ids of ENGINE_PROMPTS through the engine: sharded (rank 0 leads, the rest follow)
+    or, with comm None, the engine and generate() on one process. A pool of 12 blocks of 4
+    for 6 prompts of up to 11 + 8 tokens: prefix sharing and preemption both happen."""
+    from headwise import generate
+    from headwise.engine import Engine, EngineConfig
+    from headwise.generation import SamplingParams
+    from headwise.parallel import follow, lead, release, shard
+
+    config = EngineConfig(num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0, max_new_tokens=8)
+    model = build(name)
+    if comm is None:
+        engine = Engine(model, config)
+        out = {"engine": [o.token_ids for o in engine.generate(ENGINE_PROMPTS, params)]}
+        out["preempted"] = engine.stats().preemptions
+        engine.shutdown()
+        out["generate"] = [generate(model, p, params).token_ids for p in ENGINE_PROMPTS]
+        return out
+    shard(model, comm)
+    if comm.rank:
+        return {"steps": follow(model, comm, config)}
+    engine = lead(model, comm, config)
+    out = {"engine": [o.token_ids for o in engine.generate(ENGINE_PROMPTS, params)]}
+    out["preempted"], out["prefix_hits"] = engine.stats().preemptions, engine.stats().prefix_cache_hits
+    release(engine)
+    return out
+
+
 def run(comm, names: list[str]) -> dict:
     """{name: outputs} for each model, sharded over comm (None: one process, not sharded).
     `name@vocab` splits the output head over the vocabulary; a split that shard refuses
@@ -107,6 +140,9 @@ def run(comm, names: list[str]) -> dict:
 
     results = {}
     for name in names:
+        if name.startswith("engine:"):
+            results[name] = engine_outputs(comm, name.removeprefix("engine:"))
+            continue
         base, _, lm_head = name.partition("@")
         model = build(base)
         if comm is not None:

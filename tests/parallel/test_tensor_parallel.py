@@ -15,9 +15,9 @@ from . import ranks
 
 TINY = ["llama-gqa", "llama-mha-bias", "gpt2", "bert", "all-minilm-l6-v2", "llama-3kv"]
 GROUPS = {
-    2: TINY + ["llama-gqa-pruned", "llama-gqa@vocab"],
-    3: TINY + ["llama-gqa-tied@vocab", "smollm2-135m-instruct"],
-    4: TINY + ["llama-gqa-tied@vocab"],
+    2: TINY + ["llama-gqa-pruned", "llama-gqa@vocab", "engine:llama-gqa"],
+    3: TINY + ["llama-gqa-tied@vocab", "smollm2-135m-instruct", "engine:llama-3kv"],
+    4: TINY + ["llama-gqa-tied@vocab", "engine:llama-gqa"],
 }
 TOL = 1e-5
 
@@ -92,3 +92,17 @@ def test_illegal_split_names_the_legal_sizes(group):
         else:
             msg = got.get("error", "")
             assert f"cannot split 3 KV heads over {N} ranks" in msg and "sizes for this model: 1, 3" in msg, msg
+
+
+def test_engine_equals_one_process(group, reference):
+    """Rank 0 leads the engine, the others follow: greedy ids equal generate() on one process
+    (and the one-process engine), through prefix sharing and a preemption."""
+    N, per_rank = group
+    names = [n for n in GROUPS[N] if n.startswith("engine:")]
+    assert names
+    for name in names:
+        ref, lead = reference[name], per_rank[0][name]
+        assert ref["engine"] == ref["generate"]
+        assert lead["engine"] == ref["generate"]
+        assert lead["preempted"] >= 1 and lead["prefix_hits"] > 0  # the pool's harder paths ran
+        assert all(r[name]["steps"] > 0 for r in per_rank[1:])

@@ -1,0 +1,173 @@
+"""The engine over a sharded model: rank 0 schedules, every rank runs each step.
+
+    if comm.rank == 0:
+        engine = lead(model, comm, config)     # a headwise.Engine: generate, stream, serve as usual
+        ...
+        release(engine)                        # the followers' follow() returns
+    else:
+        follow(model, comm, config)            # runs rank 0's steps until release
+
+Rank 0 is the whole engine (front end, scheduler, sampler). The followers hold only a KV
+pool of their heads, built from the same EngineConfig, and mirror rank 0's pool: every call
+that changes which block holds what (add_sequence with its prefix sharing, fork, free,
+packed with its reservations and copy-on-write copies, a step's commit) is recorded on rank 0
+and replayed, in the same order, by each follower just before the forward it precedes; the
+pool's allocation is deterministic, so every rank's block tables agree and each rank writes
+its heads' K/V into the same slots. Before each forward rank 0 broadcasts that log and the
+step's input_ids on a control group with a long timeout (an idle engine waits for requests);
+the forward's own all-reduces then run on the model's group as in generate().
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..cache.paged import PagedKVCache
+from ..engine import Engine, EngineConfig
+from ..engine.core import EngineCore
+from .comm import Comm, ParallelError
+
+IDLE_TIMEOUT = datetime.timedelta(days=7)  # the control group's: followers wait this long for a step
+
+
+def _control(comm: Comm):
+    """A second gloo group for the step broadcasts (made once, in the same order on every rank)."""
+    group = getattr(comm, "_control_group", None)
+    if group is None:
+        group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        comm._control_group = group
+    return group
+
+
+def _broadcast(comm: Comm, message=None):
+    box = [message]
+    try:
+        dist.broadcast_object_list(box, src=0, group=_control(comm))
+    except RuntimeError as e:
+        raise ParallelError(
+            f"rank {comm.rank} of {comm.world_size}: the engine's step broadcast failed: rank 0 or a "
+            f"follower exited ({str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__}); "
+            "restart all ranks"
+        ) from e
+    return box[0]
+
+
+class _RecordingCache(PagedKVCache):
+    """Rank 0's pool (its class swapped in after the engine builds it): the same pool, which
+    also logs each call that changes block ownership, for the followers to replay."""
+
+    def _start_log(self) -> None:
+        self._log, self._log_lock, self.last_step = [], threading.Lock(), None
+
+    def _record(self, op: str, *args, **kwargs) -> None:
+        with self._log_lock:
+            self._log.append((op, args, kwargs))
+
+    def take_log(self) -> list:
+        with self._log_lock:
+            log, self._log = self._log, []
+        return log
+
+    def add_sequence(self, seq_id, token_ids=None):
+        n = super().add_sequence(seq_id, token_ids)
+        self._record("add_sequence", seq_id, None if token_ids is None else [int(t) for t in token_ids])
+        return n
+
+    def fork(self, seq_id, new_seq_id):
+        super().fork(seq_id, new_seq_id)
+        self._record("fork", seq_id, new_seq_id)
+
+    def free(self, seq_id):
+        super().free(seq_id)
+        self._record("free", seq_id)
+
+    def packed(self, seq_ids, num_new, token_ids=None, *, defer_prefix=False, logits_indices=None):
+        step = super().packed(seq_ids, num_new, token_ids, defer_prefix=defer_prefix, logits_indices=logits_indices)
+        news = None if token_ids is None else [None if t is None else [int(x) for x in t] for t in token_ids]
+        counts = num_new if isinstance(num_new, int) else list(num_new)
+        self._record("packed", list(seq_ids), counts, news, defer_prefix=defer_prefix, logits_indices=logits_indices)
+        commit = step.commit
+
+        def recorded_commit():
+            self._record("commit")
+            return commit()
+
+        step.commit = recorded_commit
+        self.last_step = step
+        return step
+
+
+class _Leader(nn.Module):
+    """Rank 0's model as the engine sees it: before each forward, the step goes to the followers."""
+
+    def __init__(self, model: nn.Module, comm: Comm):
+        super().__init__()
+        self.inner, self.comm = model, comm
+        self.config, self.tokenizer = model.config, getattr(model, "tokenizer", None)
+        self.cache: _RecordingCache | None = None
+
+    def forward(self, input_ids, step=None, **kwargs):
+        if self.cache is None or step is not self.cache.last_step or kwargs:
+            raise ValueError("a sharded engine's model runs only the engine's packed steps")
+        _broadcast(self.comm, ("step", self.cache.take_log(), input_ids))
+        return self.inner(input_ids, step)
+
+
+def _config(config: EngineConfig | None, limits: dict) -> EngineConfig:
+    config = config if config is not None else EngineConfig()
+    return config.replace(**limits) if limits else config
+
+
+def lead(model: nn.Module, comm: Comm, config: EngineConfig | None = None, **limits) -> Engine:
+    """On rank 0: an Engine over the sharded `model` whose every step the followers run too.
+    The followers must call follow() with the same config."""
+    if comm.rank != 0:
+        raise ValueError(f"lead() runs on rank 0; rank {comm.rank} calls follow()")
+    leader = _Leader(model, comm)
+    engine = Engine(leader, _config(config, limits))
+    cache = engine.core.cache
+    cache.__class__ = _RecordingCache
+    cache._start_log()
+    leader.cache = cache
+    _broadcast(comm, ("hello", cache.num_blocks, cache.block_size))
+    return engine
+
+
+def release(engine: Engine) -> None:
+    """On rank 0, when done: stop the background thread and let the followers' follow() return."""
+    engine.shutdown()
+    _broadcast(engine.model.comm, ("stop",))
+
+
+def follow(model: nn.Module, comm: Comm, config: EngineConfig | None = None, **limits) -> int:
+    """On ranks > 0: run rank 0's engine steps on this rank's heads until release(); returns how many."""
+    if comm.rank == 0:
+        raise ValueError("rank 0 calls lead(), the other ranks follow()")
+    cache = EngineCore(model, _config(config, limits)).cache  # the pool rank 0's engine builds, for these heads
+    hello = _broadcast(comm)
+    if hello[1:] != (cache.num_blocks, cache.block_size):
+        raise ValueError(
+            f"rank 0's KV pool has {hello[1]} blocks of {hello[2]} tokens, rank {comm.rank}'s "
+            f"{cache.num_blocks} of {cache.block_size}: pass every rank the same EngineConfig"
+        )
+    step, steps = None, 0
+    while True:
+        message = _broadcast(comm)
+        if message[0] == "stop":
+            return steps
+        _, log, input_ids = message
+        for op, args, kwargs in log:
+            if op == "packed":
+                step = cache.packed(*args, **kwargs)
+            elif op == "commit":
+                step.commit()
+            else:
+                getattr(cache, op)(*args, **kwargs)
+        with torch.inference_mode():
+            model(input_ids, step)  # its logits are rank 0's too; rank 0 samples
+        steps += 1
