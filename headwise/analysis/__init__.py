@@ -17,6 +17,7 @@ from .corpus import load_corpus
 from .dla import Attribution, direct_logit_attribution
 from .hooks import POINTS, Capture, attached, attention_layers, head_results
 from .importance import Importance, head_importance
+from .long_context import LongContext, long_context_stats
 from .metrics import EmbeddingMetric, LMMetric
 from .pairs import Pair, load_pairs
 from .patching import Patching, patch_heads
@@ -47,6 +48,8 @@ __all__ = [
     "head_results",
     "Importance",
     "head_importance",
+    "LongContext",
+    "long_context_stats",
     "EmbeddingMetric",
     "LMMetric",
     "Pair",

@@ -8,6 +8,7 @@ Steps (each with a progress bar), all numbers into one JSON-able dict:
   5. ablation curves on the held-out half: importance / per-layer / mean ablation / random
   6. real pruning of the least important fraction: params, latency, quality, save + reload
   7. cause: activation patching and direct logit attribution per head on prompt pairs
+  8. with `context`: every head's statistics over that many tokens, in O(T) memory (long_context.py)
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class Settings:
     latency_rounds: int = 10
     patching: bool = True  # activation patching + direct logit attribution (patching.study)
     pairs: Sequence | None = None  # patching.Pair list; None = pairs.default_pairs (skips ones that don't fit)
+    context: int | None = None  # tokens of the long-context step (long_context.study); None = skip
 
     def resolved(self, causal: bool) -> "Settings":
         s = copy.copy(self)
@@ -270,4 +272,13 @@ def analyze(
         result["patching"] = patching.study(model, s.pairs, progress=bar)
         bar.close()
         lap("patching")
+
+    if s.context:
+        from . import long_context
+
+        bar = prog.step(f"long context ({s.context} tokens)", len(hpl))
+        paragraphs = corpus.fit_paragraphs + corpus.heldout_paragraphs  # nothing is fitted: all the text
+        result["long_context"] = long_context.study(model, paragraphs, s.context, source=corpus.source, progress=bar)
+        bar.close()
+        lap("long_context")
     return result

@@ -55,6 +55,12 @@ def add_cli(sub) -> None:
         "length) and, for decoders, answer and wrong (single tokens); default: built-in pairs",
     )
     p.add_argument("--no-patching", action="store_true", help="skip activation patching and direct logit attribution")
+    p.add_argument(
+        "--context",
+        type=positive_int,
+        help="also score every head over this many tokens of the corpus (repeated if shorter), in O(T) memory "
+        "from the fused kernel, with the peak memory; e.g. 16384 (off by default)",
+    )
     p.add_argument("--threads", type=positive_int, help="torch CPU threads")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
@@ -80,6 +86,10 @@ def run(args) -> int:
         corpus = load_corpus(args.corpus)
         pairs = load_pairs(args.pairs) if args.pairs else None
         model = headwise.load(args.model, dtype="fp32")
+        if args.context:  # before the other steps run for minutes
+            from .long_context import check_context
+
+            check_context(model, args.context)
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"headwise analyze: {e}", file=sys.stderr)
         return 2
@@ -92,6 +102,7 @@ def run(args) -> int:
         mean_ablation=not args.no_mean_ablation,
         patching=not args.no_patching,
         pairs=pairs,
+        context=args.context,
     )
     if args.fractions:
         settings.fractions = args.fractions
@@ -142,6 +153,10 @@ def summary_text(result: dict) -> str:
     if pt and pt.get("top"):
         best = ", ".join(f"L{t['layer']}H{t['head']} {t['value']:.2f}" for t in pt["top"][:3])
         lines.append(f"patching ({pt['metric']}, {len(pt['pairs'])} pairs): heads that recover most: {best}")
+    if result.get("long_context"):
+        from .long_context import summary_lines
+
+        lines += summary_lines(result["long_context"])
     hints = result.get("hints")
     if hints:
         n = sum(sum(r) for r in hints["flagged"])

@@ -9,6 +9,7 @@ Figures (matplotlib, Agg backend: no display needed):
   weights_vs_norms.png  raw weights vs value-weighted norms (Kobayashi et al. 2020)
   importance.png        Michel et al.'s normalized importance, pruned heads crossed out
   patching.png, dla.png activation patching and direct logit attribution (patching_report.py)
+  long_context.png      per-head statistics and roles at `--context N` tokens (long_context_report.py)
 
 The HTML page inlines its data, script, style and the figures (as data: URIs), so it
 opens from disk with no network: pick a layer, a head and a token and see where it
@@ -250,9 +251,9 @@ def write(result: dict, out: str | Path) -> dict:
             continue
         draw(result, out / name)
         figures.append(out / name)
-    from . import patching_report
+    from . import long_context_report, patching_report
 
-    for name, (draw, wanted) in patching_report.FIGURES.items():
+    for name, (draw, wanted) in (patching_report.FIGURES | long_context_report.FIGURES).items():
         if wanted(result):
             draw(result, out / name)
             figures.append(out / name)
@@ -283,6 +284,10 @@ def html(result: dict, figures: list[Path]) -> str:
         from .patching_report import summary
 
         data["summary"]["patching"] = summary(result["patching"])
+    if result.get("long_context"):
+        from . import long_context_report
+
+        data["summary"]["long_context"] = long_context_report.summary(result["long_context"])
     if "ablation" in data["summary"]:
         data["summary"]["ablation"] = {k: v for k, v in result["ablation"].items() if k != "curves"}
     payload = json.dumps(_finite(data)).replace("</", "<\\/")  # cannot close the <script>
