@@ -72,7 +72,8 @@ class Comm:
         return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
 
     def broadcast_int(self, value: int, src: int = 0) -> int:
-        t = torch.tensor([value], dtype=torch.int64)
+        on_gpu = dist.get_backend(self.group) == "nccl"  # NCCL moves CUDA tensors only
+        t = torch.tensor([value], dtype=torch.int64, device="cuda" if on_gpu else "cpu")
         t0 = time.perf_counter()
         try:
             dist.broadcast(t, src, group=self.group)

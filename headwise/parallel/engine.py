@@ -114,7 +114,7 @@ class _Leader(nn.Module):
     def forward(self, input_ids, step=None, **kwargs):
         if self.cache is None or step is not self.cache.last_step or kwargs:
             raise ValueError("a sharded engine's model runs only the engine's packed steps")
-        _broadcast(self.comm, ("step", self.cache.take_log(), input_ids))
+        _broadcast(self.comm, ("step", self.cache.take_log(), input_ids.cpu()))  # the control group is gloo
         return self.inner(input_ids, step)
 
 
@@ -155,7 +155,7 @@ def follow(model: nn.Module, comm: Comm, config: EngineConfig | None = None, **l
             f"rank 0's KV pool has {hello[1]} blocks of {hello[2]} tokens, rank {comm.rank}'s "
             f"{cache.num_blocks} of {cache.block_size}: pass every rank the same EngineConfig"
         )
-    step, steps = None, 0
+    step, steps, device = None, 0, next(model.parameters()).device
     while True:
         message = _broadcast(comm)
         if message[0] == "stop":
@@ -169,5 +169,5 @@ def follow(model: nn.Module, comm: Comm, config: EngineConfig | None = None, **l
             else:
                 getattr(cache, op)(*args, **kwargs)
         with torch.inference_mode():
-            model(input_ids, step)  # its logits are rank 0's too; rank 0 samples
+            model(input_ids.to(device), step)  # its logits are rank 0's too; rank 0 samples
         steps += 1
