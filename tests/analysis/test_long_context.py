@@ -251,6 +251,22 @@ def test_cli_context_writes_the_long_context_section(tiny_llama_tok_dir, tmp_pat
     page = (out / "report.html").read_text()
     data = json.loads(page.split('<script id="data" type="application/json">')[1].split("</script>")[0])
     assert data["summary"]["long_context"]["tokens"] == 300  # what the page's summary shows
+    from playwright.sync_api import sync_playwright
+
+    from .test_report import CHROMIUM
+
+    problems = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM))
+        try:
+            page = browser.new_page()
+            page.on("pageerror", lambda e: problems.append(str(e)))
+            page.goto((out / "report.html").resolve().as_uri())
+            text = page.text_content("#long-context")
+        finally:
+            browser.close()
+    assert problems == []
+    assert text.startswith("Long context: 300 tokens") and f"peak memory {res['memory']['peak_mib']} MiB" in text
 
 
 def test_cli_context_past_learned_positions_is_refused_before_the_run(capsys):
