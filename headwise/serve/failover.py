@@ -78,8 +78,8 @@ class Progress:
     """What the client has of one stream: the ids and characters to resume from, and the id and
     `created` every later chunk carries."""
 
-    def __init__(self, endpoint: str, body: dict, model: str, client_ids: bool):
-        self.chat, self.model, self.client_ids = endpoint == "chat", model, client_ids
+    def __init__(self, endpoint: str, body: dict, client_ids: bool):
+        self.chat, self.client_ids = endpoint == "chat", client_ids
         prompt = body.get("prompt")
         batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
         self.resumable = (body.get("n") or 1) == 1 and not batch
@@ -97,7 +97,6 @@ class Progress:
             self.head = (event.get("id"), event.get("created"))
         else:
             event["id"], event["created"] = self.head
-        event["model"] = self.model
         visible = bool(event.get("usage")) or self.client_ids
         for c in event.get("choices") or ():
             if not isinstance(c, dict):
@@ -227,7 +226,7 @@ class ReplicaTarget:
         got, tried = await self._first(endpoint, send, key, limit, stream, metrics)
         if not stream:
             return Response(got, media_type="application/json")
-        progress = Progress(endpoint, body, model, bool(own.get("token_ids")))
+        progress = Progress(endpoint, body, bool(own.get("token_ids")))
 
         async def resume() -> Leg:
             hw = {**own, "token_ids": True}
