@@ -164,6 +164,8 @@ def prune_study(
         same = float((forward(small, bench) - forward(reloaded, bench)).abs().max())
     bar.update(1)
     after = metric.evaluate(reloaded)
+    quality = {"metric": metric.name, "drop_unit": metric.unit, "before": metric.baseline, "after": after}
+    prune.record_quality(path, quality | {"drop": metric.drop(after)})  # listed by `headwise serve`
     bar.update(1)
     with torch.inference_mode():
         lat = latency({"full": lambda: forward(model, bench), "pruned": lambda: forward(reloaded, bench)}, rounds)

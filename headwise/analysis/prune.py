@@ -10,7 +10,18 @@ Saved form (a directory): `model.safetensors` (the pruned state dict, tied weigh
 stored once), `headwise_pruned.json` (the ModelConfig, the per-layer kept head ids
 and head / KV-head counts) and the tokenizer files. `load_pruned(dir)` builds the
 full-size model, prunes it by the saved plan (so every shape matches) and loads the
-weights with safetensors' `load_model`, which restores tied weights.
+weights with safetensors' `load_model`, which restores tied weights. `record_quality`
+adds what `headwise analyze` measured on the saved model (perplexity or cosine), which
+`headwise serve` lists in /v1/models.
+
+KV caches (contiguous and paged) hold one KV-head count Hkv for every layer, taken from
+model.config. A plan that removes a whole KV group in some layers only leaves layers with
+different counts; `load_pruned(dir, uniform_kv=True)` (what `headwise serve` loads) pads
+each layer to the largest count with zero K/V rows that no query head reads (kv_map), and
+sets model.config's Hkv to it. So the pool shrinks only where every layer lost a group:
+Hkv = max over layers (benchmarks/pruned_capacity.py measures both cases).
+Weights are fp32 (or the model's float dtype): a quantized model (GGUF blocks) is refused
+by `save_pruned`; load it with weights="fp32" before pruning.
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ import json
 from pathlib import Path
 from typing import Mapping, Sequence
 
+import torch
 from torch import nn
 
 from ..config import ModelConfig, RopeScaling
@@ -91,21 +103,41 @@ def param_count(model: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
+def kv_bytes_per_token(model: nn.Module) -> int:
+    """K and V bytes one token takes over all layers at each layer's own KV-head count (what a
+    cache with per-layer counts would hold), in the weights' float dtype."""
+    size = next(model.parameters()).element_size()
+    return sum(2 * m.num_kv_heads * m.head_dim * size for m in attention_layers(model))
+
+
+def is_pruned_dir(path: str | Path) -> bool:
+    """A directory written by `save_pruned`."""
+    return (Path(path) / CONFIG_FILE).is_file()
+
+
 def save_pruned(model: nn.Module, path: str | Path) -> Path:
     from safetensors.torch import save_model
 
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     cfg = getattr(model, "config", None)
     if not isinstance(cfg, ModelConfig):
         raise ValueError(
             f"save_pruned needs a headwise model with a ModelConfig in .config, got {type(model).__name__}"
         )
+    quantized = [n for n, m in model.named_modules() if hasattr(m, "blocks") and hasattr(m, "fmt")]
+    if quantized:
+        raise ValueError(
+            f"save_pruned writes float weights, but {quantized[0]} (and {len(quantized) - 1} more) hold "
+            "quantized GGUF blocks; load the model with headwise.load(..., weights='fp32') before pruning"
+        )
+    path.mkdir(parents=True, exist_ok=True)
     meta = {
         "format": "headwise-pruned-1",
         "config": dataclasses.asdict(cfg),
         "layers": head_counts(model),
         "max_seq_length": getattr(model, "max_seq_length", None),
+        "parameters": param_count(model),
+        "kv_bytes_per_token": kv_bytes_per_token(model) if cfg.causal else 0,
     }
     save_model(model, str(path / WEIGHTS_FILE))  # writes tied tensors once
     (path / CONFIG_FILE).write_text(json.dumps(meta, indent=1))
@@ -114,9 +146,62 @@ def save_pruned(model: nn.Module, path: str | Path) -> Path:
     return path
 
 
-def load_pruned(path: str | Path, *, backend: str = "auto", pack: bool = True) -> nn.Module:
+def record_quality(path: str | Path, quality: dict) -> None:
+    """Store what was measured on the saved model (`headwise analyze`: the metric, its value
+    before and after pruning, the drop) in its headwise_pruned.json, read by `load_pruned`."""
+    meta_file = Path(path) / CONFIG_FILE
+    meta = json.loads(meta_file.read_text())
+    meta["quality"] = quality
+    meta_file.write_text(json.dumps(meta, indent=1))
+
+
+@torch.no_grad()
+def pad_kv_heads(model: nn.Module) -> int:
+    """Give every attention layer the largest KV-head count Hkv of any layer (zero K/V rows
+    for heads no query reads, kv_map set), and model.config that Hkv, so one cache fits all
+    layers. Outputs do not change: a query head reads only the KV head kv_map names. -> Hkv."""
+    layers = attention_layers(model)
+    Hkv = max(m.num_kv_heads for m in layers)
+    for m in layers:
+        n, H, D = m.num_kv_heads, m.num_heads, m.head_dim
+        if n == Hkv:
+            continue
+        kv_of = m.kv_map.tolist() if m.kv_map is not None else [h // (H // n) for h in range(H)]
+        w_q, w_k, w_v, _ = m.projection_weights()
+        b_q, b_k, b_v, _ = m.projection_biases()
+
+        def pad(t):  # (n*D, ...) -> (Hkv*D, ...): the extra heads' rows are zero
+            return torch.cat([t, t.new_zeros(((Hkv - n) * D, *t.shape[1:]))])
+
+        ws, bs = [w_q, pad(w_k), pad(w_v)], [b_q, pad(b_k), pad(b_v)] if m.bias else None
+        if m.fused:
+            m.qkv_proj = _linear(torch.cat(ws), torch.cat(bs) if bs else None)
+        else:
+            m.q_proj, m.k_proj, m.v_proj = (_linear(w, bs and b) for w, b in zip(ws, bs or (None,) * 3))
+        m.num_kv_heads = Hkv
+        m.kv_map = torch.tensor(kv_of, device=w_q.device)
+    cfg = model.config
+    if cfg.num_kv_heads != Hkv:
+        H = max(m.num_heads for m in layers)
+        H = -(-H // Hkv) * Hkv  # the config must divide; the layers keep their own H
+        model.config = dataclasses.replace(cfg, num_heads=H, num_kv_heads=Hkv, head_dim=cfg.head_dim)
+    return Hkv
+
+
+def _linear(weight, bias) -> nn.Linear:
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    lin.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias.contiguous(), requires_grad=False)
+    return lin
+
+
+def load_pruned(path: str | Path, *, backend: str = "auto", pack: bool = True, uniform_kv: bool = False) -> nn.Module:
     """A directory written by `save_pruned` -> the pruned model (eval mode). pack: prepacked
-    CPU linears, as `headwise.load` does by default."""
+    CPU linears, as `headwise.load` does by default. uniform_kv: pad the layers to one KV-head
+    count (`pad_kv_heads`), which headwise.generate and the engine's caches need once a plan
+    removed whole KV groups in some layers only. model.pruned holds the saved numbers
+    (parameters, kv_bytes_per_token, quality when measured)."""
     from safetensors.torch import load_model
     from ..models import Bert, GPT2, Llama
 
@@ -150,6 +235,10 @@ def load_pruned(path: str | Path, *, backend: str = "auto", pack: bool = True) -
         model.tokenizer = Tokenizer.from_dir(path)
     if meta.get("max_seq_length"):
         model.max_seq_length = meta["max_seq_length"]
+    model.pruned = {k: meta[k] for k in ("parameters", "kv_bytes_per_token", "quality") if k in meta}
+    model.pruned["kv_heads"] = [info["kv_heads"] for info in meta["layers"]]
+    if uniform_kv and cfg.causal:
+        pad_kv_heads(model)
     if pack:
         from ..models.packing import pack_linears
 
