@@ -1,4 +1,5 @@
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -7,8 +8,17 @@ import headwise  # noqa: F401  before torch: OpenMP threads wait passively (head
 import torch
 from hypothesis import HealthCheck, settings
 
-# Converted-model cache of this test session, not the user's ~/.cache/headwise.
-os.environ.setdefault("HEADWISE_CACHE", tempfile.mkdtemp(prefix="headwise-test-cache-"))
+# Converted-model cache of this test session, not the user's ~/.cache/headwise; removed when the
+# session ends (an fp32 SmolLM2 is ~625 MB there: left behind, they filled the disk).
+_OWN_CACHE = None
+if "HEADWISE_CACHE" not in os.environ:
+    _OWN_CACHE = os.environ["HEADWISE_CACHE"] = tempfile.mkdtemp(prefix="headwise-test-cache-")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
 
 # Two cores here: keep torch from oversubscribing them when pytest runs.
 torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -18,26 +18,10 @@
 #include <immintrin.h>
 #include <math.h>
 
+#include "common.h" /* exp2_ps */
+
 enum { TK = 8, MAX_G = 16, MAX_D = 256 };  /* TK: one 8-lane vector of scores (hsum8, the V update) */
 enum { HW_OK = 0, HW_BAD_SHAPE = 1 };
-
-/* 2^x for x <= 0 (scores minus their running max), Cephes exp2f: x = i + f, f in [-0.5, 0.5],
- * 2^f by a degree-6 polynomial (relative error ~2e-7), 2^i into the exponent bits. x below
- * -126 is clamped (callers zero the lanes that must be exactly 0). */
-static inline __m256 exp2_ps(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
-    const __m256 i = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_sub_ps(x, i);
-    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(i), 23);
-    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
-}
 
 /* [sum(a[0]), ..., sum(a[7])]: the 8 lanes of each of 8 vectors summed, by a transposing tree. */
 static inline __m256 hsum8(const __m256 a[8]) {
