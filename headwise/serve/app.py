@@ -159,6 +159,9 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
                 entry["status"] = rt.state
                 if rt.state == "failed":
                     entry["error"] = rt.error
+                card = rt.card()
+                if card is not None:  # an extension field: OpenAI clients keep it as an extra
+                    entry["headwise"] = card
             data.append(entry)
         return JSONResponse({"object": "list", "data": data})
 

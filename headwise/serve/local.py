@@ -33,8 +33,19 @@ def weights_key(spec: LocalModel) -> tuple:
 
 
 def default_loader(spec: LocalModel):
+    """headwise.load, or for a folder written by save_pruned / `headwise analyze` (it holds
+    headwise_pruned.json) load_pruned with one KV-head count for every layer, as the engine's
+    pool needs (analysis/prune.py)."""
     import headwise
+    from ..analysis.prune import is_pruned_dir, load_pruned
 
+    if is_pruned_dir(spec.source):
+        if spec.weights not in ("auto", "fp32") or spec.dtype not in (None, "fp32", "float32"):
+            raise ValueError(
+                f"{spec.source} is a pruned model, served in the float weights it was saved in; "
+                f"weights = {spec.weights!r} / dtype = {spec.dtype!r} cannot apply to it: leave both unset"
+            )
+        return load_pruned(spec.source, backend=spec.backend, uniform_kv=True)
     return headwise.load(spec.source, weights=spec.weights, dtype=spec.dtype, backend=spec.backend)
 
 
@@ -205,6 +216,25 @@ class LocalRuntime:
             async with self._embed_turn:
                 out.append(await asyncio.to_thread(run, texts[start : start + batch_size]))
         return torch.cat(out)
+
+    def card(self) -> dict | None:
+        """What /v1/models lists beside the OpenAI fields (under "headwise"), once loaded:
+        parameters, the KV bytes a token takes in this engine's pool, and for a pruned model
+        the quality `headwise analyze` measured and each layer's KV heads."""
+        if self.state != "ready":
+            return None
+        from ..analysis.prune import param_count
+
+        pruned = getattr(self.model, "pruned", None)
+        info: dict = {"parameters": (pruned or {}).get("parameters") or param_count(self.model)}
+        if self.engine is not None:  # measured on the pool itself: what its tensors take per token slot
+            pool = self.engine.cache
+            info["kv_bytes_per_token"] = pool.memory_bytes() // (pool.num_blocks * pool.block_size)
+            info["kv_pool_blocks"] = pool.num_blocks
+        if pruned is not None:
+            info["pruned"] = {"kv_heads_per_layer": pruned["kv_heads"]}
+            info["quality"] = pruned.get("quality")
+        return info
 
     def stats(self) -> dict:
         if self.engine is None or self.state != "ready":

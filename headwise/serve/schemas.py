@@ -242,6 +242,11 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
+    status: Optional[str] = None  # local models: loading | ready | failed
+    error: Optional[str] = None  # why it failed
+    # local models once ready: {"parameters", "kv_bytes_per_token" (the engine's pool), "kv_pool_blocks",
+    # and for a pruned folder "pruned": {"kv_heads_per_layer"}, "quality": what `headwise analyze` measured}
+    headwise: Optional[dict] = None
 
 
 class ModelList(BaseModel):

@@ -1,0 +1,93 @@
+"""A pruned model served beside the full one (issue 16): `headwise serve` loads a folder
+written by save_pruned, /v1/models lists its parameters, KV bytes per token and measured
+quality, its greedy completions equal headwise.generate on the folder loaded directly, and a
+weighted route splits traffic between the two variants."""
+
+from __future__ import annotations
+
+import collections
+
+import httpx
+import openai
+import pytest
+import torch
+
+import headwise
+from headwise.analysis import attention_layers, param_count, prune_heads, save_pruned
+from headwise.analysis.prune import load_pruned, record_quality
+from headwise.serve import create_app, parse_config
+
+from .conftest import LiveServer
+
+PROMPTS = ["The capital of France is", "1, 2, 3,"]
+
+
+@pytest.fixture(scope="module")
+def pruned(tiny_dir, tmp_path_factory):
+    """tiny (2 layers, 4 query heads over 2 KV heads) with layer 0's KV group 1 (heads 2, 3)
+    removed: layer 0 keeps 1 KV head, layer 1 keeps 2. -> (folder, parameters as pruned)."""
+    model = headwise.load(tiny_dir)
+    prune_heads(model, {0: [2, 3]})
+    assert [(m.num_heads, m.num_kv_heads) for m in attention_layers(model)] == [(2, 1), (4, 2)]
+    path = save_pruned(model, tmp_path_factory.mktemp("tiny-pruned"))
+    # a quality as `headwise analyze` writes it, measured here by hand: perplexity of one text
+    ids = torch.tensor([model.tokenizer.encode("The bank approved the loan after the river flooded.")])
+    with torch.no_grad():
+        logits = model(ids)
+    loss = float(torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]))
+    record_quality(
+        path, {"metric": "perplexity", "after": {"loss": loss, "perplexity": float(torch.tensor(loss).exp())}}
+    )
+    return path, param_count(model), loss
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, pruned):
+    limits = {"max_num_seqs": 4, "num_blocks": 64}
+    config = {
+        "server": {"api_key_env": ""},
+        "models": {"tiny": {"source": str(tiny_dir), **limits}, "tiny-pruned": {"source": str(pruned[0]), **limits}},
+        "routes": {"split": {"targets": [{"target": "tiny", "weight": 3}, {"target": "tiny-pruned", "weight": 1}]}},
+    }
+    live = LiveServer(create_app(parse_config(config))).start()
+    yield live
+    live.stop()
+
+
+def test_pruned_variant_listed_with_its_numbers(server, pruned, tiny_dir):
+    path, params, loss = pruned
+    cards = {m["id"]: m for m in httpx.get(server.url + "/v1/models").json()["data"]}
+    full, small = cards["tiny"]["headwise"], cards["tiny-pruned"]["headwise"]
+    assert full["parameters"] == param_count(headwise.load(tiny_dir))
+    assert small["parameters"] == params < full["parameters"]
+    D = 64 // 4
+    # the pool holds one KV-head count for every layer: the largest left (2), so no saving here
+    assert full["kv_bytes_per_token"] == small["kv_bytes_per_token"] == 2 * 2 * 2 * D * 4  # layers*K,V*Hkv*D*fp32
+    assert small["pruned"] == {"kv_heads_per_layer": [1, 2]}
+    assert small["quality"]["after"]["loss"] == pytest.approx(loss)
+    assert "quality" not in full and "pruned" not in full
+    # plain OpenAI clients read the same list
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    assert {"tiny", "tiny-pruned", "split"} <= {m.id for m in client.models.list().data}
+
+
+def test_pruned_outputs_equal_the_folder_loaded_directly(server, pruned):
+    model = load_pruned(pruned[0], uniform_kv=True)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    for prompt in PROMPTS:
+        ref = headwise.generate(model, prompt, max_new_tokens=12, temperature=0)
+        res = client.completions.create(model="tiny-pruned", prompt=prompt, max_tokens=12, temperature=0)
+        assert res.choices[0].text == ref.text
+        assert res.usage.completion_tokens == len(ref.token_ids)
+
+
+def test_route_splits_between_full_and_pruned(server):
+    targets = collections.Counter()
+    for _ in range(40):
+        r = httpx.post(
+            server.url + "/v1/completions", json={"model": "split", "prompt": "Hi", "max_tokens": 1}, timeout=60
+        )
+        assert r.status_code == 200, r.text
+        targets[r.headers["x-headwise-target"]] += 1
+    # 3:1 weights; no request to tiny-pruned in 40 draws has p = 0.75^40 ~ 1e-5
+    assert set(targets) == {"tiny", "tiny-pruned"} and sum(targets.values()) == 40
