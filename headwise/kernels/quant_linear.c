@@ -152,6 +152,12 @@ static inline __attribute__((always_inline)) void rows_out(int fmt, const uint8_
 
 /* ---- rows packed in groups of 8 (fmt | X8: quant_blocks.h) ---- */
 
+/* A thread reads its groups as one stream; asking for the bytes ~2 KiB ahead (one software
+ * prefetch per 64-byte line) beat the hardware prefetcher alone when the weights come from DRAM:
+ * 100 Q4_1 3072 x 576 matrices (110 MB) at 1 row of x, 1 thread, AMD EPYC: 11.4 -> 8.6 ms mean
+ * (1280 and 2560 bytes ahead alike; 640: less). Past the end of the weight it is a no-op. */
+enum { PREFETCH_AHEAD = 2048 };
+
 /* 8 packed rows against MC (1..4) rows of quantized x: out[m] lane r = row r's output. The
  * weight chunks are loaded one at a time and met by every row of x before the next, so the
  * registers hold 2 chunks, MC int16 sums and MC accumulators (16 ymm: no spills at MC = 4). */
@@ -165,6 +171,7 @@ static inline __attribute__((always_inline)) void group_tile(int fmt, int MC, co
     for (long b = 0; b < nb; b++) {
         const uint8_t *p = grp + b * gb;
         const int8_t *xb = qx + b * QK;
+        for (long o = 0; o < gb; o += 64) _mm_prefetch((const char *)(p + PREFETCH_AHEAD + o), _MM_HINT_T0);
         __m256i sum[4];
         for (int m = 0; m < MC; m++) sum[m] = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
@@ -208,6 +215,7 @@ static inline __attribute__((always_inline)) void group_tile_q8(int MC, const ui
     for (int m = 0; m < MC; m++) acc[m] = _mm256_setzero_ps();
     for (long b = 0; b < nb; b++) {
         const uint8_t *p = grp + b * 8 * 34;
+        for (long o = 0; o < 8 * 34; o += 64) _mm_prefetch((const char *)(p + PREFETCH_AHEAD + o), _MM_HINT_T0);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
         __m256i sum[4];
         for (int m = 0; m < MC; m++) sum[m] = _mm256_setzero_si256();
