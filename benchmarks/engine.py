@@ -174,6 +174,12 @@ def profile_decode(model, log) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1,16,64", help="engine batch sizes (default 1,16,64)")
+    ap.add_argument(
+        "--weights",
+        default="fp32",
+        help="headwise.load's weights= (default fp32, the GGUF dequantized, as transformers runs it; "
+        "'auto': the GGUF's blocks as stored, needs --no-hf)",
+    )
     ap.add_argument("--subset", type=int, default=4, help="prompts run one at a time per round (default 4)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
@@ -183,6 +189,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="8 new tokens, 1 round, sizes 1,16, nothing saved")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.weights != "fp32" and not args.no_hf:
+        ap.error(f"--weights {args.weights}: transformers runs fp32 only; add --no-hf")
     if args.quick:
         args.new_tokens, args.rounds, args.sizes = 8, 1, "1,16"
     out_dir = args.out or (None if args.quick else Path(__file__).resolve().parent / "results")
@@ -191,12 +199,12 @@ def main(argv=None) -> int:
     log = Log()
     env = environment()
     log(
-        f"engine benchmark: SmolLM2-135M fp32, {args.threads} threads, {args.new_tokens} new tokens per prompt, "
+        f"engine benchmark: SmolLM2-135M weights={args.weights}, {args.threads} threads, {args.new_tokens} new tokens per prompt, "
         f"prompts of 112-144 tokens; {env['date']}, torch {env['torch']}, {env['cpu_model']}"
     )
 
     if args.no_hf:
-        model, hf = headwise.load("smollm2-135m-instruct"), None
+        model, hf = headwise.load("smollm2-135m-instruct", weights=args.weights), None
     else:
         from _contenders import load_models
 
