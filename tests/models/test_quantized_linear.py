@@ -258,8 +258,9 @@ def test_models_import_and_run_without_the_extension(tmp_path):
 @pytest.mark.parametrize("fmt", linear.PACKABLE)
 @pytest.mark.parametrize("O", [8, 13, 70])  # whole groups of 8 rows, and a padded last group
 def test_packed_layout_computes_the_same(fmt, O):
-    """pack(): the same bytes in kernels.quant's 8-row groups; kernel, tiled prefill, .weight,
-    the embedding lookup and a tied head all give what the file layout gives."""
+    """pack(): the same bytes in kernels.quant's 8-row groups; kernel, prefill (the kernel 64
+    rows at a time on AVX2, dequantized tiles + GEMM elsewhere: both checked here), .weight, the
+    embedding lookup and a tied head all give what the file layout gives."""
     import copy
 
     I = 256
@@ -271,6 +272,7 @@ def test_packed_layout_computes_the_same(fmt, O):
         x = torch.randn(n, I)
         with torch.inference_mode():
             torch.testing.assert_close(packed(x), rows(x), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(packed._tiled(x), packed._chunked(x), rtol=1e-5, atol=1e-5)
     emb = QuantizedEmbedding(O, I, fmt, blocks=rows.blocks.clone())
     ids = torch.tensor([[0, O - 1, O // 2], [1, 1, O - 2]])
     want = emb(ids)
