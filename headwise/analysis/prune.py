@@ -20,8 +20,9 @@ different counts; `load_pruned(dir, uniform_kv=True)` (what `headwise serve` loa
 each layer to the largest count with zero K/V rows that no query head reads (kv_map), and
 sets model.config's Hkv to it. So the pool shrinks only where every layer lost a group:
 Hkv = max over layers (benchmarks/pruned_capacity.py measures both cases).
-Weights are fp32 (or the model's float dtype): a quantized model (GGUF blocks) is refused
-by `save_pruned`; load it with weights="fp32" before pruning.
+Weights are saved in float: a quantized model's GGUF blocks (QuantizedLinear, QuantizedEmbedding,
+the default SmolLM2 load) are written dequantized, so the saved model has the same weight values
+in fp32 (and computes without the int8 rounding of activations the quantized kernels do).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig, RopeScaling
+from ..models.linear import QuantizedEmbedding, QuantizedLinear
 from .hooks import attention_layers
 
 CONFIG_FILE = "headwise_pruned.json"
@@ -110,6 +112,25 @@ def kv_bytes_per_token(model: nn.Module) -> int:
     return sum(2 * m.num_kv_heads * m.head_dim * size for m in attention_layers(model))
 
 
+@torch.no_grad()
+def float_twin(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose QuantizedLinear / QuantizedEmbedding modules are float ones holding
+    their dequantized weights (ties made again), as a float checkpoint of the same model has."""
+    twin = clone(model)
+    for name, m in list(twin.named_modules()):
+        if isinstance(m, QuantizedLinear):
+            new = _linear(m.weight, None if m.bias is None else m.bias.detach().clone())
+        elif isinstance(m, QuantizedEmbedding):
+            new = nn.Embedding(m.num_embeddings, m.embedding_dim, device="meta")
+            new.weight = nn.Parameter(m.weight, requires_grad=False)
+        else:
+            continue
+        parent, _, attr = name.rpartition(".")
+        setattr(twin.get_submodule(parent) if parent else twin, attr, new)
+    twin.tie_weights()
+    return twin
+
+
 def is_pruned_dir(path: str | Path) -> bool:
     """A directory written by `save_pruned`."""
     return (Path(path) / CONFIG_FILE).is_file()
@@ -124,22 +145,19 @@ def save_pruned(model: nn.Module, path: str | Path) -> Path:
         raise ValueError(
             f"save_pruned needs a headwise model with a ModelConfig in .config, got {type(model).__name__}"
         )
-    quantized = [n for n, m in model.named_modules() if hasattr(m, "blocks") and hasattr(m, "fmt")]
-    if quantized:
-        raise ValueError(
-            f"save_pruned writes float weights, but {quantized[0]} (and {len(quantized) - 1} more) hold "
-            "quantized GGUF blocks; load the model with headwise.load(..., weights='fp32') before pruning"
-        )
+    formats = sorted({m.fmt for m in model.modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))})
+    weights = float_twin(model) if formats else model  # blocks are buffers: count and save float weights
     path.mkdir(parents=True, exist_ok=True)
     meta = {
         "format": "headwise-pruned-1",
         "config": dataclasses.asdict(cfg),
         "layers": head_counts(model),
         "max_seq_length": getattr(model, "max_seq_length", None),
-        "parameters": param_count(model),
+        "parameters": param_count(weights),
         "kv_bytes_per_token": kv_bytes_per_token(model) if cfg.causal else 0,
+        "dequantized_from": formats,  # GGUF formats written as fp32; [] for a float model
     }
-    save_model(model, str(path / WEIGHTS_FILE))  # writes tied tensors once
+    save_model(weights, str(path / WEIGHTS_FILE))  # writes tied tensors once
     (path / CONFIG_FILE).write_text(json.dumps(meta, indent=1))
     if getattr(model, "tokenizer", None) is not None:
         model.tokenizer.save(path)

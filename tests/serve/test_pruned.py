@@ -91,3 +91,24 @@ def test_route_splits_between_full_and_pruned(server):
         targets[r.headers["x-headwise-target"]] += 1
     # 3:1 weights; no request to tiny-pruned in 40 draws has p = 0.75^40 ~ 1e-5
     assert set(targets) == {"tiny", "tiny-pruned"} and sum(targets.values()) == 40
+
+
+@torch.no_grad()
+def test_quantized_model_pruned_and_saved_in_its_dequantized_weights(tiny_dir, tmp_path):
+    """A model held as GGUF blocks (q4_1) is pruned and saved as float: every saved weight equals
+    gguf's own dequantization of the pruned model's blocks (kept rows and columns)."""
+    import gguf
+
+    from headwise.models.linear import QuantizedLinear
+
+    model = headwise.load(tiny_dir, weights="q4_1")
+    prune_heads(model, {0: [2, 3]})
+    back = load_pruned(save_pruned(model, tmp_path / "q"))
+    saved = back.state_dict()
+    quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert "layers.1.attn.qkv_proj" in quantized  # layer 1 kept its blocks through pruning
+    for name, m in quantized.items():
+        ref = gguf.quants.dequantize(m.file_blocks().numpy(), gguf.GGMLQuantizationType.Q4_1)
+        assert torch.equal(saved[name + ".weight"], torch.from_numpy(ref).reshape(m.out_features, m.in_features))
+    assert back.pruned["parameters"] == param_count(back)
+    assert [m.num_kv_heads for m in attention_layers(back)] == [1, 2]
