@@ -4,7 +4,8 @@ A TOML file (examples/gateway.toml) or, with none, the two builtin models. Clien
 a model; the gateway resolves that name to a route (an alias, a local model, or
 `provider/model`) and the route to its targets:
 
-    [models.smollm2]            # a local model: builtin name or checkpoint path
+    [models.smollm2]            # a local model: builtin name, checkpoint path, or a folder written by
+                                # save_pruned / `headwise analyze` (headwise_pruned.json: served pruned)
     source = "smollm2-135m-instruct"
     cache = "paged"             # paged | int8: the format of the engine's KV block pool
     weights = "auto"            # auto (a GGUF computed as stored) | fp32 | bf16 | int8 | int4 | q4_0
