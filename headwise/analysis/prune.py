@@ -20,9 +20,9 @@ different counts; `load_pruned(dir, uniform_kv=True)` (what `headwise serve` loa
 each layer to the largest count with zero K/V rows that no query head reads (kv_map), and
 sets model.config's Hkv to it. So the pool shrinks only where every layer lost a group:
 Hkv = max over layers (benchmarks/pruned_capacity.py measures both cases).
-Weights are saved in float: a quantized model's GGUF blocks (QuantizedLinear, QuantizedEmbedding,
-the default SmolLM2 load) are written dequantized, so the saved model has the same weight values
-in fp32 (and computes without the int8 rounding of activations the quantized kernels do).
+A quantized model (GGUF blocks: QuantizedLinear / QuantizedEmbedding, the default SmolLM2 load)
+keeps its blocks through pruning, saving and loading (prune_quant.py); `float_twin` gives its
+dequantized float copy.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from torch import nn
 
 from ..config import ModelConfig, RopeScaling
 from ..models.linear import QuantizedEmbedding, QuantizedLinear
+from . import prune_quant
 from .hooks import attention_layers
 
 CONFIG_FILE = "headwise_pruned.json"
@@ -73,7 +74,7 @@ def prune_heads(model: nn.Module, plan: Mapping[int, Sequence[int]]) -> nn.Modul
     packed = any(isinstance(m, PackedLinear) for m in model.modules())
     for l, heads in plan.items():
         if heads:
-            layers[int(l)].prune_heads(heads)
+            prune_quant.prune_layer(layers[int(l)], heads)  # blocks stay blocks
     if packed:
         pack_linears(model)
     return model
@@ -101,8 +102,10 @@ def head_counts(model: nn.Module) -> list[dict]:
 
 
 def param_count(model: nn.Module) -> int:
-    """Parameters, tied ones once."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    """Parameters, tied ones once; a quantized weight counts its values (its blocks are a buffer)."""
+    params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    quant = {id(m.blocks): m for m in model.modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))}
+    return params + sum(m.in_features * m.out_features for m in quant.values())
 
 
 def kv_bytes_per_token(model: nn.Module) -> int:
@@ -145,19 +148,23 @@ def save_pruned(model: nn.Module, path: str | Path) -> Path:
         raise ValueError(
             f"save_pruned needs a headwise model with a ModelConfig in .config, got {type(model).__name__}"
         )
-    formats = sorted({m.fmt for m in model.modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))})
-    weights = float_twin(model) if formats else model  # blocks are buffers: count and save float weights
+    fmts = prune_quant.formats(model)
     path.mkdir(parents=True, exist_ok=True)
     meta = {
         "format": "headwise-pruned-1",
         "config": dataclasses.asdict(cfg),
         "layers": head_counts(model),
         "max_seq_length": getattr(model, "max_seq_length", None),
-        "parameters": param_count(weights),
+        "parameters": param_count(model),
         "kv_bytes_per_token": kv_bytes_per_token(model) if cfg.causal else 0,
-        "dequantized_from": formats,  # GGUF formats written as fp32; [] for a float model
+        "quantized": fmts,  # module name -> GGUF format of its blocks; {} for a float model
     }
-    save_model(weights, str(path / WEIGHTS_FILE))  # writes tied tensors once
+    if fmts:
+        from safetensors.torch import save_file
+
+        save_file(prune_quant.state_dict(model), str(path / WEIGHTS_FILE))
+    else:
+        save_model(model, str(path / WEIGHTS_FILE))  # writes tied tensors once
     (path / CONFIG_FILE).write_text(json.dumps(meta, indent=1))
     if getattr(model, "tokenizer", None) is not None:
         model.tokenizer.save(path)
@@ -185,6 +192,13 @@ def pad_kv_heads(model: nn.Module) -> int:
         if n == Hkv:
             continue
         kv_of = m.kv_map.tolist() if m.kv_map is not None else [h // (H // n) for h in range(H)]
+        m.kv_map = torch.tensor(kv_of)  # on the weights' device below
+        if m.fused and isinstance(m.qkv_proj, QuantizedLinear):  # rows [Q | K | 0 | V | 0], blocks kept
+            r = torch.arange
+            parts = [r(H * D), r(H * D, (H + n) * D), (Hkv - n) * D, r((H + n) * D, (H + 2 * n) * D), (Hkv - n) * D]
+            m.qkv_proj, m.num_kv_heads = prune_quant.rows_and_zeros(m.qkv_proj, parts), Hkv
+            m.kv_map = m.kv_map.to(m.qkv_proj.blocks.device)
+            continue
         w_q, w_k, w_v, _ = m.projection_weights()
         b_q, b_k, b_v, _ = m.projection_biases()
 
@@ -197,7 +211,7 @@ def pad_kv_heads(model: nn.Module) -> int:
         else:
             m.q_proj, m.k_proj, m.v_proj = (_linear(w, bs and b) for w, b in zip(ws, bs or (None,) * 3))
         m.num_kv_heads = Hkv
-        m.kv_map = torch.tensor(kv_of, device=w_q.device)
+        m.kv_map = m.kv_map.to(w_q.device)
     cfg = model.config
     if cfg.num_kv_heads != Hkv:
         H = max(m.num_heads for m in layers)
@@ -244,7 +258,11 @@ def load_pruned(path: str | Path, *, backend: str = "auto", pack: bool = True, u
     for l, (m, info) in enumerate(zip(attention_layers(model), meta["layers"])):
         if m.head_ids != info["head_ids"]:
             raise ValueError(f"{meta_file}: layer {l} keeps heads {info['head_ids']} in an order pruning cannot make")
-    load_model(model, str(path / WEIGHTS_FILE), strict=True)
+    fmts = meta.get("quantized") or {}
+    if fmts:
+        _load_blocks(model, path / WEIGHTS_FILE, fmts)
+    else:
+        load_model(model, str(path / WEIGHTS_FILE), strict=True)
     model.tie_weights()
     model.init_buffers()
     if (path / "tokenizer.json").is_file():
@@ -258,7 +276,21 @@ def load_pruned(path: str | Path, *, backend: str = "auto", pack: bool = True, u
     if uniform_kv and cfg.causal:
         pad_kv_heads(model)
     if pack:
+        from ..models.linear import pack_quantized
         from ..models.packing import pack_linears
 
         pack_linears(model)
+        pack_quantized(model)
     return model.eval()
+
+
+def _load_blocks(model: nn.Module, file: Path, fmts: dict[str, str]) -> None:
+    """Quantized modules in place of the skeleton's named ones, then every tensor from `file`;
+    only a tied head's blocks (the embedding's) may be missing."""
+    from safetensors.torch import load_file
+
+    prune_quant.make_quantized(model, fmts)
+    missing, unexpected = model.load_state_dict(load_file(str(file)), strict=False)
+    tied = {"lm_head.blocks", "lm_head.weight"} if model.config.tie_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"{file}: missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")

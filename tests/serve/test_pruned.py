@@ -94,21 +94,36 @@ def test_route_splits_between_full_and_pruned(server):
 
 
 @torch.no_grad()
-def test_quantized_model_pruned_and_saved_in_its_dequantized_weights(tiny_dir, tmp_path):
-    """A model held as GGUF blocks (q4_1) is pruned and saved as float: every saved weight equals
-    gguf's own dequantization of the pruned model's blocks (kept rows and columns)."""
+def test_quantized_model_keeps_its_blocks_through_prune_save_load(tiny_dir, tmp_path):
+    """A model held as GGUF blocks (q4_1) pruned, saved and loaded: every reloaded weight, decoded
+    by gguf itself, is the kept rows / columns of the original's decoded weight; padded to one
+    KV-head count (as served) it computes the same logits and generates."""
     import gguf
 
     from headwise.models.linear import QuantizedLinear
 
+    def decoded(m):  # gguf's own dequantization of a module's blocks, (O, I)
+        w = gguf.quants.dequantize(m.file_blocks().numpy(), gguf.GGMLQuantizationType.Q4_1)
+        return torch.from_numpy(w).reshape(m.out_features, m.in_features)
+
     model = headwise.load(tiny_dir, weights="q4_1")
-    prune_heads(model, {0: [2, 3]})
+    D, C = 16, 64
+    full = {n: decoded(m) for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    prune_heads(model, {0: [2, 3]})  # layer 0 keeps query heads 0, 1 and KV head 0
     back = load_pruned(save_pruned(model, tmp_path / "q"))
-    saved = back.state_dict()
-    quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
-    assert "layers.1.attn.qkv_proj" in quantized  # layer 1 kept its blocks through pruning
-    for name, m in quantized.items():
-        ref = gguf.quants.dequantize(m.file_blocks().numpy(), gguf.GGMLQuantizationType.Q4_1)
-        assert torch.equal(saved[name + ".weight"], torch.from_numpy(ref).reshape(m.out_features, m.in_features))
-    assert back.pruned["parameters"] == param_count(back)
-    assert [m.num_kv_heads for m in attention_layers(back)] == [1, 2]
+    got = {n: m for n, m in back.named_modules() if isinstance(m, QuantizedLinear)}
+    q, kv = torch.arange(2 * D), torch.arange(D)  # layer 0's kept Q rows and K/V rows
+    rows0 = torch.cat([q, 4 * D + kv, 6 * D + kv])  # of [Q (4 heads) | K (2) | V (2)]
+    assert torch.equal(decoded(got["layers.0.attn.qkv_proj"]), full["layers.0.attn.qkv_proj"][rows0])
+    # D = 16 cuts through q4_1's 32-value blocks: layer 0's O columns are float, the decoded values
+    assert torch.equal(back.layers[0].attn.out_proj.weight, full["layers.0.attn.out_proj"][:, q])
+    for name in ("layers.1.attn.qkv_proj", "layers.1.attn.out_proj", "layers.0.mlp.down", "lm_head"):
+        assert torch.equal(decoded(got[name]), full[name])
+    assert back.pruned["parameters"] == param_count(model) == param_count(back)
+    assert param_count(headwise.load(tiny_dir, weights="q4_1")) - param_count(back) == 2 * D * C * 2 + D * C * 2
+    served = load_pruned(tmp_path / "q", uniform_kv=True)
+    assert [m.num_kv_heads for m in attention_layers(served)] == [2, 2] and served.config.num_kv_heads == 2
+    assert isinstance(served.layers[0].attn.qkv_proj, QuantizedLinear)  # padded with zero blocks
+    ids = torch.tensor([[5, 17, 300, 2, 99, 4000, 7]])
+    assert torch.allclose(served(ids), back(ids), atol=1e-5, rtol=0)
+    assert len(headwise.generate(served, ids[0].tolist(), max_new_tokens=4, temperature=0).token_ids) == 4
