@@ -35,15 +35,16 @@ def weights_key(spec: LocalModel) -> tuple:
 def default_loader(spec: LocalModel):
     """headwise.load, or for a folder written by save_pruned / `headwise analyze` (it holds
     headwise_pruned.json) load_pruned with one KV-head count for every layer, as the engine's
-    pool needs (analysis/prune.py)."""
+    pool needs (analysis/prune.py), in the weights it was saved in."""
     import headwise
     from ..analysis.prune import is_pruned_dir, load_pruned
 
     if is_pruned_dir(spec.source):
-        if spec.weights not in ("auto", "fp32") or spec.dtype not in (None, "fp32", "float32"):
+        if spec.weights != "auto" or spec.dtype is not None:
             raise ValueError(
-                f"{spec.source} is a pruned model, served in the float weights it was saved in; "
-                f"weights = {spec.weights!r} / dtype = {spec.dtype!r} cannot apply to it: leave both unset"
+                f"{spec.source} is a pruned model, served in the weights it was saved in (GGUF blocks "
+                f"or float); weights = {spec.weights!r} / dtype = {spec.dtype!r} cannot apply to it: "
+                "leave both unset, or prune a model loaded with those weights"
             )
         return load_pruned(spec.source, backend=spec.backend, uniform_kv=True)
     return headwise.load(spec.source, weights=spec.weights, dtype=spec.dtype, backend=spec.backend)

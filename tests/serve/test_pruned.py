@@ -46,7 +46,11 @@ def server(tiny_dir, pruned):
     limits = {"max_num_seqs": 4, "num_blocks": 64}
     config = {
         "server": {"api_key_env": ""},
-        "models": {"tiny": {"source": str(tiny_dir), **limits}, "tiny-pruned": {"source": str(pruned[0]), **limits}},
+        "models": {
+            "tiny": {"source": str(tiny_dir), **limits},
+            "tiny-pruned": {"source": str(pruned[0]), **limits},
+            "requantized": {"source": str(pruned[0]), "weights": "q8_0"},  # refused: served as saved
+        },
         "routes": {"split": {"targets": [{"target": "tiny", "weight": 3}, {"target": "tiny-pruned", "weight": 1}]}},
     }
     live = LiveServer(create_app(parse_config(config))).start()
@@ -66,9 +70,11 @@ def test_pruned_variant_listed_with_its_numbers(server, pruned, tiny_dir):
     assert small["pruned"] == {"kv_heads_per_layer": [1, 2]}
     assert small["quality"]["after"]["loss"] == pytest.approx(loss)
     assert "quality" not in full and "pruned" not in full
+    bad = cards["requantized"]
+    assert bad["status"] == "failed" and "served in the weights it was saved in" in bad["error"]
     # plain OpenAI clients read the same list
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
-    assert {"tiny", "tiny-pruned", "split"} <= {m.id for m in client.models.list().data}
+    assert {"tiny", "tiny-pruned", "requantized", "split"} == {m.id for m in client.models.list().data}
 
 
 def test_pruned_outputs_equal_the_folder_loaded_directly(server, pruned):
