@@ -7,20 +7,23 @@
 
 comm.py: the group, its collectives, ParallelError; layers.py: slices of a linear and the
 row-parallel / vocab-parallel modules; shard.py: which heads and units each rank keeps;
-engine.py: the engine's steps on every rank; launch.py: local processes for tests and benchmarks; local.py: generate() over N local ranks.
+engine.py: the engine's steps on every rank; launch.py: local processes for tests and benchmarks
+(spawn) and for a server that leads them (RankGroup); local.py: generate() over N local ranks.
 """
 
 from .comm import Comm, ParallelError, init
 from .engine import follow, lead, release
-from .launch import RankOutcome, RanksFailed, spawn
+from .launch import RankGroup, RankOutcome, RanksFailed, spawn
 from .local import generate_on_ranks
-from .shard import check_world_size, legal_world_sizes, shard
+from .shard import check_kv_heads, check_world_size, legal_world_sizes, shard
 
 __all__ = [
     "Comm",
     "ParallelError",
+    "RankGroup",
     "RankOutcome",
     "RanksFailed",
+    "check_kv_heads",
     "check_world_size",
     "follow",
     "generate_on_ranks",

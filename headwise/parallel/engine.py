@@ -148,13 +148,16 @@ def follow(model: nn.Module, comm: Comm, config: EngineConfig | None = None, **l
     """On ranks > 0: run rank 0's engine steps on this rank's heads until release(); returns how many."""
     if comm.rank == 0:
         raise ValueError("rank 0 calls lead(), the other ranks follow()")
-    cache = EngineCore(model, _config(config, limits)).cache  # the pool rank 0's engine builds, for these heads
-    hello = _broadcast(comm)
-    if hello[1:] != (cache.num_blocks, cache.block_size):
+    config = _config(config, limits)
+    hello = _broadcast(comm)  # ("hello", rank 0's num_blocks, block_size)
+    if hello[2] != config.block_size or config.num_blocks not in (None, hello[1]):
         raise ValueError(
-            f"rank 0's KV pool has {hello[1]} blocks of {hello[2]} tokens, rank {comm.rank}'s "
-            f"{cache.num_blocks} of {cache.block_size}: pass every rank the same EngineConfig"
+            f"rank 0's KV pool has {hello[1]} blocks of {hello[2]} tokens, rank {comm.rank}'s config asks for "
+            f"{config.num_blocks} of {config.block_size}: pass every rank the same EngineConfig"
         )
+    # unset num_blocks is sized from the memory free when the pool is made, which differs between
+    # processes: take rank 0's count, so every rank's pool (of its own heads) has the same blocks
+    cache = EngineCore(model, config.replace(num_blocks=hello[1])).cache
     step, steps, device = None, 0, next(model.parameters()).device
     while True:
         message = _broadcast(comm)

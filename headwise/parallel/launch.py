@@ -8,6 +8,10 @@ its rank and error; the others are not left hanging (their collectives fail with
 ParallelError, see comm.py) and any still running at the deadline are killed.
 
     logits = spawn(run_rank, 3, "smollm2-135m-instruct")   # [rank 0's result, rank 1's, rank 2's]
+
+`RankGroup` is the long-lived variant for a process that stays rank 0 (a server): ranks
+1..N-1 start as above and run fn(comm, *args) for as long as it takes; this process joins
+as rank 0, and can ask at any time whether a follower failed.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
+import signal
 import tempfile
 import time
 import traceback
@@ -132,6 +137,142 @@ def _collect(procs, answers, deadline: float) -> list[RankOutcome]:
         if p.is_alive():
             p.kill()
     return [got[r] for r in range(len(procs))]
+
+
+class RankGroup:
+    """`spawn` for a process that leads while it runs: ranks 1..N-1 start as local processes running
+    fn(comm, *args) (same rules as spawn's fn); this process joins the group as rank 0.
+
+        group = RankGroup(follow_fn, 2, spec)   # returns once every rank has joined
+        shard(model, group.comm)                # rank 0's part runs here
+        group.failure()                         # None, or which follower failed and how
+        group.close()                           # their outcomes; any still running is killed
+
+    A follower that raises, exits or is killed shows in failure() (wait_failure() blocks until
+    one exits: a watchdog thread's call); rank 0's next collective with it fails with
+    ParallelError (comm.py). A follower that is alive but silent shows only there, after the
+    group's timeout. One group per process: torch.distributed's default group is this one's.
+    """
+
+    def __init__(
+        self, fn: Callable, world_size: int, *args, backend: str = "gloo", threads: int = 1, timeout_s: float = 60.0
+    ):
+        import torch.distributed as dist
+
+        from .comm import init
+
+        if world_size < 2:
+            raise ValueError(f"world_size={world_size}: a RankGroup is rank 0 here and at least one follower")
+        if dist.is_initialized():
+            raise RuntimeError(
+                "this process is in a torch.distributed group already (torchrun, or a RankGroup not "
+                "closed yet); it can lead one group at a time"
+            )
+        ctx = _context()
+        self.world_size = world_size
+        self._tmp = tempfile.TemporaryDirectory(prefix="headwise-tp-")
+        store = "file://" + os.path.join(self._tmp.name, "store")
+        self._answers = ctx.Queue()
+        self._outcomes: dict[int, RankOutcome] = {}
+        self._closing = False
+        self.procs = {
+            rank: ctx.Process(
+                target=_child,
+                args=(fn, rank, world_size, store, backend, threads, timeout_s, args, self._answers),
+                daemon=True,  # ended with this process if it exits without close()
+                name=f"headwise-rank-{rank}",
+            )
+            for rank in range(1, world_size)
+        }
+        try:
+            for p in self.procs.values():
+                p.start()
+            self.comm = init(backend, timeout_s=timeout_s, init_method=store, rank=0, world_size=world_size)
+        except BaseException as e:
+            why = self.failure(wait_s=1.0)
+            self.close(timeout=0)
+            if why is not None:
+                raise RuntimeError(f"the ranks did not start: {why}") from e
+            raise
+
+    def pids(self) -> dict[int, int]:
+        """{rank: process id} of the followers."""
+        return {rank: p.pid for rank, p in self.procs.items()}
+
+    def _drain(self, wait_s: float = 0.0) -> None:
+        """Take the answers in the pipe (waiting up to wait_s for the first)."""
+        while True:
+            try:
+                rank, payload = self._answers.get(timeout=wait_s) if wait_s > 0 else self._answers.get_nowait()
+            except (queue_mod.Empty, OSError, ValueError):  # OSError / ValueError: the queue is closed
+                return
+            self._outcomes[rank] = pickle.loads(payload)
+            wait_s = 0.0
+
+    def failure(self, wait_s: float = 0.5) -> str | None:
+        """Which follower failed and how ("rank 1 of 2 was killed by SIGKILL", "rank 1 of 2 failed:
+        ValueError: ..."), or None while every one runs. wait_s: how long to wait for the answer of a
+        follower that exited with code 0 (it wrote one before exiting); never blocks otherwise."""
+        self._drain()
+        for rank, p in self.procs.items():
+            if rank not in self._outcomes and not p.is_alive() and p.exitcode == 0:
+                self._drain(wait_s)
+            out = self._outcomes.get(rank)
+            where = f"rank {rank} of {self.world_size}"
+            if out is not None and not out.ok:
+                return f"{where} failed: {out.error}{_where(out.traceback)}"
+            if out is not None and not self._closing:
+                return f"{where} returned before the group was closed"
+            if out is None and not p.is_alive() and p.exitcode is not None:
+                code = p.exitcode
+                return (
+                    f"{where} was killed by {signal.Signals(-code).name}"
+                    if code < 0
+                    else f"{where} exited with code {code}"
+                )
+        return None
+
+    def wait_failure(self) -> str | None:
+        """Block until a follower exits; -> failure() then, or None once close() has begun."""
+        from multiprocessing.connection import wait
+
+        wait([p.sentinel for p in self.procs.values()])
+        return None if self._closing else self.failure()
+
+    def close(self, timeout: float = 10.0) -> list[RankOutcome]:
+        """Wait up to `timeout` s for the followers to exit (their fn returned: e.g. follow() after
+        release()), kill the rest, leave the process group; -> the followers' outcomes, by rank."""
+        import torch.distributed as dist
+
+        self._closing = True
+        started = {rank: p for rank, p in self.procs.items() if p.pid is not None}
+        deadline = time.monotonic() + timeout
+        while any(p.is_alive() for p in started.values()) and time.monotonic() < deadline:
+            self._drain(0.05)  # read while they exit: a child flushes its answer into the pipe first
+        killed = {rank for rank, p in started.items() if p.is_alive()}
+        for rank in killed:
+            started[rank].kill()
+        for p in started.values():
+            p.join(timeout=5)
+        self._drain()
+        outcomes = []
+        for rank, p in self.procs.items():
+            why = (
+                "still running at close(); killed"
+                if rank in killed
+                else "never started"
+                if rank not in started
+                else f"exited with code {p.exitcode} before answering"
+            )
+            outcomes.append(self._outcomes.get(rank) or RankOutcome(rank, False, error=why))
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except RuntimeError:
+                pass
+        self._answers.close()
+        self._tmp.cleanup()
+        return outcomes
 
 
 def _child(fn, rank, world_size, store, backend, threads, timeout_s, args, answers) -> None:

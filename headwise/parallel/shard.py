@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -58,10 +59,29 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
 
 def legal_world_sizes(model: nn.Module) -> list[int]:
     """The N this model can be split over: the divisors of every layer's KV-head count."""
+    return legal_sizes([b.attn.num_kv_heads for b in blocks_of(model)])
+
+
+def legal_sizes(kv_heads: Sequence[int]) -> list[int]:
+    """The N that layers with these KV-head counts can be split over: the divisors of them all."""
     g = 0
-    for b in blocks_of(model):
-        g = math.gcd(g, b.attn.num_kv_heads)
+    for h in kv_heads:
+        g = math.gcd(g, h)
     return [n for n in range(1, g + 1) if g % n == 0]
+
+
+def check_kv_heads(kv_heads: Sequence[int], world_size: int) -> None:
+    """check_world_size on the layers' KV-head counts alone: e.g. read from a checkpoint's config
+    before loading it (`headwise serve --tensor-parallel N` checks N before it starts)."""
+    legal = legal_sizes(kv_heads)
+    if world_size not in legal:
+        kv_text = " / ".join(map(str, sorted(set(kv_heads))))
+        raise ValueError(
+            f"cannot split {kv_text} KV heads over {world_size} ranks: each rank holds whole GQA groups "
+            f"(a KV head with all its query heads; for MHA every head is its own group), so the number "
+            f"of ranks must divide the KV heads. Legal tensor-parallel sizes for this model: "
+            f"{', '.join(map(str, legal))}"
+        )
 
 
 def check_world_size(model: nn.Module, world_size: int) -> None:
@@ -69,16 +89,7 @@ def check_world_size(model: nn.Module, world_size: int) -> None:
     blocks = blocks_of(model)
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no attention blocks (attn + mlp) to split over ranks")
-    legal = legal_world_sizes(model)
-    if world_size not in legal:
-        kv = sorted({b.attn.num_kv_heads for b in blocks})
-        kv_text = " / ".join(map(str, kv))
-        raise ValueError(
-            f"cannot split {kv_text} KV heads over {world_size} ranks: each rank holds whole GQA groups "
-            f"(a KV head with all its query heads; for MHA every head is its own group), so the number "
-            f"of ranks must divide the KV heads. Legal tensor-parallel sizes for this model: "
-            f"{', '.join(map(str, legal))}"
-        )
+    check_kv_heads([b.attn.num_kv_heads for b in blocks], world_size)
 
 
 @torch.no_grad()

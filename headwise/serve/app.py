@@ -29,6 +29,7 @@ from .gateway import Gateway
 from .local import LocalRuntime, Loader, default_loader, load_all
 from .metrics import Metrics
 from .middleware import ApiKeyAuth, BodySizeLimit, install_log_filters
+from .tensor_parallel import check as check_tensor_parallel
 from .schemas import (
     ERRORS,
     ChatCompletion,
@@ -91,6 +92,8 @@ class ServeState:
 
 def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastAPI:
     protect_metrics = config.server.metrics_need_key()  # a ConfigError before anything starts
+    for spec in config.models.values():
+        check_tensor_parallel(spec)  # N against the KV heads the files name, before anything loads
     install_log_filters()
     state = ServeState(config, loader)
 
@@ -132,7 +135,9 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
         failed = {n: rt.error for n, rt in state.runtimes.items() if rt.state == "failed"}
         detail = "; ".join(f"{n}: {rt.error or rt.state}" for n, rt in state.runtimes.items() if rt.state != "ready")
         if state.fatal or (failed and len(failed) == len(status)):
-            return errors.error_response(503, f"no model could be loaded: {detail}", code="model_failed")
+            lost = not state.fatal and any(state.runtimes[n].kind is not None for n in failed)  # after loading
+            what = "no model is serving" if lost else "no model could be loaded"
+            return errors.error_response(503, f"{what}: {detail}", code="model_failed")
         if any(s == "loading" for s in status.values()):
             return errors.error_response(503, f"not ready: {detail}", code="loading", retry_after=2)
         pools = state.gateway.pools if state.gateway is not None else {}

@@ -1,4 +1,4 @@
-"""`headwise serve [MODEL ...] [--config FILE] [--host HOST] [--port PORT]`.
+"""`headwise serve [MODEL ...] [--config FILE] [--host HOST] [--port PORT] [--tensor-parallel N]`.
 
 MODEL: builtin names (`headwise models`), .gguf files or checkpoint directories, each
 served under its own name; a chat model (decoder) answers /v1/chat/completions and
@@ -8,7 +8,9 @@ smollm2-135m-instruct (chat, completions) and all-minilm-l6-v2 (embeddings) on
 upstream providers and per-model limits. API keys: set HEADWISE_API_KEYS (comma-separated)
 or [server] api_key_env / api_keys in the config; with none, the API is open.
 SIGTERM: stop accepting, let in-flight requests finish (up to [server] drain_timeout),
-stop the engines, exit 0.
+stop the engines, exit 0. --tensor-parallel N: one MODEL's heads split over N processes on
+this machine (this one serves, as rank 0, and starts the other N - 1; N must divide the
+model's KV heads); in a config, `tensor_parallel = N` in the model's table.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ def add_cli(sub) -> None:
     import uvicorn  # noqa: F401  (fail here, so `headwise serve` says to install the extra)
     import argparse
 
-    from ..argtypes import model_for
+    from ..argtypes import model_for, positive_int
 
     p = sub.add_parser(
         "serve",
@@ -40,6 +42,15 @@ def add_cli(sub) -> None:
     p.add_argument("--config", help="gateway TOML (see examples/gateway.toml), instead of MODEL arguments")
     p.add_argument("--host", help="bind address (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=_port, help="port (default 8000)")
+    p.add_argument(
+        "--tensor-parallel",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="split the MODEL's heads over N processes on this machine: this one serves (rank 0) and starts "
+        "N - 1 followers, each with as many torch threads as this one (set OMP_NUM_THREADS to cores / N); "
+        "N must divide the model's KV heads. One MODEL; in a --config: tensor_parallel = N in its table",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument(
         "--self-check",
@@ -96,11 +107,15 @@ def run(args) -> int:
             file=sys.stderr,
         )
         return 2
+    why = _tensor_parallel_usage(args)
+    if why:
+        print(f"headwise serve: error: {why}", file=sys.stderr)
+        return 2
     try:
         if args.config:
             config = load_config(args.config, args.host, args.port)
         elif args.models:
-            config = models_config(args.models, args.host, args.port)
+            config = models_config(args.models, args.host, args.port, tensor_parallel=args.tensor_parallel)
         else:
             config = default_config(args.host, args.port)
     except ConfigError as e:
@@ -145,6 +160,33 @@ def run(args) -> int:
         print(f"headwise serve: {app.state.serve.fatal}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _tensor_parallel_usage(args) -> str | None:
+    """What is wrong with --tensor-parallel N here, or None."""
+    import os
+
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.isdigit() and int(world) > 1:
+        return (
+            f"WORLD_SIZE={world} is set (torchrun?): every rank would start a server of its own. Run one "
+            "`headwise serve MODEL --tensor-parallel N`: it starts its N - 1 follower processes itself"
+        )
+    n = args.tensor_parallel
+    if n == 1:
+        return None
+    if args.config:
+        return (
+            f"--tensor-parallel goes with a MODEL argument; in --config {args.config}, set "
+            f"tensor_parallel = {n} in the model's [models.NAME] table"
+        )
+    if len(args.models) != 1:
+        got = f"{len(args.models)} ({' '.join(args.models)})" if args.models else "none"
+        return (
+            f"--tensor-parallel {n} splits one MODEL, got {got}: e.g. `headwise serve smollm2-135m-instruct "
+            "--tensor-parallel 3`; serve other models from another `headwise serve`"
+        )
+    return None
 
 
 def _stop_when_started(server, wait_s: float = 30.0) -> None:

@@ -10,6 +10,7 @@ a model; the gateway resolves that name to a route (an alias, a local model, or
     cache = "paged"             # paged | int8: the format of the engine's KV block pool
     weights = "auto"            # auto (a GGUF computed as stored) | fp32 | bf16 | int8 | int4 | q4_0
     max_num_seqs = 64           # the engine's limits: any headwise.EngineConfig field but kv_dtype
+    tensor_parallel = 1         # N > 1: heads split over N local processes (this one leads; one such model)
     [providers.peer]            # an upstream OpenAI-compatible server
     base_url = "http://10.0.0.2:8000/v1"
     api_key_env = "PEER_KEY"    # the key itself never sits in the file
@@ -63,9 +64,18 @@ class LocalModel:
     # per request, checked before any tokenizing (which costs ~1 s per MB, on a worker thread)
     max_input_chars: int = 2_000_000  # characters of text over all messages / prompts / inputs
     max_embedding_tokens: int = 300_000  # tokens over all inputs of one embeddings request (OpenAI's)
+    # N > 1: the model's heads split over N ranks, this process rank 0 (its engine), N - 1 local follower
+    # processes (serve/tensor_parallel.py); N must divide the KV heads; decoders only
+    tensor_parallel: int = 1
 
     def __post_init__(self):
         where = f"[models.{self.name}]"
+        tp = self.tensor_parallel
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ConfigError(
+                f"{where} tensor_parallel must be an integer >= 1 (the number of processes that split the "
+                f"model's heads; 1 = not split), got {tp!r}"
+            )
         if self.cache == "contiguous":
             raise ConfigError(
                 f"{where} cache = 'contiguous' cannot be served: continuous batching needs the "
@@ -268,6 +278,13 @@ class ServeConfig:
                         f"[routes.{route.name}] target {name!r} is neither a local model nor "
                         f"provider/model or replicas/model; known: {', '.join(sorted(known)) or 'none'}"
                     )
+        split = [name for name, m in self.models.items() if m.tensor_parallel > 1]
+        if len(split) > 1:
+            raise ConfigError(
+                f"models {', '.join(split)} all set tensor_parallel > 1; a server leads one tensor-parallel "
+                "group (torch.distributed has one default group per process): keep it on one model and "
+                "serve the others from another `headwise serve`, behind [replicas] or [providers]"
+            )
         clash = set(self.routes) & known
         if clash:
             raise ConfigError(f"route names {sorted(clash)} hide models of the same name; rename the routes")
@@ -289,9 +306,12 @@ def default_config(host: str | None = None, port: int | None = None) -> ServeCon
     return ServeConfig(server=server, models=models)
 
 
-def models_config(sources: list[str], host: str | None = None, port: int | None = None) -> ServeConfig:
+def models_config(
+    sources: list[str], host: str | None = None, port: int | None = None, tensor_parallel: int = 1
+) -> ServeConfig:
     """`headwise serve MODEL...`: each builtin name, .gguf file or checkpoint directory served under
-    its own name (the builtin's name, else the file or folder name; a repeat gets -2, -3, ...)."""
+    its own name (the builtin's name, else the file or folder name; a repeat gets -2, -3, ...).
+    tensor_parallel: `--tensor-parallel N`, for the one MODEL it may be given with."""
     from ..models.builtin import BUILTIN, _canonical
 
     server = ServerSettings(**{k: v for k, v in (("host", host), ("port", port)) if v is not None})
@@ -307,7 +327,7 @@ def models_config(sources: list[str], host: str | None = None, port: int | None 
         while name in models:
             n += 1
             name = f"{base}-{n}"
-        models[name] = LocalModel(name, str(path) if path.exists() else source)
+        models[name] = LocalModel(name, str(path) if path.exists() else source, tensor_parallel=tensor_parallel)
     return ServeConfig(server=server, models=models)
 
 

@@ -28,8 +28,9 @@ EMBED_BATCH = 16  # texts per embedding micro-batch: ~0.1-0.5 s of MiniLM on a C
 
 
 def weights_key(spec: LocalModel) -> tuple:
-    """Specs with the same key load the same weights: they share one model object."""
-    return (spec.source, spec.dtype, spec.weights, spec.backend)
+    """Specs with the same key load the same weights: they share one model object (a sharded
+    model holds only rank 0's heads: its key is its own)."""
+    return (spec.source, spec.dtype, spec.weights, spec.backend, spec.tensor_parallel)
 
 
 def default_loader(spec: LocalModel):
@@ -64,6 +65,7 @@ class LocalRuntime:
         self._embed_lock = threading.Lock()
         self._embed_turn: asyncio.Lock | None = None  # whose micro-batch runs next (embed)
         self._restart_lock = threading.Lock()
+        self.tp = None  # serve/tensor_parallel.TensorParallel when spec.tensor_parallel > 1
 
     @property
     def name(self) -> str:
@@ -78,7 +80,12 @@ class LocalRuntime:
             key = weights_key(self.spec)
             model = shared.get(key) if shared is not None else None
             reused = model is not None
-            if not reused:
+            if self.spec.tensor_parallel > 1:
+                from .tensor_parallel import TensorParallel
+
+                self.tp = TensorParallel(self.spec, self.loader, on_failure=self._group_failed)
+                model, reused, shared = self.tp.load(), False, None  # rank 0's share: no one else's to reuse
+            elif not reused:
                 model = self.loader(self.spec)
             self.model, self.tokenizer = model, getattr(model, "tokenizer", None)
             if self.tokenizer is None:
@@ -97,7 +104,10 @@ class LocalRuntime:
             else:
                 self.max_model_len = model.config.max_positions
                 self.kind = "embed"
-            self.state = "ready"
+            with self._restart_lock:
+                if self.state != "loading":
+                    return  # a tensor-parallel rank failed meanwhile (_group_failed says why)
+                self.state = "ready"
             log.info(
                 "model %s ready (%s, %.1f s%s)",
                 self.name,
@@ -108,14 +118,28 @@ class LocalRuntime:
         except Exception as e:  # the server stays up and reports it
             self.state, self.error = "failed", f"{type(e).__name__}: {e}"
             log.error("model %s failed to load: %s", self.name, self.error)
+            if self.tp is not None:
+                self.tp.close(self.engine, timeout=0, release=False)
 
     def _make_engine(self, model):
+        if self.tp is not None:
+            return self.tp.lead(model)  # rank 0's engine: each step goes to the followers too
         from ..engine import Engine
 
         return Engine(model, config=self.spec.engine)
 
+    def _group_failed(self, why: str) -> None:
+        """A tensor-parallel rank is gone: this model stops serving (503, /health degraded), the others go on."""
+        with self._restart_lock:
+            if self.state in ("ready", "loading"):
+                self.state, self.error = "failed", why
+                log.error("model %s: %s", self.name, why)
+
     def shutdown(self, timeout: float | None = None) -> None:
-        if self.engine is not None:
+        if self.tp is not None:
+            # a whole group: release the followers (their follow() returns); else stop them
+            self.tp.close(self.engine, timeout, release=self.state == "ready")
+        elif self.engine is not None:
             self.engine.shutdown(timeout=timeout)
         self.state = "stopped"
 
@@ -160,6 +184,12 @@ class LocalRuntime:
                 except ValueError as e:
                     raise APIError(400, str(e), code="invalid_request") from None
                 except RuntimeError as e:
+                    if self.tp is not None:  # a rank failed (ParallelError): no new engine can run without it
+                        why = await asyncio.to_thread(self.tp.describe, e.__cause__ or e)
+                        self._group_failed(why)
+                        raise APIError(
+                            503, f"model {self.name!r} failed on this request: {why}", code="model_unavailable"
+                        ) from None
                     self._restart_if_dead(engine, e)
                     raise APIError(
                         500,
@@ -229,9 +259,11 @@ class LocalRuntime:
         pruned = getattr(self.model, "pruned", None)
         info: dict = {"parameters": (pruned or {}).get("parameters") or param_count(self.model)}
         if self.engine is not None:  # measured on the pool itself: what its tensors take per token slot
-            pool = self.engine.cache
+            pool = self.engine.cache  # (of rank 0's heads when tensor-parallel: each rank holds as much)
             info["kv_bytes_per_token"] = pool.memory_bytes() // (pool.num_blocks * pool.block_size)
             info["kv_pool_blocks"] = pool.num_blocks
+        if self.tp is not None:
+            info["tensor_parallel"] = self.tp.size
         if pruned is not None:
             info["pruned"] = {"kv_heads_per_layer": pruned["kv_heads"]}
             info["quality"] = pruned.get("quality")

@@ -132,6 +132,28 @@ def engine_outputs(comm, name: str) -> dict:
     return out
 
 
+def engine_pool_sizes(comm, follower_blocks) -> dict:
+    """Rank 0 leads with a pool of 12 blocks of 4; the followers' config says num_blocks =
+    `follower_blocks`: None (unset: they take rank 0's count) or another count (refused)."""
+    from headwise.engine import EngineConfig
+    from headwise.generation import SamplingParams
+    from headwise.parallel import ParallelError, follow, lead, release, shard
+
+    config = EngineConfig(num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    model = shard(build("llama-gqa"), comm)
+    if comm.rank:
+        return {"steps": follow(model, comm, config.replace(num_blocks=follower_blocks))}
+    engine = lead(model, comm, config)
+    try:
+        outs = engine.generate(ENGINE_PROMPTS, SamplingParams(temperature=0, max_new_tokens=8))
+    except RuntimeError as e:
+        engine.shutdown()
+        error = e if isinstance(e, ParallelError) else e.__cause__ or e  # generate() wraps the engine's own
+        return {"error": f"{type(error).__name__}: {error}"}
+    release(engine)
+    return {"engine": [o.token_ids for o in outs], "blocks": engine.cache.num_blocks}
+
+
 def run(comm, names: list[str]) -> dict:
     """{name: outputs} for each model, sharded over comm (None: one process, not sharded).
     `name@vocab` splits the output head over the vocabulary; a split that shard refuses
