@@ -17,6 +17,11 @@ a benchmark that finds no build says how to make one):
 - start_server(gguf, threads, parallel, ctx) -> a running llama-server (context manager);
 - decode_prefill(gguf, threads) -> the two figures benchmarks/decode.py puts in its tables.
 Benchmarks only: no test depends on llama.cpp.
+
+HEADWISE_LLAMA_REPACK=0 runs llama-bench with `--repack 0` and llama-server with `--no-repack`
+(ggml's repacked weights, its default): on an Intel Xeon with AVX-512 + AMX (2026-12-01) b11434's
+repack path killed every batch of more than one token with a general protection fault (llama-bench
+-p 16 and llama-server's warm-up), so there only the unrepacked path runs prefill and serving.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ CMAKE_FLAGS = (
 )
 # headwise sets how libgomp's threads wait (headwise/threads.py) and llama.cpp's ggml runs on
 # libgomp too; its children get llama.cpp's own defaults, as a user running it would.
+REPACK = os.environ.get("HEADWISE_LLAMA_REPACK", "1") != "0"
 _CHILD_ENV_DROP = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "OMP_PROC_BIND", "OMP_PLACES")
 
 
@@ -213,7 +219,7 @@ def llama_bench(
     empty cache; tok/s is the mean over the runs (stddev beside it)."""
     gguf = _existing(gguf)
     cmd = [str(tool("llama-bench", version)), "-m", str(gguf), "-t", str(threads), "-r", str(reps), "-o", "json"]
-    cmd += ["-p", str(n_prompt), "-n", str(n_gen)]
+    cmd += ["-p", str(n_prompt), "-n", str(n_gen)] + ([] if REPACK else ["--repack", "0"])
     r = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
     if r.returncode != 0:
         raise RuntimeError(f"llama-bench failed (exit {r.returncode}) on {gguf}: {r.stderr.strip()[-2000:]}")
@@ -276,7 +282,7 @@ def server_argv(
     return [
         str(exe), "-m", str(_existing(gguf)), "-t", str(threads), "-tb", str(threads),
         "-np", str(parallel), "-c", str(ctx), "--host", "127.0.0.1", "--port", str(port), "--no-webui",
-    ]  # fmt: skip
+    ] + ([] if REPACK else ["--no-repack"])  # fmt: skip
 
 
 @dataclass
