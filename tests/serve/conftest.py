@@ -71,30 +71,33 @@ def minilm():
     return headwise.load("all-minilm-l6-v2")
 
 
-@pytest.fixture(scope="package")
-def tiny_dir(tmp_path_factory, smol):
-    """A random 2-layer GQA Llama with SmolLM2's tokenizer and chat template, saved offline."""
+def save_tiny_llama(path, tok, vocab_size: int):
+    """A random 2-layer GQA Llama (4 query heads, 2 KV heads) with tokenizer `tok`, saved offline to `path`."""
     import transformers as tf
 
     torch.manual_seed(0)
-    tok = smol.tokenizer
     cfg = tf.LlamaConfig(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        vocab_size=smol.config.vocab_size,
+        vocab_size=vocab_size,
         max_position_embeddings=256,
         initializer_range=0.2,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         tie_word_embeddings=False,
     )
-    path = tmp_path_factory.mktemp("tiny-llama")
     tf.LlamaForCausalLM(cfg).eval().save_pretrained(path)
     tok.save(path)
     return path
+
+
+@pytest.fixture(scope="package")
+def tiny_dir(tmp_path_factory, smol):
+    """A random 2-layer GQA Llama with SmolLM2's tokenizer and chat template, saved offline."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smol.tokenizer, smol.config.vocab_size)
 
 
 def free_port() -> int:

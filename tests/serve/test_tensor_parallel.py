@@ -19,12 +19,11 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 
 import headwise
 from headwise.serve import ConfigError, create_app, parse_config
 
-from .conftest import ServeProcess, free_port, metrics_values
+from .conftest import ServeProcess, free_port, metrics_values, save_tiny_llama
 
 CHAT = [{"role": "user", "content": "Name three colors."}]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Once upon a time"]
@@ -34,8 +33,6 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Once
 def tp_dir(tmp_path_factory):
     """A random 2-layer Llama, 4 query / 2 KV heads, with SmolLM2's tokenizer and chat template
     (read from the GGUF's metadata: no weights converted), saved as a checkpoint folder."""
-    import transformers as tf
-
     from headwise.models.builtin import resolve
     from headwise.models.gguf import open_gguf
     from headwise.models.gguf_meta import gguf_tokenizer, read_metadata
@@ -43,24 +40,7 @@ def tp_dir(tmp_path_factory):
     gguf = resolve("smollm2-135m-instruct")
     reader = open_gguf(gguf)
     tok = gguf_tokenizer(reader, read_metadata(reader), gguf)
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=tok.vocab_size,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        tie_word_embeddings=False,
-    )
-    path = tmp_path_factory.mktemp("tp-llama")
-    tf.LlamaForCausalLM(cfg).eval().save_pretrained(path)
-    tok.save(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tp-llama"), tok, tok.vocab_size)
 
 
 @pytest.fixture(scope="module")
