@@ -28,6 +28,7 @@ import time
 import headwise  # before torch: its OpenMP settings
 import torch
 
+from _common import cpu_model  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from headwise.analysis import encode, head_importance, metrics, prune_heads, save_pruned
 from headwise.analysis.corpus import pydoc_corpus
 from headwise.analysis.prune import clone, kv_bytes_per_token, load_pruned, param_count
@@ -103,7 +104,7 @@ def main() -> None:
     lines = [
         f"SmolLM2-135M fp32, KV pool memory_budget_bytes = {args.budget_mib:g} MiB, block_size {BS}, "
         f"requests of {PROMPT} + {NEW} tokens ({(PROMPT + NEW) // BS} blocks each), distinct prompts",
-        f"load average {os.getloadavg()[0]:.1f}, torch threads {torch.get_num_threads()}",
+        f"cpu {cpu_model()}, load average {os.getloadavg()[0]:.1f}, torch threads {torch.get_num_threads()}",
         "",
         f"{'variant':40s} {'params':>11s} {'pool B/tok':>10s} {'blocks':>6s} {'seqs':>9s} {'ratio':>6s} "
         f"{'if per-layer':>12s} {'ppl':>6s} {'preempt':>7s}",
