@@ -40,17 +40,41 @@ ISA_VARIANTS = {
 }
 
 
-def _dispatch_rows() -> int:
-    """Up to how many rows PackedLinear prefers the kernel to oneDNN's packed matmul, by the ISA
-    PyTorch runs at here (read at import, at run time, not when the kernel was built). With AVX2
-    only, the 6 x 16 tiles beat oneDNN at every row count up to KERNEL_ROWS (AMD EPYC Zen 3, 2
-    threads, SmolLM2's shapes, 30 layers: 16 rows 40 vs 62 ms, 64 rows 130 vs 139 ms). With
-    AVX-512, oneDNN's tiles are twice as wide as ours, so beyond the few rows that stream the
-    weight (memory-bound, where the layout wins) it is left to oneDNN."""
-    return KERNEL_ROWS if torch.backends.cpu.get_cpu_capability() == "AVX2" else 4
+def _beats_onednn(capability: str | None = None, vendor: str | None = None) -> bool:
+    """Whether our kernels beat oneDNN's fp32 matmul at many rows on this CPU, from the ISA
+    PyTorch runs at here and the CPU's maker (read at import, at run time, not when the kernels
+    were built); benchmarks/small_rows.py measures it. It sets MAX_ROWS (fp32: up to how many
+    rows PackedLinear prefers the small-row kernel) and whether a prefill of packed quantized
+    weights runs the integer kernel 64 rows at a time (models/linear.py) instead of a
+    dequantized tile + GEMM.
+
+    - AVX2 only: oneDNN's tiles are as wide as ours; our 6 x 16 tiles win at every row count up
+      to KERNEL_ROWS (AMD EPYC Zen 3, 2 threads, SmolLM2's shapes, 30 layers: 16 rows 40 vs 62
+      ms, 64 rows 130 vs 139 ms), the integer prefill took 0.65x the time of the GEMM route.
+    - AMD with AVX-512 (Zen 4 runs a 512-bit FMA as two 256-bit halves): oneDNN's wider tiles
+      gain nothing; results/small_rows_zen4.txt: 16 rows 42 vs 51 ms, 32 rows 64 vs 68, 64 even; the
+      integer prefill of SmolLM2's Q4_1 file 769 vs 472 tok/s (512 tokens).
+    - Intel with AVX-512 (two full 512-bit FMA units): oneDNN's tiles may do twice the work per
+      cycle; not measured against ours yet, so beyond the few rows that stream the weight
+      (memory-bound, where our layout wins) it is left to oneDNN."""
+    capability = torch.backends.cpu.get_cpu_capability() if capability is None else capability
+    vendor = cpu_vendor() if vendor is None else vendor
+    return capability == "AVX2" or vendor == "AuthenticAMD"
 
 
-MAX_ROWS = _dispatch_rows()
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("AuthenticAMD", "GenuineIntel"), or "" where it is not there."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+KERNELS_OVER_ONEDNN = _beats_onednn()
+MAX_ROWS = KERNEL_ROWS if KERNELS_OVER_ONEDNN else 4  # fp32 rows the small-row kernel takes from oneDNN
 
 
 def cpu_flags() -> set[str]:
