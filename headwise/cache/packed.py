@@ -250,25 +250,30 @@ class PackedLayerStep:
 
     def claim_decode(self, rows: int):
         """contiguous.ContiguousLayerCache.claim_decode for a step in which every sequence adds one
-        token and holds its blocks as one run (a sequence decoded alone always does: the pool hands
-        it the next block): K, V of this layer (Hkv, num_blocks, block_size, D) and each row's run
-        start and new key. None otherwise (prefill chunks, scattered blocks, int8, not fp32)."""
+        token: K, V of this layer (Hkv, num_blocks, block_size, D) and, where every sequence holds
+        its blocks as one run (a sequence decoded alone always does: the pool hands it the next
+        block), each row's run start and new key; else each row's block table (blocks wherever
+        they lie: a pool fragmented by finished requests, prefix blocks shared with another
+        sequence). The kernel writes each new key into the slot this step reserved (the table's,
+        as the general route's `_slots`). None otherwise (prefill chunks, int8, not fp32)."""
         step, cache = self.step, self.step.cache
         if rows != step.N or step.N != step.B or cache.kv_dtype or cache.dtype is not torch.float32:
             return None
-        runs = step.__dict__.get("_decode_runs")  # the same for every layer of the step
-        if runs is None:
-            runs, bs, first = False, cache.block_size, []
-            for t, L in zip(step._tables, step.starts):
-                if any(t[i + 1] != t[i] + 1 for i in range(L // bs)):  # blocks 0 .. L // bs consecutive
-                    break
-                first.append(t[0] * bs)
-            else:
-                D = cache.head_dim
-                runs = (torch.tensor(first, dtype=torch.int64) * D, torch.tensor(step.starts, dtype=torch.int64))
-            step._decode_runs = runs
-        if runs is False:
-            return None
+        claim = step.__dict__.get("_decode_rows")  # the same for every layer of the step
+        if claim is None:
+            claim = step._decode_rows = self._decode_rows()
         k, v = cache._k[0][self.layer_index], cache._v[0][self.layer_index]  # (Hkv, NB, bs, D)
         step._mark_written(self.layer_index)
-        return k, v, (runs[0], runs[1], k.stride(0), k.stride(2))
+        return k, v, (*claim[:2], k.stride(0), k.stride(2), *claim[2:])
+
+    def _decode_rows(self) -> tuple:
+        """(run starts in floats, new keys) where every table is one run, else (None, new keys,
+        tables (B, width) int64, block size)."""
+        step, cache = self.step, self.step.cache
+        bs, pos = cache.block_size, torch.tensor(step.starts, dtype=torch.int64)
+        used = [t[: L // bs + 1] for t, L in zip(step._tables, step.starts)]  # blocks 0 .. L // bs
+        if all(t[i + 1] == t[i] + 1 for t in used for i in range(len(t) - 1)):
+            return torch.tensor([t[0] * bs for t in used], dtype=torch.int64) * cache.head_dim, pos
+        width = max(len(t) for t in used)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in used], dtype=torch.int64)
+        return None, pos, table, bs

@@ -12,28 +12,31 @@ int hw_small_linear_f32(const float *Wb, const float *x, const float *b, const f
                         long rot_cols, long head_dim);
 int hw_decode_attention_f32(const float *q, const float *k, const float *v, float *out, float *lse, long C, long Hkv,
                             long G, long D, long sk_c, long sk_h, long sk_t, long sv_c, long sv_h, long sv_t,
-                            const long *lengths, float scale, long all_keys);
+                            const long *lengths, float scale, long all_keys, const int64_t *tables, long tw,
+                            long bs);
 
 int hw_decoder_step(const int64_t *lin, const float *attn_norm, const float *mlp_norm, float eps, const float *x,
                     float *y, long M, long C, long H, long Hkv, long D, long F, const float *cos, const float *sin,
-                    float *kc, float *vc, const int64_t *base, long s_h, long s_t, const int64_t *pos, float scale);
+                    float *kc, float *vc, const int64_t *base, long s_h, long s_t, const int64_t *pos, float scale,
+                    const int64_t *table, long tw, long bs);
 
 /* decoder_step(lin, attn_norm, mlp_norm, eps, x, y, M, C, H, Hkv, D, F, cos, sin, kc, vc, base, s_h, s_t, pos,
- * scale) -> int rc (decoder_step.c) */
+ * scale, table, tw, bs) -> int rc (decoder_step.c) */
 static PyObject *py_decoder_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    const int64_t *lin, *pos, *base;
+    const int64_t *lin, *pos, *base, *table;
     const float *attn_norm, *mlp_norm, *x, *cos, *sin;
     float *y, *kc, *vc, eps, scale;
-    long M, C, H, Hkv, D, F, s_h, s_t;
-    if (!(hw_nargs("decoder_step", nargs, 21) && HW_P(0, lin) && HW_P(1, attn_norm) && HW_P(2, mlp_norm) &&
+    long M, C, H, Hkv, D, F, s_h, s_t, tw, bs;
+    if (!(hw_nargs("decoder_step", nargs, 24) && HW_P(0, lin) && HW_P(1, attn_norm) && HW_P(2, mlp_norm) &&
           HW_F(3, eps) && HW_P(4, x) && HW_P(5, y) && HW_L(6, M) && HW_L(7, C) && HW_L(8, H) && HW_L(9, Hkv) &&
           HW_L(10, D) && HW_L(11, F) && HW_P(12, cos) && HW_P(13, sin) && HW_P(14, kc) && HW_P(15, vc) &&
-          HW_P(16, base) && HW_L(17, s_h) && HW_L(18, s_t) && HW_P(19, pos) && HW_F(20, scale)))
+          HW_P(16, base) && HW_L(17, s_h) && HW_L(18, s_t) && HW_P(19, pos) && HW_F(20, scale) && HW_P(21, table) &&
+          HW_L(22, tw) && HW_L(23, bs)))
         return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = hw_decoder_step(lin, attn_norm, mlp_norm, eps, x, y, M, C, H, Hkv, D, F, cos, sin, kc, vc, base, s_h, s_t,
-                         pos, scale);
+                         pos, scale, table, tw, bs);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(rc);
 }
@@ -56,22 +59,24 @@ static PyObject *py_small_linear(PyObject *self, PyObject *const *args, Py_ssize
 }
 
 /* decode_attention(q, k, v, out, lse, C, Hkv, G, D, sk_c, sk_h, sk_t, sv_c, sv_h, sv_t, lengths, scale,
- * all_keys) -> int rc */
+ * all_keys, tables, tw, bs) -> int rc */
 static PyObject *py_decode_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     const float *q, *k, *v;
     float *out, *lse;
     const long *lengths;
-    long C, Hkv, G, D, sk_c, sk_h, sk_t, sv_c, sv_h, sv_t, all_keys;
+    const int64_t *tables;
+    long C, Hkv, G, D, sk_c, sk_h, sk_t, sv_c, sv_h, sv_t, all_keys, tw, bs;
     float scale;
-    if (!(hw_nargs("decode_attention", nargs, 18) && HW_P(0, q) && HW_P(1, k) && HW_P(2, v) && HW_P(3, out) &&
+    if (!(hw_nargs("decode_attention", nargs, 21) && HW_P(0, q) && HW_P(1, k) && HW_P(2, v) && HW_P(3, out) &&
           HW_P(4, lse) && HW_L(5, C) && HW_L(6, Hkv) && HW_L(7, G) && HW_L(8, D) && HW_L(9, sk_c) &&
           HW_L(10, sk_h) && HW_L(11, sk_t) && HW_L(12, sv_c) && HW_L(13, sv_h) && HW_L(14, sv_t) &&
-          HW_P(15, lengths) && HW_F(16, scale) && HW_L(17, all_keys)))
+          HW_P(15, lengths) && HW_F(16, scale) && HW_L(17, all_keys) && HW_P(18, tables) && HW_L(19, tw) &&
+          HW_L(20, bs)))
         return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = hw_decode_attention_f32(q, k, v, out, lse, C, Hkv, G, D, sk_c, sk_h, sk_t, sv_c, sv_h, sv_t, lengths, scale,
-                                 all_keys);
+                                 all_keys, tables, tw, bs);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(rc);
 }

@@ -106,6 +106,9 @@ def _run(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None, scale: float, 
         None if lengths is None else lengths.data_ptr(),
         float(scale),
         k.shape[2],
+        None,  # no block table: sequence c's key t is row t of its view
+        0,
+        0,
     )
     if rc:  # _check rules these out; a mismatch means the C and Python limits drifted apart
         raise RuntimeError(f"decode_attention kernel refused G={G}, D={D} (code {rc})")

@@ -17,6 +17,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stdint.h>
 
 #include "common.h" /* exp2_ps */
 
@@ -45,9 +46,24 @@ static inline float hsum(__m256 x) {
     return _mm_cvtss_f32(s);
 }
 
-/* One (sequence, KV head) pair: G rows of q over n keys at k, v (key t at k + t*sk_t). */
+/* Which row of its K/V plane key t of a sequence is: t itself (its keys one run), or with a
+ * block table (a paged pool), slot tab[t / bs] * bs + t % bs. */
+static inline long key_row(const int64_t *tab, long bs, long t) { return tab ? tab[t / bs] * bs + t % bs : t; }
+
+/* The TK key rows of the tile at t0 (nk of them real; the rest repeat the last, in bounds). With
+ * a table whose blocks hold a whole number of tiles, a tile never crosses a block: one lookup. */
+static inline void tile_rows(const int64_t *tab, long bs, long t0, long nk, long r[TK]) {
+    if (!tab || bs % TK == 0) {
+        const long r0 = key_row(tab, bs, t0);
+        for (long j = 0; j < TK; j++) r[j] = r0 + (j < nk ? j : nk - 1);
+    } else {
+        for (long j = 0; j < TK; j++) r[j] = key_row(tab, bs, t0 + (j < nk ? j : nk - 1));
+    }
+}
+
+/* One (sequence, KV head) pair: G rows of q over n keys at k, v (key t at k + key_row(t)*sk_t). */
 static void pair(const float *q, const float *k, const float *v, float *out, float *lse, long n, long G, long D,
-                 long sk_t, long sv_t, float scale) {
+                 long sk_t, long sv_t, float scale, const int64_t *tab, long bs) {
     if (n <= 0) {
         for (long i = 0; i < G * D; i++) out[i] = 0.0f;
         if (lse) for (long g = 0; g < G; g++) lse[g] = -INFINITY;
@@ -68,18 +84,21 @@ static void pair(const float *q, const float *k, const float *v, float *out, flo
         const long nk = n - t0 < TK ? n - t0 : TK;
         /* keys past n repeat the last one (in bounds) and get weight 0 */
         const float *kr[TK], *vr[TK];
-        for (long j = 0; j < TK; j++) {
-            const long t = t0 + (j < nk ? j : nk - 1);
-            kr[j] = k + t * sk_t, vr[j] = v + t * sv_t;
-        }
+        long rows[TK];
+        tile_rows(tab, bs, t0, nk, rows);
+        for (long j = 0; j < TK; j++) kr[j] = k + rows[j] * sk_t, vr[j] = v + rows[j] * sv_t;
         /* the next tile's K and V: with the pool beyond the caches (30 layers' worth), 5-15% faster
          * than the hardware prefetcher alone (2 tiles ahead: less; in cache: ~5% slower) */
         const long tp = t0 + TK;
-        for (long j = 0; j < TK && tp + j < n; j++)
-            for (long d = 0; d < D; d += 16) {
-                _mm_prefetch((const char *)(k + (tp + j) * sk_t + d), _MM_HINT_T0);
-                _mm_prefetch((const char *)(v + (tp + j) * sv_t + d), _MM_HINT_T0);
-            }
+        if (tp < n) {
+            const long np = n - tp < TK ? n - tp : TK;
+            tile_rows(tab, bs, tp, np, rows);
+            for (long j = 0; j < np; j++)
+                for (long d = 0; d < D; d += 16) {
+                    _mm_prefetch((const char *)(k + rows[j] * sk_t + d), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(v + rows[j] * sv_t + d), _MM_HINT_T0);
+                }
+        }
         const __m256 valid = _mm256_cmp_ps(lane, _mm256_set1_ps((float)nk), _CMP_LT_OQ);
         for (long g = 0; g < G; g++) {
             const float *qg = qs + g * D;
@@ -136,10 +155,14 @@ enum { PARALLEL_MIN_WORK = 1 << 19 };  /* key x row x channel products below whi
 
 /* Returns HW_OK, or HW_BAD_SHAPE (nothing written) unless 1 <= G <= MAX_G, 8 <= D <= MAX_D and
  * D % 8 == 0. Strides are in floats; each key's D floats are contiguous. lengths NULL: every
- * sequence has all_keys keys (a decode step over a contiguous cache). */
+ * sequence has all_keys keys (a decode step over a contiguous cache). tables (C, tw), or NULL:
+ * sequence c's key t is row tables[c][t / bs] * bs + t % bs of its head's plane (a paged pool's
+ * block table, bs keys a block, rows sk_t apart), not row t. */
 int hw_decode_attention_f32(const float *q, const float *k, const float *v, float *out, float *lse, long C, long Hkv,
                             long G, long D, long sk_c, long sk_h, long sk_t, long sv_c, long sv_h, long sv_t,
-                            const long *lengths, float scale, long all_keys) {
+                            const long *lengths, float scale, long all_keys, const int64_t *tables, long tw,
+                            long bs) {
+    if (tables && bs < 1) return HW_BAD_SHAPE;
     if (G < 1 || G > MAX_G || D < 8 || D > MAX_D || D % 8) return HW_BAD_SHAPE;
     long keys = 0;
     for (long c = 0; c < C; c++) keys += lengths ? (lengths[c] > 0 ? lengths[c] : 0) : all_keys;
@@ -151,7 +174,8 @@ int hw_decode_attention_f32(const float *q, const float *k, const float *v, floa
     for (long ch = 0; ch < C * Hkv; ch++) {
         const long c = ch / Hkv, h = ch % Hkv;
         pair(q + ch * G * D, k + c * sk_c + h * sk_h, v + c * sv_c + h * sv_h, out + ch * G * D,
-             lse ? lse + ch * G : NULL, lengths ? lengths[c] : all_keys, G, D, sk_t, sv_t, scale);
+             lse ? lse + ch * G : NULL, lengths ? lengths[c] : all_keys, G, D, sk_t, sv_t, scale,
+             tables ? tables + c * tw : NULL, bs);
     }
     return HW_OK;
 }

@@ -26,7 +26,8 @@ int hw_quant_linear(int fmt, const uint8_t *w, const float *x, const float *b, c
                     long rot_cols, long head_dim);
 int hw_decode_attention_f32(const float *q, const float *k, const float *v, float *out, float *lse, long C, long Hkv,
                             long G, long D, long sk_c, long sk_h, long sk_t, long sv_c, long sv_h, long sv_t,
-                            const long *lengths, float scale, long all_keys);
+                            const long *lengths, float scale, long all_keys, const int64_t *tables, long tw,
+                            long bs);
 
 static int linear(const int64_t *lin, const float *x, const float *r, float *y, long M, long O, long I, int kind,
                   const float *norm_w, float eps, const float *cos, const float *sin, long rot_cols, long head_dim) {
@@ -41,11 +42,15 @@ static int linear(const int64_t *lin, const float *x, const float *r, float *y, 
 /* lin: 4 x (fmt, weight, bias) for qkv (C -> (H + 2 Hkv) D), out (H D -> C), gate_up (C -> 2F),
  * down (F -> C). x, y (M, C); cos, sin (M, D / 2); kc, vc: this layer's K and V, row m's keys at
  * kc + base[m] + h s_h + t s_t (floats; each key's D floats contiguous): a contiguous cache's
- * sequence m, or the run of consecutive blocks a paged sequence holds; pos (M,): the key row m
- * writes, so it then attends over keys 0 .. pos[m]. Returns 0, -1 (no memory) or a kernel's code. */
+ * sequence m, or the run of consecutive blocks a paged sequence holds. With table (M, tw) given
+ * (base then unused), row m's key t is at kc + h s_h + (table[m][t / bs] * bs + t % bs) s_t: a
+ * paged pool's blocks wherever they lie. pos (M,): the key row m writes, so it then attends over
+ * keys 0 .. pos[m]. Returns 0, -1 (no memory) or a kernel's code. */
 int hw_decoder_step(const int64_t *lin, const float *attn_norm, const float *mlp_norm, float eps, const float *x,
                     float *y, long M, long C, long H, long Hkv, long D, long F, const float *cos, const float *sin,
-                    float *kc, float *vc, const int64_t *base, long s_h, long s_t, const int64_t *pos, float scale) {
+                    float *kc, float *vc, const int64_t *base, long s_h, long s_t, const int64_t *pos, float scale,
+                    const int64_t *table, long tw, long bs) {
+    if (table && bs < 1) return -3;
     const long QKV = (H + 2 * Hkv) * D, HD = H * D;
     float *buf = malloc(sizeof(float) * (size_t)(M * (QKV + 2 * HD + C + 2 * F)));
     long *lengths = malloc(sizeof(long) * (size_t)M);
@@ -57,8 +62,9 @@ int hw_decoder_step(const int64_t *lin, const float *attn_norm, const float *mlp
     for (long m = 0; m < M; m++) {
         const float *row = qkv + m * QKV;
         memcpy(q + m * HD, row, sizeof(float) * (size_t)HD);
+        const long p = pos[m], key = table ? (table[m * tw + p / bs] * bs + p % bs) * s_t : base[m] + p * s_t;
         for (long j = 0; j < Hkv; j++) {
-            const long at = base[m] + j * s_h + pos[m] * s_t;
+            const long at = key + j * s_h;
             memcpy(kc + at, row + HD + j * D, sizeof(float) * (size_t)D);
             memcpy(vc + at, row + HD + (Hkv + j) * D, sizeof(float) * (size_t)D);
         }
@@ -68,8 +74,9 @@ int hw_decoder_step(const int64_t *lin, const float *attn_norm, const float *mlp
     int arc = 0;
     #pragma omp parallel for schedule(dynamic) reduction(| : arc) if (M > 1)
     for (long m = 0; m < M; m++)
-        arc |= hw_decode_attention_f32(q + m * HD, kc + base[m], vc + base[m], o + m * HD, NULL, 1, Hkv, H / Hkv, D, 0,
-                                       s_h, s_t, 0, s_h, s_t, lengths + m, scale, 0);
+        arc |= hw_decode_attention_f32(q + m * HD, kc + (table ? 0 : base[m]), vc + (table ? 0 : base[m]), o + m * HD,
+                                       NULL, 1, Hkv, H / Hkv, D, 0, s_h, s_t, 0, s_h, s_t, lengths + m, scale, 0,
+                                       table ? table + m * tw : NULL, tw, bs);
     rc = arc;
     if (rc) goto done;
     rc = linear(lin + 3, o, x, h, M, C, HD, PRO_NONE, NULL, 0.0f, NULL, NULL, 0, 0);

@@ -52,15 +52,18 @@ def plan_step(plans: tuple, attn_norm: Tensor, mlp_norm: Tensor, eps: float, H: 
 def run_step(
     plan: StepPlan, x: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, rows: tuple[Tensor, Tensor, int, int]
 ) -> Tensor:
-    """x (M, C) -> the layer's output (M, C). rows = (base, pos, head stride, key stride), what a
-    cache's `claim_decode` returns beside k and v: row m's keys start at k[base[m]] (floats from
-    k's first element) and it writes key pos[m], then attends over keys 0 .. pos[m]. For the
-    block's route, which has checked dtypes, contiguity and limits (M <= 64, the decode kernel's
-    G and D); cos, sin (M, D / 2)."""
+    """x (M, C) -> the layer's output (M, C). rows = (base, pos, head stride, key stride[, table,
+    block size]), what a cache's `claim_decode` returns beside k and v: row m's keys start at
+    k[base[m]] (floats from k's first element) and it writes key pos[m], then attends over keys
+    0 .. pos[m]. With a block table (M, width) int64 (a paged pool, base None), row m's key t is
+    key row table[m, t // bs] * bs + t % bs of k's head planes instead. For the block's route,
+    which has checked dtypes, contiguity and limits (M <= 64, the decode kernel's G and D); cos,
+    sin (M, D / 2)."""
     C, H, Hkv, D, F = plan.dims
     M = x.shape[0]
     y = torch.empty(M, C)
-    base, pos, s_h, s_t = rows
+    base, pos, s_h, s_t, *paged = rows
+    table, bs = paged if paged else (None, 0)
     rc = _ext()[0].decoder_step(
         plan.lin.data_ptr(),
         plan.norms[0].data_ptr(),
@@ -78,11 +81,14 @@ def run_step(
         sin.data_ptr(),
         k.data_ptr(),
         v.data_ptr(),
-        base.data_ptr(),
+        None if base is None else base.data_ptr(),
         s_h,
         s_t,
         pos.data_ptr(),
         plan.scale,
+        None if table is None else table.data_ptr(),
+        0 if table is None else table.shape[1],
+        bs,
     )
     if rc:
         raise RuntimeError(f"decoder step kernel failed (code {rc}: -1 no memory, else a kernel's shape/format check)")

@@ -11,6 +11,7 @@ from headwise.kernels import layer as kernel_layer
 from headwise.models import blocks
 
 from .conftest import hf_checkpoints
+from .stepping import assert_scattered, close, scattered
 from .test_block_route import CONFIGS, TOL, _decode, _ids
 
 
@@ -105,3 +106,31 @@ def test_cases_it_leaves_to_the_route(saved, one_calls):
     model(ids[:, :6], cache=plain)
     model(ids[:, 6:7], cache=plain)
     assert one_calls == []
+
+
+@pytest.mark.parametrize("block_size", [4, 3])  # whole tiles of 8 keys per block or not: the kernel's two lookups
+@torch.inference_mode()
+def test_packed_decodes_over_scattered_blocks_take_one_call_and_match_hf(saved, one_calls, block_size):
+    """The engine's decode steps over a fragmented pool (blocks of a sequence not consecutive, as
+    after other requests finished): one call per layer reading and writing through the block
+    tables, every row equal to HF on its own sequence."""
+    hf, path = saved("llama-gqa")
+    model = headwise.load(path)
+    cache = scattered(model, num_blocks=64, block_size=block_size)
+    seqs = {s: _ids(1, 21, seed=20 + i)[0].tolist() for i, s in enumerate("abc")}
+    prompt = {"a": 9, "b": 4, "c": 13}
+    for s, ids in seqs.items():
+        cache.add_sequence(s, ids[: prompt[s]])
+        model(torch.tensor([ids[: prompt[s]]]), cache.packed([s], [prompt[s]], [ids[: prompt[s]]]))
+    assert one_calls == []
+    refs = {s: hf(torch.tensor([ids])).logits[0] for s, ids in seqs.items()}
+    pos = dict(prompt)
+    for _ in range(8):
+        order = list(seqs)
+        toks = [[seqs[s][pos[s]]] for s in order]
+        out = model(torch.tensor([[t[0] for t in toks]]), cache.packed(order, [1] * 3, toks))[0]
+        for b, s in enumerate(order):
+            close(out[b], refs[s][pos[s]])
+            pos[s] += 1
+    assert one_calls == [3] * (2 * 8)  # 2 layers x 8 decode steps, all three rows in one call
+    assert_scattered(cache, list(seqs))
