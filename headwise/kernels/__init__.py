@@ -4,8 +4,8 @@
 it streams the weight from memory once, in a blocked layout that reads as one run per 8
 output rows, faster than oneDNN's prepacked matrix-vector product on this machine
 (benchmarks/decode.py: floor_kernel vs floor_packed); from 5 rows (a batched decode, the
-engine's steps) it computes 6 x 16 tiles over 128 inputs at a time, each weight tile read
-from memory once for all rows. It folds in the op before it (RMSNorm
+engine's steps) it computes 6 x 16 tiles (12 x 16 in the avx512 build) over 128 inputs at a
+time, each weight tile read from memory once for all rows. It folds in the op before it (RMSNorm
 or SwiGLU) and a residual add after it, which saves a PyTorch call each. Only fp32 on x86-64
 with AVX2 + FMA. PackedLinear keeps the blocked copy of its weight (models/packing.py).
 
