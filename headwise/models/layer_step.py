@@ -1,11 +1,13 @@
 """The decoder block's few-rows route for a decode step in one kernel call (kernels/layer.py).
 
-When every new row is one token of its own sequence over a contiguous fp32 cache, and the layer
-is the pre-norm SwiGLU kind whose four linears all run on headwise's kernels (fp32 blocked or
-quantized), blocks.DecoderBlock._few_rows hands the whole layer to `kernels.layer.run_step`:
-the same kernels it would call one by one, without ~40 Python-level operations between them.
-Anything else (a prefill, a paged or int8 or static cache, ALiBi, a forced attention backend,
-uneven GQA groups, another norm or MLP) returns None and the route continues as written.
+When every new row is one token of its own sequence over an fp32 cache that hands out its
+buffers (`claim_decode`: a contiguous cache's rows, or a packed paged step's pool with each
+sequence's run start or block table), and the layer is the pre-norm SwiGLU kind whose four
+linears all run on headwise's kernels (fp32 blocked or quantized), blocks.DecoderBlock._few_rows
+hands the whole layer to `kernels.layer.run_step`: the same kernels it would call one by one,
+without ~40 Python-level operations between them. Anything else (a prefill, an int8 or static
+cache, ALiBi, a forced attention backend, uneven GQA groups, another norm or MLP) returns None and
+the route continues as written.
 """
 
 from __future__ import annotations
