@@ -74,6 +74,73 @@ def decode_attention(
     return _call(q, k, v, lengths, scale, want_lse)
 
 
+def paged_decode_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    tables: Tensor,
+    block_size: int,
+    lengths: Tensor,
+    scale: float,
+    want_lse: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """decode_attention over a paged pool through block tables, in place: sequence c's key t is
+    row tables[c, t // block_size] * block_size + t % block_size of k's and v's head planes (the
+    addressing kernels.layer.run_step uses for a packed step over a fragmented pool).
+
+    q (C, Hkv, G, D) contiguous; k, v (Hkv, rows, D), each key's D floats contiguous (a layer's
+    (Hkv, num_blocks, block_size, D) pool viewed as (Hkv, num_blocks * block_size, D)); tables
+    (C, width) int64, every entry a block of the pool; lengths (C,) int64 in [0, width *
+    block_size]. -> (out (C, Hkv, G, D), lse (C, Hkv, G) or None), as decode_attention."""
+    why = decode_attention_unavailable()
+    if why is not None:
+        raise RuntimeError(f"decode_attention is unavailable: {why}")
+    C = q.shape[0] if q.dim() == 4 else -1
+    if not (isinstance(block_size, int) and block_size >= 1):
+        raise ValueError(f"paged_decode_attention: block_size must be a positive int, got {block_size!r}")
+    if k.dim() != 3 or v.shape != k.shape or q.dim() != 4 or k.shape[0] != q.shape[1] or k.shape[2] != q.shape[3]:
+        raise ValueError(
+            f"paged_decode_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must both be (Hkv, rows, D) for q "
+            f"{tuple(q.shape)} (C, Hkv, G, D)"
+        )
+    if tables.dtype is not torch.int64 or tables.dim() != 2 or tables.shape[0] != C or not tables.is_contiguous():
+        raise ValueError(
+            f"paged_decode_attention: tables must be a contiguous int64 (C, width) = ({C}, width) tensor; got "
+            f"{tables.dtype} {tuple(tables.shape)}"
+        )
+    blocks = k.shape[1] // block_size
+    if tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= blocks):
+        raise ValueError(f"paged_decode_attention: tables name blocks outside the pool's {blocks} blocks")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype is not torch.float32 or not t.is_cpu or t.stride(-1) != 1:
+            raise ValueError(
+                f"paged_decode_attention: {name} must be fp32 on the CPU with each key's D floats contiguous; got "
+                f"{t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}"
+            )
+    if not q.is_contiguous() or not fits(q.shape[2], q.shape[3]):
+        raise ValueError(
+            f"paged_decode_attention: q {tuple(q.shape)} must be contiguous with 1 <= G <= {MAX_G}, "
+            f"8 <= D <= {MAX_D}, D % 8 == 0"
+        )
+    if lengths.dtype is not torch.int64 or lengths.shape != (C,) or not lengths.is_contiguous():
+        raise ValueError(f"paged_decode_attention: lengths must be a contiguous int64 ({C},) tensor")
+    if C and (int(lengths.min()) < 0 or int(lengths.max()) > tables.shape[1] * block_size):
+        raise ValueError(
+            f"paged_decode_attention: lengths must lie in [0, width * block_size = {tables.shape[1] * block_size}]"
+        )
+    out = torch.empty_like(q)
+    lse = torch.empty(C, *q.shape[1:3]) if want_lse else None
+    _, Hkv, G, D = q.shape
+    rc = _ext()[0].decode_attention(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), None if lse is None else lse.data_ptr(),
+        C, Hkv, G, D, 0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1), lengths.data_ptr(), float(scale),
+        0, tables.data_ptr(), tables.shape[1], block_size,
+    )  # fmt: skip
+    if rc:
+        raise RuntimeError(f"decode_attention kernel refused G={G}, D={D}, block_size={block_size} (code {rc})")
+    return out, lse
+
+
 def _call(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float, want_lse: bool):
     _check(q, k, v, lengths)
     return _run(q, k, v, lengths, scale, want_lse)

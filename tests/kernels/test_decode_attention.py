@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from headwise.kernels import attention as ka
 
@@ -136,3 +138,46 @@ def test_bad_input_is_refused(over, match):
     a = _inputs(**over)
     with pytest.raises(ValueError, match=match):
         ka.decode_attention(a["q"], a["k"], a["v"], a["lengths"], 0.125)
+
+
+def paged_reference(q, k, v, tables, bs, lengths, scale):
+    """Gather each sequence's keys through its table into a (C, Hkv, width, D) copy, then reference()."""
+    C, width = tables.shape[0], tables.shape[1] * bs
+    rows = (tables[:, :, None] * bs + torch.arange(bs)).reshape(C, width)  # (C, width) pool rows
+    return reference(q, k[:, rows].transpose(0, 1), v[:, rows].transpose(0, 1), lengths, scale)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    G=st.sampled_from([1, 3, 4, 16]),
+    Hkv=st.sampled_from([1, 2, 3]),
+    D=st.sampled_from([8, 64, 128]),
+    bs=st.sampled_from([1, 3, 8, 16, 5]),  # a whole number of 8-key tiles per block or not
+    C=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_block_tables_read_scattered_blocks_like_the_reference(G, Hkv, D, bs, C, seed):
+    """paged_decode_attention (the kernel's block-table addressing, used by the one-call decode layer
+    over a fragmented pool): scattered, shared and repeated blocks, ragged lengths, GQA and MQA."""
+    gen = torch.Generator().manual_seed(seed)
+    NB, width = 40, int(torch.randint(1, 9, (1,), generator=gen))  # blocks in the pool, blocks per table
+    k, v = (torch.randn(Hkv, NB * bs, D, generator=gen) for _ in range(2))
+    tables = torch.randint(0, NB, (C, width), generator=gen)  # any blocks, in any order, shared
+    lengths = torch.randint(0, width * bs + 1, (C,), generator=gen)
+    q = torch.randn(C, Hkv, G, D, generator=gen)
+    scale = 1 / math.sqrt(D)
+    out, lse = ka.paged_decode_attention(q, k, v, tables, bs, lengths, scale, want_lse=True)
+    want, want_lse = paged_reference(q, k, v, tables, bs, lengths, scale)
+    torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=1e-5)
+    seen = lengths > 0
+    torch.testing.assert_close(lse[seen].double(), want_lse[seen], atol=2e-6, rtol=1e-6)
+    assert (out[~seen] == 0).all() and torch.isneginf(lse[~seen]).all()
+
+
+def test_block_tables_that_name_blocks_outside_the_pool_are_refused():
+    k = v = torch.randn(2, 4 * 8, 16)
+    q = torch.randn(1, 2, 1, 16)
+    with pytest.raises(ValueError, match="outside the pool's 4 blocks"):
+        ka.paged_decode_attention(q, k, v, torch.tensor([[0, 4]]), 8, torch.tensor([9]), 0.25)
+    with pytest.raises(ValueError, match="lengths must lie in"):
+        ka.paged_decode_attention(q, k, v, torch.tensor([[0, 3]]), 8, torch.tensor([17]), 0.25)
