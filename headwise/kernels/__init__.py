@@ -56,7 +56,8 @@ def _beats_onednn(capability: str | None = None, vendor: str | None = None) -> b
       integer prefill of SmolLM2's Q4_1 file 769 vs 472 tok/s (512 tokens).
     - Intel with AVX-512 (two full 512-bit FMA units): oneDNN's tiles may do twice the work per
       cycle; not measured against ours yet, so beyond the few rows that stream the weight
-      (memory-bound, where our layout wins) it is left to oneDNN."""
+      (memory-bound, where our layout wins) it is left to oneDNN. AMD's Zen 5 has full 512-bit
+      units too and is taken by the AMD rule unmeasured: run benchmarks/small_rows.py there."""
     capability = torch.backends.cpu.get_cpu_capability() if capability is None else capability
     vendor = cpu_vendor() if vendor is None else vendor
     return capability == "AVX2" or vendor == "AuthenticAMD"
