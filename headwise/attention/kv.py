@@ -195,6 +195,12 @@ class PackedReads:
         """A read plan for "runs"/"regions" part i, for a call that cannot read it in place."""
         raise NotImplementedError
 
+    def decode_tables(self, layer: int, i: int) -> tuple[Tensor, Tensor, Tensor, Tensor, int] | None:
+        """For "decodes" part i, read in place through block tables: (K, V of `layer` as (Hkv,
+        slots, D) planes of the pool, tables (Bd, width) int64, lengths (Bd,) int64, block size),
+        or None where the pool cannot be read as it is stored (int8)."""
+        return None
+
 
 class LayerKV(NamedTuple):
     """One layer's K/V as a cache describes them: what `attend_kv` and the paged backend take."""

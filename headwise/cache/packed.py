@@ -172,6 +172,27 @@ class PackedStep(PackedReads, Step):
             part = self.parts[i] = part._replace(reads=sub)
         return part.reads
 
+    def decode_tables(self, layer: int, i: int):
+        """PackedReads.decode_tables: "decodes" part i's block tables and key counts (made once per
+        step, shared by the layers) beside this layer's pool planes; None for an int8 pool."""
+        cache = self.cache
+        if cache.kv_dtype:
+            return None
+        key = ("decode tables", i)
+        memo = self.mask_memo.get(key)
+        if memo is None:
+            part, bs = self.parts[i], cache.block_size
+            rows = part.index.tolist() if part.index is not None else list(range(part.start, part.stop))
+            seqs = [self.offsets.index(r) for r in rows]
+            used = [self._tables[b][: self.starts[b] // bs + 1] for b in seqs]  # blocks of keys 0 .. start
+            width = max(len(t) for t in used)
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in used], dtype=torch.int64)
+            memo = self.mask_memo[key] = (tables, torch.tensor([self.starts[b] + 1 for b in seqs], dtype=torch.int64))
+        Hkv, D = cache.num_kv_heads, cache.head_dim
+        k = cache._k[0][layer].view(Hkv, -1, D)  # (Hkv, num_blocks * block_size, D)
+        v = cache._v[0][layer].view(Hkv, -1, D)
+        return k, v, memo[0], memo[1], cache.block_size
+
     # ------------------------------------------------------------------ layers
     def layer(self, i: int) -> "PackedLayerStep":
         if not 0 <= i < self.cache.num_layers:

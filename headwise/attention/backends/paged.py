@@ -10,8 +10,9 @@ backend reads them:
 - a packed step (`PackedReads`): the decodes of sequences that each start a region of the
   pool and fit in it are read all at once, one kernel call on one strided view
   ("regions"); other decodes whose keys are one consecutive run, one call each on a view,
-  no mask ("runs"); the rest through a batched read plan ("decodes"), and each prefill
-  chunk alone, bottom-right causal ("chunk").
+  no mask ("runs"); the rest ("decodes") in place through their block tables, one kernel call
+  (headwise.kernels.attention.paged_decode_attention; fp32, built here), else through a
+  batched read plan; and each prefill chunk alone, bottom-right causal ("chunk").
 
 On CPU the kernel is PyTorch's flash op, which returns the LSE and takes strided K/V
 views; elsewhere (or for an fp32 bias on low-precision q) the same in fp32 matmuls. fp32
@@ -199,11 +200,14 @@ def _packed(q: Tensor, kv: LayerKV, spec: AttentionSpec, reference: bool) -> Att
             continue
         rows = q[0, :, part.start : part.stop] if part.index is None else q[0].index_select(1, part.index)
         rows = rows.transpose(0, 1)  # (Bd, H, D)
+        tables = reads.decode_tables(layer, i) if part.kind == "decodes" and in_place else None
         if part.kind in ("runs", "regions") and in_place:
             attend_part = _attend_runs if part.kind == "runs" else _attend_regions
             o, l = attend_part(reads, layer, rows, i, spec.scale, return_lse)
             if len(parts) == 1 and not return_lse:  # a pure decode step: no copy back
                 return AttentionOutput(o.transpose(0, 1)[None], None, None)  # (1, H, N, D), memory (N, H, D)
+        elif tables is not None and _kernel_takes(rows, H // reads.num_kv_heads, rows.shape[-1]):
+            o, l = _attend_tables(reads.num_kv_heads, rows, tables, spec.scale, return_lse)
         else:
             sub = part.reads if part.kind == "decodes" else reads.fallback(i)
             res = _block(rows[:, :, None], sub, layer, spec, reference)  # (Bd, H, 1, D)
@@ -244,6 +248,18 @@ def _attend_regions(reads: PackedReads, layer: int, rows: Tensor, i: int, scale:
         o = o.index_select(0, grid.gather)
         lse = lse.index_select(0, grid.gather) if want_lse else None
     return o.reshape(Bd, H, D), (lse.reshape(Bd, H).float() if want_lse else None)
+
+
+def _attend_tables(Hkv: int, rows: Tensor, tables, scale: float | None, want_lse: bool):
+    """Decode rows (Bd, H, D) of sequences whose blocks lie anywhere in the pool: one kernel call
+    reads every row's keys through its block table, in place (kernels.attention.
+    paged_decode_attention), instead of gathering tiles. -> (out (Bd, H, D), lse (Bd, H) or None)."""
+    k, v, table, lengths, bs = tables
+    Bd, H, D = rows.shape
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    q = fold_heads(rows[:, :, None], Hkv).contiguous()  # (Bd, Hkv, G, D)
+    o, lse = kernel_attention.paged_decode_attention(q, k, v, table, bs, lengths, scale, want_lse)
+    return o.view(Bd, H, D), (lse.view(Bd, H) if want_lse else None)
 
 
 def _kernel_takes(q: Tensor, G: int, D: int) -> bool:
