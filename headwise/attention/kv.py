@@ -149,7 +149,8 @@ class RegionGrid(NamedTuple):
 class PackedPart(NamedTuple):
     """Pack rows [start, stop) (or the `index` rows) and how they are read:
     "chunk": one sequence's T = stop - start query rows, through `reads` (a BlockReads);
-    "decodes": one row per sequence, through `reads`, a batched read plan (tiles, gathers);
+    "decodes": one row per sequence, in place through `PackedReads.decode_tables` or through
+        `reads`, a batched read plan (tiles, gathers);
     "runs": one row per sequence whose keys are one consecutive run of blocks: `spans` holds
         each one's (first slot, number of keys), read in place as views of the pool;
     "regions": one row per sequence that starts a region of the pool and fits in it: all

@@ -15,7 +15,9 @@ attention backend (attention/backends/paged.py) reads, part by part:
 - other decodes whose sequence's blocks are one consecutive run: in place, one call per
   sequence on a view of the pool, no gather, no mask ("runs"; `spread=True` placement
   keeps sequences that grow side by side consecutive);
-- remaining decodes together, through a batched `PagedStep` read plan (tiles, gathers);
+- remaining decodes together: in place through their block tables, one kernel call
+  (`decode_tables`), or where that cannot run (int8, no kernel) a batched `PagedStep`
+  read plan (tiles, gathers);
 - each longer chunk (a prefill) alone against its own blocks, bottom-right causal.
 Read plans, masks and views are built once per step and shared by all layers.
 
