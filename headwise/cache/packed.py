@@ -191,8 +191,7 @@ class PackedStep(PackedReads, Step):
             tables = torch.tensor([t + [0] * (width - len(t)) for t in used], dtype=torch.int64)
             memo = self.mask_memo[key] = (tables, torch.tensor([self.starts[b] + 1 for b in seqs], dtype=torch.int64))
         Hkv, D = cache.num_kv_heads, cache.head_dim
-        k = cache._k[0][layer].view(Hkv, -1, D)  # (Hkv, num_blocks * block_size, D)
-        v = cache._v[0][layer].view(Hkv, -1, D)
+        k, v = (x.view(Hkv, -1, D) for x in cache._layer_kv[layer])  # (Hkv, num_blocks * block_size, D)
         return k, v, memo[0], memo[1], cache.block_size
 
     # ------------------------------------------------------------------ layers
@@ -285,7 +284,7 @@ class PackedLayerStep:
         claim = step.__dict__.get("_decode_rows")  # the same for every layer of the step
         if claim is None:
             claim = step._decode_rows = self._decode_rows()
-        k, v = cache._k[0][self.layer_index], cache._v[0][self.layer_index]  # (Hkv, NB, bs, D)
+        k, v = cache._layer_kv[self.layer_index]  # (Hkv, NB, bs, D)
         step._mark_written(self.layer_index)
         return k, v, (*claim[:2], k.stride(0), k.stride(2), *claim[2:])
 

@@ -56,6 +56,9 @@ class PagedStorage:
             return (torch.zeros(shape, dtype=dtype, device=self.device),)
 
         self._k, self._v = planes(), planes()
+        # each layer's value planes (Hkv, NB, bs, D), as views made once: indexing the pool per layer
+        # per step showed up in a serving profile (a decode step asks 2 x num_layers times)
+        self._layer_kv = [(self._k[0][i], self._v[0][i]) for i in range(self.num_layers)]
         self._scratch: dict[tuple[int, int], Tensor] = {}  # gather buffers, reused tile to tile
 
     def memory_bytes(self) -> int:
