@@ -163,8 +163,7 @@ class PackedStep(PackedReads, Step):
         the in-place path."""
         part = self.parts[i]
         if part.reads is None:
-            rows = part.index.tolist() if part.index is not None else list(range(part.start, part.stop))
-            seqs = [self.offsets.index(r) for r in rows]
+            seqs = self._part_seqs(i)
             sub = self.cache._read_plan(
                 [self.seq_ids[b] for b in seqs],
                 [self._tables[b] for b in seqs],
@@ -173,6 +172,21 @@ class PackedStep(PackedReads, Step):
             )
             part = self.parts[i] = part._replace(reads=sub)
         return part.reads
+
+    def _block_tables(self, seqs: list[int]) -> tuple[list[list[int]], Tensor]:
+        """Sequences `seqs` (indices into this step): each one's blocks holding keys 0 .. its new
+        one, and those tables padded into one (len(seqs), width) int64 tensor (padding: block 0,
+        never read)."""
+        bs = self.cache.block_size
+        used = [self._tables[b][: self.starts[b] // bs + 1] for b in seqs]
+        width = max(len(t) for t in used)
+        return used, torch.tensor([t + [0] * (width - len(t)) for t in used], dtype=torch.int64)
+
+    def _part_seqs(self, i: int) -> list[int]:
+        """The sequences (indices into this step) whose rows part i holds, in the part's order."""
+        part = self.parts[i]
+        rows = part.index.tolist() if part.index is not None else list(range(part.start, part.stop))
+        return [self.offsets.index(r) for r in rows]
 
     def decode_tables(self, layer: int, i: int):
         """PackedReads.decode_tables: "decodes" part i's block tables and key counts (made once per
@@ -183,12 +197,8 @@ class PackedStep(PackedReads, Step):
         key = ("decode tables", i)
         memo = self.mask_memo.get(key)
         if memo is None:
-            part, bs = self.parts[i], cache.block_size
-            rows = part.index.tolist() if part.index is not None else list(range(part.start, part.stop))
-            seqs = [self.offsets.index(r) for r in rows]
-            used = [self._tables[b][: self.starts[b] // bs + 1] for b in seqs]  # blocks of keys 0 .. start
-            width = max(len(t) for t in used)
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in used], dtype=torch.int64)
+            seqs = self._part_seqs(i)
+            tables = self._block_tables(seqs)[1]
             memo = self.mask_memo[key] = (tables, torch.tensor([self.starts[b] + 1 for b in seqs], dtype=torch.int64))
         Hkv, D = cache.num_kv_heads, cache.head_dim
         k, v = (x.view(Hkv, -1, D) for x in cache._layer_kv[layer])  # (Hkv, num_blocks * block_size, D)
@@ -293,9 +303,7 @@ class PackedLayerStep:
         tables (B, width) int64, block size)."""
         step, cache = self.step, self.step.cache
         bs, pos = cache.block_size, torch.tensor(step.starts, dtype=torch.int64)
-        used = [t[: L // bs + 1] for t, L in zip(step._tables, step.starts)]  # blocks 0 .. L // bs
+        used, table = step._block_tables(list(range(step.B)))
         if all(t[i + 1] == t[i] + 1 for t in used for i in range(len(t) - 1)):
             return torch.tensor([t[0] * bs for t in used], dtype=torch.int64) * cache.head_dim, pos
-        width = max(len(t) for t in used)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in used], dtype=torch.int64)
         return None, pos, table, bs

@@ -40,7 +40,7 @@ ISA_VARIANTS = {
 }
 
 
-def _beats_onednn(capability: str | None = None, vendor: str | None = None) -> bool:
+def _beats_onednn() -> bool:
     """Whether our kernels beat oneDNN's fp32 matmul at many rows on this CPU, from the ISA
     PyTorch runs at here and the CPU's maker (read at import, at run time, not when the kernels
     were built); benchmarks/small_rows.py measures it. It sets MAX_ROWS (fp32: up to how many
@@ -58,20 +58,23 @@ def _beats_onednn(capability: str | None = None, vendor: str | None = None) -> b
       cycle; not measured against ours yet, so beyond the few rows that stream the weight
       (memory-bound, where our layout wins) it is left to oneDNN. AMD's Zen 5 has full 512-bit
       units too and is taken by the AMD rule unmeasured: run benchmarks/small_rows.py there."""
-    capability = torch.backends.cpu.get_cpu_capability() if capability is None else capability
-    vendor = cpu_vendor() if vendor is None else vendor
-    return capability == "AVX2" or vendor == "AuthenticAMD"
+    return torch.backends.cpu.get_cpu_capability() == "AVX2" or cpu_vendor() == "AuthenticAMD"
 
 
-def cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id ("AuthenticAMD", "GenuineIntel"), or "" where it is not there."""
+def _cpuinfo(field: str) -> str:
+    """The first value of `field` in /proc/cpuinfo, or "" where it is not there."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
+
+
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("AuthenticAMD", "GenuineIntel"), or "" where it is not there."""
+    return _cpuinfo("vendor_id")
 
 
 KERNELS_OVER_ONEDNN = _beats_onednn()
@@ -80,13 +83,7 @@ MAX_ROWS = KERNEL_ROWS if KERNELS_OVER_ONEDNN else 4  # fp32 rows the small-row 
 
 def cpu_flags() -> set[str]:
     """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo is not there)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return set(_cpuinfo("flags").split())
 
 
 def pick_isa(flags: set[str] | None = None) -> tuple[str | None, str | None]:

@@ -128,17 +128,15 @@ def paged_decode_attention(
         raise ValueError(
             f"paged_decode_attention: lengths must lie in [0, width * block_size = {tables.shape[1] * block_size}]"
         )
-    out = torch.empty_like(q)
-    lse = torch.empty(C, *q.shape[1:3]) if want_lse else None
-    _, Hkv, G, D = q.shape
-    rc = _ext()[0].decode_attention(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), None if lse is None else lse.data_ptr(),
-        C, Hkv, G, D, 0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1), lengths.data_ptr(), float(scale),
-        0, tables.data_ptr(), tables.shape[1], block_size,
-    )  # fmt: skip
-    if rc:
-        raise RuntimeError(f"decode_attention kernel refused G={G}, D={D}, block_size={block_size} (code {rc})")
-    return out, lse
+    return paged_decode_attention_unchecked(q, k, v, tables, block_size, lengths, scale, want_lse)
+
+
+def paged_decode_attention_unchecked(
+    q: Tensor, k: Tensor, v: Tensor, tables: Tensor, block_size: int, lengths: Tensor, scale: float, want_lse: bool
+) -> tuple[Tensor, Tensor | None]:
+    """paged_decode_attention for a caller that built the tables from the pool itself (the paged
+    backend, every layer of a step): no checks, none of their tensor reductions per layer."""
+    return _run(q, k, v, lengths, scale, want_lse, (0, k.stride(0), k.stride(1)), tables, block_size)
 
 
 def _call(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float, want_lse: bool):
@@ -154,7 +152,19 @@ def decode_attention_all_keys(q: Tensor, k: Tensor, v: Tensor, scale: float, wan
     return _run(q, k, v, None, scale, want_lse)
 
 
-def _run(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None, scale: float, want_lse: bool):
+def _run(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lengths: Tensor | None,
+    scale: float,
+    want_lse: bool,
+    strides: tuple[int, int, int] | None = None,
+    tables: Tensor | None = None,
+    block_size: int = 0,
+):
+    """The kernel call. strides: K's and V's (sequence, head, key) strides in floats (default:
+    those of 4-D views (C, Hkv, width, D)); tables (C, width) int64: keys through block tables."""
     C, Hkv, G, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(C, Hkv, G) if want_lse else None
@@ -168,17 +178,17 @@ def _run(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor | None, scale: float, 
         Hkv,
         G,
         D,
-        *k.stride()[:3],
-        *v.stride()[:3],
+        *(strides or k.stride()[:3]),
+        *(strides or v.stride()[:3]),  # K and V of one pool share their layout
         None if lengths is None else lengths.data_ptr(),
         float(scale),
-        k.shape[2],
-        None,  # no block table: sequence c's key t is row t of its view
-        0,
-        0,
+        0 if tables is not None else k.shape[2],
+        None if tables is None else tables.data_ptr(),
+        0 if tables is None else tables.shape[1],
+        block_size,
     )
-    if rc:  # _check rules these out; a mismatch means the C and Python limits drifted apart
-        raise RuntimeError(f"decode_attention kernel refused G={G}, D={D} (code {rc})")
+    if rc:  # the checks rule these out; a mismatch means the C and Python limits drifted apart
+        raise RuntimeError(f"decode_attention kernel refused G={G}, D={D}, block_size={block_size} (code {rc})")
     return out, lse
 
 

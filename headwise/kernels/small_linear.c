@@ -22,7 +22,7 @@
 
 #include "common.h"  /* prologue, rope_epilogue: shared with quant_linear.c */
 
-enum { MAX_PANEL_ROWS = 64 };  /* rows the x 16 tiles take at once (their accumulators: 4 KB) */
+enum { MAX_PANEL_ROWS = 64 };  /* rows the x 16 tiles take in one call, in row groups (accumulators: 4 KB) */
 
 /* One block of 8 outputs for MC (1..4) rows of x: two accumulators per row (even/odd i). */
 static inline void block_rows(const float *w, const float *x, long I, int MC, __m256 out[4]) {
@@ -51,9 +51,7 @@ static inline void block_rows(const float *w, const float *x, long I, int MC, __
  * block every 2 inputs: SmolLM2's 30 layers at 16 rows, 2 threads, AMD EPYC Zen 4: 38 -> 32 ms
  * (with PANEL_MC 12), 8 rows 33 -> 28; the hardware prefetcher alone left memory idle while the
  * FMAs ran. */
-#ifndef PF_AHEAD
-#define PF_AHEAD 128
-#endif
+enum { PF_AHEAD = 128 };
 /* Rows a tile takes: AVX-512's 32 vector registers (the avx512 build: the same 256-bit code, the
  * compiler may use ymm16-31) hold 24 accumulators + 2 weights + a broadcast, AVX2's 16 hold 12. */
 #if defined(__AVX512F__) && defined(__AVX512VL__)
@@ -159,7 +157,7 @@ static void blocks_out(const float *Wb, const float *xs, const float *b, const f
 /* Wb: (ceil(O/8), I, 8), 32-byte aligned, rows past O zero. Returns 0, or -1 when the
  * prologue buffer cannot be allocated (nothing written). Up to 4 rows each block streams once
  * through a 4 x 8 tile (memory-bound); from 5 rows pairs of blocks go through a PANEL_MC x 16 tile
- * (compute-bound), the pair read from cache once per 6 rows. */
+ * (compute-bound), the pair read from cache once per row group. */
 int hw_small_linear_f32(const float *Wb, const float *x, const float *b, const float *r, float *y,
                         long M, long O, long I, int kind, const float *norm_w, float eps,
                         const float *cos, const float *sin, long rot_cols, long head_dim) {

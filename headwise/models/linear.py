@@ -12,8 +12,9 @@ blocks directly.
 Forwards of up to kernels.KERNEL_ROWS rows (decode steps) go to headwise.kernels.quant's
 integer kernel (activations quantized per block on the fly, as llama.cpp's vec_dot does),
 where it runs; so do prefills of packed weights where our kernels beat oneDNN (AVX2 only, or
-AMD: kernels.KERNELS_OVER_ONEDNN), KERNEL_ROWS rows at a time; other forwards (prefill, or no kernel) dequantize the weight into a temporary and call
-F.linear, so no fp32 copy outlives the call. The dequantization is the kernel's
+AMD: kernels.KERNELS_OVER_ONEDNN), KERNEL_ROWS rows at a time; other forwards (prefill, or no
+kernel) dequantize the weight into a temporary and call F.linear, so no fp32 copy outlives the
+call. The dequantization is the kernel's
 where it runs, else models/quants.py's torch decoders (bit-exact with the gguf package).
 That F.linear first rounds x the way the kernel does (`round_activations`), so both routes
 compute the same function up to fp32 summation order: a row's result does not depend on

@@ -200,13 +200,17 @@ def _packed(q: Tensor, kv: LayerKV, spec: AttentionSpec, reference: bool) -> Att
             continue
         rows = q[0, :, part.start : part.stop] if part.index is None else q[0].index_select(1, part.index)
         rows = rows.transpose(0, 1)  # (Bd, H, D)
-        tables = reads.decode_tables(layer, i) if part.kind == "decodes" and in_place else None
+        tables = (
+            reads.decode_tables(layer, i)
+            if part.kind == "decodes" and in_place and _kernel_takes(rows, H // reads.num_kv_heads, rows.shape[-1])
+            else None
+        )
         if part.kind in ("runs", "regions") and in_place:
             attend_part = _attend_runs if part.kind == "runs" else _attend_regions
             o, l = attend_part(reads, layer, rows, i, spec.scale, return_lse)
             if len(parts) == 1 and not return_lse:  # a pure decode step: no copy back
                 return AttentionOutput(o.transpose(0, 1)[None], None, None)  # (1, H, N, D), memory (N, H, D)
-        elif tables is not None and _kernel_takes(rows, H // reads.num_kv_heads, rows.shape[-1]):
+        elif tables is not None:
             o, l = _attend_tables(reads.num_kv_heads, rows, tables, spec.scale, return_lse)
         else:
             sub = part.reads if part.kind == "decodes" else reads.fallback(i)
@@ -252,13 +256,14 @@ def _attend_regions(reads: PackedReads, layer: int, rows: Tensor, i: int, scale:
 
 def _attend_tables(Hkv: int, rows: Tensor, tables, scale: float | None, want_lse: bool):
     """Decode rows (Bd, H, D) of sequences whose blocks lie anywhere in the pool: one kernel call
-    reads every row's keys through its block table, in place (kernels.attention.
-    paged_decode_attention), instead of gathering tiles. -> (out (Bd, H, D), lse (Bd, H) or None)."""
+    reads every row's keys through its block table, in place, instead of gathering tiles
+    (kernels.attention.paged_decode_attention; unchecked: the tables come from the cache).
+    -> (out (Bd, H, D), lse (Bd, H) or None)."""
     k, v, table, lengths, bs = tables
     Bd, H, D = rows.shape
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     q = fold_heads(rows[:, :, None], Hkv).contiguous()  # (Bd, Hkv, G, D)
-    o, lse = kernel_attention.paged_decode_attention(q, k, v, table, bs, lengths, scale, want_lse)
+    o, lse = kernel_attention.paged_decode_attention_unchecked(q, k, v, table, bs, lengths, scale, want_lse)
     return o.view(Bd, H, D), (lse.view(Bd, H) if want_lse else None)
 
 
