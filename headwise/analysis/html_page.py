@@ -181,13 +181,15 @@ function patchingTable(p) {   // activation patching: per pair, the metric and t
     <th>answer / wrong</th><th>clean</th><th>corrupted</th><th>all heads patched</th><th>heads that recover most</th>
     <th>DLA sum / logit</th></tr>${rows}</table>` + (skipped ? `<p class="muted">Skipped pairs:</p><ul>${skipped}</ul>` : "");
 }
+// MiB with the one decimal the report's text and JSON carry (JS would print 691.0 as "691")
+const mib = (x) => (x == null ? "unknown" : x.toFixed(1));
 function longContext(c) {   // the --context step: length, time, peak memory, labels per role
   const counts = {};
   c.labels.flat().flat().forEach((lab) => { const r = lab.startsWith("offset") ? "offset" : lab; counts[r] = (counts[r] || 0) + 1; });
   const labels = Object.entries(counts).map(([r, n]) => `${r} ${n}`).join(", ") || "none";
   const beyond = c.beyond_trained_context ? ` (beyond the trained ${c.trained_context})` : "";
   return `<p id="long-context">Long context: ${c.tokens} tokens${beyond} of ${esc(c.source)}${c.copies > 1 ? ` (text repeated ${c.copies}x)` : ""},
-    ${c.seconds.toFixed(0)} s; peak memory ${c.memory.peak_mib} MiB, ${c.memory.extra_mib} MiB for the pass
+    ${c.seconds.toFixed(0)} s; peak memory ${mib(c.memory.peak_mib)} MiB, ${mib(c.memory.extra_mib)} MiB for the pass
     <span class="muted">(${esc(c.memory.method)})</span>, where the (T, T) patterns would take ${(c.patterns_bytes / 2 ** 30).toFixed(1)} GiB.
     Heads labelled at that length: ${labels} (sinks = the first ${c.sinks} tokens; see long_context.png).</p>`;
 }
