@@ -20,6 +20,25 @@ int hw_decoder_step(const int64_t *lin, const float *attn_norm, const float *mlp
                     float *kc, float *vc, const int64_t *base, long s_h, long s_t, const int64_t *pos, float scale,
                     const int64_t *table, long tw, long bs);
 
+int hw_decoder_stack(long n, const int64_t *layers, const float *fl, const float *x, float *y, long M, long C,
+                     long *failed);
+
+/* decoder_stack(n, layers, fl, x, y, M, C) -> (rc, failed layer) (decoder_step.c) */
+static PyObject *py_decoder_stack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    const int64_t *layers;
+    const float *fl, *x;
+    float *y;
+    long n, M, C, failed = -1;
+    if (!(hw_nargs("decoder_stack", nargs, 7) && HW_L(0, n) && HW_P(1, layers) && HW_P(2, fl) && HW_P(3, x) &&
+          HW_P(4, y) && HW_L(5, M) && HW_L(6, C)))
+        return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = hw_decoder_stack(n, layers, fl, x, y, M, C, &failed);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(il)", rc, failed);
+}
+
 /* decoder_step(lin, attn_norm, mlp_norm, eps, x, y, M, C, H, Hkv, D, F, cos, sin, kc, vc, base, s_h, s_t, pos,
  * scale, table, tw, bs) -> int rc (decoder_step.c) */
 static PyObject *py_decoder_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -90,6 +109,7 @@ PyObject *hwpy_repack8(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 static PyMethodDef methods[] = {
     {"small_linear", (PyCFunction)(void (*)(void))py_small_linear, METH_FASTCALL, "small_linear.c"},
     {"decoder_step", (PyCFunction)(void (*)(void))py_decoder_step, METH_FASTCALL, "decoder_step.c"},
+    {"decoder_stack", (PyCFunction)(void (*)(void))py_decoder_stack, METH_FASTCALL, "decoder_step.c"},
     {"decode_attention", (PyCFunction)(void (*)(void))py_decode_attention, METH_FASTCALL, "decode_attention.c"},
     {"quant_linear", (PyCFunction)(void (*)(void))hwpy_quant_linear, METH_FASTCALL, "quant_linear.c"},
     {"dequantize", (PyCFunction)(void (*)(void))hwpy_dequantize, METH_FASTCALL, "quant_linear.c"},

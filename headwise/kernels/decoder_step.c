@@ -89,3 +89,37 @@ done:
     free(lengths);
     return rc;
 }
+
+/* Consecutive layers of one decode step in one call: layer l reads the previous one's output.
+ * layers: n descriptors of STACK_FIELDS int64 each (hw_decoder_step's arguments for that layer,
+ * in the order of the enum below; pointers as integers, 0 for none); fl: n (eps, scale) pairs.
+ * Each layer carries its own sizes, cache buffers and rows, so the call is the layers one by
+ * one, only without returning to Python between them: a decode step's parallel regions then
+ * follow each other by microseconds, within the time libgomp's workers spin before they sleep
+ * (threads.py), where the ~40 us of Python between two layer calls let them fall asleep and
+ * every layer paid a futex wake-up. Returns 0, or a layer's nonzero code (then *failed = l). */
+enum { ST_LIN = 0, ST_ATTN_NORM = 12, ST_MLP_NORM, ST_K, ST_V, ST_BASE, ST_SH, ST_ST, ST_POS, ST_TABLE, ST_TW, ST_BS,
+       ST_H, ST_HKV, ST_D, ST_F, ST_COS, ST_SIN, STACK_FIELDS };
+
+#define PTR(T, v) ((T)(intptr_t)(v))
+int hw_decoder_stack(long n, const int64_t *layers, const float *fl, const float *x, float *y, long M, long C,
+                     long *failed) {
+    float *tmp = n > 1 ? malloc(sizeof(float) * (size_t)(2 * M * C)) : NULL;
+    if (n > 1 && !tmp) return -1;
+    const float *in = x;
+    int rc = 0;
+    for (long l = 0; l < n && !rc; l++) {
+        const int64_t *d = layers + l * STACK_FIELDS;
+        float *out = l == n - 1 ? y : tmp + (l % 2) * M * C;
+        rc = hw_decoder_step(d + ST_LIN, PTR(const float *, d[ST_ATTN_NORM]), PTR(const float *, d[ST_MLP_NORM]),
+                             fl[2 * l], in, out, M, C, d[ST_H], d[ST_HKV], d[ST_D], d[ST_F],
+                             PTR(const float *, d[ST_COS]), PTR(const float *, d[ST_SIN]), PTR(float *, d[ST_K]),
+                             PTR(float *, d[ST_V]), PTR(const int64_t *, d[ST_BASE]), d[ST_SH], d[ST_ST],
+                             PTR(const int64_t *, d[ST_POS]), fl[2 * l + 1], PTR(const int64_t *, d[ST_TABLE]),
+                             d[ST_TW], d[ST_BS]);
+        if (rc) *failed = l;
+        in = out;
+    }
+    free(tmp);
+    return rc;
+}

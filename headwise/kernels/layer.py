@@ -6,6 +6,7 @@ RMSNorm + gate/up, SwiGLU + down + residual: the decoder block's few-rows route 
 for a step of one new token per sequence over a contiguous cache, with its ~40 Python-level
 operations per layer (~350 us here at batch 1, more than the layer's matmuls) down to one call.
 The linears are the same kernels' plans: `kernels.LinearPlan` (fp32) or `kernels.quant.QuantPlan`.
+`run_stack(steps, x)` runs consecutive layers' steps (each run_step's arguments) in one call.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class StepPlan(NamedTuple):
     """A layer's four linear plans and norms, checked once: `lin` holds (fmt, weight, bias) per linear."""
 
     lin: Tensor  # (12,) int64
+    lin_list: tuple[int, ...]  # the same 12 ints, for run_stack's descriptors
     plans: tuple  # the four plans (they keep the weights alive)
     norms: tuple[Tensor, Tensor]
     eps: float
@@ -46,7 +48,9 @@ def plan_step(plans: tuple, attn_norm: Tensor, mlp_norm: Tensor, eps: float, H: 
     for p in plans:
         fmt = -1 if isinstance(p, LinearPlan) else p.fmt_id
         lin += [fmt, p.weight_ptr, p.bias_ptr or 0]
-    return StepPlan(torch.tensor(lin, dtype=torch.int64), plans, (attn_norm, mlp_norm), eps, (C, H, Hkv, D, F), D**-0.5)
+    return StepPlan(
+        torch.tensor(lin, dtype=torch.int64), tuple(lin), plans, (attn_norm, mlp_norm), eps, (C, H, Hkv, D, F), D**-0.5
+    )
 
 
 def run_step(
@@ -92,4 +96,54 @@ def run_step(
     )
     if rc:
         raise RuntimeError(f"decoder step kernel failed (code {rc}: -1 no memory, else a kernel's shape/format check)")
+    return y
+
+
+def _descriptor(plan: StepPlan, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, rows: tuple) -> list[int]:
+    """One layer's int64s for decoder_stack (decoder_step.c's ST_* order)."""
+    C, H, Hkv, D, F = plan.dims
+    base, pos, s_h, s_t, *paged = rows
+    table, bs = paged if paged else (None, 0)
+    return [
+        *plan.lin_list,
+        plan.norms[0].data_ptr(),
+        plan.norms[1].data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        0 if base is None else base.data_ptr(),
+        s_h,
+        s_t,
+        pos.data_ptr(),
+        0 if table is None else table.data_ptr(),
+        0 if table is None else table.shape[1],
+        bs,
+        H,
+        Hkv,
+        D,
+        F,
+        cos.data_ptr(),
+        sin.data_ptr(),
+    ]
+
+
+def run_stack(steps: list[tuple], x: Tensor) -> Tensor:
+    """steps: consecutive layers' (plan, cos, sin, k, v, rows), run_step's arguments besides x;
+    x (M, C) -> the last layer's output, each layer reading the one before: the layers one by one
+    in a single kernel call (decoder_stack), so that no Python runs between them."""
+    M, C = x.shape
+    desc, fl = [], []
+    for plan, cos, sin, k, v, rows in steps:
+        if plan.dims[0] != C:
+            raise ValueError(f"decoder stack: a layer of width {plan.dims[0]} in a stack of width {C}")
+        desc += _descriptor(plan, cos, sin, k, v, rows)
+        fl += (plan.eps, plan.scale)
+    desc_t, fl_t, y = torch.tensor(desc, dtype=torch.int64), torch.tensor(fl, dtype=torch.float32), torch.empty(M, C)
+    rc, failed = _ext()[0].decoder_stack(
+        len(steps), desc_t.data_ptr(), fl_t.data_ptr(), x.data_ptr(), y.data_ptr(), M, C
+    )
+    if rc:
+        raise RuntimeError(
+            f"decoder stack kernel failed at its layer {failed} (code {rc}: -1 no memory, else a kernel's "
+            "shape/format check)"
+        )
     return y

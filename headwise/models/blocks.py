@@ -37,7 +37,8 @@ from ..attention import MultiHeadAttention
 from ..attention.step import PlainStep, Step
 from ..config import ModelConfig
 from .linear import QuantizedLinear
-from .layer_step import one_call_step
+from ..kernels import layer as kernel_layer
+from .layer_step import claim_step
 from .packing import PackedLinear
 
 # Steps of at most this many rows (B*T) take the few-rows route; 0 turns it off. Above ~64 rows
@@ -205,22 +206,30 @@ class DecoderBlock(nn.Module):
         self.__dict__["_route_parts"] = (key, parts)
         return parts
 
-    def _few_rows(self, x: Tensor, step: Step, cache) -> Tensor:
+    def one_call_claim(self, h: Tensor, step: Step, cache, B: int, T: int) -> tuple | None:
+        """h (B T, C) of a step of B sequences x T tokens: layer_step.claim_step's claim (the new
+        keys booked) where the layer runs in one kernel call, else None with nothing booked. For
+        the few-rows route (the caller checked route_allowed and _route_ok)."""
         p = self._parts()
-        attn = p.attn
-        B, T, C = x.shape
-        N, H, Hkv, D = B * T, attn.num_heads, attn.num_kv_heads, attn.head_dim  # per layer: pruning changes them
-        h = x.reshape(N, C)
         if (
             (T == 1 or B == 1)  # a decode step, or a packed one (the cache says whether each row is a sequence)
             and cache is not None
             and h.dtype is torch.float32
             and type(p.attn_norm) is type(p.mlp_norm) is RMSNorm
         ):
-            # one new token per sequence: the layer in one kernel call where it applies (layer_step.py)
-            y = one_call_step(self, p, h, step, cache)
-            if y is not None:
-                return y.view(B, T, C)
+            return claim_step(self, p, h, step, cache)
+        return None
+
+    def _few_rows(self, x: Tensor, step: Step, cache) -> Tensor:
+        p = self._parts()
+        attn = p.attn
+        B, T, C = x.shape
+        N, H, Hkv, D = B * T, attn.num_heads, attn.num_kv_heads, attn.head_dim  # per layer: pruning changes them
+        h = x.reshape(N, C)
+        # one new token per sequence: the layer in one kernel call where it applies (layer_step.py)
+        claimed = self.one_call_claim(h, step, cache, B, T)
+        if claimed is not None:
+            return kernel_layer.run_step(claimed[0], h, *claimed[1:]).view(B, T, C)
         rope = p.rope
         if rope is not None and not rope.interleaved and rope.dim == D and h.dtype == torch.float32:
             # RoPE of all q and k heads in the QKV call (the kernel's epilogue, or the module after it)

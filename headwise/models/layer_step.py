@@ -25,6 +25,14 @@ from .packing import PackedLinear
 def one_call_step(block, p, h: Tensor, step, cache) -> Tensor | None:
     """h (N, C) of a T=1 step -> the layer's output (N, C), or None where the one call does not apply.
     The caller has checked that both norms are RMSNorm (blocks.py defines it)."""
+    claimed = claim_step(block, p, h, step, cache)
+    return None if claimed is None else kernel_layer.run_step(claimed[0], h, *claimed[1:])
+
+
+def claim_step(block, p, h: Tensor, step, cache) -> tuple | None:
+    """The layer's one-call step for h (N, C), its new keys booked in the cache: (plan, cos, sin,
+    K, V, rows), kernel_layer.run_step's arguments besides x; or None, with nothing booked, where
+    the one call does not apply."""
     N = h.shape[0]
     claim = getattr(cache, "claim_decode", None)
     if claim is None or step.num_real is not None or N > kernels.KERNEL_ROWS:
@@ -36,8 +44,28 @@ def one_call_step(block, p, h: Tensor, step, cache) -> Tensor | None:
     claimed = claim(N)
     if claimed is None:
         return None
-    k, v, rows = claimed
-    return kernel_layer.run_step(plan, h, cos, sin, k, v, rows)
+    return (plan, cos, sin, *claimed)
+
+
+def stack_step(layers, x: Tensor, step) -> tuple[Tensor, int]:
+    """x (B, T, C) of a step through `layers` (DecoderBlocks; the caller checked route_allowed) ->
+    (the output of the first n layers, n): the longest run of leading layers whose one-call step
+    applies, all in one kernel call (kernel_layer.run_stack), or (x, 0). The model runs the rest
+    (from layer n) one by one: a layer that does not apply has booked nothing."""
+    B, T, C = x.shape
+    h = x.reshape(B * T, C)
+    claims = []
+    for i, layer in enumerate(layers):
+        one_call = getattr(layer, "one_call_claim", None)  # another kind of block (tensor-parallel) has none
+        if one_call is None or layer._forward_hooks or layer._forward_pre_hooks or not layer._route_ok():
+            break
+        claimed = one_call(h, step, step.layer(i), B, T)
+        if claimed is None:
+            break
+        claims.append(claimed)
+    if not claims:
+        return x, 0
+    return kernel_layer.run_stack(claims, h).view(B, T, C), len(claims)
 
 
 def _weights_key(p) -> tuple:

@@ -18,6 +18,7 @@ from ..attention.step import Step, make_step
 from ..config import ModelConfig, RopeScaling
 from .linear import Embedding, QuantizedEmbedding, QuantizedLinear
 from .blocks import DecoderBlock, RMSNorm, check_input_ids, fused_linear, logits_rows, route_allowed
+from .layer_step import stack_step
 from .loading import CheckpointError, To, hf_activation, hf_eos, need
 
 # ---------------------------------------------------------------------------- RoPE
@@ -202,8 +203,11 @@ class Llama(nn.Module):
         step = make_step(step, cache, attention_mask, B, T, input_ids.device)
         few = route_allowed(self, B * T)
         x = self.embed(input_ids)  # (B, T, C)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, step, i, few)
+        done = 0
+        if few:  # a decode step: its layers in one kernel call where each one's single call applies
+            x, done = stack_step(self.layers, x, step)
+        for i in range(done, len(self.layers)):
+            x = self.layers[i](x, step, i, few)
         x = logits_rows(x, step)  # (B, T, C) or (R, C)
         if few and not (
             self.norm._forward_hooks

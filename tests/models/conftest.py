@@ -98,15 +98,22 @@ def decoder(tmp_path_factory):
 
 @pytest.fixture
 def few_rows(monkeypatch):
-    """Counts the block calls that took the few-rows route (`DecoderBlock._few_rows`)."""
+    """Counts the block steps that took the few-rows route: `DecoderBlock._few_rows` calls and the
+    layers a decode step ran as one stack (`kernels.layer.run_stack`: their one calls chained)."""
     calls = []
+    from headwise.kernels import layer as kernel_layer
     from headwise.models import blocks
 
-    real = blocks.DecoderBlock._few_rows
+    real, real_stack = blocks.DecoderBlock._few_rows, kernel_layer.run_stack
 
     def spy(self, *args, **kwargs):
         calls.append(1)
         return real(self, *args, **kwargs)
 
+    def spy_stack(steps, x):
+        calls.extend([1] * len(steps))
+        return real_stack(steps, x)
+
     monkeypatch.setattr(blocks.DecoderBlock, "_few_rows", spy)
+    monkeypatch.setattr(kernel_layer, "run_stack", spy_stack)
     return calls

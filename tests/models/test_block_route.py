@@ -64,17 +64,9 @@ def saved(tmp_path_factory):
 
 
 @pytest.fixture
-def routed(monkeypatch):
-    """Counts the block steps that took the few-rows route."""
-    calls = []
-    real = blocks.DecoderBlock._few_rows
-
-    def spy(self, *args, **kwargs):
-        calls.append(1)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(blocks.DecoderBlock, "_few_rows", spy)
-    return calls
+def routed(few_rows):
+    """Counts the block steps that took the few-rows route (conftest's few_rows)."""
+    return few_rows
 
 
 def _ids(B, T, seed=0):

@@ -8,7 +8,7 @@ import torch
 import headwise
 from headwise.cache import ContiguousKVCache
 from headwise.kernels import layer as kernel_layer
-from headwise.models import blocks
+from headwise.models import blocks, llama
 
 from .conftest import hf_checkpoints
 from .stepping import assert_scattered, close, scattered
@@ -23,20 +23,27 @@ def saved(tmp_path_factory):
 
 @pytest.fixture
 def one_calls(monkeypatch):
+    """The rows of each layer's one-call step, whether a layer ran alone (run_step) or in a stack
+    of consecutive layers (run_stack, one entry per layer)."""
     calls = []
-    real = kernel_layer.run_step
+    real_step, real_stack = kernel_layer.run_step, kernel_layer.run_stack
 
-    def spy(plan, x, *args):
+    def spy_step(plan, x, *args):
         calls.append(x.shape[0])
-        return real(plan, x, *args)
+        return real_step(plan, x, *args)
 
-    monkeypatch.setattr(kernel_layer, "run_step", spy)
+    def spy_stack(steps, x):
+        calls.extend([x.shape[0]] * len(steps))
+        return real_stack(steps, x)
+
+    monkeypatch.setattr(kernel_layer, "run_step", spy_step)
+    monkeypatch.setattr(kernel_layer, "run_stack", spy_stack)
     return calls
 
 
 def _without_one_call(fn, *args):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(blocks, "one_call_step", lambda *a: None)
+        mp.setattr(blocks, "claim_step", lambda *a: None)
         return fn(*args)
 
 
@@ -134,3 +141,62 @@ def test_packed_decodes_over_scattered_blocks_take_one_call_and_match_hf(saved, 
             pos[s] += 1
     assert one_calls == [3] * (2 * 8)  # 2 layers x 8 decode steps, all three rows in one call
     assert_scattered(cache, list(seqs))
+
+
+@pytest.fixture
+def stacks(monkeypatch):
+    """The layer count of each run_stack call (one call per decode step where every layer applies)."""
+    calls = []
+    real = kernel_layer.run_stack
+
+    def spy(steps, x):
+        calls.append(len(steps))
+        return real(steps, x)
+
+    monkeypatch.setattr(kernel_layer, "run_stack", spy)
+    return calls
+
+
+def _layer_by_layer(fn, *args):
+    """The same step with the stack off: each layer's one call from its own forward."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llama, "stack_step", lambda layers, x, step: (x, 0))
+        return fn(*args)
+
+
+@pytest.mark.parametrize("weights", [None, "q4_1", "q8_0"])
+@torch.inference_mode()
+def test_a_decode_step_runs_its_layers_in_one_stack_call_with_the_same_bits(saved, stacks, weights):
+    """The stack is the layers' one calls chained in C: every decode step one call over all the
+    layers, the logits bit for bit those of the layers called one by one from Python, and (fp32)
+    equal to Hugging Face transformers."""
+    hf, path = saved("llama-gqa")
+    model = headwise.load(path, **({} if weights is None else {"weights": weights}))
+    ids = _ids(2, 16, seed=13)
+    got = _decode(model, ids, prefill=6)
+    assert stacks == [model.config.num_layers] * 10  # 10 decode steps; the prefill is not one
+    stacks.clear()
+    want = _layer_by_layer(_decode, model, ids, 6)
+    assert stacks == []
+    assert torch.equal(got, want)
+    if weights is None:
+        assert (got - hf(ids).logits[:, 6:]).abs().max() <= TOL
+
+
+@torch.inference_mode()
+def test_a_hooked_layer_leaves_the_stack_and_its_hook_runs(saved, stacks, one_calls):
+    """A forward hook on a block (head analysis captures this way): the layers before it run as a
+    stack, the hooked one and the rest through their own forward, so the hook sees every step."""
+    hf, path = saved("llama-gqa")
+    model = headwise.load(path)
+    seen = []
+    handle = model.layers[1].register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    ids = _ids(1, 12, seed=4)
+    try:
+        got = _decode(model, ids, prefill=5)
+    finally:
+        handle.remove()
+    assert stacks == [1] * 7  # layer 0 alone in the stack, 7 decode steps
+    assert len(seen) == 1 + 7  # the prefill and every decode step
+    assert one_calls == [1] * (2 * 7)  # layer 1 still took its own one call
+    assert (got - hf(ids).logits[:, 5:]).abs().max() <= TOL
