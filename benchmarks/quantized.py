@@ -177,6 +177,8 @@ def main() -> None:
                 res = llama.llama_bench(path, args.threads, n_prompt=args.prefill, n_gen=args.new_tokens, reps=1)
                 dec[name].append(res["tg"])
                 pre[name].append(res["pp"])
+                if r == 0:
+                    log(f"llama.cpp's repacked weights: tg {res['tg_repack']}; pp {res['pp_repack']}")
         log(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in dec.items()))
     l1, stat = loadavg(), busy_and_steal(t0, cpu_ticks())
     log(f"load {l0[0]:.2f} -> {l1[0]:.2f}, cpu busy {stat['busy_pct']:.1f}% steal {stat['steal_pct']:.1f}%")

@@ -96,7 +96,10 @@ class ContiguousLayerCache(LayerCacheBase):
         out (int8, static for torch.compile, not fp32, or `rows` is not one per sequence)."""
         if rows != self.batch_size or self.static or self.store.int8 or self.dtype is not torch.float32:
             return None
-        self._book(1, None)
+        host = self._host  # _book(1, None) for one token each, without its general checks
+        if max(host) >= self.max_seq_len:
+            self._check_fits([1] * rows)  # raises, naming the sequence
+        self._host = [L + 1 for L in host]  # all one longer: _uniform stays what it was
         pos = self._len.clone()
         self._len += 1
         k, v = self.store.k[0], self.store.v[0]

@@ -22,21 +22,53 @@ int hw_decoder_step(const int64_t *lin, const float *attn_norm, const float *mlp
 
 int hw_decoder_stack(long n, const int64_t *layers, const float *fl, const float *x, float *y, long M, long C,
                      long *failed);
+long hw_stack_fields(void);
 
-/* decoder_stack(n, layers, fl, x, y, M, C) -> (rc, failed layer) (decoder_step.c) */
+/* decoder_stack(layers, fl, x, y, M, C) -> (rc, failed layer) (decoder_step.c): layers a list of
+ * n * hw_stack_fields() ints, fl a list of 2 n floats (eps, scale per layer). Lists, not tensors:
+ * parsing ~900 ints here takes a few microseconds, where torch.tensor(list) took ~50. */
 static PyObject *py_decoder_stack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    const int64_t *layers;
-    const float *fl, *x;
+    const float *x;
     float *y;
-    long n, M, C, failed = -1;
-    if (!(hw_nargs("decoder_stack", nargs, 7) && HW_L(0, n) && HW_P(1, layers) && HW_P(2, fl) && HW_P(3, x) &&
-          HW_P(4, y) && HW_L(5, M) && HW_L(6, C)))
-        return NULL;
+    long M, C, failed = -1;
+    if (!(hw_nargs("decoder_stack", nargs, 6) && HW_P(2, x) && HW_P(3, y) && HW_L(4, M) && HW_L(5, C))) return NULL;
+    PyObject *ls = PySequence_Fast(args[0], "decoder_stack: layers must be a list of ints");
+    PyObject *fs = ls ? PySequence_Fast(args[1], "decoder_stack: fl must be a list of floats") : NULL;
+    int64_t *layers = NULL;
+    float *fl = NULL;
+    PyObject *result = NULL;
+    if (!fs) goto done;
+    const Py_ssize_t nl = PySequence_Fast_GET_SIZE(ls), nf = PySequence_Fast_GET_SIZE(fs);
+    const long n = (long)(nf / 2);
+    if (nl != n * hw_stack_fields() || nf != 2 * n || n < 1) {
+        PyErr_Format(PyExc_ValueError, "decoder_stack: %zd ints and %zd floats do not describe whole layers (%ld ints "
+                     "and 2 floats each)", nl, nf, hw_stack_fields());
+        goto done;
+    }
+    layers = malloc(sizeof(int64_t) * (size_t)nl), fl = malloc(sizeof(float) * (size_t)nf);
+    if (!layers || !fl) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    PyObject **li = PySequence_Fast_ITEMS(ls), **fi = PySequence_Fast_ITEMS(fs);
+    for (Py_ssize_t i = 0; i < nl; i++) {
+        layers[i] = PyLong_AsLongLong(li[i]);
+        if (layers[i] == -1 && PyErr_Occurred()) goto done;
+    }
+    for (Py_ssize_t i = 0; i < nf; i++) {
+        const double v = PyFloat_AsDouble(fi[i]);
+        if (v == -1.0 && PyErr_Occurred()) goto done;
+        fl[i] = (float)v;
+    }
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = hw_decoder_stack(n, layers, fl, x, y, M, C, &failed);
     Py_END_ALLOW_THREADS
-    return Py_BuildValue("(il)", rc, failed);
+    result = Py_BuildValue("(il)", rc, failed);
+done:
+    free(layers), free(fl);
+    Py_XDECREF(ls), Py_XDECREF(fs);
+    return result;
 }
 
 /* decoder_step(lin, attn_norm, mlp_norm, eps, x, y, M, C, H, Hkv, D, F, cos, sin, kc, vc, base, s_h, s_t, pos,

@@ -101,6 +101,8 @@ done:
 enum { ST_LIN = 0, ST_ATTN_NORM = 12, ST_MLP_NORM, ST_K, ST_V, ST_BASE, ST_SH, ST_ST, ST_POS, ST_TABLE, ST_TW, ST_BS,
        ST_H, ST_HKV, ST_D, ST_F, ST_COS, ST_SIN, STACK_FIELDS };
 
+long hw_stack_fields(void) { return STACK_FIELDS; }
+
 #define PTR(T, v) ((T)(intptr_t)(v))
 int hw_decoder_stack(long n, const int64_t *layers, const float *fl, const float *x, float *y, long M, long C,
                      long *failed) {

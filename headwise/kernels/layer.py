@@ -137,10 +137,8 @@ def run_stack(steps: list[tuple], x: Tensor) -> Tensor:
             raise ValueError(f"decoder stack: a layer of width {plan.dims[0]} in a stack of width {C}")
         desc += _descriptor(plan, cos, sin, k, v, rows)
         fl += (plan.eps, plan.scale)
-    desc_t, fl_t, y = torch.tensor(desc, dtype=torch.int64), torch.tensor(fl, dtype=torch.float32), torch.empty(M, C)
-    rc, failed = _ext()[0].decoder_stack(
-        len(steps), desc_t.data_ptr(), fl_t.data_ptr(), x.data_ptr(), y.data_ptr(), M, C
-    )
+    y = torch.empty(M, C)
+    rc, failed = _ext()[0].decoder_stack(desc, fl, x.data_ptr(), y.data_ptr(), M, C)
     if rc:
         raise RuntimeError(
             f"decoder stack kernel failed at its layer {failed} (code {rc}: -1 no memory, else a kernel's "
