@@ -40,27 +40,6 @@ ISA_VARIANTS = {
 }
 
 
-def _beats_onednn() -> bool:
-    """Whether our kernels beat oneDNN's fp32 matmul at many rows on this CPU, from the ISA
-    PyTorch runs at here and the CPU's maker (read at import, at run time, not when the kernels
-    were built); benchmarks/small_rows.py measures it. It sets MAX_ROWS (fp32: up to how many
-    rows PackedLinear prefers the small-row kernel) and whether a prefill of packed quantized
-    weights runs the integer kernel 64 rows at a time (models/linear.py) instead of a
-    dequantized tile + GEMM.
-
-    - AVX2 only: oneDNN's tiles are as wide as ours; our 6 x 16 tiles win at every row count up
-      to KERNEL_ROWS (AMD EPYC Zen 3, 2 threads, SmolLM2's shapes, 30 layers: 16 rows 40 vs 62
-      ms, 64 rows 130 vs 139 ms), the integer prefill took 0.65x the time of the GEMM route.
-    - AMD with AVX-512 (Zen 4 runs a 512-bit FMA as two 256-bit halves): oneDNN's wider tiles
-      gain nothing; results/small_rows_zen4.txt: 16 rows 42 vs 51 ms, 32 rows 64 vs 68, 64 even; the
-      integer prefill of SmolLM2's Q4_1 file 769 vs 472 tok/s (512 tokens).
-    - Intel with AVX-512 (two full 512-bit FMA units): oneDNN's tiles may do twice the work per
-      cycle; not measured against ours yet, so beyond the few rows that stream the weight
-      (memory-bound, where our layout wins) it is left to oneDNN. AMD's Zen 5 has full 512-bit
-      units too and is taken by the AMD rule unmeasured: run benchmarks/small_rows.py there."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX2" or cpu_vendor() == "AuthenticAMD"
-
-
 def _cpuinfo(field: str) -> str:
     """The first value of `field` in /proc/cpuinfo, or "" where it is not there."""
     try:
@@ -72,12 +51,19 @@ def _cpuinfo(field: str) -> str:
     return ""
 
 
-def cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id ("AuthenticAMD", "GenuineIntel"), or "" where it is not there."""
-    return _cpuinfo("vendor_id")
-
-
-KERNELS_OVER_ONEDNN = _beats_onednn()
+# Whether our kernels beat oneDNN's matmul at many rows: it sets MAX_ROWS (fp32: up to how many
+# rows PackedLinear prefers the small-row kernel) and whether a prefill of packed quantized
+# weights runs the integer kernel 64 rows at a time (models/linear.py) instead of a dequantized
+# tile + GEMM. benchmarks/small_rows.py measures the fp32 half (SmolLM2's 30 layers, 2 threads);
+# they did on every CPU measured so far, so it is no longer a rule by ISA or maker:
+# - AMD EPYC Zen 3, AVX2 only: 16 rows 40 vs 62 ms, 64 rows 130 vs 139; integer prefill 0.65x the time;
+# - AMD EPYC Zen 4, AVX-512 as two 256-bit halves: results/small_rows_zen4.txt, 16 rows 42 vs 51 ms,
+#   32 rows 64 vs 68, 64 even; SmolLM2's Q4_1 prefill (512 tokens) 769 vs 472 tok/s;
+# - Intel Xeon, AVX-512 + VNNI + AMX (two full 512-bit FMA units, where oneDNN's wider tiles were
+#   expected to win; 2026-12-02): results/small_rows_intel.txt, 16 rows 28.0 vs 44.6 ms, 32 rows 42.9
+#   vs 56.9, 64 rows 80.4 vs 76.7 (oneDNN 5% ahead); Q4_1 prefill 1181 vs 872 tok/s.
+# Before, Intel's AVX-512 kept oneDNN from 5 rows, a guess that the first measurement undid.
+KERNELS_OVER_ONEDNN = True
 MAX_ROWS = KERNEL_ROWS if KERNELS_OVER_ONEDNN else 4  # fp32 rows the small-row kernel takes from oneDNN
 
 

@@ -16,7 +16,7 @@ A decoder block runs a step one of two ways, with the same numbers (fp32 roundin
       x   = linear(swiglu(linear(rmsnorm(x)))) + x
 
   The kernel (headwise.kernels.small_linear, through PackedLinear) runs for up to
-  kernels.MAX_ROWS rows (64 with AVX2 only or on AMD, 4 on Intel AVX-512: kernels._beats_onednn); above that
+  kernels.MAX_ROWS rows (64: kernels.KERNELS_OVER_ONEDNN, measured on AMD and Intel); above that
   the same calls go to the modules.
 The route runs in inference (no grad, eval mode, not under torch.compile) for steps of at most
 ROUTE_ROWS rows, when no hook would be bypassed: forward hooks on the modules it calls by hand,

@@ -11,8 +11,8 @@ blocks directly.
 
 Forwards of up to kernels.KERNEL_ROWS rows (decode steps) go to headwise.kernels.quant's
 integer kernel (activations quantized per block on the fly, as llama.cpp's vec_dot does),
-where it runs; so do prefills of packed weights where our kernels beat oneDNN (AVX2 only, or
-AMD: kernels.KERNELS_OVER_ONEDNN), KERNEL_ROWS rows at a time; other forwards (prefill, or no
+where it runs; so do prefills of packed weights where our kernels beat oneDNN (every CPU
+measured: kernels.KERNELS_OVER_ONEDNN), KERNEL_ROWS rows at a time; other forwards (prefill, or no
 kernel) dequantize the weight into a temporary and call F.linear, so no fp32 copy outlives the
 call. The dequantization is the kernel's
 where it runs, else models/quants.py's torch decoders (bit-exact with the gguf package).
@@ -268,11 +268,11 @@ class QuantizedLinear(nn.Module):
         return F.linear(round_activations(x), w if x.dtype is torch.float32 else w.to(x.dtype), self.bias)
 
     def _chunked(self, x: Tensor) -> Tensor:
-        """Many rows where our kernels beat oneDNN's (kernels.KERNELS_OVER_ONEDNN: AVX2 only, or
-        AMD): the integer kernel KERNEL_ROWS rows at a time. On AMD EPYC Zen 3 (1 thread, Q4_1
-        packed, 128 rows of 576 or 1536) it took 0.65x the time of dequantizing a tile + MKL's
-        fp32 GEMM (~45 GMAC/s there); on Zen 4 (AVX-512) SmolLM2's 512-token prefill ran at
-        769 vs 472 tok/s. Intel's AVX-512 GEMM is twice as wide, so _tiled stays the route there."""
+        """Many rows where our kernels beat oneDNN's (kernels.KERNELS_OVER_ONEDNN): the integer
+        kernel KERNEL_ROWS rows at a time. On AMD EPYC Zen 3 (1 thread, Q4_1 packed, 128 rows of
+        576 or 1536) it took 0.65x the time of dequantizing a tile + MKL's fp32 GEMM (~45 GMAC/s
+        there); SmolLM2's 512-token prefill ran at 769 vs 472 tok/s on Zen 4 (AVX-512) and 1181
+        vs 872 on an Intel Xeon (AVX-512 + AMX), whose wider GEMM was expected to win."""
         I = self.in_features
         xs = x.reshape(-1, I)  # (N, I)
         plan, run, R = self.kernel_plan(), _quant_module().run_quant, kernels.KERNEL_ROWS
