@@ -22,13 +22,6 @@ from .linear import QuantizedLinear
 from .packing import PackedLinear
 
 
-def one_call_step(block, p, h: Tensor, step, cache) -> Tensor | None:
-    """h (N, C) of a T=1 step -> the layer's output (N, C), or None where the one call does not apply.
-    The caller has checked that both norms are RMSNorm (blocks.py defines it)."""
-    claimed = claim_step(block, p, h, step, cache)
-    return None if claimed is None else kernel_layer.run_step(claimed[0], h, *claimed[1:])
-
-
 def claim_step(block, p, h: Tensor, step, cache) -> tuple | None:
     """The layer's one-call step for h (N, C), its new keys booked in the cache: (plan, cos, sin,
     K, V, rows), kernel_layer.run_step's arguments besides x; or None, with nothing booked, where
