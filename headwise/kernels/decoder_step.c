@@ -46,6 +46,16 @@ static int linear(const int64_t *lin, const float *x, const float *r, float *y, 
  * (base then unused), row m's key t is at kc + h s_h + (table[m][t / bs] * bs + t % bs) s_t: a
  * paged pool's blocks wherever they lie. pos (M,): the key row m writes, so it then attends over
  * keys 0 .. pos[m]. Returns 0, -1 (no memory) or a kernel's code. */
+/* Row m's attention over its own keys (hw_decoder_step's K/V layout: base[m] floats in, or its table). */
+static int attend_row(const float *q, const float *kc, const float *vc, float *o, const int64_t *base,
+                      const int64_t *table, long tw, long bs, const long *lengths, long Hkv, long H, long D, long s_h,
+                      long s_t, float scale, long m) {
+    const long HD = H * D;
+    return hw_decode_attention_f32(q + m * HD, kc + (table ? 0 : base[m]), vc + (table ? 0 : base[m]), o + m * HD,
+                                   NULL, 1, Hkv, H / Hkv, D, 0, s_h, s_t, 0, s_h, s_t, lengths + m, scale, 0,
+                                   table ? table + m * tw : NULL, tw, bs);
+}
+
 int hw_decoder_step(const int64_t *lin, const float *attn_norm, const float *mlp_norm, float eps, const float *x,
                     float *y, long M, long C, long H, long Hkv, long D, long F, const float *cos, const float *sin,
                     float *kc, float *vc, const int64_t *base, long s_h, long s_t, const int64_t *pos, float scale,
@@ -70,13 +80,19 @@ int hw_decoder_step(const int64_t *lin, const float *attn_norm, const float *mlp
         }
         lengths[m] = pos[m] + 1;
     }
-    /* each row over its own keys (one sequence each); rows in parallel, each call then on one thread */
+    /* each row over its own keys (one sequence each): rows in parallel, each call then on one
+     * thread; one row on its own, outside any parallel region, so that a long context splits its
+     * KV heads over the threads. (Inside even an inactive `parallel if (0)` region the call's own
+     * parallel loop is a nested team, which libgomp does not take from its pool: at 1,000 keys a
+     * batch-1 step went from 6 to 125 ms.) */
     int arc = 0;
-    #pragma omp parallel for schedule(dynamic) reduction(| : arc) if (M > 1)
-    for (long m = 0; m < M; m++)
-        arc |= hw_decode_attention_f32(q + m * HD, kc + (table ? 0 : base[m]), vc + (table ? 0 : base[m]), o + m * HD,
-                                       NULL, 1, Hkv, H / Hkv, D, 0, s_h, s_t, 0, s_h, s_t, lengths + m, scale, 0,
-                                       table ? table + m * tw : NULL, tw, bs);
+    if (M == 1)
+        arc = attend_row(q, kc, vc, o, base, table, tw, bs, lengths, Hkv, H, D, s_h, s_t, scale, 0);
+    else {
+        #pragma omp parallel for schedule(dynamic) reduction(| : arc)
+        for (long m = 0; m < M; m++)
+            arc |= attend_row(q, kc, vc, o, base, table, tw, bs, lengths, Hkv, H, D, s_h, s_t, scale, m);
+    }
     rc = arc;
     if (rc) goto done;
     rc = linear(lin + 3, o, x, h, M, C, HD, PRO_NONE, NULL, 0.0f, NULL, NULL, 0, 0);

@@ -12,7 +12,7 @@ from headwise.models import blocks, llama
 
 from .conftest import hf_checkpoints
 from .stepping import assert_scattered, close, scattered
-from .test_block_route import CONFIGS, TOL, _decode, _ids
+from .test_block_route import CONFIGS, TOL, V, _decode, _ids, tf
 
 
 @pytest.fixture(scope="module")
@@ -200,3 +200,34 @@ def test_a_hooked_layer_leaves_the_stack_and_its_hook_runs(saved, stacks, one_ca
     assert len(seen) == 1 + 7  # the prefill and every decode step
     assert one_calls == [1] * (2 * 7)  # layer 1 still took its own one call
     assert (got - hf(ids).logits[:, 5:]).abs().max() <= TOL
+
+
+_LONG = {  # 2 KV heads x 4 query rows x 64 channels: past 1,024 keys a row's attention splits its heads over threads
+    "llama-long": lambda: (
+        tf.LlamaConfig(
+            hidden_size=512,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            vocab_size=V,
+            max_position_embeddings=1100,
+            initializer_range=0.05,
+        ),
+        tf.LlamaForCausalLM,
+    )
+}
+
+
+@torch.inference_mode()
+def test_one_row_past_the_attention_threads_threshold_matches_hf(tmp_path_factory, one_calls):
+    """A batch-1 decode whose attention crosses decode_attention.c's PARALLEL_MIN_WORK (2^19 key x
+    row x channel products) inside the stack: its KV heads then go to the threads from the stack's
+    own call (a nested team inside an inactive region made such a step 20x slower, 6 -> 125 ms at
+    1,000 keys on SmolLM2); every step still equals HF."""
+    hf, path = hf_checkpoints(tmp_path_factory, _LONG, seed=3)("llama-long")
+    model = headwise.load(path)
+    ids = _ids(1, 1036, seed=5)
+    got = _decode(model, ids, prefill=1016)  # steps at 1,017 .. 1,036 keys: both sides of 1,024
+    assert one_calls == [1] * (2 * 20)
+    assert (got - hf(ids).logits[:, 1016:]).abs().max() <= TOL
