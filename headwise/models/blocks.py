@@ -174,12 +174,7 @@ class DecoderBlock(nn.Module):
     def _route_ok(self) -> bool:
         """No hook of a module the route calls by hand (checked every step: hooks come and go)."""
         parts = self._parts()
-        if parts.attn.hook is not None or not parts.attn.fused:
-            return False
-        for m in parts.modules:
-            if m._forward_hooks or m._forward_pre_hooks:
-                return False
-        return True
+        return parts.attn.hook is None and parts.attn.fused and not any(parts.hook_dicts)
 
     def _parts(self) -> "_Parts":
         """The modules the route calls, looked up once and again only when one is replaced
@@ -201,7 +196,8 @@ class DecoderBlock(nn.Module):
             m["mlp_norm"],
             mlp,
             swiglu,
-            (attn, *attn._modules.values(), m["attn_norm"], m["mlp_norm"], mlp, *mlp._modules.values()),
+            mods := (attn, *attn._modules.values(), m["attn_norm"], m["mlp_norm"], mlp, *mlp._modules.values()),
+            tuple(d for mod in mods for d in (mod._forward_hooks, mod._forward_pre_hooks)),
         )
         self.__dict__["_route_parts"] = (key, parts)
         return parts
@@ -271,6 +267,7 @@ class _Parts(NamedTuple):
     mlp: nn.Module
     swiglu: bool
     modules: tuple  # every module the route calls by hand (their hooks would not run)
+    hook_dicts: tuple  # their _forward_hooks and _forward_pre_hooks dicts (filled and emptied in place)
 
 
 def route_allowed(module: nn.Module, rows: int) -> bool:

@@ -61,29 +61,39 @@ def stack_step(layers, x: Tensor, step) -> tuple[Tensor, int]:
     return kernel_layer.run_stack(claims, h).view(B, T, C), len(claims)
 
 
-def _weights_key(p) -> tuple:
+def _weights_watch(p) -> tuple:
     """What the plan depends on besides the modules themselves (p changes when one is replaced):
-    each weight tensor and, outside inference mode, its version (in-place edits bump it)."""
-    key = []
+    per weight, (the dict it sits in, its name, the tensor, its version outside inference mode:
+    in-place edits bump it; None for an inference tensor, which has none)."""
+    watch = []
     for m in (p.qkv, p.out, *p.mlp._modules.values(), p.attn_norm, p.mlp_norm):
-        t = m._buffers.get("blocks")
-        if t is None:
-            t = m._parameters.get("weight")  # None: a module of neither kind (parallel's RowParallelLinear)
-        key += (id(t), None if t is None or t.is_inference() else t._version)
-    return tuple(key)
+        d, name = m._buffers, "blocks"
+        t = d.get(name)
+        if t is None:  # a plain weight, or a module of neither kind (parallel's RowParallelLinear): None
+            d, name = m._parameters, "weight"
+            t = d.get(name)
+        watch.append((d, name, t, None if t is None or t.is_inference() else t._version))
+    return tuple(watch)
+
+
+def _weights_unchanged(watch: tuple) -> bool:
+    for d, name, t, version in watch:
+        if d.get(name) is not t or (version is not None and t._version != version):
+            return False
+    return True
 
 
 def _cached_plan(block, p, h: Tensor):
     """_plan, checked again only when the parts, a weight, the row count or the kernels' state change."""
     attn = p.attn
     # what a caller may change between steps: the attention backend, a kernel switched off (tests do)
-    state = (attn.backend, attn._buffers.get("kv_map") is None, id(kernels.kernels_unavailable), kernels.MAX_ROWS)
-    key = (id(p), h.shape[0], *state, *_weights_key(p))
+    state = (id(p), h.shape[0], attn.backend, attn._buffers.get("kv_map") is None, id(kernels.kernels_unavailable))
+    state += (kernels.MAX_ROWS,)
     memo = block.__dict__.get("_step_memo")
-    if memo is not None and memo[0] == key:
-        return memo[1]
+    if memo is not None and memo[0] == state and _weights_unchanged(memo[1]):
+        return memo[2]
     plan = _plan(block, p, h)
-    block.__dict__["_step_memo"] = (key, plan)
+    block.__dict__["_step_memo"] = (state, _weights_watch(p), plan)
     return plan
 
 

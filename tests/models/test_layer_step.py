@@ -231,3 +231,23 @@ def test_one_row_past_the_attention_threads_threshold_matches_hf(tmp_path_factor
     got = _decode(model, ids, prefill=1016)  # steps at 1,017 .. 1,036 keys: both sides of 1,024
     assert one_calls == [1] * (2 * 20)
     assert (got - hf(ids).logits[:, 1016:]).abs().max() <= TOL
+
+
+def test_weights_edited_in_place_or_replaced_reach_the_one_call(saved, one_calls):
+    """The layer's cached plan notices a weight edited in place (its version) and one replaced by
+    another tensor, as HF with the same edits does."""
+    _, path = saved("llama-gqa")
+    hf = tf.LlamaForCausalLM.from_pretrained(path).eval()  # its own weights: this test edits them
+    model = headwise.load(path)
+    ids = _ids(1, 12, seed=13)
+    with torch.no_grad():
+        _decode(model, ids, prefill=1)  # plans made and cached (every step one row: one memo)
+        for m in (model.layers[1].mlp.down, hf.model.layers[1].mlp.down_proj):
+            m.weight.mul_(-0.5)  # in place: same tensor, new version
+        new_norm = torch.nn.Parameter(torch.rand(model.config.d_model) + 0.5)
+        model.layers[0].attn_norm.weight = new_norm  # a new tensor
+        hf.model.layers[0].input_layernorm.weight = torch.nn.Parameter(new_norm.detach().clone())
+        got = _decode(model, ids, prefill=1)
+        want = hf(ids).logits[:, 1:]
+    assert one_calls == [1] * (2 * 2 * 12)  # the 1-token prefill too
+    assert (got - want).abs().max() <= TOL
