@@ -1,11 +1,11 @@
 """Where the small-row fp32 kernel stops beating oneDNN: the claim behind `kernels.MAX_ROWS`.
 
 PackedLinear sends a forward of up to `kernels.MAX_ROWS` rows to kernels/small_linear.c (the
-weight in 8-row blocks, 4 x 8 tiles up to 4 rows, 6 x 16 tiles from 5) and more rows to oneDNN's
-prepacked matmul. The engine's decode steps are 1-64 rows, so this crossover sets its speed. It
-depends on the CPU: oneDNN's AVX-512 tiles are twice as wide as our AVX2 ones, which pays where
-the core has two full 512-bit FMA units (Intel Xeon), not where it splits a 512-bit FMA in two
-(AMD Zen 4). This script times both on SmolLM2-135M's 30 layers of linear shapes (qkv 960 x 576,
+weight in 8-row blocks, 4 x 8 tiles up to 4 rows, from 5 rows 6 x 16 ymm tiles in the AVX2 build
+and 12 x 32 zmm tiles in the AVX-512 one) and more rows to oneDNN's prepacked matmul. The engine's
+decode steps are 1-64 rows, so this crossover sets its speed. It depends on the CPU: 16-wide
+tiles pay where the core has full 512-bit FMA units (Intel Xeon, AMD Zen 5), not where it splits
+a 512-bit FMA in two (AMD Zen 4). This script times both on SmolLM2-135M's 30 layers of linear shapes (qkv 960 x 576,
 o 576 x 576, gate_up 3072 x 576, down 576 x 1536; 425 MB of fp32, streamed from memory as in a
 decode step) at each row count, interleaved round by round, and prints the ratio and what
 MAX_ROWS picks on this CPU.
