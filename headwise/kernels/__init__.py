@@ -62,9 +62,11 @@ def _cpuinfo(field: str) -> str:
 # - Intel Xeon, AVX-512 + VNNI + AMX (two full 512-bit FMA units, where oneDNN's wider tiles were
 #   expected to win; 2026-12-02): results/small_rows_intel.txt, 16 rows 28.0 vs 44.6 ms, 32 rows 42.9
 #   vs 56.9, 64 rows 80.4 vs 76.7 (oneDNN 5% ahead); Q4_1 prefill 1181 vs 872 tok/s.
+# - AMD EPYC Zen 5, full-width AVX-512, with the avx512 build's 12 x 32 zmm tiles (small_linear.c
+#   quad_rows): results/small_rows_zen5.txt, oneDNN / kernel 1.59x at 16 rows, 1.37x at 32, 1.20x at 64.
 # Before, Intel's AVX-512 kept oneDNN from 5 rows, a guess that the first measurement undid.
 KERNELS_OVER_ONEDNN = True
-MAX_ROWS = KERNEL_ROWS if KERNELS_OVER_ONEDNN else 4  # fp32 rows the small-row kernel takes from oneDNN
+MAX_ROWS = KERNEL_ROWS  # fp32 rows the small-row kernel takes from oneDNN (all it can: KERNELS_OVER_ONEDNN)
 
 
 def cpu_flags() -> set[str]:

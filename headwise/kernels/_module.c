@@ -15,11 +15,6 @@ int hw_decode_attention_f32(const float *q, const float *k, const float *v, floa
                             const long *lengths, float scale, long all_keys, const int64_t *tables, long tw,
                             long bs);
 
-int hw_decoder_step(const int64_t *lin, const float *attn_norm, const float *mlp_norm, float eps, const float *x,
-                    float *y, long M, long C, long H, long Hkv, long D, long F, const float *cos, const float *sin,
-                    float *kc, float *vc, const int64_t *base, long s_h, long s_t, const int64_t *pos, float scale,
-                    const int64_t *table, long tw, long bs);
-
 int hw_decoder_stack(long n, const int64_t *layers, const float *fl, const float *x, float *y, long M, long C,
                      long *failed);
 long hw_stack_fields(void);
@@ -71,27 +66,6 @@ done:
     return result;
 }
 
-/* decoder_step(lin, attn_norm, mlp_norm, eps, x, y, M, C, H, Hkv, D, F, cos, sin, kc, vc, base, s_h, s_t, pos,
- * scale, table, tw, bs) -> int rc (decoder_step.c) */
-static PyObject *py_decoder_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    const int64_t *lin, *pos, *base, *table;
-    const float *attn_norm, *mlp_norm, *x, *cos, *sin;
-    float *y, *kc, *vc, eps, scale;
-    long M, C, H, Hkv, D, F, s_h, s_t, tw, bs;
-    if (!(hw_nargs("decoder_step", nargs, 24) && HW_P(0, lin) && HW_P(1, attn_norm) && HW_P(2, mlp_norm) &&
-          HW_F(3, eps) && HW_P(4, x) && HW_P(5, y) && HW_L(6, M) && HW_L(7, C) && HW_L(8, H) && HW_L(9, Hkv) &&
-          HW_L(10, D) && HW_L(11, F) && HW_P(12, cos) && HW_P(13, sin) && HW_P(14, kc) && HW_P(15, vc) &&
-          HW_P(16, base) && HW_L(17, s_h) && HW_L(18, s_t) && HW_P(19, pos) && HW_F(20, scale) && HW_P(21, table) &&
-          HW_L(22, tw) && HW_L(23, bs)))
-        return NULL;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = hw_decoder_step(lin, attn_norm, mlp_norm, eps, x, y, M, C, H, Hkv, D, F, cos, sin, kc, vc, base, s_h, s_t,
-                         pos, scale, table, tw, bs);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromLong(rc);
-}
-
 /* small_linear(Wb, x, b, r, y, M, O, I, prologue, norm_w, eps, cos, sin, rot_cols, head_dim) -> int rc */
 static PyObject *py_small_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     const float *Wb, *x, *b, *r, *norm_w, *cos, *sin;
@@ -140,7 +114,6 @@ PyObject *hwpy_repack8(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 static PyMethodDef methods[] = {
     {"small_linear", (PyCFunction)(void (*)(void))py_small_linear, METH_FASTCALL, "small_linear.c"},
-    {"decoder_step", (PyCFunction)(void (*)(void))py_decoder_step, METH_FASTCALL, "decoder_step.c"},
     {"decoder_stack", (PyCFunction)(void (*)(void))py_decoder_stack, METH_FASTCALL, "decoder_step.c"},
     {"decode_attention", (PyCFunction)(void (*)(void))py_decode_attention, METH_FASTCALL, "decode_attention.c"},
     {"quant_linear", (PyCFunction)(void (*)(void))hwpy_quant_linear, METH_FASTCALL, "quant_linear.c"},

@@ -86,7 +86,7 @@ def paged_decode_attention(
 ) -> tuple[Tensor, Tensor | None]:
     """decode_attention over a paged pool through block tables, in place: sequence c's key t is
     row tables[c, t // block_size] * block_size + t % block_size of k's and v's head planes (the
-    addressing kernels.layer.run_step uses for a packed step over a fragmented pool).
+    addressing kernels.layer.run_stack uses for a packed step over a fragmented pool).
 
     q (C, Hkv, G, D) contiguous; k, v (Hkv, rows, D), each key's D floats contiguous (a layer's
     (Hkv, num_blocks, block_size, D) pool viewed as (Hkv, num_blocks * block_size, D)); tables

@@ -56,7 +56,7 @@ static int attend_row(const float *q, const float *kc, const float *vc, float *o
                                    table ? table + m * tw : NULL, tw, bs);
 }
 
-int hw_decoder_step(const int64_t *lin, const float *attn_norm, const float *mlp_norm, float eps, const float *x,
+static int hw_decoder_step(const int64_t *lin, const float *attn_norm, const float *mlp_norm, float eps, const float *x,
                     float *y, long M, long C, long H, long Hkv, long D, long F, const float *cos, const float *sin,
                     float *kc, float *vc, const int64_t *base, long s_h, long s_t, const int64_t *pos, float scale,
                     const int64_t *table, long tw, long bs) {

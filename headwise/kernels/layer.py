@@ -1,12 +1,12 @@
 """One decode step of a pre-norm SwiGLU decoder layer in one kernel call (decoder_step.c).
 
-`run_step(plan, x, cos, sin, k_cache, v_cache, rows)`: RMSNorm + QKV + RoPE, the new K/V written
-into the cache at each row's slot, attention over every key up to it, out-projection + residual,
-RMSNorm + gate/up, SwiGLU + down + residual: the decoder block's few-rows route (models/blocks.py)
-for a step of one new token per sequence over a contiguous cache, with its ~40 Python-level
-operations per layer (~350 us here at batch 1, more than the layer's matmuls) down to one call.
-The linears are the same kernels' plans: `kernels.LinearPlan` (fp32) or `kernels.quant.QuantPlan`.
-`run_stack(steps, x)` runs consecutive layers' steps (each run_step's arguments) in one call.
+`run_stack(steps, x)`, per layer (plan, cos, sin, k_cache, v_cache, rows): RMSNorm + QKV + RoPE,
+the new K/V written into the cache at each row's slot, attention over every key up to it,
+out-projection + residual, RMSNorm + gate/up, SwiGLU + down + residual: the decoder block's
+few-rows route (models/blocks.py) for a step of one new token per sequence, with its ~40
+Python-level operations per layer (~350 us here at batch 1, more than the layer's matmuls) down
+to one call for all the consecutive layers it applies to (one layer: a stack of one). The
+linears are the same kernels' plans: `kernels.LinearPlan` (fp32) or `kernels.quant.QuantPlan`.
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ from . import LinearPlan, _ext
 
 
 class StepPlan(NamedTuple):
-    """A layer's four linear plans and norms, checked once: `lin` holds (fmt, weight, bias) per linear."""
+    """A layer's four linear plans and norms, checked once."""
 
-    lin: Tensor  # (12,) int64
-    lin_list: tuple[int, ...]  # the same 12 ints, for run_stack's descriptors
+    lin_list: tuple[int, ...]  # (fmt, weight, bias) per linear: 12 ints of run_stack's descriptors
     plans: tuple  # the four plans (they keep the weights alive)
     norms: tuple[Tensor, Tensor]
     eps: float
@@ -48,55 +47,7 @@ def plan_step(plans: tuple, attn_norm: Tensor, mlp_norm: Tensor, eps: float, H: 
     for p in plans:
         fmt = -1 if isinstance(p, LinearPlan) else p.fmt_id
         lin += [fmt, p.weight_ptr, p.bias_ptr or 0]
-    return StepPlan(
-        torch.tensor(lin, dtype=torch.int64), tuple(lin), plans, (attn_norm, mlp_norm), eps, (C, H, Hkv, D, F), D**-0.5
-    )
-
-
-def run_step(
-    plan: StepPlan, x: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, rows: tuple[Tensor, Tensor, int, int]
-) -> Tensor:
-    """x (M, C) -> the layer's output (M, C). rows = (base, pos, head stride, key stride[, table,
-    block size]), what a cache's `claim_decode` returns beside k and v: row m's keys start at
-    k[base[m]] (floats from k's first element) and it writes key pos[m], then attends over keys
-    0 .. pos[m]. With a block table (M, width) int64 (a paged pool, base None), row m's key t is
-    key row table[m, t // bs] * bs + t % bs of k's head planes instead. For the block's route,
-    which has checked dtypes, contiguity and limits (M <= 64, the decode kernel's G and D); cos,
-    sin (M, D / 2)."""
-    C, H, Hkv, D, F = plan.dims
-    M = x.shape[0]
-    y = torch.empty(M, C)
-    base, pos, s_h, s_t, *paged = rows
-    table, bs = paged if paged else (None, 0)
-    rc = _ext()[0].decoder_step(
-        plan.lin.data_ptr(),
-        plan.norms[0].data_ptr(),
-        plan.norms[1].data_ptr(),
-        plan.eps,
-        x.data_ptr(),
-        y.data_ptr(),
-        M,
-        C,
-        H,
-        Hkv,
-        D,
-        F,
-        cos.data_ptr(),
-        sin.data_ptr(),
-        k.data_ptr(),
-        v.data_ptr(),
-        None if base is None else base.data_ptr(),
-        s_h,
-        s_t,
-        pos.data_ptr(),
-        plan.scale,
-        None if table is None else table.data_ptr(),
-        0 if table is None else table.shape[1],
-        bs,
-    )
-    if rc:
-        raise RuntimeError(f"decoder step kernel failed (code {rc}: -1 no memory, else a kernel's shape/format check)")
-    return y
+    return StepPlan(tuple(lin), plans, (attn_norm, mlp_norm), eps, (C, H, Hkv, D, F), D**-0.5)
 
 
 def _descriptor(plan: StepPlan, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, rows: tuple) -> list[int]:
@@ -127,9 +78,15 @@ def _descriptor(plan: StepPlan, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, 
 
 
 def run_stack(steps: list[tuple], x: Tensor) -> Tensor:
-    """steps: consecutive layers' (plan, cos, sin, k, v, rows), run_step's arguments besides x;
-    x (M, C) -> the last layer's output, each layer reading the one before: the layers one by one
-    in a single kernel call (decoder_stack), so that no Python runs between them."""
+    """steps: consecutive layers' (plan, cos, sin, k, v, rows); x (M, C) -> the last layer's output,
+    each layer reading the one before: the layers one by one in a single kernel call
+    (decoder_stack), so that no Python runs between them. rows = (base, pos, head stride, key
+    stride[, table, block size]), what a cache's `claim_decode` returns beside k and v: row m's keys
+    start at k[base[m]] (floats from k's first element) and it writes key pos[m], then attends over
+    keys 0 .. pos[m]. With a block table (M, width) int64 (a paged pool, base None), row m's key t
+    is key row table[m, t // bs] * bs + t % bs of k's head planes instead. For the block's route,
+    which has checked dtypes, contiguity and limits (M <= 64, the decode kernel's G and D); cos,
+    sin (M, D / 2)."""
     M, C = x.shape
     desc, fl = [], []
     for plan, cos, sin, k, v, rows in steps:

@@ -225,7 +225,7 @@ class DecoderBlock(nn.Module):
         # one new token per sequence: the layer in one kernel call where it applies (layer_step.py)
         claimed = self.one_call_claim(h, step, cache, B, T)
         if claimed is not None:
-            return kernel_layer.run_step(claimed[0], h, *claimed[1:]).view(B, T, C)
+            return kernel_layer.run_stack([claimed], h).view(B, T, C)  # this layer alone
         rope = p.rope
         if rope is not None and not rope.interleaved and rope.dim == D and h.dtype == torch.float32:
             # RoPE of all q and k heads in the QKV call (the kernel's epilogue, or the module after it)

@@ -4,7 +4,7 @@ When every new row is one token of its own sequence over an fp32 cache that hand
 buffers (`claim_decode`: a contiguous cache's rows, or a packed paged step's pool with each
 sequence's run start or block table), and the layer is the pre-norm SwiGLU kind whose four
 linears all run on headwise's kernels (fp32 blocked or quantized), blocks.DecoderBlock._few_rows
-hands the whole layer to `kernels.layer.run_step`: the same kernels it would call one by one,
+hands the whole layer to `kernels.layer.run_stack`: the same kernels it would call one by one,
 without ~40 Python-level operations between them. Anything else (a prefill, an int8 or static
 cache, ALiBi, a forced attention backend, uneven GQA groups, another norm or MLP) returns None and
 the route continues as written.
@@ -24,7 +24,7 @@ from .packing import PackedLinear
 
 def claim_step(block, p, h: Tensor, step, cache) -> tuple | None:
     """The layer's one-call step for h (N, C), its new keys booked in the cache: (plan, cos, sin,
-    K, V, rows), kernel_layer.run_step's arguments besides x; or None, with nothing booked, where
+    K, V, rows), one layer's entry of kernel_layer.run_stack; or None, with nothing booked, where
     the one call does not apply."""
     N = h.shape[0]
     claim = getattr(cache, "claim_decode", None)

@@ -23,20 +23,15 @@ def saved(tmp_path_factory):
 
 @pytest.fixture
 def one_calls(monkeypatch):
-    """The rows of each layer's one-call step, whether a layer ran alone (run_step) or in a stack
-    of consecutive layers (run_stack, one entry per layer)."""
+    """The rows of each layer's one-call step, whether a layer ran alone (a stack of one) or in a
+    stack of consecutive layers (kernel_layer.run_stack, one entry per layer)."""
     calls = []
-    real_step, real_stack = kernel_layer.run_step, kernel_layer.run_stack
-
-    def spy_step(plan, x, *args):
-        calls.append(x.shape[0])
-        return real_step(plan, x, *args)
+    real_stack = kernel_layer.run_stack
 
     def spy_stack(steps, x):
         calls.extend([x.shape[0]] * len(steps))
         return real_stack(steps, x)
 
-    monkeypatch.setattr(kernel_layer, "run_step", spy_step)
     monkeypatch.setattr(kernel_layer, "run_stack", spy_stack)
     return calls
 
@@ -177,7 +172,7 @@ def test_a_decode_step_runs_its_layers_in_one_stack_call_with_the_same_bits(save
     assert stacks == [model.config.num_layers] * 10  # 10 decode steps; the prefill is not one
     stacks.clear()
     want = _layer_by_layer(_decode, model, ids, 6)
-    assert stacks == []
+    assert stacks == [1] * (model.config.num_layers * 10)  # each layer its own call: a stack of one
     assert torch.equal(got, want)
     if weights is None:
         assert (got - hf(ids).logits[:, 6:]).abs().max() <= TOL
@@ -196,9 +191,11 @@ def test_a_hooked_layer_leaves_the_stack_and_its_hook_runs(saved, stacks, one_ca
         got = _decode(model, ids, prefill=5)
     finally:
         handle.remove()
-    assert stacks == [1] * 7  # layer 0 alone in the stack, 7 decode steps
+    # each of 7 decode steps: layer 0 in the step's stack, then layer 1 from its own forward (the
+    # hook runs), still one call of its own (a stack of one)
+    assert stacks == [1, 1] * 7
     assert len(seen) == 1 + 7  # the prefill and every decode step
-    assert one_calls == [1] * (2 * 7)  # layer 1 still took its own one call
+    assert one_calls == [1] * (2 * 7)
     assert (got - hf(ids).logits[:, 5:]).abs().max() <= TOL
 
 
