@@ -18,7 +18,8 @@
  *   Q6_K: 16-value groups k: w = d sc_k (q - 32)     (sign trick, scales multiply the int16 pairs)
  * Output rows are split over the OpenMP threads (torch's libgomp: one pool), two weight rows at
  * a time against up to four rows of x, so one weight load serves every row of x.
- * Rows packed in groups of 8 (fmt | X8, quant_blocks.h) go through group_out, ~2x faster.
+ * Rows packed in groups of 8 (fmt | X8, quant_blocks.h) go through group_out, ~2x faster; in the
+ * avx512 build, from 4 rows of x, two groups at a time in zmm (group2_out).
  *
  * quant_convert.c has dequantize, quantize and the packing; the Python entry points of all of
  * them are at the end of this file.
@@ -304,6 +305,119 @@ static void group_out(int fmt, const uint8_t *w, const int8_t *qx, const float *
         }
     }
 }
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* Two packed groups (16 outputs) at once in 16-wide vectors, from ZMIN rows of x: per chunk the two
+ * groups' 32 bytes joined into one zmm, so each broadcast of x feeds one dpbusd for 16 rows where
+ * group_tile's ymm gives 8. Where the core has full-width 512-bit units (AMD Zen 5, Xeon
+ * Gold/Platinum) that is twice the work per instruction; a batch-1 step stays on group_tile
+ * (memory-bound there). Same integers, the same float epilogue per block, per output lane. */
+enum { ZMIN = 4 };
+static inline __m512i join_si(const uint8_t *a, const uint8_t *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+static inline __m512 join_ph(const uint8_t *a, const uint8_t *b) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)a))),
+                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)), 1);
+}
+static inline __attribute__((always_inline)) void group2_tile(int fmt, int MC, const uint8_t *g0, const uint8_t *g1,
+                                                              long nb, const int8_t *qx, const float *dx,
+                                                              const float *sx, long I, __m512 out[GMC]) {
+    const long gb = 8 * block_bytes(fmt), h = 8 * hdr_bytes(fmt);
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    __m512 acc[GMC];
+    for (int m = 0; m < MC; m++) acc[m] = _mm512_setzero_ps();
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *p0 = g0 + b * gb, *p1 = g1 + b * gb;
+        const int8_t *xb = qx + b * QK;
+        for (long o = 0; o < gb; o += 64) {
+            _mm_prefetch((const char *)(p0 + PREFETCH_AHEAD + o), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p1 + PREFETCH_AHEAD + o), _MM_HINT_T0);
+        }
+        __m512i sum[GMC];
+        for (int m = 0; m < MC; m++) sum[m] = _mm512_setzero_si512();
+        if (fmt == Q8_0) {  /* |w| against x with w's sign (AVX-512 has no vpsignb: negate where w < 0) */
+            for (int c = 0; c < 8; c++) {
+                const __m512i v = join_si(p0 + 16 + 32 * c, p1 + 16 + 32 * c), a = _mm512_abs_epi8(v);
+                const __mmask64 neg = _mm512_movepi8_mask(v);
+                for (int m = 0; m < MC; m++) {
+                    int32_t x4;
+                    memcpy(&x4, xb + m * I + 4 * c, 4);
+                    const __m512i xv = _mm512_set1_epi32(x4);
+                    sum[m] = _mm512_dpbusd_epi32(sum[m], a, _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv));
+                }
+            }
+        } else {
+            for (int c = 0; c < 4; c++) {
+                const __m512i v = join_si(p0 + h + 32 * c, p1 + h + 32 * c);
+                const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+                for (int m = 0; m < MC; m++) {
+                    int32_t a, z;
+                    memcpy(&a, xb + m * I + 4 * c, 4), memcpy(&z, xb + m * I + 16 + 4 * c, 4);
+                    sum[m] = _mm512_dpbusd_epi32(sum[m], lo, _mm512_set1_epi32(a));
+                    sum[m] = _mm512_dpbusd_epi32(sum[m], hi, _mm512_set1_epi32(z));
+                }
+            }
+        }
+        const __m512 dw = join_ph(p0, p1);
+        if (fmt == Q8_0) {
+            for (int m = 0; m < MC; m++)
+                acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx[m * nb + b])), _mm512_cvtepi32_ps(sum[m]),
+                                         acc[m]);
+        } else {
+            const __m512 mw = fmt == Q4_1 ? join_ph(p0 + 16, p1 + 16) : _mm512_mul_ps(dw, _mm512_set1_ps(-8.0f));
+            for (int m = 0; m < MC; m++) {
+                acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx[m * nb + b])), _mm512_cvtepi32_ps(sum[m]),
+                                         acc[m]);
+                acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[m * nb + b]), acc[m]);
+            }
+        }
+    }
+    for (int m = 0; m < MC; m++) out[m] = acc[m];
+}
+
+#define GROUP2_MC(F, mc, ...)                                \
+    switch (mc) {                                            \
+        case 1: group2_tile(F, 1, __VA_ARGS__); break;       \
+        case 2: group2_tile(F, 2, __VA_ARGS__); break;       \
+        case 3: group2_tile(F, 3, __VA_ARGS__); break;       \
+        case 4: group2_tile(F, 4, __VA_ARGS__); break;       \
+        case 5: group2_tile(F, 5, __VA_ARGS__); break;       \
+        case 6: group2_tile(F, 6, __VA_ARGS__); break;       \
+        case 7: group2_tile(F, 7, __VA_ARGS__); break;       \
+        default: group2_tile(F, GMC, __VA_ARGS__); break;    \
+    }
+
+/* Outputs [8 g, 8 g + 16) (those below O) of packed groups g and g + 1 for all M rows, plus bias and residual. */
+static void group2_out(int fmt, const uint8_t *w, const int8_t *qx, const float *dx, const float *sx,
+                       const float *b, const float *r, float *y, long M, long O, long I, long g) {
+    const long nb = I / QK, o = 8 * g, n = O - o < 16 ? O - o : 16;
+    const uint8_t *g0 = w + g * nb * 8 * block_bytes(fmt), *g1 = g0 + nb * 8 * block_bytes(fmt);
+    for (long m0 = 0; m0 < M; m0 += GMC) {
+        const long mc = M - m0 < GMC ? M - m0 : GMC;
+        __m512 out[GMC];
+        if (fmt == Q8_0) {
+            GROUP2_MC(Q8_0, mc, g0, g1, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
+        } else if (fmt == Q4_1) {
+            GROUP2_MC(Q4_1, mc, g0, g1, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
+        } else {
+            GROUP2_MC(Q4_0, mc, g0, g1, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
+        }
+        for (long m = 0; m < mc; m++) {
+            float t[16];
+            _mm512_storeu_ps(t, out[m]);
+            for (long k = 0; k < n; k++) {
+                float v = t[k];
+                if (b) v += b[o + k];
+                if (r) v += r[(m0 + m) * O + o + k];
+                y[(m0 + m) * O + o + k] = v;
+            }
+        }
+    }
+}
+#define HAVE_GROUP2 1
+#endif
+
 #define PARALLEL_ROWS(F)                                                                        \
     _Pragma("omp parallel for schedule(static) if (par)") for (long p = 0; p < npair; p++)      \
         rows_out(F, w, row_bytes, qx, dx, sx, b, r, y, M, O, I, 2 * p, O - 2 * p < 2 ? 1 : 2);
@@ -331,8 +445,20 @@ int hw_quant_linear(int fmt, const uint8_t *w, const float *x, const float *b, c
     const int par = M * O * I >= (1L << 18);
     const long npair = (O + 1) / 2;
     if (packed) {
-        #pragma omp parallel for schedule(static) if (par)
-        for (long g = 0; g < (O + 7) / 8; g++) group_out(fmt, w, qx, dx, sx, b, r, y, M, O, I, g);
+        const long ng = (O + 7) / 8;
+#ifdef HAVE_GROUP2
+        if (M >= ZMIN) {
+            #pragma omp parallel for schedule(static) if (par)
+            for (long q = 0; q < (ng + 1) / 2; q++) {
+                if (2 * q + 1 < ng) group2_out(fmt, w, qx, dx, sx, b, r, y, M, O, I, 2 * q);
+                else group_out(fmt, w, qx, dx, sx, b, r, y, M, O, I, 2 * q);
+            }
+        } else
+#endif
+        {
+            #pragma omp parallel for schedule(static) if (par)
+            for (long g = 0; g < ng; g++) group_out(fmt, w, qx, dx, sx, b, r, y, M, O, I, g);
+        }
     } else {
         switch (fmt) {
             case Q4_0: PARALLEL_ROWS(Q4_0) break;
