@@ -267,6 +267,17 @@ static inline __attribute__((always_inline)) void group_tile_q8(int MC, const ui
         default: group_tile(F, GMC, __VA_ARGS__); break;     \
     }
 
+/* y[row][o .. o + n) = t + b + r (bias and residual where not NULL). */
+static inline void store_row(const float *t, long n, const float *b, const float *r, float *y, long row, long O,
+                             long o) {
+    for (long k = 0; k < n; k++) {
+        float v = t[k];
+        if (b) v += b[o + k];
+        if (r) v += r[row * O + o + k];
+        y[row * O + o + k] = v;
+    }
+}
+
 /* Outputs [8 g, 8 g + 8) (those below O) of packed group g for all M rows, plus bias and residual. */
 static void group_out(int fmt, const uint8_t *w, const int8_t *qx, const float *dx, const float *sx,
                       const float *b, const float *r, float *y, long M, long O, long I, long g) {
@@ -296,12 +307,7 @@ static void group_out(int fmt, const uint8_t *w, const int8_t *qx, const float *
         for (long m = 0; m < mc; m++) {
             float t[8];
             _mm256_storeu_ps(t, out[m]);
-            for (long k = 0; k < n; k++) {
-                float v = t[k];
-                if (b) v += b[o + k];
-                if (r) v += r[(m0 + m) * O + o + k];
-                y[(m0 + m) * O + o + k] = v;
-            }
+            store_row(t, n, b, r, y, m0 + m, O, o);
         }
     }
 }
@@ -406,12 +412,7 @@ static void group2_out(int fmt, const uint8_t *w, const int8_t *qx, const float 
         for (long m = 0; m < mc; m++) {
             float t[16];
             _mm512_storeu_ps(t, out[m]);
-            for (long k = 0; k < n; k++) {
-                float v = t[k];
-                if (b) v += b[o + k];
-                if (r) v += r[(m0 + m) * O + o + k];
-                y[(m0 + m) * O + o + k] = v;
-            }
+            store_row(t, n, b, r, y, m0 + m, O, o);
         }
     }
 }

@@ -78,6 +78,13 @@ static inline void panel_rows(const float *w0, const float *w1, const float *x, 
     for (int m = 0; m < MC; m++) _mm256_storeu_ps(acc + m * 16, a[m][0]), _mm256_storeu_ps(acc + m * 16 + 8, a[m][1]);
 }
 
+/* The rows of the next row group when `left` rows remain in groups of at most `tile`, split evenly
+ * (16 rows in tiles of 12: 8 + 8, not 12 + 4). */
+static inline long group_rows(long left, long tile) {
+    const long groups = (left + tile - 1) / tile;
+    return (left + groups - 1) / groups;
+}
+
 enum { KC = 128 };  /* inputs per pass: 8 KB of a panel's weights, read from memory once, stay in L1 for every row group */
 
 /* y[m][o .. o + rows) = acc + b + r for one row m of one 8-output block. */
@@ -106,9 +113,7 @@ static void blocks_out(const float *Wb, const float *xs, const float *b, const f
         for (long k0 = 0; k0 < I; k0 += KC) {
             const long k1 = I - k0 < KC ? I : k0 + KC;
             for (long m0 = 0; m0 < M;) {
-                /* row groups of PANEL_MC, the remainder split evenly (16 rows: 8 + 8, not 12 + 4) */
-                const long left = M - m0, groups = (left + PANEL_MC - 1) / PANEL_MC;
-                const long mc = (left + groups - 1) / groups;
+                const long mc = group_rows(M - m0, PANEL_MC);
                 const float *xm = xs + m0 * I;
                 float *am = acc + m0 * 16;
                 switch (mc) {
@@ -203,9 +208,7 @@ static void quads_out(const float *Wb, const float *xs, const float *b, const fl
     for (long k0 = 0; k0 < I; k0 += KC) {
         const long k1 = I - k0 < KC ? I : k0 + KC;
         for (long m0 = 0; m0 < M;) {
-            /* row groups of QUAD_MC, the remainder split evenly (16 rows: 8 + 8, not 12 + 4) */
-            const long left = M - m0, groups = (left + QUAD_MC - 1) / QUAD_MC;
-            const long mc = (left + groups - 1) / groups;
+            const long mc = group_rows(M - m0, QUAD_MC);
             const float *xm = xs + m0 * I;
             float *am = acc + m0 * 32;
             switch (mc) {

@@ -196,8 +196,7 @@ class DecoderBlock(nn.Module):
             m["mlp_norm"],
             mlp,
             swiglu,
-            mods := (attn, *attn._modules.values(), m["attn_norm"], m["mlp_norm"], mlp, *mlp._modules.values()),
-            tuple(d for mod in mods for d in (mod._forward_hooks, mod._forward_pre_hooks)),
+            tuple(d for mod in key for d in (mod._forward_hooks, mod._forward_pre_hooks)),  # key: every module it calls
         )
         self.__dict__["_route_parts"] = (key, parts)
         return parts
@@ -266,8 +265,9 @@ class _Parts(NamedTuple):
     mlp_norm: nn.Module
     mlp: nn.Module
     swiglu: bool
-    modules: tuple  # every module the route calls by hand (their hooks would not run)
-    hook_dicts: tuple  # their _forward_hooks and _forward_pre_hooks dicts (filled and emptied in place)
+    # _forward_hooks and _forward_pre_hooks of every module the route calls by hand (their hooks
+    # would not run), dicts filled and emptied in place
+    hook_dicts: tuple
 
 
 def route_allowed(module: nn.Module, rows: int) -> bool:

@@ -87,8 +87,8 @@ def _cached_plan(block, p, h: Tensor):
     """_plan, checked again only when the parts, a weight, the row count or the kernels' state change."""
     attn = p.attn
     # what a caller may change between steps: the attention backend, a kernel switched off (tests do)
-    state = (id(p), h.shape[0], attn.backend, attn._buffers.get("kv_map") is None, id(kernels.kernels_unavailable))
-    state += (kernels.MAX_ROWS,)
+    kv_map, off = attn._buffers.get("kv_map"), kernels.kernels_unavailable
+    state = (id(p), h.shape[0], attn.backend, kv_map is None, id(off), kernels.MAX_ROWS)
     memo = block.__dict__.get("_step_memo")
     if memo is not None and memo[0] == state and _weights_unchanged(memo[1]):
         return memo[2]
