@@ -12,14 +12,21 @@ the route continues as written.
 
 from __future__ import annotations
 
+import operator
+from itertools import repeat
+
 import torch
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
 from .. import kernels
 from ..kernels import attention as kernel_attention
 from ..kernels import layer as kernel_layer
 from .linear import QuantizedLinear
 from .packing import PackedLinear
+
+_ATTN_STATE = operator.attrgetter("hook", "fused", "backend")  # what _route_ok and _plan read of an attention
+_VERSION = operator.attrgetter("_version")
 
 
 def claim_step(block, p, h: Tensor, step, cache) -> tuple | None:
@@ -44,21 +51,105 @@ def stack_step(layers, x: Tensor, step) -> tuple[Tensor, int]:
     """x (B, T, C) of a step through `layers` (DecoderBlocks; the caller checked route_allowed) ->
     (the output of the first n layers, n): the longest run of leading layers whose one-call step
     applies, all in one kernel call (kernel_layer.run_stack), or (x, 0). The model runs the rest
-    (from layer n) one by one: a layer that does not apply has booked nothing."""
+    (from layer n) one by one: a layer that does not apply has booked nothing.
+
+    Once every layer has taken the one call, what made each one apply is remembered for the whole
+    stack (_StackMemo) and checked again in one pass per step; only the caches' claims run per
+    layer then."""
     B, T, C = x.shape
     h = x.reshape(B * T, C)
-    claims = []
-    for i, layer in enumerate(layers):
-        one_call = getattr(layer, "one_call_claim", None)  # another kind of block (tensor-parallel) has none
-        if one_call is None or layer._forward_hooks or layer._forward_pre_hooks or not layer._route_ok():
-            break
-        claimed = one_call(h, step, step.layer(i), B, T)
-        if claimed is None:
-            break
-        claims.append(claimed)
+    memo = layers.__dict__.get("_stack_memo")
+    if memo is not None and memo.holds(layers, h, step, B, T):
+        claims = memo.claims(step, h.shape[0])
+    else:
+        claims = []
+        for i, layer in enumerate(layers):
+            one_call = getattr(layer, "one_call_claim", None)  # another kind of block (tensor-parallel) has none
+            if one_call is None or layer._forward_hooks or layer._forward_pre_hooks or not layer._route_ok():
+                break
+            claimed = one_call(h, step, step.layer(i), B, T)
+            if claimed is None:
+                break
+            claims.append(claimed)
+        layers.__dict__["_stack_memo"] = _StackMemo(layers, h) if claims and len(claims) == len(layers) else None
     if not claims:
         return x, 0
     return kernel_layer.run_stack(claims, h).view(B, T, C), len(claims)
+
+
+class _StackMemo:
+    """Why every layer of a stack took its one call at N rows, in flat columns checked in one pass
+    of C-level maps (each layer's own checks, _route_ok, one_call_claim and _cached_plan, cost
+    ~20 us a layer inside a decode step, where the weights streamed through the cache evict the
+    interpreter's: ~0.6 ms of a 4-5 ms SmolLM2 token): the same layer and part modules, no hook on
+    any of them, the attention's settings, each weight unchanged (the blocks' plan memos'
+    watches), the kernels' state, and claim_step itself (tests swap it out)."""
+
+    def __init__(self, layers, h: Tensor):
+        from . import blocks  # the name the blocks call claim_step by
+
+        self.layers = tuple(layers._modules.values())
+        parts = [layer._parts() for layer in self.layers]
+        self.dicts = [
+            d for layer, p in zip(self.layers, parts) for d in (layer._modules, p.attn._modules, p.mlp._modules)
+        ]
+        self.values = list(map(tuple, map(dict.values, self.dicts)))
+        self.hooks = tuple(
+            d
+            for layer, p in zip(self.layers, parts)
+            for d in (layer._forward_hooks, layer._forward_pre_hooks, *p.hook_dicts)
+        )
+        self.attns = [p.attn for p in parts]
+        self.buffers = [a._buffers for a in self.attns]
+        watch = [w for layer in self.layers for w in layer.__dict__["_step_memo"][1]]
+        self.weight_dicts, self.weight_names, self.weights = ([w[k] for w in watch] for k in range(3))
+        self.versioned = [t for _, _, t, v in watch if v is not None]
+        self.versions = [v for *_, v in watch if v is not None]
+        self.plans = tuple((layer.__dict__["_step_memo"][2], p.rope) for layer, p in zip(self.layers, parts))
+        self.state = (h.shape[0], id(kernels.kernels_unavailable), kernels.MAX_ROWS, kernels.KERNEL_ROWS)
+        self.blocks, self.claim_fn = blocks, blocks.claim_step
+        self.handles = RemovableHandle.next_id  # no hook on any of them now (every layer took the call)
+
+    def holds(self, layers, h: Tensor, step, B: int, T: int) -> bool:
+        """Whether each layer would take its one call again (their caches' claims aside)."""
+        n = len(self.attns)
+        return (
+            (T == 1 or B == 1)
+            and h.dtype is torch.float32
+            and step.num_real is None
+            and self.state == (h.shape[0], id(kernels.kernels_unavailable), kernels.MAX_ROWS, kernels.KERNEL_ROWS)
+            and self.blocks.claim_step is self.claim_fn
+            and tuple(layers._modules.values()) == self.layers
+            and list(map(tuple, map(dict.values, self.dicts))) == self.values  # tuples of modules: by identity
+            and (RemovableHandle.next_id == self.handles or self._no_hooks())
+            and list(map(_ATTN_STATE, self.attns)) == [(None, True, "auto")] * n
+            and all(map(operator.is_, map(dict.get, self.buffers, repeat("kv_map", n)), repeat(None, n)))
+            and all(map(operator.is_, map(dict.get, self.weight_dicts, self.weight_names), self.weights))
+            and list(map(_VERSION, self.versioned)) == self.versions
+        )
+
+    def _no_hooks(self) -> bool:
+        """Every hook is added through a handle (torch.utils.hooks.RemovableHandle), whose id counts
+        them: while it stands still, no module got one; when it moved, look at each dict."""
+        if any(self.hooks):
+            return False
+        self.handles = RemovableHandle.next_id
+        return True
+
+    def claims(self, step, N: int) -> list[tuple]:
+        """Each layer's entry of run_stack, its new keys booked, up to the first whose cache cannot
+        take them (as claim_step: nothing booked for that one)."""
+        claims = []
+        for i, (plan, rope) in enumerate(self.plans):
+            claim = getattr(step.layer(i), "claim_decode", None)
+            if claim is None:
+                break
+            cos, sin = step.rope_rows(rope)
+            claimed = claim(N)
+            if claimed is None:
+                break
+            claims.append((plan, cos, sin, *claimed))
+        return claims
 
 
 def _weights_watch(p) -> tuple:

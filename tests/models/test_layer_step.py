@@ -2,6 +2,8 @@
 taken where it applies, equal to Hugging Face transformers (fp32) and to the block's route made
 of the same kernels one by one (quantized), and left alone where it does not apply."""
 
+import copy
+
 import pytest
 import torch
 
@@ -248,3 +250,70 @@ def test_weights_edited_in_place_or_replaced_reach_the_one_call(saved, one_calls
         want = hf(ids).logits[:, 1:]
     assert one_calls == [1] * (2 * 2 * 12)  # the 1-token prefill too
     assert (got - want).abs().max() <= TOL
+
+
+@torch.inference_mode()
+def test_hooks_and_settings_changed_between_steps_reach_the_next_step(saved, stacks):
+    """The stack remembers why each layer took its one call (layer_step._StackMemo) and checks it
+    again each step: a hook added to a projection after the stack was remembered makes that layer
+    run its own forward at the next step (the hook sees it), removing it puts the layer back; an
+    attention backend set by hand takes its layer out the same way; every step equals HF."""
+    hf, path = saved("llama-gqa")
+    model = headwise.load(path)
+    L, ids = model.config.num_layers, _ids(1, 12, seed=21)
+    cfg = model.config
+    cache = ContiguousKVCache(cfg.num_layers, 1, cfg.num_kv_heads, ids.shape[1], cfg.head_dim)
+    model(ids[:, :4], cache.step(4))
+    steps = iter(range(4, ids.shape[1]))
+    logits, seen = [], []
+
+    def step():
+        t = next(steps)
+        logits.append(model(ids[:, t : t + 1], cache.step(1)))
+
+    step(), step()  # the first remembers the stack, the second runs from the memo
+    assert stacks == [L, L]
+    handle = model.layers[1].attn.qkv_proj.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    step()
+    assert stacks[2:] == [1] and len(seen) == 1  # layer 0 stacked alone; layer 1's own forward ran the hook
+    handle.remove()
+    step()
+    assert stacks[3:] == [L] and len(seen) == 1
+    model.layers[0].attn.backend = "math"
+    step()
+    assert stacks[4:] == [1]  # layer 0 through the math backend, layer 1 its one call alone
+    model.layers[0].attn.backend = "auto"
+    step(), step()
+    assert stacks[5:] == [L, L]
+    got = torch.cat(logits, dim=1)
+    assert (got - hf(ids[:, :11]).logits[:, 4:]).abs().max() <= TOL
+
+
+def test_a_module_replaced_or_edited_between_decode_steps_takes_part_in_the_next(saved, stacks):
+    """A projection replaced by another module (pruning does this) between two decode steps, after
+    the stack was remembered, and later its weight edited in place: the next steps run the new
+    weights in the stack, as HF with the same changes. (The last layer's MLP: no key or value
+    depends on it, so HF's full forward with the new weights is the reference after each change.)"""
+    _, path = saved("llama-gqa")
+    hf = tf.LlamaForCausalLM.from_pretrained(path).eval()  # its own weights: this test edits them
+    model = headwise.load(path)
+    cfg, ids = model.config, _ids(1, 10, seed=22)
+    cache = ContiguousKVCache(cfg.num_layers, 1, cfg.num_kv_heads, ids.shape[1], cfg.head_dim)
+    last = cfg.num_layers - 1
+    with torch.no_grad():
+        model(ids[:, :4], cache.step(4))
+        for t in (4, 5):  # the stack remembered, then run from the memo
+            model(ids[:, t : t + 1], cache.step(1))
+        new = copy.deepcopy(model.layers[last].mlp.down)
+        new.weight.mul_(-0.5)
+        model.layers[last].mlp.down = new
+        hf.model.layers[last].mlp.down_proj.weight.mul_(-0.5)
+        swapped = torch.cat([model(ids[:, t : t + 1], cache.step(1)) for t in (6, 7)], dim=1)
+        want_swapped = hf(ids).logits[:, 6:8]
+        for w in (new.weight, hf.model.layers[last].mlp.down_proj.weight):
+            w.mul_(3.0)  # in place: the same tensor, a new version
+        edited = torch.cat([model(ids[:, t : t + 1], cache.step(1)) for t in (8, 9)], dim=1)
+        want_edited = hf(ids).logits[:, 8:]
+    assert stacks == [cfg.num_layers] * 6
+    assert (swapped - want_swapped).abs().max() <= TOL
+    assert (edited - want_edited).abs().max() <= TOL
