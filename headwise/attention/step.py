@@ -10,9 +10,10 @@ for the B x T input tokens:
     num_real          (B,) long or None: real tokens per row when rows are right-padded (the
                       padding is not kept by the cache); None = all T are real
     key_padding_mask  (B, T) bool or None: padded tokens (True) of a forward without a cache
-    logits_indices    (R,) long or None: flat rows b * T + t whose logits are wanted, in that
-                      order; the model then returns (R, V) and runs its output layer (~20% of
-                      SmolLM2's weights per row) on those rows only. None = every row, (B, T, V).
+    logits_indices    (R,) long (or a list of R ints) or None: flat rows b * T + t whose logits
+                      are wanted, in that order; the model then returns (R, V) and runs its output
+                      layer (~20% of SmolLM2's weights per row) on those rows only. None = every
+                      row, (B, T, V).
 
 Each cache kind produces its steps: `ContiguousKVCache.step(T, num_new)` (a row per sequence;
 sliding and int8 caches alike), `PagedKVCache.batch(...)` (padded rows over block tables) and
@@ -125,19 +126,25 @@ def right_padding_lengths(key_padding_mask: Tensor, B: int, T: int) -> Tensor:
 
 
 def check_logits_indices(idx, B: int, T: int, device) -> Tensor | None:
-    """(R,) long flat rows in [0, B*T), or None."""
+    """(R,) long flat rows in [0, B*T), or None. A list or tuple of ints (what the engine's runner
+    builds) is checked in Python: no tensor reductions and no syncs in the step."""
     if idx is None:
         return None
-    idx = torch.as_tensor(idx, device=device)
-    if idx.dim() != 1 or idx.is_floating_point() or idx.dtype == torch.bool or idx.numel() == 0:
-        raise ValueError(
-            f"logits_indices must be a non-empty 1-D tensor of row indices b * T + t, "
-            f"got {tuple(idx.shape)} {idx.dtype}"
-        )
-    lo, hi = int(idx.min()), int(idx.max())
+    if isinstance(idx, (list, tuple)) and all(type(i) is int for i in idx):
+        if not idx:
+            raise ValueError("logits_indices must be a non-empty list of row indices b * T + t, got []")
+        lo, hi = min(idx), max(idx)
+    else:
+        idx = torch.as_tensor(idx, device=device)
+        if idx.dim() != 1 or idx.is_floating_point() or idx.dtype == torch.bool or idx.numel() == 0:
+            raise ValueError(
+                f"logits_indices must be a non-empty 1-D tensor of row indices b * T + t, "
+                f"got {tuple(idx.shape)} {idx.dtype}"
+            )
+        lo, hi = int(idx.min()), int(idx.max())
     if lo < 0 or hi >= B * T:
         raise ValueError(f"logits_indices must be in [0, B*T = {B * T}) for B={B}, T={T}; got values in [{lo}, {hi}]")
-    return idx.long()
+    return torch.tensor(idx, dtype=torch.long, device=device) if isinstance(idx, (list, tuple)) else idx.long()
 
 
 def padding_mask(attention_mask: Tensor | None, B: int, T: int) -> Tensor | None:

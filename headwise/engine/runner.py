@@ -29,7 +29,7 @@ class Batch:
     chunks: list[Chunk]
     input_ids: Tensor  # (1, N) long
     step: object  # PackedStep: positions, block tables, logits_indices
-    rows: Tensor  # (R,) long, flat rows of the pack (0 * N + t)
+    rows: list[int]  # flat rows of the pack (0 * N + t), R of them
 
     @property
     def num_tokens(self) -> int:
@@ -50,17 +50,16 @@ class ModelRunner:
             if c.sample:
                 rows.append(off - 1)
         input_ids = torch.tensor([[t for new in news for t in new]], dtype=torch.long, device=self.device)  # (1, N)
-        sel = torch.tensor(rows, dtype=torch.long, device=self.device)  # (R,)
         seq_ids, counts = [c.request.seq_id for c in chunks], [c.num_tokens for c in chunks]
         # A step of prefill chunks only samples nothing, but the model must run for the K/V it
-        # writes: ask for one row (the last) rather than all N, and drop it.
-        wanted = sel if rows else torch.tensor([off - 1], dtype=torch.long, device=self.device)
-        step = self.cache.packed(seq_ids, counts, news, defer_prefix=True, logits_indices=wanted)
-        return Batch(chunks, input_ids, step, sel)
+        # writes: ask for one row (the last) rather than all N, and drop it. (A list: the model
+        # checks it in Python, where a tensor would cost reductions and syncs every step.)
+        step = self.cache.packed(seq_ids, counts, news, defer_prefix=True, logits_indices=rows or [off - 1])
+        return Batch(chunks, input_ids, step, rows)
 
     def run(self, batch: Batch) -> Tensor | None:
         """-> logits (R, V) fp32 of the batch's sampled rows, in chunk order; None when R = 0
         (every chunk is a prefill that does not reach its request's end yet)."""
         with torch.inference_mode():
             logits = self.model(batch.input_ids, batch.step)  # (R, V)
-        return logits if batch.rows.numel() else None
+        return logits if batch.rows else None

@@ -45,19 +45,33 @@ def test_contiguous_ragged_batch_matches_hf(decoder, few_rows, monkeypatch, name
         assert few_rows == []
 
 
+@pytest.mark.parametrize("as_list", [False, True])
 @torch.inference_mode()
-def test_contiguous_logits_indices_pick_rows_of_a_ragged_prefill(decoder):
-    """Flat rows b * T + t in any order: each sequence's last real token, last sequence first."""
+def test_contiguous_logits_indices_pick_rows_of_a_ragged_prefill(decoder, as_list):
+    """Flat rows b * T + t in any order, as a tensor or a list of ints (the engine's runner): each
+    sequence's last real token, last sequence first."""
     hf, model = decoder("qwen2")
     cfg = model.config
     seqs = [tokens(n, seed=60 + n) for n in (11, 4, 8)]
     refs = hf_logits(hf, seqs)
     cache = ContiguousKVCache(cfg.num_layers, 3, cfg.num_kv_heads, 16, cfg.head_dim)
     T, lens = 11, torch.tensor([11, 4, 8])
-    rows = torch.tensor([2 * T + 7, 0 * T + 10, 1 * T + 3])
-    out = model(padded(seqs), cache.step(T, num_new=lens, logits_indices=rows))
+    rows = [2 * T + 7, 0 * T + 10, 1 * T + 3]
+    out = model(padded(seqs), cache.step(T, num_new=lens, logits_indices=rows if as_list else torch.tensor(rows)))
     assert out.shape == (3, V)
     close(out, torch.stack([refs[2][7], refs[0][10], refs[1][3]]))
+
+
+@pytest.mark.parametrize(
+    "rows, why", [([0, 12], r"in \[0, B\*T = 12\).*\[0, 12\]"), ([-1], r"\[-1, -1\]"), ([], "non-empty")]
+)
+def test_logits_indices_out_of_range_are_refused_with_the_range(decoder, rows, why):
+    _, model = decoder("llama-gqa")
+    cfg = model.config
+    cache = ContiguousKVCache(cfg.num_layers, 2, cfg.num_kv_heads, 8, cfg.head_dim)
+    for given in (rows, torch.tensor(rows, dtype=torch.long)):
+        with pytest.raises(ValueError, match=why):
+            model(torch.zeros(2, 6, dtype=torch.long), cache.step(6, logits_indices=given))
 
 
 @torch.inference_mode()
