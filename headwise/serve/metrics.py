@@ -109,14 +109,17 @@ class Metrics:
         r.register(EngineCollector(runtimes))
 
     def token_piece(self, model: str, streams, piece) -> None:
+        """Per streamed piece: the labelled child looked up once per stream (labels() costs a lock
+        and a tuple per call, on the event loop thread, every token)."""
         now = time.perf_counter()
         last = getattr(streams, "t_last", None)
         if last is None:
             self.ttft.labels(model).observe(now - streams.t_start)
+            streams.itl_child = self.itl.labels(model)
         elif piece.token_ids:
             gap = (now - last) / len(piece.token_ids)
             for _ in piece.token_ids:
-                self.itl.labels(model).observe(gap)
+                streams.itl_child.observe(gap)
         streams.t_last = now
 
     def finished(self, model: str, streams) -> None:

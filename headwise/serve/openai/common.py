@@ -52,8 +52,11 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
+_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode  # json.dumps would build one per call
+
+
 def sse(obj) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + _ENCODE(obj).encode() + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"
