@@ -96,6 +96,15 @@ def main(checkout: str, threads: int) -> None:
         model = headwise.load(MODEL)
     cfg = model.config
 
+    def _kernels(hw) -> str:
+        """Which compiled kernels this checkout runs, or why none (an older commit may have none)."""
+        try:
+            from headwise import kernels
+        except ImportError:
+            return "none (no headwise.kernels in this checkout)"
+        why = kernels.kernels_unavailable() if hasattr(kernels, "kernels_unavailable") else "unknown"
+        return f"{kernels.isa()}" if why is None and hasattr(kernels, "isa") else f"none ({why})"
+
     def info(_):
         return {
             "headwise": headwise.__file__,
@@ -104,6 +113,7 @@ def main(checkout: str, threads: int) -> None:
             "wait_env": {k: os.environ.get(k) for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "OMP_NUM_THREADS")},
             "vocab_size": cfg.vocab_size,
             "dtype": str(next(model.parameters()).dtype),
+            "kernels": _kernels(headwise),
         }
 
     def decode(cmd):

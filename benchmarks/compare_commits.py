@@ -67,7 +67,23 @@ def checkout(rev: str | None) -> dict:
         git("worktree", "add", "--detach", str(path), sha)
     elif git("rev-parse", "HEAD", cwd=path) != sha:
         sys.exit(f"{path} exists but is not at {sha[:12]}; remove it (git worktree remove {path}) and rerun")
+    build_kernels(path)
     return {"label": rev, "path": str(path), "commit": sha, "dirty": False}
+
+
+def build_kernels(path: Path) -> None:
+    """A worktree holds sources only: build its C extension in place (as `pip install -e .` does
+    for this checkout), so that a commit with kernels is measured with them; an older commit
+    without any has nothing to build. Each worker prints which kernels it runs."""
+    setup = path / "setup.py"
+    if not setup.exists() or "Extension(" not in setup.read_text():
+        return
+    if list((path / "headwise" / "kernels").glob("_cpu_*.so")):
+        return
+    print(f"building {path.name}'s C kernels (setup.py build_ext --inplace) ...", flush=True)
+    subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=path, check=True, capture_output=True
+    )
 
 
 # ------------------------------------------------------------------ the run
@@ -143,7 +159,7 @@ def main(argv=None) -> int:
         for side, i in info.items():
             log(
                 f"  {side} worker: headwise from {i['headwise']}, torch {i['torch']}, {i['threads']} threads, "
-                f"{i['dtype']}, env {i['wait_env']}"
+                f"{i['dtype']}, kernels {i['kernels']}, env {i['wait_env']}"
             )
             if not i["headwise"].startswith(sides[side]["path"] + os.sep):
                 sys.exit(f"the {side} worker imported headwise from {i['headwise']}, not {sides[side]['path']}")
