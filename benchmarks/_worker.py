@@ -114,6 +114,7 @@ def main(checkout: str, threads: int) -> None:
             "vocab_size": cfg.vocab_size,
             "dtype": str(next(model.parameters()).dtype),
             "kernels": _kernels(headwise),
+            "weights": os.environ.get("HW_WORKER_WEIGHTS", "fp32"),
         }
 
     def decode(cmd):

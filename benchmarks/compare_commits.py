@@ -6,7 +6,8 @@ git worktree, made under /tmp and reused) and --new (default: this working tree,
 changes included; or a REV, also a worktree). Each side runs one long-lived worker process
 (benchmarks/_worker.py, this repository's copy for both, this repository's .venv
 python) that imports its checkout's headwise and loads SmolLM2-135M-Instruct fp32 once.
-Both workers get the same environment: GOMP_SPINCOUNT=2000 set explicitly (the old commit's
+fp32 weights unless HW_WORKER_WEIGHTS says otherwise (auto: a GGUF's blocks as stored, for commits
+that have them). Both workers get the same environment: GOMP_SPINCOUNT=2000 set explicitly (the old commit's
 `import headwise` would otherwise choose OMP_WAIT_POLICY=PASSIVE) and --threads threads.
 
 Metrics (greedy, EOS ignored, prompts of random ids >= 17, the same for both sides):
@@ -159,7 +160,7 @@ def main(argv=None) -> int:
         for side, i in info.items():
             log(
                 f"  {side} worker: headwise from {i['headwise']}, torch {i['torch']}, {i['threads']} threads, "
-                f"{i['dtype']}, kernels {i['kernels']}, env {i['wait_env']}"
+                f"weights {i['weights']}, kernels {i['kernels']}, env {i['wait_env']}"
             )
             if not i["headwise"].startswith(sides[side]["path"] + os.sep):
                 sys.exit(f"the {side} worker imported headwise from {i['headwise']}, not {sides[side]['path']}")
