@@ -22,7 +22,7 @@ from . import LinearPlan, _ext
 class StepPlan(NamedTuple):
     """A layer's four linear plans and norms, checked once."""
 
-    lin_list: tuple[int, ...]  # (fmt, weight, bias) per linear: 12 ints of run_stack's descriptors
+    lin_list: tuple[int, ...]  # (fmt, weight, bias) per linear, then the two norms' pointers: a descriptor's head
     plans: tuple  # the four plans (they keep the weights alive)
     norms: tuple[Tensor, Tensor]
     eps: float
@@ -47,18 +47,18 @@ def plan_step(plans: tuple, attn_norm: Tensor, mlp_norm: Tensor, eps: float, H: 
     for p in plans:
         fmt = -1 if isinstance(p, LinearPlan) else p.fmt_id
         lin += [fmt, p.weight_ptr, p.bias_ptr or 0]
+    lin += [attn_norm.data_ptr(), mlp_norm.data_ptr()]
     return StepPlan(tuple(lin), plans, (attn_norm, mlp_norm), eps, (C, H, Hkv, D, F), D**-0.5)
 
 
 def _descriptor(plan: StepPlan, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, rows: tuple) -> list[int]:
-    """One layer's int64s for decoder_stack (decoder_step.c's ST_* order)."""
+    """One layer's int64s for decoder_stack (decoder_step.c's ST_* order): the plan's fixed head,
+    then what the step's cache and positions give."""
     C, H, Hkv, D, F = plan.dims
     base, pos, s_h, s_t, *paged = rows
     table, bs = paged if paged else (None, 0)
     return [
         *plan.lin_list,
-        plan.norms[0].data_ptr(),
-        plan.norms[1].data_ptr(),
         k.data_ptr(),
         v.data_ptr(),
         0 if base is None else base.data_ptr(),
