@@ -67,6 +67,7 @@ class Engine(Frontends):
         self._outputs: collections.OrderedDict[str, RequestOutput] = collections.OrderedDict()
         self._outbox: collections.deque = collections.deque()  # (group, piece or error) not yet delivered
         self._delivering = threading.RLock()  # (a sink's failure aborts, which flushes again)
+        self._handed: dict[str, RequestGroup] = {}  # groups given pieces since the stepping thread last looked
         self._thread: threading.Thread | None = None
         self._stop = False
         self._error: BaseException | None = None
@@ -241,6 +242,8 @@ class Engine(Frontends):
                 for group, piece in items:
                     if group.sink is None or group.request_id in dead:
                         continue
+                    if group.reader_idle is not None:  # an async stream's (only while the thread runs)
+                        self._handed[group.request_id] = group
                     try:
                         group.sink(piece)
                     except Exception:

@@ -81,6 +81,9 @@ class RequestGroup:
         self.done = threading.Event()  # set when every completion has finished
         self.error: BaseException | None = None  # set if the engine failed while this ran
         self.keep_output = True  # kept for Engine.result() once finished (streams: no)
+        # An async stream's reader: set while it has taken every piece handed to it (the stepping
+        # thread waits on it briefly after a step; frontends.py). None: not waited for.
+        self.reader_idle: threading.Event | None = None
 
     @property
     def finished(self) -> bool:

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from headwise import Engine, QueueFull, SamplingParams
-from headwise.engine import StreamPiece
+from headwise.engine import StreamPiece, frontends
 
 from .conftest import all_blocks_free, ragged_prompts, reference
 
@@ -182,3 +182,51 @@ def test_a_failing_forward_reaches_every_waiter(tiny_gpt2, monkeypatch):
     assert all_blocks_free(engine)
     engine._thread.join(timeout=10)
     assert not engine._thread.is_alive()  # the loop ended; it does not spin
+
+
+def test_the_thread_lets_a_stream_take_each_step_before_the_next(tiny_gpt2, monkeypatch):
+    """After a step that fed a stream, the stepping thread waits for the stream's reader to take
+    the piece before it starts the next step (frontends.READER_WAIT_S; a long wait here so that a
+    slow test machine cannot time it out): every piece arrives while its own step is the last
+    one run, and the tokens are generate()'s."""
+    monkeypatch.setattr(frontends, "READER_WAIT_S", 30.0)
+    prompt = ragged_prompts(96, seed=11)[3]
+
+    async def main(engine):
+        pieces, steps = [], []
+        async for piece in engine.stream(prompt, GREEDY):
+            pieces.append(piece)
+            steps.append(engine.core.counts["steps"])
+            await asyncio.sleep(0.01)  # a slow reader: the engine waits for it, step after step
+        return pieces, steps
+
+    with Engine(tiny_gpt2, num_blocks=96, block_size=4) as engine:
+        pieces, steps = asyncio.run(main(engine))
+    assert steps == list(range(steps[0], steps[0] + len(pieces)))  # one step per piece, none ahead
+    assert [t for x in pieces for t in x.token_ids] == reference(tiny_gpt2, prompt, GREEDY)[0].token_ids
+
+
+def test_a_stream_that_stops_reading_is_not_waited_for_again(tiny_gpt2, monkeypatch):
+    """A reader that does not take its piece within the wait (a client that stopped reading) is
+    dropped from the waits for the rest of its request: the other stream's steps go on without
+    it, and both get generate()'s tokens."""
+    monkeypatch.setattr(frontends, "READER_WAIT_S", 0.05)
+    prompts = ragged_prompts(96, seed=12)
+    groups = {}
+
+    async def main(engine):
+        async def stalled():
+            agen = engine.stream(prompts[4], LONG, request_id="stalled")
+            first = await anext(agen)
+            groups["stalled"] = engine._groups.get("stalled")
+            while engine.core.counts["steps"] < 20:  # not reading while the engine steps on
+                await asyncio.sleep(0.01)
+            return [first] + await collect(agen)
+
+        return await asyncio.gather(stalled(), collect(engine.stream(prompts[5], LONG)))
+
+    with Engine(tiny_gpt2, num_blocks=96, block_size=4) as engine:
+        slow, other = asyncio.run(main(engine))
+    assert groups["stalled"] is not None and groups["stalled"].reader_idle is None
+    assert [t for x in slow for t in x.token_ids] == reference(tiny_gpt2, prompts[4], LONG)[0].token_ids
+    assert [t for x in other for t in x.token_ids] == reference(tiny_gpt2, prompts[5], LONG)[0].token_ids
