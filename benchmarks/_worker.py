@@ -102,8 +102,12 @@ def main(checkout: str, threads: int) -> None:
             from headwise import kernels
         except ImportError:
             return "none (no headwise.kernels in this checkout)"
-        why = kernels.kernels_unavailable() if hasattr(kernels, "kernels_unavailable") else "unknown"
-        return f"{kernels.isa()}" if why is None and hasattr(kernels, "isa") else f"none ({why})"
+        if not hasattr(kernels, "kernels_unavailable"):
+            return "unknown (no kernels_unavailable() in this checkout)"
+        why = kernels.kernels_unavailable()
+        if why is not None:
+            return f"none ({why})"
+        return kernels.isa() if hasattr(kernels, "isa") else "yes (compiled at first use)"
 
     def info(_):
         return {
