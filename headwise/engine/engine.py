@@ -243,6 +243,7 @@ class Engine(Frontends):
                     if group.sink is None or group.request_id in dead:
                         continue
                     if group.reader_idle is not None:  # an async stream's (only while the thread runs)
+                        group.handed += 1
                         self._handed[group.request_id] = group
                     try:
                         group.sink(piece)

@@ -98,14 +98,16 @@ class Frontends:
         group = self._add(self._one_prompt(prompt), sampling, request_id, sink, limits=True, resume=resume)
         group.keep_output = False  # its reader has every piece: nothing to keep for result()
         group.reader_idle = idle
-        done = False
+        done, got = False, 0
         try:
             self.start()
             left = group.params.n
             while left:
-                if queue.empty():  # what it was handed is through this reader's consumer
+                group.taken = got  # back for more: the pieces so far are through the reader's consumer
+                if queue.empty():
                     idle.set()
                 item = await queue.get()
+                got += 1
                 if isinstance(item, BaseException):
                     raise RuntimeError(f"the engine failed while running {group.request_id!r}") from item
                 left -= item.finish_reason is not None
@@ -143,22 +145,22 @@ class Frontends:
 
     def _await_readers(self) -> None:
         """Wait (READER_WAIT_S at most, all streams together) until the streams handed pieces in
-        the last step (READER_WAIT_STREAMS at most) have taken them. A reader that does not catch
-        up in time (a client not reading, a busy loop) is not waited for again: one stalled
-        client never slows the others' steps."""
+        the last step (READER_WAIT_STREAMS at most) have taken them. A reader still behind on an
+        earlier step's pieces (a client not reading, a loop that was busy) is not waited for until
+        it has caught up: a stalled client costs the others one wait, not one per step."""
         groups, self._handed = list(self._handed.values()), {}  # (a concurrent abort's flush may add or not)
         if len(groups) > READER_WAIT_STREAMS:
+            for g in groups:
+                g.mark = g.handed
             return
         end = time.perf_counter() + READER_WAIT_S
         for g in groups:
-            idle = g.reader_idle
-            if idle is None or idle.is_set():
+            idle, behind, g.mark = g.reader_idle, g.taken < g.mark, g.handed
+            if idle is None or behind or idle.is_set():
                 continue
             left = end - time.perf_counter()
-            if left <= 0:
-                return
-            if not idle.wait(left):
-                g.reader_idle = None
+            if left > 0:
+                idle.wait(left)
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:

@@ -81,9 +81,11 @@ class RequestGroup:
         self.done = threading.Event()  # set when every completion has finished
         self.error: BaseException | None = None  # set if the engine failed while this ran
         self.keep_output = True  # kept for Engine.result() once finished (streams: no)
-        # An async stream's reader: set while it has taken every piece handed to it (the stepping
-        # thread waits on it briefly after a step; frontends.py). None: not waited for.
+        # An async stream's reader (frontends.py: the stepping thread waits on it briefly after a
+        # step): set while it has taken every piece handed to it; None: not a stream. Pieces handed
+        # to it, pieces through its consumer, and how many had been handed at the last step's wait.
         self.reader_idle: threading.Event | None = None
+        self.handed = self.taken = self.mark = 0
 
     @property
     def finished(self) -> bool:
