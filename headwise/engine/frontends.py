@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 # itself, instead of inside the next step, where it holds the GIL against the step's Python and
 # takes a core from the kernel's OpenMP team: one client through `headwise serve` decoded at
 # 0.81-0.88x generate() without the wait and 0.82-0.95x with it (paired medians of 5 rounds,
-# benchmarks/serving.py, AMD EPYC Zen 5; four runs without, five with: 0.92, 0.95, 0.91, 0.90, 0.82).
+# benchmarks/serving.py, AMD EPYC Zen 5; five runs each way, medians 0.85x and 0.91x).
 # Only when a step fed a few streams: with many, the step is long and compute-bound, and their
 # loop's work (~0.2 ms each) would outgrow the wait.
 READER_WAIT_S = 0.002
