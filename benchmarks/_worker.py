@@ -96,7 +96,7 @@ def main(checkout: str, threads: int) -> None:
         model = headwise.load(MODEL)
     cfg = model.config
 
-    def _kernels(hw) -> str:
+    def _kernels() -> str:
         """Which compiled kernels this checkout runs, or why none (an older commit may have none)."""
         try:
             from headwise import kernels
@@ -117,7 +117,7 @@ def main(checkout: str, threads: int) -> None:
             "wait_env": {k: os.environ.get(k) for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "OMP_NUM_THREADS")},
             "vocab_size": cfg.vocab_size,
             "dtype": str(next(model.parameters()).dtype),
-            "kernels": _kernels(headwise),
+            "kernels": _kernels(),
             "weights": os.environ.get("HW_WORKER_WEIGHTS", "fp32"),
         }
 

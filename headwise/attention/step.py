@@ -134,6 +134,7 @@ def check_logits_indices(idx, B: int, T: int, device) -> Tensor | None:
         if not idx:
             raise ValueError("logits_indices must be a non-empty list of row indices b * T + t, got []")
         lo, hi = min(idx), max(idx)
+        rows = torch.tensor(idx, dtype=torch.long, device=device)
     else:
         idx = torch.as_tensor(idx, device=device)
         if idx.dim() != 1 or idx.is_floating_point() or idx.dtype == torch.bool or idx.numel() == 0:
@@ -142,9 +143,10 @@ def check_logits_indices(idx, B: int, T: int, device) -> Tensor | None:
                 f"got {tuple(idx.shape)} {idx.dtype}"
             )
         lo, hi = int(idx.min()), int(idx.max())
+        rows = idx.long()
     if lo < 0 or hi >= B * T:
         raise ValueError(f"logits_indices must be in [0, B*T = {B * T}) for B={B}, T={T}; got values in [{lo}, {hi}]")
-    return torch.tensor(idx, dtype=torch.long, device=device) if isinstance(idx, (list, tuple)) else idx.long()
+    return rows
 
 
 def padding_mask(attention_mask: Tensor | None, B: int, T: int) -> Tensor | None:

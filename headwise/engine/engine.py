@@ -67,7 +67,7 @@ class Engine(Frontends):
         self._outputs: collections.OrderedDict[str, RequestOutput] = collections.OrderedDict()
         self._outbox: collections.deque = collections.deque()  # (group, piece or error) not yet delivered
         self._delivering = threading.RLock()  # (a sink's failure aborts, which flushes again)
-        self._handed: dict[str, RequestGroup] = {}  # groups given pieces since the stepping thread last looked
+        self._fed: dict[str, RequestGroup] = {}  # streams handed pieces since the stepping thread last looked
         self._thread: threading.Thread | None = None
         self._stop = False
         self._error: BaseException | None = None
@@ -244,7 +244,7 @@ class Engine(Frontends):
                         continue
                     if group.reader_idle is not None:  # an async stream's (only while the thread runs)
                         group.handed += 1
-                        self._handed[group.request_id] = group
+                        self._fed[group.request_id] = group
                     try:
                         group.sink(piece)
                     except Exception:

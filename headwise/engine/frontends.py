@@ -148,15 +148,12 @@ class Frontends:
         the last step (READER_WAIT_STREAMS at most) have taken them. A reader still behind on an
         earlier step's pieces (a client not reading, a loop that was busy) is not waited for until
         it has caught up: a stalled client costs the others one wait, not one per step."""
-        groups, self._handed = list(self._handed.values()), {}  # (a concurrent abort's flush may add or not)
-        if len(groups) > READER_WAIT_STREAMS:
-            for g in groups:
-                g.mark = g.handed
-            return
+        groups, self._fed = list(self._fed.values()), {}  # (a concurrent abort's flush may add or not)
+        wait = len(groups) <= READER_WAIT_STREAMS
         end = time.perf_counter() + READER_WAIT_S
         for g in groups:
             idle, behind, g.mark = g.reader_idle, g.taken < g.mark, g.handed
-            if idle is None or behind or idle.is_set():
+            if not wait or idle is None or behind or idle.is_set():
                 continue
             left = end - time.perf_counter()
             if left > 0:

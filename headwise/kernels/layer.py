@@ -22,7 +22,7 @@ from . import LinearPlan, _ext
 class StepPlan(NamedTuple):
     """A layer's four linear plans and norms, checked once."""
 
-    lin_list: tuple[int, ...]  # (fmt, weight, bias) per linear, then the two norms' pointers: a descriptor's head
+    head: tuple[int, ...]  # a descriptor's fixed head: (fmt, weight, bias) per linear, the two norms' pointers
     plans: tuple  # the four plans (they keep the weights alive)
     norms: tuple[Tensor, Tensor]
     eps: float
@@ -58,7 +58,7 @@ def _descriptor(plan: StepPlan, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, 
     base, pos, s_h, s_t, *paged = rows
     table, bs = paged if paged else (None, 0)
     return [
-        *plan.lin_list,
+        *plan.head,
         k.data_ptr(),
         v.data_ptr(),
         0 if base is None else base.data_ptr(),
