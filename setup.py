@@ -11,7 +11,15 @@ import platform
 
 from setuptools import Extension, setup
 
-SOURCES = ["_module.c", "small_linear.c", "decode_attention.c", "quant_linear.c", "quant_convert.c", "decoder_step.c"]
+SOURCES = [
+    "_module.c",
+    "small_linear.c",
+    "decode_attention.c",
+    "quant_linear.c",
+    "quant_convert.c",
+    "decoder_step.c",
+    "argmax.c",
+]
 # -fopenmp: the kernels split rows over OpenMP threads; at import they bind to the libgomp
 # PyTorch has loaded already (same soname), so both share one thread pool.
 COMMON = ["-O3", "-fopenmp", "-Wno-unused-function"]  # GNU C: FMA contraction on, as the kernels were tuned

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..kernels import argmax_rows
 from ..generation.sampling import TokenLogprobs, sample, token_logprobs
 from .request import Request
 
@@ -21,7 +22,7 @@ def sample_rows(logits: Tensor, requests: list[Request]) -> tuple[list[int], lis
     tokens: list[int | None] = [None] * R
     plain = [i for i, r in enumerate(requests) if r.params.greedy and r.params.repetition_penalty == 1.0]
     if plain:
-        picked = logits[plain].argmax(dim=-1).tolist() if len(plain) < R else logits.argmax(dim=-1).tolist()
+        picked = argmax_rows(logits[plain] if len(plain) < R else logits).tolist()
         for i, t in zip(plain, picked):
             tokens[i] = t
     for i, r in enumerate(requests):

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..kernels import argmax_rows
+
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 # OpenAI allows 4 stop strings; vLLM any number. 16 of up to 1,000 characters keeps the
@@ -105,7 +107,7 @@ def sample(
         big = torch.finfo(torch.float32).max
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty).clamp(-big, big)
     if params.greedy:
-        return logits.argmax(dim=-1)
+        return argmax_rows(logits) if logits.dim() == 2 else logits.argmax(dim=-1)
     # Shift the row max to 0 before dividing: a tiny temperature then sends the rest to -inf
     # (sampling becomes argmax, ties split) instead of overflowing to inf - inf = NaN.
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature

@@ -15,6 +15,7 @@ int hw_decode_attention_f32(const float *q, const float *k, const float *v, floa
                             const long *lengths, float scale, long all_keys, const int64_t *tables, long tw,
                             long bs);
 
+long hw_argmax_rows(const float *x, long R, long n, long stride, int64_t *out);
 int hw_decoder_stack(long n, const int64_t *layers, const float *fl, const float *x, float *y, long M, long C,
                      long *failed);
 long hw_stack_fields(void);
@@ -106,6 +107,21 @@ static PyObject *py_decode_attention(PyObject *self, PyObject *const *args, Py_s
     return PyLong_FromLong(rc);
 }
 
+/* argmax_rows(x, R, n, stride, out) -> rows with a NaN (argmax.c) */
+static PyObject *py_argmax_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    const float *x;
+    int64_t *out;
+    long R, n, stride;
+    if (!(hw_nargs("argmax_rows", nargs, 5) && HW_P(0, x) && HW_L(1, R) && HW_L(2, n) && HW_L(3, stride) &&
+          HW_P(4, out)))
+        return NULL;
+    long nans;
+    Py_BEGIN_ALLOW_THREADS
+    nans = hw_argmax_rows(x, R, n, stride, out);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(nans);
+}
+
 /* quant_linear.c's wrappers (their arguments: the comments above each there) */
 PyObject *hwpy_quant_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *hwpy_dequantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
@@ -116,6 +132,7 @@ static PyMethodDef methods[] = {
     {"small_linear", (PyCFunction)(void (*)(void))py_small_linear, METH_FASTCALL, "small_linear.c"},
     {"decoder_stack", (PyCFunction)(void (*)(void))py_decoder_stack, METH_FASTCALL, "decoder_step.c"},
     {"decode_attention", (PyCFunction)(void (*)(void))py_decode_attention, METH_FASTCALL, "decode_attention.c"},
+    {"argmax_rows", (PyCFunction)(void (*)(void))py_argmax_rows, METH_FASTCALL, "argmax.c"},
     {"quant_linear", (PyCFunction)(void (*)(void))hwpy_quant_linear, METH_FASTCALL, "quant_linear.c"},
     {"dequantize", (PyCFunction)(void (*)(void))hwpy_dequantize, METH_FASTCALL, "quant_linear.c"},
     {"quantize", (PyCFunction)(void (*)(void))hwpy_quantize, METH_FASTCALL, "quant_linear.c"},
