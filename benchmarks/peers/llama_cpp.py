@@ -9,6 +9,7 @@ under the headwise cache dir: <cache>/llama.cpp/<version>/bin. A second call ret
     python benchmarks/peers/llama_cpp.py build      # ~7 min on 2 cores, prints progress
     python benchmarks/peers/llama_cpp.py path       # the bin folder (exit 1 if not built)
     python benchmarks/peers/llama_cpp.py version    # what the binaries report
+    HEADWISE_LLAMA_ISA=avx2 python benchmarks/peers/llama_cpp.py build   # AVX2 only (GGML_NATIVE=OFF)
 
 The functions below are what other benchmarks call (none of them builds anything implicitly:
 a benchmark that finds no build says how to make one):
@@ -49,9 +50,16 @@ from typing import Iterator
 VERSION = "11434.0.0"
 TOOLS = ("llama-bench", "llama-server", "llama-quantize", "llama-cli")
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K_M", "Q6_K", "F16", "BF16", "F32")
+# HEADWISE_LLAMA_ISA=avx2: a second build, cached beside the native one, with GGML_NATIVE=OFF, which
+# leaves ggml's x86 defaults (SSE4.2, AVX, AVX2, BMI2, FMA, F16C; no AVX-512): the peer of headwise's
+# avx2 kernels (HEADWISE_ISA=avx2) on a CPU that has more, where no AVX2-only machine is at hand.
+ISAS = {"native": "-DGGML_NATIVE=ON", "avx2": "-DGGML_NATIVE=OFF"}
+ISA = os.environ.get("HEADWISE_LLAMA_ISA", "native").strip().lower() or "native"
+if ISA not in ISAS:
+    raise SystemExit(f"HEADWISE_LLAMA_ISA={ISA!r}: one of {', '.join(ISAS)}")
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
-    "-DGGML_NATIVE=ON",  # -march=native: AVX2/FMA/F16C here, AVX-512/VNNI where the CPU has it
+    ISAS[ISA],  # native: -march=native, AVX2/FMA/F16C here, AVX-512/VNNI where the CPU has it
     "-DBUILD_SHARED_LIBS=OFF",  # self-contained binaries: the cache folder can move
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
@@ -78,7 +86,7 @@ def cache_root() -> Path:
 
 
 def build_dir(version: str = VERSION) -> Path:
-    return cache_root() / version
+    return cache_root() / (version if ISA == "native" else f"{version}-{ISA}")
 
 
 def bin_dir(version: str = VERSION) -> Path:
@@ -177,6 +185,7 @@ def build(version: str = VERSION, jobs: int | None = None, force: bool = False) 
         "llama_cpp_build": f"b{build_number}",
         "version_output": _version_output(out / "llama-cli"),
         "cmake_flags": list(CMAKE_FLAGS),
+        "isa": ISA,
         "native_isa": _native_isa(),
         "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "build_s": round(time.perf_counter() - t0, 1),
