@@ -19,6 +19,7 @@ SOURCES = [
     "quant_convert.c",
     "decoder_step.c",
     "argmax.c",
+    "rows.c",
 ]
 # -fopenmp: the kernels split rows over OpenMP threads; at import they bind to the libgomp
 # PyTorch has loaded already (same soname), so both share one thread pool.

@@ -236,6 +236,48 @@ def run_linear(
     return y
 
 
+def rows_kernels_take(*tensors: Tensor) -> bool:
+    """Whether swiglu / rope_ run on these tensors here: the kernels load, all are contiguous fp32
+    CPU tensors, and none needs gradients (the kernels record no autograd graph)."""
+    return _ext()[1] is None and all(_ok(t) and not t.requires_grad for t in tensors)
+
+
+def swiglu(x: Tensor) -> Tensor:
+    """silu(gate) * up for x (..., 2I) = [gate | up] -> (..., I): small_linear's SwiGLU prologue as
+    a call of its own (rows over the OpenMP threads), for rows whose matmul oneDNN runs. Check
+    `rows_kernels_take(x)` first."""
+    mod = _ext()[0]
+    if x.dim() == 0 or x.shape[-1] % 2 or not rows_kernels_take(x):
+        raise ValueError(f"swiglu needs contiguous fp32 CPU x (..., 2I) without grad; got {x.dtype} {tuple(x.shape)}")
+    I = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], I)
+    mod.rows_prologue(PRO_SWIGLU, x.data_ptr(), None, 0.0, out.data_ptr(), x.numel() // (2 * I) if I else 0, I)
+    return out
+
+
+def rope_(y: Tensor, cos: Tensor, sin: Tensor, columns: int, head_dim: int) -> Tensor:
+    """RoPE in place on the first `columns` columns of y (M, O), in heads of head_dim (half-split,
+    HF's rotate_half), cos/sin (M, head_dim / 2) each row's angles: small_linear's RoPE epilogue
+    as a call of its own. Returns y. Check `rows_kernels_take(y, cos, sin)` first."""
+    M, O = y.shape if y.dim() == 2 else (0, 0)
+    if not (
+        rows_kernels_take(y, cos, sin)
+        and y.dim() == 2
+        and head_dim > 0
+        and head_dim % 2 == 0
+        and 0 < columns <= O
+        and columns % head_dim == 0
+        and cos.shape == sin.shape == (M, head_dim // 2)
+    ):
+        raise ValueError(
+            f"rope_ needs contiguous fp32 y (M, O) and cos/sin (M, head_dim / 2), whole heads in the first "
+            f"columns; got y {tuple(y.shape)} {y.dtype}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}, "
+            f"columns {columns}, head_dim {head_dim}"
+        )
+    _ext()[0].rope_rows(y.data_ptr(), M, O, cos.data_ptr(), sin.data_ptr(), columns, head_dim)
+    return y
+
+
 def argmax_rows(logits: Tensor) -> Tensor:
     """logits.argmax(dim=-1) for logits (R, V): the kernel's where it runs (fp32 on the CPU, rows
     of contiguous values), else torch's. Same answer either way: the first index of each row's

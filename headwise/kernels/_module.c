@@ -15,6 +15,8 @@ int hw_decode_attention_f32(const float *q, const float *k, const float *v, floa
                             const long *lengths, float scale, long all_keys, const int64_t *tables, long tw,
                             long bs);
 
+void hw_rows_prologue(int kind, const float *x, const float *norm_w, float eps, float *out, long M, long I);
+void hw_rope_rows(float *y, long M, long O, const float *cos, const float *sin, long rot_cols, long head_dim);
 long hw_argmax_rows(const float *x, long R, long n, long stride, int64_t *out);
 int hw_decoder_stack(long n, const int64_t *layers, const float *fl, const float *x, float *y, long M, long C,
                      long *failed);
@@ -122,6 +124,35 @@ static PyObject *py_argmax_rows(PyObject *self, PyObject *const *args, Py_ssize_
     return PyLong_FromLong(nans);
 }
 
+/* rows_prologue(kind, x, norm_w, eps, out, M, I) -> None (rows.c) */
+static PyObject *py_rows_prologue(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    const float *x, *norm_w;
+    float *out;
+    long kind, M, I;
+    float eps;
+    if (!(hw_nargs("rows_prologue", nargs, 7) && HW_L(0, kind) && HW_P(1, x) && HW_P(2, norm_w) && HW_F(3, eps) &&
+          HW_P(4, out) && HW_L(5, M) && HW_L(6, I)))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    hw_rows_prologue((int)kind, x, norm_w, eps, out, M, I);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* rope_rows(y, M, O, cos, sin, rot_cols, head_dim) -> None (rows.c) */
+static PyObject *py_rope_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    float *y;
+    const float *cos, *sin;
+    long M, O, rot_cols, head_dim;
+    if (!(hw_nargs("rope_rows", nargs, 7) && HW_P(0, y) && HW_L(1, M) && HW_L(2, O) && HW_P(3, cos) &&
+          HW_P(4, sin) && HW_L(5, rot_cols) && HW_L(6, head_dim)))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    hw_rope_rows(y, M, O, cos, sin, rot_cols, head_dim);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* quant_linear.c's wrappers (their arguments: the comments above each there) */
 PyObject *hwpy_quant_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *hwpy_dequantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
@@ -132,6 +163,8 @@ static PyMethodDef methods[] = {
     {"small_linear", (PyCFunction)(void (*)(void))py_small_linear, METH_FASTCALL, "small_linear.c"},
     {"decoder_stack", (PyCFunction)(void (*)(void))py_decoder_stack, METH_FASTCALL, "decoder_step.c"},
     {"decode_attention", (PyCFunction)(void (*)(void))py_decode_attention, METH_FASTCALL, "decode_attention.c"},
+    {"rows_prologue", (PyCFunction)(void (*)(void))py_rows_prologue, METH_FASTCALL, "rows.c"},
+    {"rope_rows", (PyCFunction)(void (*)(void))py_rope_rows, METH_FASTCALL, "rows.c"},
     {"argmax_rows", (PyCFunction)(void (*)(void))py_argmax_rows, METH_FASTCALL, "argmax.c"},
     {"quant_linear", (PyCFunction)(void (*)(void))hwpy_quant_linear, METH_FASTCALL, "quant_linear.c"},
     {"dequantize", (PyCFunction)(void (*)(void))hwpy_dequantize, METH_FASTCALL, "quant_linear.c"},

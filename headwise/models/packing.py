@@ -118,6 +118,20 @@ class PackedLinear(nn.Linear):
             return kernels.run_linear(self.kernel_plan(), x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
 
+    def forward_add(self, x: Tensor, residual: Tensor) -> Tensor:
+        """self(x) + residual, the add done by oneDNN's matmul (a post-op, no second pass over the
+        output) where the packed path runs. Bypasses forward hooks: for callers that checked there
+        are none (the decoder block's fused route)."""
+        if (
+            self._prepacked_ok(x)
+            and not self._few_rows(x)
+            and residual.dtype == x.dtype
+            and residual.shape == (*x.shape[:-1], self.out_features)
+            and residual.is_contiguous()
+        ):
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed_weight(), self.bias, "add")
+        return self(x) + residual
+
     def packed_weight(self) -> Tensor:
         """oneDNN's reordered copy of the weight, made on first use and after any change."""
         key = self._key()

@@ -8,6 +8,7 @@ import headwise
 from headwise import kernels
 from headwise.cache import ContiguousKVCache, PagedKVCache
 from headwise.models import blocks
+from headwise.models.packing import PackedLinear
 
 from .conftest import hf_checkpoints
 
@@ -95,7 +96,7 @@ def test_route_steps_match_hf_full_forward(saved, routed, name, B):
     model = headwise.load(path)
     ids = _ids(B, 20, seed=B)
     got = _decode(model, ids, prefill=8)
-    prefill_routed = B * 8 <= blocks.ROUTE_ROWS
+    prefill_routed = blocks.ROUTE_ROWS is None or B * 8 <= blocks.ROUTE_ROWS
     assert len(routed) == 2 * (12 + prefill_routed)  # 2 layers x (the prefill if few rows + 12 decode steps)
     want = hf(ids).logits[:, 8:]
     assert got.shape == want.shape and (got - want).abs().max() <= TOL
@@ -215,7 +216,37 @@ class _Capture:
         return out
 
 
-def test_cases_left_to_the_general_route(saved, routed):
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-mha-bias", "qwen2"])
+@torch.inference_mode()
+def test_a_prefill_of_many_rows_takes_the_route_and_matches_hf(saved, routed, monkeypatch, name):
+    """More rows than the small-row kernel takes (a prefill): oneDNN's matmuls with SwiGLU and RoPE
+    as the kernels' row calls and the residual as oneDNN's post-op, each of them run; equal to HF."""
+    hf, path = saved(name)
+    model = headwise.load(path)
+    calls = {"swiglu": 0, "rope_": 0, "forward_add": 0}
+
+    def spy(owner, attr):
+        real = getattr(owner, attr)
+
+        def counted(*a, **kw):
+            calls[attr] += 1
+            return real(*a, **kw)
+
+        monkeypatch.setattr(owner, attr, counted)
+
+    spy(kernels, "swiglu"), spy(kernels, "rope_"), spy(PackedLinear, "forward_add")
+    ids = _ids(3, 40, seed=11)  # 120 rows > kernels.MAX_ROWS
+    got = _decode(model, ids, prefill=30)  # the prefill (90 rows), then 10 decode steps
+    L = model.config.num_layers
+    assert len(routed) == L * 11
+    assert calls == {"swiglu": L, "rope_": L, "forward_add": 2 * L}  # the prefill's, per layer
+    want = hf(ids).logits[:, 30:]
+    assert got.shape == want.shape and (got - want).abs().max() <= TOL
+    prefill = model(ids)  # a plain forward of all 120 rows, no cache
+    assert (prefill - hf(ids).logits).abs().max() <= TOL
+
+
+def test_cases_left_to_the_general_route(saved, routed, monkeypatch):
     _, path = saved("llama-gqa")
     model = headwise.load(path)
     cfg = model.config
@@ -230,8 +261,11 @@ def test_cases_left_to_the_general_route(saved, routed):
 
     with torch.inference_mode():
         assert step_routes()  # the case it is for
-        assert step_routes(B=4, T=16)  # 64 rows: still few
-        assert not step_routes(B=5, T=13)  # 65 rows: the general route
+        assert step_routes(B=4, T=16)  # 64 rows: the small-row kernel's
+        assert step_routes(B=5, T=13)  # 65 rows, a prefill: oneDNN's matmuls, still the route
+        monkeypatch.setattr(blocks, "ROUTE_ROWS", 64)  # a limit set: more rows take the general route
+        assert step_routes(B=4, T=16) and not step_routes(B=5, T=13)
+        monkeypatch.setattr(blocks, "ROUTE_ROWS", None)
         model.layers[1].attn.hook = _Capture()  # an analysis capture is on
         assert not step_routes() and len(routed) == 1  # ...in layer 1 only
         assert model.layers[1].attn.hook.seen == 1

@@ -1,8 +1,8 @@
 """What each rank of the tensor-parallel tests runs, and the same runs on one process.
 
 `run(comm, names, lm_head)` builds each model named in MODELS, shards it over `comm` (when
-given) and returns what the tests compare: logits of a full forward (a general-route step:
-more rows than blocks.ROUTE_ROWS), of a short prefill and teacher-forced decode steps over a
+given) and returns what the tests compare: logits of a full forward (through the fused route and
+through the general one, blocks.ROUTE_ROWS = 0), of a short prefill and teacher-forced decode steps over a
 contiguous cache (the few-rows route), greedy `generate()` ids, and the cache's K shape.
 `run(None, ...)` is the single-process reference: the same models, never sharded. The
 models are built from a seed in every process, so every rank holds the same weights.
@@ -82,8 +82,15 @@ def outputs(model) -> dict:
         mask[1, 6:] = 0
         return {"hidden": model(x, mask), "hidden_long": model(ids(2, 40, 2, vocab))}
     out = {}
-    if model.tokenizer is None:  # 80 rows: the general route (on the tiny models; SmolLM2 steps are short)
-        out["logits"] = model(ids(2, 40, 1, vocab))
+    if model.tokenizer is None:  # 80 rows (on the tiny models; SmolLM2 steps are short): both routes
+        from headwise.models import blocks
+
+        out["logits"] = model(ids(2, 40, 1, vocab))  # the fused route, oneDNN's matmuls
+        route, blocks.ROUTE_ROWS = blocks.ROUTE_ROWS, 0
+        try:
+            out["logits_general"] = model(ids(2, 40, 1, vocab))
+        finally:
+            blocks.ROUTE_ROWS = route
     B, T, steps = 2, 5, 3
     cache = ContiguousKVCache(cfg.num_layers, B, cfg.num_kv_heads, T + steps, cfg.head_dim)
     feed = ids(B, T + steps, 3, vocab)
