@@ -17,7 +17,7 @@ A decoder block runs a step one of two ways, with the same numbers (fp32 roundin
 
   The kernel (headwise.kernels.small_linear, through PackedLinear) runs for up to
   kernels.MAX_ROWS rows (64: kernels.KERNELS_OVER_ONEDNN, measured on AMD and Intel); above that
-  (a prefill) the matmuls go to the modules (oneDNN), with SwiGLU and RoPE as the kernels' own
+  (a prefill) the matmuls go to the modules (oneDNN), with RMSNorm, SwiGLU and RoPE as the kernels' own
   row-parallel calls and the residual as oneDNN's post-op: a 512-token fp32 prefill step of
   SmolLM2 in 0.93x the time of the general route's ops (AMD EPYC Zen 5, 2 threads).
 The route runs in inference (no grad, eval mode, not under torch.compile) for steps of at most
@@ -312,10 +312,13 @@ def fused_linear(
             rope = (rope[1], rope[2], rope[3], rope[0].dim)  # (cos, sin, columns, head_dim)
         run = kernels.run_linear if kind is PackedLinear else module.run  # QuantizedLinear: kernels.quant
         return run(plan, x, residual=residual, prologue=prologue, norm_weight=norm_weight, eps=eps, rope=rope)
-    # rows the kernel does not take (a prefill: oneDNN's matmul): the same prologue and epilogue
-    # as their own kernel calls, the residual as oneDNN's post-op
+    # rows the kernel does not take (a prefill: oneDNN's matmul): the same prologue (RMSNorm,
+    # SwiGLU) and RoPE epilogue as their own kernel calls, the residual as oneDNN's post-op
     if norm is not None:
-        x = norm(x)
+        if type(norm) is RMSNorm and kernels.rows_kernels_take(x, norm.weight):
+            x = kernels.rms_norm(x, norm.weight, norm.eps)
+        else:
+            x = norm(x)
     elif swiglu:
         if kernels.rows_kernels_take(x):
             x = kernels.swiglu(x)

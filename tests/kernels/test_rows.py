@@ -1,4 +1,4 @@
-"""kernels.swiglu / kernels.rope_ (rows.c), the prefill's SwiGLU and RoPE, against PyTorch's ops
+"""kernels.rms_norm / swiglu / rope_ (rows.c), the prefill's RMSNorm, SwiGLU and RoPE, against PyTorch's ops
 and the RotaryEmbedding module; PackedLinear.forward_add against F.linear + residual."""
 
 import pytest
@@ -33,6 +33,18 @@ def test_swiglu_keeps_leading_dims_and_refuses_what_it_cannot_take():
         assert not (kernels.rows_kernels_take(bad) and bad.shape[-1] % 2 == 0)
         with pytest.raises(ValueError, match="swiglu needs"):
             kernels.swiglu(bad)
+
+
+@pytest.mark.parametrize("M,I", [(1, 576), (9, 37), (300, 576), (2, 1)])
+def test_rms_norm_equals_torch(M, I):
+    x = torch.randn(M, I, generator=torch.Generator().manual_seed(M)) * 3
+    w = torch.rand(I) + 0.5
+    want = x.double() * torch.rsqrt(x.double().square().mean(-1, keepdim=True) + 1e-5) * w.double()
+    got = kernels.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(got, F.rms_norm(x, (I,), w, eps=1e-5), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="rms_norm needs"):
+        kernels.rms_norm(x, torch.rand(I + 1), 1e-5)
 
 
 @pytest.mark.parametrize("M", [1, 8, 9, 300])

@@ -219,11 +219,11 @@ class _Capture:
 @pytest.mark.parametrize("name", ["llama-gqa", "llama-mha-bias", "qwen2"])
 @torch.inference_mode()
 def test_a_prefill_of_many_rows_takes_the_route_and_matches_hf(saved, routed, monkeypatch, name):
-    """More rows than the small-row kernel takes (a prefill): oneDNN's matmuls with SwiGLU and RoPE
+    """More rows than the small-row kernel takes (a prefill): oneDNN's matmuls with RMSNorm, SwiGLU and RoPE
     as the kernels' row calls and the residual as oneDNN's post-op, each of them run; equal to HF."""
     hf, path = saved(name)
     model = headwise.load(path)
-    calls = {"swiglu": 0, "rope_": 0, "forward_add": 0}
+    calls = {"rms_norm": 0, "swiglu": 0, "rope_": 0, "forward_add": 0}
 
     def spy(owner, attr):
         real = getattr(owner, attr)
@@ -234,12 +234,13 @@ def test_a_prefill_of_many_rows_takes_the_route_and_matches_hf(saved, routed, mo
 
         monkeypatch.setattr(owner, attr, counted)
 
-    spy(kernels, "swiglu"), spy(kernels, "rope_"), spy(PackedLinear, "forward_add")
+    spy(kernels, "rms_norm"), spy(kernels, "swiglu"), spy(kernels, "rope_"), spy(PackedLinear, "forward_add")
     ids = _ids(3, 40, seed=11)  # 120 rows > kernels.MAX_ROWS
     got = _decode(model, ids, prefill=30)  # the prefill (90 rows), then 10 decode steps
     L = model.config.num_layers
     assert len(routed) == L * 11
-    assert calls == {"swiglu": L, "rope_": L, "forward_add": 2 * L}  # the prefill's, per layer
+    # the prefill's: per layer two norms, SwiGLU, RoPE, two residuals; the final norm
+    assert calls == {"rms_norm": 2 * L + 1, "swiglu": L, "rope_": L, "forward_add": 2 * L}
     want = hf(ids).logits[:, 30:]
     assert got.shape == want.shape and (got - want).abs().max() <= TOL
     prefill = model(ids)  # a plain forward of all 120 rows, no cache
