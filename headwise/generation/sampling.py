@@ -107,7 +107,7 @@ def sample(
         big = torch.finfo(torch.float32).max
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty).clamp(-big, big)
     if params.greedy:
-        return argmax_rows(logits) if logits.dim() == 2 else logits.argmax(dim=-1)
+        return argmax_rows(logits)  # torch's argmax where the kernel does not take logits
     # Shift the row max to 0 before dividing: a tiny temperature then sends the rest to -inf
     # (sampling becomes argmax, ties split) instead of overflowing to inf - inf = NaN.
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature

@@ -237,7 +237,7 @@ def run_linear(
 
 
 def rows_kernels_take(*tensors: Tensor) -> bool:
-    """Whether swiglu / rope_ run on these tensors here: the kernels load, all are contiguous fp32
+    """Whether rms_norm / swiglu / rope_ run on these tensors here: the kernels load, all are contiguous fp32
     CPU tensors, and no gradient is wanted (the kernels record no autograd graph)."""
     grad = torch.is_grad_enabled()
     return _ext()[1] is None and all(_ok(t) and not (grad and t.requires_grad) for t in tensors)

@@ -18,8 +18,9 @@ A decoder block runs a step one of two ways, with the same numbers (fp32 roundin
   The kernel (headwise.kernels.small_linear, through PackedLinear) runs for up to
   kernels.MAX_ROWS rows (64: kernels.KERNELS_OVER_ONEDNN, measured on AMD and Intel); above that
   (a prefill) the matmuls go to the modules (oneDNN), with RMSNorm, SwiGLU and RoPE as the kernels' own
-  row-parallel calls and the residual as oneDNN's post-op: a 512-token fp32 prefill step of
-  SmolLM2 in 0.93x the time of the general route's ops (AMD EPYC Zen 5, 2 threads).
+  row-parallel calls and the residual as oneDNN's post-op: SmolLM2's fp32 prefill of 512 tokens
+  1.115x (paired 1.063x) the speed of 2f9c09b, where prefills took the general route
+  (benchmarks/compare_commits.py; AMD EPYC Zen 5, 2 threads).
 The route runs in inference (no grad, eval mode, not under torch.compile) for steps of at most
 ROUTE_ROWS rows (None: any), when no hook would be bypassed: forward hooks on the modules it calls by hand,
 global module hooks, and the analysis hook of `MultiHeadAttention` all send a step to the
