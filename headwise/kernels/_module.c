@@ -153,6 +153,22 @@ static PyObject *py_rope_rows(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
+/* prefetch_ahead(n) -> the distance before: how many inputs ahead small_linear.c's tiles prefetch
+ * weights (hw_pf_ahead); n < 0 only reads it. Not thread-safe against running kernels: set it
+ * once, at load (kernels/__init__.py) or between timed runs (benchmarks/prefetch.py). */
+extern int hw_pf_ahead;
+static PyObject *py_prefetch_ahead(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    long n;
+    if (!(hw_nargs("prefetch_ahead", nargs, 1) && HW_L(0, n))) return NULL;
+    if (n > 4096) {
+        PyErr_Format(PyExc_ValueError, "prefetch_ahead: %ld inputs is past any weight panel (at most 4096)", n);
+        return NULL;
+    }
+    const long before = hw_pf_ahead;
+    if (n >= 0) hw_pf_ahead = (int)n;
+    return PyLong_FromLong(before);
+}
+
 /* quant_linear.c's wrappers (their arguments: the comments above each there) */
 PyObject *hwpy_quant_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *hwpy_dequantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
@@ -165,6 +181,7 @@ static PyMethodDef methods[] = {
     {"decode_attention", (PyCFunction)(void (*)(void))py_decode_attention, METH_FASTCALL, "decode_attention.c"},
     {"rows_prologue", (PyCFunction)(void (*)(void))py_rows_prologue, METH_FASTCALL, "rows.c"},
     {"rope_rows", (PyCFunction)(void (*)(void))py_rope_rows, METH_FASTCALL, "rows.c"},
+    {"prefetch_ahead", (PyCFunction)(void (*)(void))py_prefetch_ahead, METH_FASTCALL, "small_linear.c"},
     {"argmax_rows", (PyCFunction)(void (*)(void))py_argmax_rows, METH_FASTCALL, "argmax.c"},
     {"quant_linear", (PyCFunction)(void (*)(void))hwpy_quant_linear, METH_FASTCALL, "quant_linear.c"},
     {"dequantize", (PyCFunction)(void (*)(void))hwpy_dequantize, METH_FASTCALL, "quant_linear.c"},

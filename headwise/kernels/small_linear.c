@@ -50,8 +50,9 @@ static inline void block_rows(const float *w, const float *x, long I, int MC, __
  * chunk's, which the first row group of a chunk reads from memory), one 64-byte line of each
  * block every 2 inputs: SmolLM2's 30 layers at 16 rows, 2 threads, AMD EPYC Zen 4: 38 -> 32 ms
  * (with PANEL_MC 12), 8 rows 33 -> 28; the hardware prefetcher alone left memory idle while the
- * FMAs ran. */
-enum { PF_AHEAD = 128 };
+ * FMAs ran. How far ahead pays depends on the core: hw_pf_ahead, set at load by kernels/__init__.py
+ * from the CPU (prefetch_ahead_for), 128 unless measured otherwise (benchmarks/prefetch.py). */
+int hw_pf_ahead = 128;
 /* Rows a tile takes: AVX-512's 32 vector registers (the avx512 build: the same 256-bit code, the
  * compiler may use ymm16-31) hold 24 accumulators + 2 weights + a broadcast, AVX2's 16 hold 12. */
 #if defined(__AVX512F__) && defined(__AVX512VL__)
@@ -61,12 +62,13 @@ enum { PF_AHEAD = 128 };
 #endif
 static inline void panel_rows(const float *w0, const float *w1, const float *x, long I, long k0, long k1,
                               int MC, float *acc, int pf) {
+    const long ahead = hw_pf_ahead;
     __m256 a[PANEL_MC][2];
     for (int m = 0; m < MC; m++) a[m][0] = _mm256_loadu_ps(acc + m * 16), a[m][1] = _mm256_loadu_ps(acc + m * 16 + 8);
     for (long i = k0; i < k1; i++) {
         if (pf && !(i & 1)) {
-            _mm_prefetch((const char *)(w0 + (i + PF_AHEAD) * 8), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w1 + (i + PF_AHEAD) * 8), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w0 + (i + ahead) * 8), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w1 + (i + ahead) * 8), _MM_HINT_T0);
         }
         __m256 u = _mm256_load_ps(w0 + i * 8), v = _mm256_load_ps(w1 + i * 8);
         for (int m = 0; m < MC; m++) {          /* MC is a constant at each call site: unrolled */
@@ -168,12 +170,13 @@ static void blocks_out(const float *Wb, const float *xs, const float *b, const f
  * its load ports. 32 registers: 2 x 12 row accumulators + 2 weights + a broadcast. */
 enum { QUAD_MC = 12 };
 static inline void quad_rows(const float *w0, const float *x, long I, long k0, long k1, int MC, float *acc, int pf) {
+    const long pfa = hw_pf_ahead;
     const float *w1 = w0 + I * 8, *w2 = w1 + I * 8, *w3 = w2 + I * 8;
     __m512 a[QUAD_MC][2];
     for (int m = 0; m < MC; m++) a[m][0] = _mm512_loadu_ps(acc + m * 32), a[m][1] = _mm512_loadu_ps(acc + m * 32 + 16);
     for (long i = k0; i < k1; i++) {
         if (pf && !(i & 1)) {
-            const long ahead = (i + PF_AHEAD) * 8;
+            const long ahead = (i + pfa) * 8;
             _mm_prefetch((const char *)(w0 + ahead), _MM_HINT_T0);
             _mm_prefetch((const char *)(w1 + ahead), _MM_HINT_T0);
             _mm_prefetch((const char *)(w2 + ahead), _MM_HINT_T0);

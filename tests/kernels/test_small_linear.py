@@ -82,6 +82,38 @@ def test_same_bits_at_any_thread_count(M):
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("M", [8, 16, 40])  # the tiles that prefetch, one and several row groups
+def test_prefetch_distance_changes_no_bit(M):
+    """The distance set per CPU at load (prefetch_ahead_for) only moves loads earlier: any distance,
+    even none or one past the weight's end, gives the same bits, and those equal F.linear."""
+    mod, _ = kernels._ext()
+    x, w = torch.randn(M, 576), torch.randn(1000, 576)
+    picked = mod.prefetch_ahead(-1)
+    assert picked == kernels.prefetch_ahead_for()
+    try:
+        outs = []
+        for d in (0, 32, 64, 128, 4096):
+            mod.prefetch_ahead(d)
+            outs.append(lin(x, w))
+    finally:
+        mod.prefetch_ahead(picked)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert_close_to(outs[0], x, w)
+    with pytest.raises(ValueError, match="4096"):
+        mod.prefetch_ahead(5000)
+
+
+def test_prefetch_distance_by_cpu_and_environment(monkeypatch):
+    monkeypatch.delenv("HEADWISE_PREFETCH_AHEAD", raising=False)
+    assert kernels.prefetch_ahead_for("AuthenticAMD", "26") == kernels.PREFETCH_AHEAD_BY_CPU["AuthenticAMD", "26"]
+    assert kernels.prefetch_ahead_for("GenuineIntel", "6") == kernels.PREFETCH_AHEAD_DEFAULT
+    monkeypatch.setenv("HEADWISE_PREFETCH_AHEAD", "96")
+    assert kernels.prefetch_ahead_for("AuthenticAMD", "26") == 96
+    monkeypatch.setenv("HEADWISE_PREFETCH_AHEAD", "far")
+    with pytest.raises(ValueError, match="HEADWISE_PREFETCH_AHEAD"):
+        kernels.prefetch_ahead_for()
+
+
 @pytest.mark.parametrize(
     "make,match",
     [

@@ -1,0 +1,131 @@
+"""How far ahead the small-row kernel should prefetch its weights: the claim behind
+`kernels.PREFETCH_AHEAD_BY_CPU`.
+
+From 5 rows, kernels/small_linear.c computes tiles of 12 (6 in the AVX2 build) rows over 128
+inputs at a time, each weight panel read from memory once for all rows; the first row group of a
+chunk also asks for the weights `prefetch_ahead` inputs on, so that memory keeps streaming while
+the FMAs run. Too near and the lines arrive late; too far and they are evicted before use. The
+best distance depends on the core (it was tuned to 128 on an AMD EPYC Zen 4; Zen 5 wants less),
+so kernels/__init__.py sets it at load from the CPU's vendor and family.
+
+This script times the kernel at each candidate distance on SmolLM2-135M's 30 layers of linear
+shapes (425 MB of fp32, streamed from memory as in a decode step) and on its lm_head
+(49152 x 576), at the engine's batch sizes, interleaved round by round, and prints each distance's
+time and its paired ratio to 128 (the median over rounds of that round's 128 time / its time).
+The outputs are checked bit-identical across distances (a prefetch changes no arithmetic).
+
+    .venv/bin/python benchmarks/prefetch.py                     # ~3 min; results/prefetch.{txt,json}
+    .venv/bin/python benchmarks/prefetch.py --rows 16 --distances 128,64,48 --rounds 5 --out /tmp/pf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _common import Log, busy_and_steal, cpu_ticks, environment, loadavg, summarize, table, time_interleaved  # noqa: E402
+import torch  # noqa: E402  (after _common: headwise first)
+from headwise import kernels  # noqa: E402
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M: qkv, o, gate_up, down
+LAYERS = 30
+HEAD = (49152, 576)  # SmolLM2's tied lm_head
+BASE = 128  # the distance tuned first (AMD EPYC Zen 4), which the others are paired against
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="8,16,32", help="row counts, 5 to 64 (the tiles that prefetch; default 8,16,32)")
+    ap.add_argument("--distances", default="128,96,64,48,32", help="inputs ahead to try (default 128,96,64,48,32)")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "prefetch")
+    args = ap.parse_args(argv)
+    rows = [int(r) for r in args.rows.split(",")]
+    distances = [int(d) for d in args.distances.split(",")]
+    if BASE not in distances:
+        distances.insert(0, BASE)
+    if kernels.kernels_unavailable():
+        print(f"the small-row kernel cannot run here: {kernels.kernels_unavailable()}", file=sys.stderr)
+        return 2
+    if max(rows) > kernels.KERNEL_ROWS or min(rows) < 5:
+        print(
+            f"--rows: 5 to {kernels.KERNEL_ROWS} (fewer rows take the 4 x 8 tiles, which do not prefetch)",
+            file=sys.stderr,
+        )
+        return 2
+    if min(distances) < 0 or max(distances) > 4096:
+        print("--distances: 0 to 4096 inputs", file=sys.stderr)
+        return 2
+    mod, _ = kernels._ext()
+    picked = mod.prefetch_ahead(-1)
+    torch.set_num_threads(args.threads)
+    log, env = Log(), environment()
+    log(
+        f"small-row kernel prefetch distance, SmolLM2-135M's {LAYERS} layers of linears and its lm_head, fp32, "
+        f"{args.threads} threads, {args.rounds} rounds; {env['date']}, torch {env['torch']}, {env['cpu_model']}, "
+        f"kernel variant {kernels.isa()}; this CPU's pick (kernels.prefetch_ahead_for): {picked}"
+    )
+    g = torch.Generator().manual_seed(0)
+    groups = {
+        "layers": [torch.randn(O, I, generator=g) * 0.02 for _ in range(LAYERS) for O, I in SHAPES],
+        "lm_head": [torch.randn(*HEAD, generator=g) * 0.02],
+    }
+    results, lines = {}, []
+    load0, ticks0 = loadavg(), cpu_ticks()
+    try:
+        with torch.inference_mode():
+            for group, weights in groups.items():
+                plans = [kernels.plan_linear(kernels.block_weight(w), w.shape[0]) for w in weights]
+                for M in rows:
+                    xs = [torch.randn(M, w.shape[1], generator=g) for w in weights]
+
+                    def run(d, plans=plans, xs=xs):
+                        mod.prefetch_ahead(d)
+                        return [kernels.run_linear(p, x) for p, x in zip(plans, xs)]
+
+                    fns = {str(d): (lambda d=d: run(d)) for d in distances}
+                    outs = {name: fn() for name, fn in fns.items()}
+                    for name, out in outs.items():  # a prefetch changes no arithmetic: the same bits
+                        assert all(torch.equal(a, b) for a, b in zip(out, outs[str(BASE)])), name
+                    times, _ = time_interleaved(fns, rounds=args.rounds)
+                    base = times[str(BASE)]
+                    res = {}
+                    for d in distances:
+                        t = times[str(d)]
+                        paired = statistics.median(b / x for b, x in zip(base, t))
+                        s = summarize([x * 1e3 for x in t])
+                        res[d] = {"ms": s, "paired_vs_128": paired}
+                        lines.append([group, M, d, f"{s['min']:.2f}", f"{s['median']:.2f}", f"{s['max']:.2f}",
+                                      f"{statistics.median(base) / statistics.median(t):.3f}x", f"{paired:.3f}x"])  # fmt: skip
+                    results.setdefault(group, {})[M] = res
+                    best = max(distances, key=lambda d: res[d]["paired_vs_128"])
+                    print(f"  {group} rows {M}: best {best} ({res[best]['paired_vs_128']:.3f}x of 128)", flush=True)
+    finally:
+        mod.prefetch_ahead(picked)
+    log(f"ms per pass over the group (min / median / max over rounds); load {load0} -> {loadavg()}, "
+        f"{busy_and_steal(ticks0, cpu_ticks())}")  # fmt: skip
+    headers = ["weights", "rows", "ahead", "min ms", "median", "max", "vs 128 (medians)", "vs 128 (paired)"]
+    log(table(headers, lines))
+    score = {d: statistics.geometric_mean([results[g][M][d]["paired_vs_128"] for g in results for M in rows])
+             for d in distances}  # fmt: skip
+    log("geometric mean of the paired ratios: " + ", ".join(f"{d}: {v:.3f}x" for d, v in score.items()))
+    log(f"fastest here: {max(score, key=score.get)}; kernels.prefetch_ahead_for() picks {picked}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".txt").write_text(log.text())
+        args.out.with_suffix(".json").write_text(
+            json.dumps({"environment": env, "picked": picked, "results": results, "score": score}, indent=1)
+        )
+        print(f"saved {args.out.with_suffix('.txt')}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
