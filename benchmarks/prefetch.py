@@ -14,8 +14,13 @@ shapes (425 MB of fp32, streamed from memory as in a decode step) and on its lm_
 time and its paired ratio to 128 (the median over rounds of that round's 128 time / its time).
 The outputs are checked bit-identical across distances (a prefetch changes no arithmetic).
 
+With --quant, the same for kernels/quant_linear.c's packed groups (SmolLM2's GGUF: Q4_1 layers,
+a Q8_0 lm_head), which prefetch a distance in bytes (`kernels.QUANT_PREFETCH_AHEAD_BY_CPU`) at
+every row count, paired against 2048.
+
     .venv/bin/python benchmarks/prefetch.py                     # ~3 min; results/prefetch.{txt,json}
     .venv/bin/python benchmarks/prefetch.py --rows 16 --distances 128,64,48 --rounds 5 --out /tmp/pf
+    .venv/bin/python benchmarks/prefetch.py --quant             # results/prefetch_quant.{txt,json}
 """
 
 from __future__ import annotations
@@ -32,96 +37,140 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _common import Log, busy_and_steal, cpu_ticks, environment, loadavg, summarize, table, time_interleaved  # noqa: E402
 import torch  # noqa: E402  (after _common: headwise first)
 from headwise import kernels  # noqa: E402
+from headwise.kernels import quant  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M: qkv, o, gate_up, down
 LAYERS = 30
 HEAD = (49152, 576)  # SmolLM2's tied lm_head
 BASE = 128  # the distance tuned first (AMD EPYC Zen 4), which the others are paired against
+QUANT_BASE = 2048  # quant_linear.c's, in bytes (tuned on AMD EPYC Zen 3 / 4)
+
+
+class Kind:
+    """What is timed: the fp32 kernel (distance in inputs) or the quantized one (in bytes)."""
+
+    def __init__(self, quant: bool):
+        self.quant = quant
+        self.base = QUANT_BASE if quant else BASE
+        self.unit = "bytes" if quant else "inputs"
+        self.name = "quantized kernel (Q4_1 layers, Q8_0 lm_head)" if quant else "small-row fp32 kernel"
+
+    def setter(self, mod):
+        return mod.quant_prefetch_ahead if self.quant else mod.prefetch_ahead
+
+    def plans(self, weights, group):
+        if not self.quant:
+            return [kernels.plan_linear(kernels.block_weight(w), w.shape[0]) for w in weights]
+        fmt = "q8_0" if group == "lm_head" else "q4_1"
+        out = []
+        for w in weights:
+            O, I = w.shape
+            blocks = quant.pack_rows(quant.quantize(w, fmt), fmt, O, I)
+            out.append(quant.plan_quant(blocks, fmt, O, I, packed=True))
+        return out
+
+    def run(self, plan, x):
+        return quant.run_quant(plan, x) if self.quant else kernels.run_linear(plan, x)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default="8,16,32", help="row counts, 5 to 64 (the tiles that prefetch; default 8,16,32)")
-    ap.add_argument("--distances", default="128,96,64,48,32", help="inputs ahead to try (default 128,96,64,48,32)")
+    ap.add_argument("--quant", action="store_true", help="time quant_linear.c's distance (bytes) instead")
+    ap.add_argument("--rows", default=None, help="row counts (default 8,16,32 fp32, 5 to 64: the tiles that "
+                    "prefetch; 1,4,8,16 --quant)")  # fmt: skip
+    ap.add_argument("--distances", default=None, help="distances to try (default 128,96,64,48,32 inputs; "
+                    "--quant: 2048,1024,1536,3072,4096 bytes)")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "prefetch")
+    ap.add_argument("--out", type=Path, default=None, help="default results/prefetch[_quant]")
     args = ap.parse_args(argv)
-    rows = [int(r) for r in args.rows.split(",")]
-    distances = [int(d) for d in args.distances.split(",")]
-    if BASE not in distances:
-        distances.insert(0, BASE)
+    kind = Kind(args.quant)
+    ref = kind.base
+    rows = [int(r) for r in (args.rows or ("1,4,8,16" if args.quant else "8,16,32")).split(",")]
+    distances = [
+        int(d) for d in (args.distances or ("2048,1024,1536,3072,4096" if args.quant else "128,96,64,48,32")).split(",")
+    ]
+    if args.out is None:
+        args.out = ROOT / "benchmarks" / "results" / ("prefetch_quant" if args.quant else "prefetch")
+    if ref not in distances:
+        distances.insert(0, ref)
     if kernels.kernels_unavailable():
         print(f"the small-row kernel cannot run here: {kernels.kernels_unavailable()}", file=sys.stderr)
         return 2
-    if max(rows) > kernels.KERNEL_ROWS or min(rows) < 5:
+    if max(rows) > kernels.KERNEL_ROWS or min(rows) < (1 if args.quant else 5):
         print(
             f"--rows: 5 to {kernels.KERNEL_ROWS} (fewer rows take the 4 x 8 tiles, which do not prefetch)",
             file=sys.stderr,
         )
         return 2
-    if min(distances) < 0 or max(distances) > 4096:
-        print("--distances: 0 to 4096 inputs", file=sys.stderr)
+    limit = 65536 if args.quant else 4096
+    if min(distances) < 0 or max(distances) > limit:
+        print(f"--distances: 0 to {limit} {kind.unit}", file=sys.stderr)
         return 2
     mod, _ = kernels._ext()
-    picked = mod.prefetch_ahead(-1)
+    set_ahead = kind.setter(mod)
+    picked = set_ahead(-1)
     torch.set_num_threads(args.threads)
     log, env = Log(), environment()
     log(
-        f"small-row kernel prefetch distance, SmolLM2-135M's {LAYERS} layers of linears and its lm_head, fp32, "
+        f"{kind.name} prefetch distance ({kind.unit}), SmolLM2-135M's {LAYERS} layers of linears and its lm_head, fp32, "
         f"{args.threads} threads, {args.rounds} rounds; {env['date']}, torch {env['torch']}, {env['cpu_model']}, "
-        f"kernel variant {kernels.isa()}; this CPU's pick (kernels.prefetch_ahead_for): {picked}"
+        f"kernel variant {kernels.isa()}; this CPU's pick: {picked}"
     )
     g = torch.Generator().manual_seed(0)
     groups = {
         "layers": [torch.randn(O, I, generator=g) * 0.02 for _ in range(LAYERS) for O, I in SHAPES],
-        "lm_head": [torch.randn(*HEAD, generator=g) * 0.02],
+        # Q8_0's head is 30 MB, which an L3 of 32 MB holds: three copies, so it streams from memory as
+        # in a decode step (the layers' 66 MB before it evict it there)
+        "lm_head": [torch.randn(*HEAD, generator=g) * 0.02 for _ in range(3 if args.quant else 1)],
     }
     results, lines = {}, []
     load0, ticks0 = loadavg(), cpu_ticks()
     try:
         with torch.inference_mode():
             for group, weights in groups.items():
-                plans = [kernels.plan_linear(kernels.block_weight(w), w.shape[0]) for w in weights]
+                plans = kind.plans(weights, group)
                 for M in rows:
                     xs = [torch.randn(M, w.shape[1], generator=g) for w in weights]
 
                     def run(d, plans=plans, xs=xs):
-                        mod.prefetch_ahead(d)
-                        return [kernels.run_linear(p, x) for p, x in zip(plans, xs)]
+                        set_ahead(d)
+                        return [kind.run(p, x) for p, x in zip(plans, xs)]
 
                     fns = {str(d): (lambda d=d: run(d)) for d in distances}
                     outs = {name: fn() for name, fn in fns.items()}
                     for name, out in outs.items():  # a prefetch changes no arithmetic: the same bits
-                        assert all(torch.equal(a, b) for a, b in zip(out, outs[str(BASE)])), name
+                        assert all(torch.equal(a, b) for a, b in zip(out, outs[str(ref)])), name
                     times, _ = time_interleaved(fns, rounds=args.rounds)
-                    base = times[str(BASE)]
+                    base = times[str(ref)]
                     res = {}
                     for d in distances:
                         t = times[str(d)]
                         paired = statistics.median(b / x for b, x in zip(base, t))
                         s = summarize([x * 1e3 for x in t])
-                        res[d] = {"ms": s, "paired_vs_128": paired}
+                        res[d] = {"ms": s, "paired_vs_base": paired}
                         lines.append([group, M, d, f"{s['min']:.2f}", f"{s['median']:.2f}", f"{s['max']:.2f}",
                                       f"{statistics.median(base) / statistics.median(t):.3f}x", f"{paired:.3f}x"])  # fmt: skip
                     results.setdefault(group, {})[M] = res
-                    best = max(distances, key=lambda d: res[d]["paired_vs_128"])
-                    print(f"  {group} rows {M}: best {best} ({res[best]['paired_vs_128']:.3f}x of 128)", flush=True)
+                    best = max(distances, key=lambda d: res[d]["paired_vs_base"])
+                    print(f"  {group} rows {M}: best {best} ({res[best]['paired_vs_base']:.3f}x of {ref})", flush=True)
     finally:
-        mod.prefetch_ahead(picked)
+        set_ahead(picked)
     log(f"ms per pass over the group (min / median / max over rounds); load {load0} -> {loadavg()}, "
         f"{busy_and_steal(ticks0, cpu_ticks())}")  # fmt: skip
-    headers = ["weights", "rows", "ahead", "min ms", "median", "max", "vs 128 (medians)", "vs 128 (paired)"]
+    headers = ["weights", "rows", "ahead", "min ms", "median", "max", f"vs {ref} (medians)", f"vs {ref} (paired)"]
     log(table(headers, lines))
-    score = {d: statistics.geometric_mean([results[g][M][d]["paired_vs_128"] for g in results for M in rows])
+    score = {d: statistics.geometric_mean([results[g][M][d]["paired_vs_base"] for g in results for M in rows])
              for d in distances}  # fmt: skip
     log("geometric mean of the paired ratios: " + ", ".join(f"{d}: {v:.3f}x" for d, v in score.items()))
-    log(f"fastest here: {max(score, key=score.get)}; kernels.prefetch_ahead_for() picks {picked}")
+    log(f"fastest here: {max(score, key=score.get)} {kind.unit}; this CPU's pick at load: {picked}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".txt").write_text(log.text())
         args.out.with_suffix(".json").write_text(
-            json.dumps({"environment": env, "picked": picked, "results": results, "score": score}, indent=1)
+            json.dumps(
+                {"environment": env, "unit": kind.unit, "picked": picked, "results": results, "score": score}, indent=1
+            )
         )
         print(f"saved {args.out.with_suffix('.txt')}", file=sys.stderr)
     return 0

@@ -12,8 +12,8 @@ with AVX2 + FMA. PackedLinear keeps the blocked copy of its weight (models/packi
 The C sources (small_linear.c, decode_attention.c for kernels.attention, _module.c: the Python
 entry points) are a C extension that `pip install` builds (setup.py) in two variants,
 `_cpu_avx2` and `_cpu_avx512`; `_ext()` imports the one this CPU runs, chosen at run time from
-its flags (HEADWISE_ISA=avx2 / avx512 forces one), with the prefetch distance of its tiles set for
-this core (prefetch_ahead_for; HEADWISE_PREFETCH_AHEAD=<inputs> overrides). Where none can run (not built at install, no
+its flags (HEADWISE_ISA=avx2 / avx512 forces one), with the prefetch distances of its kernels set for
+this core (prefetch_ahead_for, quant_prefetch_ahead_for; environment variables override them). Where none can run (not built at install, no
 AVX2, torch not on OpenMP, or HEADWISE_KERNELS=0), `kernels_unavailable()` says why and callers
 keep PyTorch's ops.
 """
@@ -70,28 +70,52 @@ KERNELS_OVER_ONEDNN = True
 MAX_ROWS = KERNEL_ROWS  # fp32 rows the small-row kernel takes from oneDNN (all it can: KERNELS_OVER_ONEDNN)
 
 
-# How many inputs ahead small_linear.c's tiles (5+ rows) prefetch their weights, by core: the
-# hardware prefetcher alone left memory idle while the FMAs ran, but too far ahead evicts lines
-# before they are read. benchmarks/prefetch.py measures the candidates (SmolLM2's 30 layers and its
-# lm_head, 2 threads, paired against 128):
-# - AMD EPYC Zen 4 (tuned there, 2026-11): 128, the next 128-input chunk; Intel Xeon kept it;
-# - AMD EPYC Zen 5 (family 26): 64, 1.03-1.07x the speed of 128 at 8-32 rows (48 within 1%, 32 and
-#   96 worse); results/zen5/prefetch.txt.
+# How far ahead the kernels prefetch the weights they stream, by core: the hardware prefetcher alone
+# left memory idle while the FMAs ran, but too far ahead evicts lines before they are read.
+# benchmarks/prefetch.py measures the candidates (SmolLM2's 30 layers and its lm_head, 2 threads,
+# paired against the first tuning):
+# - small_linear.c's 5+-row tiles, in inputs: 128 on AMD EPYC Zen 4 (tuned there, 2026-11) and
+#   Intel Xeon; 64 on AMD EPYC Zen 5 (family 26), 1.03-1.07x the speed of 128 at 8-32 rows (48
+#   within 1%, 32 and 96 worse): results/zen5/prefetch.txt;
+# - quant_linear.c's packed groups, in bytes: 2048 on AMD EPYC Zen 3 / 4 (1280-2560 alike there);
+#   8192 on Zen 5: results/zen5/prefetch_quant.txt, the Q4_1 layers 1.11x at 1 row and 1.14-1.20x
+#   at 4-16 rows, the Q8_0 lm_head 1.36x at 1 row, 1.27-1.51x at 4-16 (an earlier run: 1.05x and
+#   1.08-1.29x, 1.09x and 1.17-1.37x; 12288 the same within noise, 16384 less at 1 row); generate()
+#   B=1 decodes 1.10x faster with it, 16 requests through the engine 1.05x (in-process, paired).
 PREFETCH_AHEAD_DEFAULT = 128
 PREFETCH_AHEAD_BY_CPU = {("AuthenticAMD", "26"): 64}  # (vendor_id, cpu family) -> inputs ahead
+QUANT_PREFETCH_AHEAD_DEFAULT = 2048
+QUANT_PREFETCH_AHEAD_BY_CPU = {("AuthenticAMD", "26"): 8192}  # -> bytes ahead
+
+
+def _by_cpu(table: dict, default: int, env: str, limit: int, vendor: str | None, family: str | None) -> int:
+    value = os.environ.get(env, "").strip()
+    if value:
+        if not value.isdigit() or int(value) > limit:
+            raise ValueError(f"{env}={value!r}: give a whole number from 0 to {limit}")
+        return int(value)
+    vendor = _cpuinfo("vendor_id") if vendor is None else vendor
+    family = _cpuinfo("cpu family") if family is None else family
+    return table.get((vendor, family), default)
 
 
 def prefetch_ahead_for(vendor: str | None = None, family: str | None = None) -> int:
-    """The prefetch distance for this CPU (or the given /proc/cpuinfo vendor_id and cpu family):
-    HEADWISE_PREFETCH_AHEAD=<inputs> overrides it."""
-    env = os.environ.get("HEADWISE_PREFETCH_AHEAD", "").strip()
-    if env:
-        if not env.isdigit() or int(env) > 4096:
-            raise ValueError(f"HEADWISE_PREFETCH_AHEAD={env!r}: give a whole number of inputs from 0 to 4096")
-        return int(env)
-    vendor = _cpuinfo("vendor_id") if vendor is None else vendor
-    family = _cpuinfo("cpu family") if family is None else family
-    return PREFETCH_AHEAD_BY_CPU.get((vendor, family), PREFETCH_AHEAD_DEFAULT)
+    """small_linear's prefetch distance (inputs) for this CPU, or for the given /proc/cpuinfo
+    vendor_id and cpu family; HEADWISE_PREFETCH_AHEAD=<inputs> overrides it."""
+    return _by_cpu(PREFETCH_AHEAD_BY_CPU, PREFETCH_AHEAD_DEFAULT, "HEADWISE_PREFETCH_AHEAD", 4096, vendor, family)
+
+
+def quant_prefetch_ahead_for(vendor: str | None = None, family: str | None = None) -> int:
+    """quant_linear's prefetch distance (bytes), as prefetch_ahead_for;
+    HEADWISE_QUANT_PREFETCH_AHEAD=<bytes> overrides it."""
+    return _by_cpu(
+        QUANT_PREFETCH_AHEAD_BY_CPU,
+        QUANT_PREFETCH_AHEAD_DEFAULT,
+        "HEADWISE_QUANT_PREFETCH_AHEAD",
+        65536,
+        vendor,
+        family,
+    )
 
 
 def cpu_flags() -> set[str]:
@@ -147,6 +171,7 @@ def _ext() -> tuple[ModuleType | None, str | None]:
     if len(_omp_libraries()) > max(1, len(before)):  # ours did not bind to torch's libgomp
         return None, f"the kernels loaded a second OpenMP runtime ({sorted(_omp_libraries())})"
     mod.prefetch_ahead(prefetch_ahead_for())
+    mod.quant_prefetch_ahead(quant_prefetch_ahead_for())
     return mod, _self_check(mod)
 
 

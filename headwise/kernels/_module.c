@@ -169,6 +169,21 @@ static PyObject *py_prefetch_ahead(PyObject *self, PyObject *const *args, Py_ssi
     return PyLong_FromLong(before);
 }
 
+/* quant_prefetch_ahead(n) -> the distance before: how many bytes ahead quant_linear.c's packed
+ * groups prefetch (hw_qpf_ahead); n < 0 only reads it. As prefetch_ahead: set at load. */
+extern int hw_qpf_ahead;
+static PyObject *py_quant_prefetch_ahead(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    long n;
+    if (!(hw_nargs("quant_prefetch_ahead", nargs, 1) && HW_L(0, n))) return NULL;
+    if (n > 65536) {
+        PyErr_Format(PyExc_ValueError, "quant_prefetch_ahead: %ld bytes is past any weight group (at most 65536)", n);
+        return NULL;
+    }
+    const long before = hw_qpf_ahead;
+    if (n >= 0) hw_qpf_ahead = (int)n;
+    return PyLong_FromLong(before);
+}
+
 /* quant_linear.c's wrappers (their arguments: the comments above each there) */
 PyObject *hwpy_quant_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *hwpy_dequantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
@@ -182,6 +197,7 @@ static PyMethodDef methods[] = {
     {"rows_prologue", (PyCFunction)(void (*)(void))py_rows_prologue, METH_FASTCALL, "rows.c"},
     {"rope_rows", (PyCFunction)(void (*)(void))py_rope_rows, METH_FASTCALL, "rows.c"},
     {"prefetch_ahead", (PyCFunction)(void (*)(void))py_prefetch_ahead, METH_FASTCALL, "small_linear.c"},
+    {"quant_prefetch_ahead", (PyCFunction)(void (*)(void))py_quant_prefetch_ahead, METH_FASTCALL, "quant_linear.c"},
     {"argmax_rows", (PyCFunction)(void (*)(void))py_argmax_rows, METH_FASTCALL, "argmax.c"},
     {"quant_linear", (PyCFunction)(void (*)(void))hwpy_quant_linear, METH_FASTCALL, "quant_linear.c"},
     {"dequantize", (PyCFunction)(void (*)(void))hwpy_dequantize, METH_FASTCALL, "quant_linear.c"},

@@ -157,7 +157,8 @@ static inline __attribute__((always_inline)) void rows_out(int fmt, const uint8_
  * prefetch per 64-byte line) beat the hardware prefetcher alone when the weights come from DRAM:
  * 100 Q4_1 3072 x 576 matrices (110 MB) at 1 row of x, 1 thread, AMD EPYC: 11.4 -> 8.6 ms mean
  * (1280 and 2560 bytes ahead alike; 640: less). Past the end of the weight it is a no-op. */
-enum { PREFETCH_AHEAD = 2048 };
+int hw_qpf_ahead = 2048;  /* bytes; set at load per core by kernels/__init__.py (quant_prefetch_ahead_for:
+                           * 8192 on AMD Zen 5, benchmarks/prefetch.py --quant) */
 /* Rows of x per pass over a packed group: the avx512 build's 32 vector registers hold 8 int sums +
  * 8 accumulators (each group's nibbles unpacked half as often: SmolLM2's 30 Q4_1 layers + the Q8_0
  * head at 16 rows, 2 threads, AMD EPYC Zen 4: 16.8 -> 15.7 ms, 8 rows 10.0 -> 9.0, the same bits);
@@ -178,10 +179,11 @@ static inline __attribute__((always_inline)) void group_tile(int fmt, int MC, co
     const __m256i mask = _mm256_set1_epi8(0x0F);
     __m256 acc[GMC];
     for (int m = 0; m < MC; m++) acc[m] = _mm256_setzero_ps();
+    const long ahead = hw_qpf_ahead;
     for (long b = 0; b < nb; b++) {
         const uint8_t *p = grp + b * gb;
         const int8_t *xb = qx + b * QK;
-        for (long o = 0; o < gb; o += 64) _mm_prefetch((const char *)(p + PREFETCH_AHEAD + o), _MM_HINT_T0);
+        for (long o = 0; o < gb; o += 64) _mm_prefetch((const char *)(p + ahead + o), _MM_HINT_T0);
         __m256i sum[GMC];
         for (int m = 0; m < MC; m++) sum[m] = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
@@ -223,9 +225,10 @@ static inline __attribute__((always_inline)) void group_tile_q8(int MC, const ui
     (void)ones;  /* unused with VNNI */
     __m256 acc[GMC];
     for (int m = 0; m < MC; m++) acc[m] = _mm256_setzero_ps();
+    const long ahead = hw_qpf_ahead;
     for (long b = 0; b < nb; b++) {
         const uint8_t *p = grp + b * 8 * 34;
-        for (long o = 0; o < 8 * 34; o += 64) _mm_prefetch((const char *)(p + PREFETCH_AHEAD + o), _MM_HINT_T0);
+        for (long o = 0; o < 8 * 34; o += 64) _mm_prefetch((const char *)(p + ahead + o), _MM_HINT_T0);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
         __m256i sum[GMC];
         for (int m = 0; m < MC; m++) sum[m] = _mm256_setzero_si256();
@@ -333,12 +336,13 @@ static inline __attribute__((always_inline)) void group2_tile(int fmt, int MC, c
     const __m512i mask = _mm512_set1_epi8(0x0F);
     __m512 acc[GMC];
     for (int m = 0; m < MC; m++) acc[m] = _mm512_setzero_ps();
+    const long ahead = hw_qpf_ahead;
     for (long b = 0; b < nb; b++) {
         const uint8_t *p0 = g0 + b * gb, *p1 = g1 + b * gb;
         const int8_t *xb = qx + b * QK;
         for (long o = 0; o < gb; o += 64) {
-            _mm_prefetch((const char *)(p0 + PREFETCH_AHEAD + o), _MM_HINT_T0);
-            _mm_prefetch((const char *)(p1 + PREFETCH_AHEAD + o), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p0 + ahead + o), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p1 + ahead + o), _MM_HINT_T0);
         }
         __m512i sum[GMC];
         for (int m = 0; m < MC; m++) sum[m] = _mm512_setzero_si512();

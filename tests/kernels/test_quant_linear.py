@@ -138,6 +138,30 @@ def test_packed_rows_equal_float64_reference(fmt, O, I, M):
 
 
 @pytest.mark.parametrize("fmt", quant.PACKABLE)
+@pytest.mark.parametrize("M", [1, 16])
+def test_prefetch_distance_changes_no_bit(fmt, M):
+    """The distance set per CPU at load (kernels.quant_prefetch_ahead_for) only moves loads earlier:
+    any distance, none or far past the weight's end, gives the same bits as the reference checks."""
+    from headwise import kernels
+
+    mod, _ = kernels._ext()
+    blocks, x = random_blocks(fmt, 300, 1024, seed=M), torch.randn(M, 1024)
+    picked = mod.quant_prefetch_ahead(-1)
+    assert picked == kernels.quant_prefetch_ahead_for()
+    try:
+        outs = []
+        for d in (0, 2048, 8192, 65536):
+            mod.quant_prefetch_ahead(d)
+            outs.append(run(blocks, fmt, x, packed=True))
+    finally:
+        mod.quant_prefetch_ahead(picked)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert_close(outs[0], quantized_x(x), blocks, fmt)
+    with pytest.raises(ValueError, match="65536"):
+        mod.quant_prefetch_ahead(65537)
+
+
+@pytest.mark.parametrize("fmt", quant.PACKABLE)
 def test_packed_rows_with_bias_residual_rope_and_threads(fmt):
     blocks, x, b, r = random_blocks(fmt, 21, 512), torch.randn(5, 512), torch.randn(21), torch.randn(5, 21)
     angles = torch.rand(5, 4) * 6
