@@ -1,5 +1,5 @@
 """How far ahead the small-row kernel should prefetch its weights: the claim behind
-`kernels.PREFETCH_AHEAD_BY_CPU`.
+`kernels.cpu.PREFETCH_AHEAD_BY_CPU`.
 
 From 5 rows, kernels/small_linear.c computes tiles of 12 (6 in the AVX2 build) rows over 128
 inputs at a time, each weight panel read from memory once for all rows; the first row group of a
@@ -15,7 +15,7 @@ time and its paired ratio to 128 (the median over rounds of that round's 128 tim
 The outputs are checked bit-identical across distances (a prefetch changes no arithmetic).
 
 With --quant, the same for kernels/quant_linear.c's packed groups (SmolLM2's GGUF: Q4_1 layers,
-a Q8_0 lm_head), which prefetch a distance in bytes (`kernels.QUANT_PREFETCH_AHEAD_BY_CPU`) at
+a Q8_0 lm_head), which prefetch a distance in bytes (`kernels.cpu.QUANT_PREFETCH_AHEAD_BY_CPU`) at
 every row count, paired against 2048.
 
     .venv/bin/python benchmarks/prefetch.py                     # ~3 min; results/prefetch.{txt,json}

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .cpu import cpu_flags, prefetch_ahead_for, quant_prefetch_ahead_for
+
 PRO_NONE, PRO_RMSNORM, PRO_SWIGLU = 0, 1, 2
 KERNEL_ROWS = 64  # the most rows one call takes (small_linear.c's MAX_PANEL_ROWS: its accumulators)
 # Each variant and the CPU flags it needs (/proc/cpuinfo's names), best first: setup.py's VARIANTS.
@@ -39,17 +41,6 @@ ISA_VARIANTS = {
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"),
     "avx2": ("avx2", "fma", "f16c"),
 }
-
-
-def _cpuinfo(field: str) -> str:
-    """The first value of `field` in /proc/cpuinfo, or "" where it is not there."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(field):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 # Whether our kernels beat oneDNN's matmul at many rows: it sets MAX_ROWS (fp32: up to how many
@@ -68,59 +59,6 @@ def _cpuinfo(field: str) -> str:
 # Before, Intel's AVX-512 kept oneDNN from 5 rows, a guess that the first measurement undid.
 KERNELS_OVER_ONEDNN = True
 MAX_ROWS = KERNEL_ROWS  # fp32 rows the small-row kernel takes from oneDNN (all it can: KERNELS_OVER_ONEDNN)
-
-
-# How far ahead the kernels prefetch the weights they stream, by core: the hardware prefetcher alone
-# left memory idle while the FMAs ran, but too far ahead evicts lines before they are read.
-# benchmarks/prefetch.py measures the candidates (SmolLM2's 30 layers and its lm_head, 2 threads,
-# paired against the first tuning):
-# - small_linear.c's 5+-row tiles, in inputs: 128 on AMD EPYC Zen 4 (tuned there, 2026-11) and
-#   Intel Xeon; 64 on AMD EPYC Zen 5 (family 26), 1.03-1.07x the speed of 128 at 8-32 rows (48
-#   within 1%, 32 and 96 worse): results/zen5/prefetch.txt;
-# - quant_linear.c's packed groups, in bytes: 2048 on AMD EPYC Zen 3 / 4 (1280-2560 alike there);
-#   8192 on Zen 5: results/zen5/prefetch_quant.txt, the Q4_1 layers 1.11x at 1 row and 1.14-1.20x
-#   at 4-16 rows, the Q8_0 lm_head 1.36x at 1 row, 1.27-1.51x at 4-16 (an earlier run: 1.05x and
-#   1.08-1.29x, 1.09x and 1.17-1.37x; 12288 the same within noise, 16384 less at 1 row); generate()
-#   B=1 decodes 1.10x faster with it, 16 requests through the engine 1.05x (in-process, paired).
-PREFETCH_AHEAD_DEFAULT = 128
-PREFETCH_AHEAD_BY_CPU = {("AuthenticAMD", "26"): 64}  # (vendor_id, cpu family) -> inputs ahead
-QUANT_PREFETCH_AHEAD_DEFAULT = 2048
-QUANT_PREFETCH_AHEAD_BY_CPU = {("AuthenticAMD", "26"): 8192}  # -> bytes ahead
-
-
-def _by_cpu(table: dict, default: int, env: str, limit: int, vendor: str | None, family: str | None) -> int:
-    value = os.environ.get(env, "").strip()
-    if value:
-        if not value.isdigit() or int(value) > limit:
-            raise ValueError(f"{env}={value!r}: give a whole number from 0 to {limit}")
-        return int(value)
-    vendor = _cpuinfo("vendor_id") if vendor is None else vendor
-    family = _cpuinfo("cpu family") if family is None else family
-    return table.get((vendor, family), default)
-
-
-def prefetch_ahead_for(vendor: str | None = None, family: str | None = None) -> int:
-    """small_linear's prefetch distance (inputs) for this CPU, or for the given /proc/cpuinfo
-    vendor_id and cpu family; HEADWISE_PREFETCH_AHEAD=<inputs> overrides it."""
-    return _by_cpu(PREFETCH_AHEAD_BY_CPU, PREFETCH_AHEAD_DEFAULT, "HEADWISE_PREFETCH_AHEAD", 4096, vendor, family)
-
-
-def quant_prefetch_ahead_for(vendor: str | None = None, family: str | None = None) -> int:
-    """quant_linear's prefetch distance (bytes), as prefetch_ahead_for;
-    HEADWISE_QUANT_PREFETCH_AHEAD=<bytes> overrides it."""
-    return _by_cpu(
-        QUANT_PREFETCH_AHEAD_BY_CPU,
-        QUANT_PREFETCH_AHEAD_DEFAULT,
-        "HEADWISE_QUANT_PREFETCH_AHEAD",
-        65536,
-        vendor,
-        family,
-    )
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo is not there)."""
-    return set(_cpuinfo("flags").split())
 
 
 def pick_isa(flags: set[str] | None = None) -> tuple[str | None, str | None]:

@@ -105,17 +105,17 @@ def test_prefetch_distance_changes_no_bit(M):
 
 def test_prefetch_distance_by_cpu_and_environment(monkeypatch):
     monkeypatch.delenv("HEADWISE_PREFETCH_AHEAD", raising=False)
-    assert kernels.prefetch_ahead_for("AuthenticAMD", "26") == kernels.PREFETCH_AHEAD_BY_CPU["AuthenticAMD", "26"]
-    assert kernels.prefetch_ahead_for("GenuineIntel", "6") == kernels.PREFETCH_AHEAD_DEFAULT
+    assert kernels.prefetch_ahead_for("AuthenticAMD", "26") == kernels.cpu.PREFETCH_AHEAD_BY_CPU["AuthenticAMD", "26"]
+    assert kernels.prefetch_ahead_for("GenuineIntel", "6") == kernels.cpu.PREFETCH_AHEAD_DEFAULT
     monkeypatch.setenv("HEADWISE_PREFETCH_AHEAD", "96")
     assert kernels.prefetch_ahead_for("AuthenticAMD", "26") == 96
     monkeypatch.setenv("HEADWISE_PREFETCH_AHEAD", "far")
     with pytest.raises(ValueError, match="HEADWISE_PREFETCH_AHEAD"):
         kernels.prefetch_ahead_for()
     monkeypatch.delenv("HEADWISE_QUANT_PREFETCH_AHEAD", raising=False)
-    zen5 = kernels.QUANT_PREFETCH_AHEAD_BY_CPU["AuthenticAMD", "26"]
+    zen5 = kernels.cpu.QUANT_PREFETCH_AHEAD_BY_CPU["AuthenticAMD", "26"]
     assert kernels.quant_prefetch_ahead_for("AuthenticAMD", "26") == zen5
-    assert kernels.quant_prefetch_ahead_for("AuthenticAMD", "25") == kernels.QUANT_PREFETCH_AHEAD_DEFAULT
+    assert kernels.quant_prefetch_ahead_for("AuthenticAMD", "25") == kernels.cpu.QUANT_PREFETCH_AHEAD_DEFAULT
     monkeypatch.setenv("HEADWISE_QUANT_PREFETCH_AHEAD", "4096")
     assert kernels.quant_prefetch_ahead_for("AuthenticAMD", "26") == 4096
     monkeypatch.setenv("HEADWISE_QUANT_PREFETCH_AHEAD", "99999")
