@@ -15,6 +15,7 @@ SOURCES = [
     "_module.c",
     "small_linear.c",
     "decode_attention.c",
+    "prefill_attention.c",
     "quant_linear.c",
     "quant_convert.c",
     "decoder_step.c",

@@ -93,7 +93,8 @@ def attend(
             scale,
             backend,
             registry_version(),
-            k.stride(-1) == 1 and v.stride(-1) == 1,  # what the decode kernel needs of the layout
+            q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1,  # what our kernels need of the layout
+            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),  # a backward
             torch.compiler.is_compiling(),  # traced code cannot call it
         )
         hit = _PLAIN.get(key)

@@ -9,7 +9,8 @@ time, each weight tile read from memory once for all rows. It folds in the op be
 or SwiGLU) and a residual add after it, which saves a PyTorch call each. Only fp32 on x86-64
 with AVX2 + FMA. PackedLinear keeps the blocked copy of its weight (models/packing.py).
 
-The C sources (small_linear.c, decode_attention.c for kernels.attention, _module.c: the Python
+The C sources (small_linear.c, decode_attention.c for kernels.attention, prefill_attention.c for
+kernels.prefill, _module.c: the Python
 entry points) are a C extension that `pip install` builds (setup.py) in two variants,
 `_cpu_avx2` and `_cpu_avx512`; `_ext()` imports the one this CPU runs, chosen at run time from
 its flags (HEADWISE_ISA=avx2 / avx512 forces one), with the prefetch distances of its kernels set for

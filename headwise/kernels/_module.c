@@ -109,6 +109,30 @@ static PyObject *py_decode_attention(PyObject *self, PyObject *const *args, Py_s
     return PyLong_FromLong(rc);
 }
 
+int hw_prefill_attention_f32(const float *q, const float *k, const float *v, float *out, float *lse, long B, long H,
+                             long Hkv, long T, long S, long D, long sq_b, long sq_h, long sq_t, long sk_b, long sk_h,
+                             long sk_t, long sv_b, long sv_h, long sv_t, long so_b, long so_h, long so_t, float scale,
+                             int causal);
+
+/* prefill_attention(q, k, v, out, lse, B, H, Hkv, T, S, D, 12 strides (q, k, v, out: b, h, t), scale,
+ * causal) -> rc (prefill_attention.c) */
+static PyObject *py_prefill_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    const float *q, *k, *v;
+    float *out, *lse, scale;
+    long n[18], causal;
+    if (!(hw_nargs("prefill_attention", nargs, 25) && HW_P(0, q) && HW_P(1, k) && HW_P(2, v) && HW_P(3, out) &&
+          HW_P(4, lse) && HW_F(23, scale) && HW_L(24, causal)))
+        return NULL;
+    for (int i = 0; i < 18; i++)
+        if (!HW_L(5 + i, n[i])) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = hw_prefill_attention_f32(q, k, v, out, lse, n[0], n[1], n[2], n[3], n[4], n[5], n[6], n[7], n[8], n[9],
+                                  n[10], n[11], n[12], n[13], n[14], n[15], n[16], n[17], scale, (int)causal);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(rc);
+}
+
 /* argmax_rows(x, R, n, stride, out) -> rows with a NaN (argmax.c) */
 static PyObject *py_argmax_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     const float *x;
@@ -194,6 +218,7 @@ static PyMethodDef methods[] = {
     {"small_linear", (PyCFunction)(void (*)(void))py_small_linear, METH_FASTCALL, "small_linear.c"},
     {"decoder_stack", (PyCFunction)(void (*)(void))py_decoder_stack, METH_FASTCALL, "decoder_step.c"},
     {"decode_attention", (PyCFunction)(void (*)(void))py_decode_attention, METH_FASTCALL, "decode_attention.c"},
+    {"prefill_attention", (PyCFunction)(void (*)(void))py_prefill_attention, METH_FASTCALL, "prefill_attention.c"},
     {"rows_prologue", (PyCFunction)(void (*)(void))py_rows_prologue, METH_FASTCALL, "rows.c"},
     {"rope_rows", (PyCFunction)(void (*)(void))py_rope_rows, METH_FASTCALL, "rows.c"},
     {"prefetch_ahead", (PyCFunction)(void (*)(void))py_prefetch_ahead, METH_FASTCALL, "small_linear.c"},

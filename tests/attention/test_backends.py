@@ -9,8 +9,9 @@ from headwise.attention import attend, backends, explain, weights_from_lse
 from headwise.attention.backends.chunked import chunked_attention
 from headwise.attention.spec import make_spec
 
-# flash needs CUDA; paged reads caches; decode serves decode steps only (its own tests below)
-FAST = [b for b in backends() if b not in ("math", "flash", "paged", "decode")]
+# flash needs CUDA; paged reads caches; decode serves decode steps only, prefill causal or unmasked
+# requests only (their own tests below)
+FAST = [b for b in backends() if b not in ("math", "flash", "paged", "decode", "prefill")]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
@@ -193,7 +194,9 @@ def test_auto_order_and_explain():
     e = explain(q, k, v)
     assert e.chosen == "decode" and "needs CUDA" in " ".join(e.rejected["flash"])  # no mask, 4 rows per KV head
     e = explain(q, k, v, is_causal=True)  # 4 query rows under a causal mask: not a decode step
-    assert e.chosen == "sdpa" and "see every key" in " ".join(e.rejected["decode"])
+    assert e.chosen == "prefill" and "see every key" in " ".join(e.rejected["decode"])
+    e = explain(q, k, v, window=3)  # a mask the prefill kernel does not draw
+    assert e.chosen == "sdpa" and "causal or no mask only" in " ".join(e.rejected["prefill"])
     assert explain(q, k, v, need_weights=True).chosen == "math"
     e = explain(q, k, v, return_lse=True, dropout_p=0.1)
     assert e.chosen == "math" and "no dropout" in e.rejected["chunked"]
@@ -272,3 +275,60 @@ def test_memoized_choice_follows_the_layout():
     kt, vt = (t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in (k, v))  # same values, stride(-1) = 5
     assert kt.stride(-1) != 1 and "decode" in explain(q, kt, vt).rejected
     assert torch.allclose(attend(q, kt, vt), attend(q, k, v, backend="math"), atol=1e-6)
+
+
+@st.composite
+def prefill_problems(draw):
+    """What the prefill backend serves: causal (S >= T, bottom-right) or unmasked fp32 requests,
+    any GQA group up to 16, q a transposed projection and K/V views of a longer cache."""
+    B, Hkv = draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 3]))
+    G = draw(st.sampled_from([1, 2, 3, 16]))
+    T = draw(st.integers(2, 60))
+    causal = draw(st.booleans())
+    S = T + draw(st.integers(0, 30)) if causal else draw(st.integers(1, 80))
+    D = draw(st.sampled_from([8, 64, 80, 128]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    q = torch.randn(B, T, Hkv * G, D, generator=g).transpose(1, 2)
+    k, v = (torch.randn(B, Hkv, S + 7, D, generator=g)[:, :, :S] for _ in range(2))
+    kw = {"is_causal": causal}
+    if draw(st.booleans()):
+        kw["scale"] = draw(st.floats(0.05, 0.5))
+    return q, k, v, kw
+
+
+@given(p=prefill_problems())
+def test_prefill_backend_matches_math(p):
+    q, k, v, kw = p
+    if q.shape[2] * q.shape[1] // k.shape[1] > 16 or kw["is_causal"]:  # not a decode step: auto takes prefill
+        assert explain(q, k, v, **kw).chosen == "prefill"
+    ref = attend(q, k, v, backend="math", return_lse=True, **kw)
+    res = attend(q, k, v, backend="prefill", return_lse=True, **kw)
+    torch.testing.assert_close(res.out, ref.out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(res.lse, ref.lse, atol=1e-5, rtol=1e-6)
+
+
+@given(p=problems())
+def test_prefill_backend_refuses_by_name_or_matches_math(p):
+    """Every request: either explain() names why prefill refuses it (and attend says so), or it matches math."""
+    q, k, v, kw = p
+    reasons = explain(q, k, v, backend="prefill", **kw).rejected.get("prefill", [])
+    if reasons:
+        with pytest.raises(ValueError, match="prefill"):
+            attend(q, k, v, backend="prefill", **kw)
+    else:
+        _check_close(attend(q, k, v, backend="prefill", **kw), attend(q, k, v, backend="math", **kw), torch.float32)
+
+
+def test_requests_with_a_backward_skip_the_forward_only_kernels():
+    """The choice attend() memoizes for a no-grad request of some shapes must not serve the same
+    shapes with grad: prefill has no backward, so the gradients come from sdpa and equal math's."""
+    q, k, v = torch.randn(1, 4, 24, 16), torch.randn(1, 2, 24, 16), torch.randn(1, 2, 24, 16)
+    with torch.no_grad():
+        attend(q, k, v, is_causal=True)  # memoized: prefill
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    assert "no autograd" in " ".join(explain(qg, kg, vg, is_causal=True).rejected["prefill"])
+    attend(qg, kg, vg, is_causal=True).square().sum().backward()
+    qm, km, vm = (t.clone().requires_grad_() for t in (q, k, v))
+    attend(qm, km, vm, is_causal=True, backend="math").square().sum().backward()
+    for got, want in ((qg, qm), (kg, km), (vg, vm)):
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-5)

@@ -55,7 +55,7 @@ def test_unknown_backend_lists_valid_ones():
     q, k, v = qkv()
     with pytest.raises(
         ValueError,
-        match="unknown attention backend 'fast'; valid backends: auto, flash, decode, sdpa, chunked, paged, math",
+        match="unknown attention backend 'fast'; valid backends: auto, flash, decode, prefill, sdpa, chunked, paged, math",
     ):
         attend(q, k, v, backend="fast")
 

@@ -189,7 +189,7 @@ def test_registry_shows_the_paged_backend_and_why_others_pass():
     assert torch.allclose(w.sum(-1), torch.ones(1, 4, 3))
     t = torch.randn(1, 2, 3, D)
     e = explain(q, t, t, is_causal=True)
-    assert e.chosen == "sdpa" and "not k/v tensors" in " ".join(e.rejected["paged"])
+    assert e.chosen == "prefill" and "not k/v tensors" in " ".join(e.rejected["paged"])
     with pytest.raises(ValueError, match="backend 'paged' cannot serve this request: reads K/V in a paged"):
         attend(q, t, t, backend="paged")
 

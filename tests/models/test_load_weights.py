@@ -122,14 +122,27 @@ def test_quantized_compute_keeps_perplexity_and_top_tokens(smol, monkeypatch):
     assert torch.equal(lq.argmax(-1)[clear], lf.argmax(-1)[clear])
 
 
-PROMPTS = ["def fibonacci(n):", "Water boils at", "In Python, a list comprehension", "Once upon a time,"]
+PROMPTS = [
+    "def fibonacci(n):",
+    "Water boils at",
+    "In Python, a list comprehension",
+    "Once upon a time,",
+    "The capital of France is",
+    "To make a cup of tea,",
+    "The three primary colors are",
+    "A good way to learn to code is",
+]
 NEAR_TIE = 0.25  # logits: fp32's top-two gap below which int8 activation rounding may flip the pick
 
 
 def test_greedy_tokens_agree_until_a_near_tie(smol):
-    """32 greedy tokens from the quantized and the fp32 model. Measured here: the first three
-    prompts agree on all 32; "Once upon a time," forks at token 28, where fp32's top two logits
-    are 0.07 apart (on 9 prompts tried, 3 agreed on all 32, and every fork was at a gap < 0.18)."""
+    """32 greedy tokens from the quantized and the fp32 model: they agree until fp32's top two
+    logits are a near tie, where the int8 rounding of the activations may pick the other one. That
+    rounding is chaotic (a 1e-6 change of the attention's output moves which near ties flip), so
+    how many prompts agree on all 32 varies with the last bits: with PyTorch's SDPA in the prefill
+    6 of these 8, with the prefill kernel 3 (forks at tokens 5-31, every one at a gap of 0.02-0.22;
+    both kernels are 8e-6 from the math backend's logits on average). What must hold is the fork
+    only at a near tie; a model that diverges anywhere else fails."""
     q, f = smol
     whole = 0
     for p in PROMPTS:
@@ -144,7 +157,7 @@ def test_greedy_tokens_agree_until_a_near_tie(smol):
             logits = f(torch.tensor([b.prompt_token_ids + b.token_ids[:fork]]))[0, -1]
         top = logits.topk(2).values
         assert top[0] - top[1] < NEAR_TIE, f"{p!r} forks at token {fork} where fp32 is sure ({top.tolist()})"
-    assert whole >= 3
+    assert whole >= 2
 
 
 # Not weights: the tokenizer (49k tokens, ~35 MiB), the shared libraries loading maps (~28 MiB of

@@ -2,11 +2,12 @@
 
 1. flash   - flash-attn on CUDA (fp16/bf16; no arbitrary or padding masks)
 2. decode  - headwise's CPU kernel for queries that see every key (decode steps; fp32)
-3. sdpa    - torch.nn.functional.scaled_dot_product_attention (fused, any device)
-4. chunked - pure-PyTorch online softmax over key tiles (O(T) memory, LSE, no dropout)
-5. paged   - K/V in a paged cache's block pool, read in place (runs, regions, tiles);
+3. prefill - headwise's CPU kernel for many queries, causal or unmasked (prefills; fp32)
+4. sdpa    - torch.nn.functional.scaled_dot_product_attention (fused, any device)
+5. chunked - pure-PyTorch online softmax over key tiles (O(T) memory, LSE, no dropout)
+6. paged   - K/V in a paged cache's block pool, read in place (runs, regions, tiles);
              takes a cache's description (`kv.LayerKV`), not tensors
-6. math    - the reference; the only backend that returns weights
+7. math    - the reference; the only backend that returns weights
 """
 
 from .chunked import chunked_attention, chunked_check
@@ -15,12 +16,14 @@ from .flash import flash_attention, flash_check
 from .math import math_attention, math_check
 from .merge import merge_lse
 from .paged import paged_attention
+from .prefill import prefill_attention, prefill_check
 from .paged_spec import paged_check
 from .registry import Backend, backends, get_backend, register_backend
 from .sdpa import sdpa_attention, sdpa_check
 
 register_backend("flash", flash_attention, flash_check, description="flash-attn package, CUDA only")
 register_backend("decode", decode_attention, decode_check, description="headwise's CPU decode kernel, no mask")
+register_backend("prefill", prefill_attention, prefill_check, description="headwise's CPU prefill kernel, causal")
 register_backend("sdpa", sdpa_attention, sdpa_check, description="PyTorch fused scaled_dot_product_attention")
 register_backend("chunked", chunked_attention, chunked_check, description="tiled online softmax, O(T) memory")
 register_backend(

@@ -36,15 +36,21 @@ def decode_attention(q, k, v, spec: AttentionSpec) -> AttentionOutput:
     return AttentionOutput(out, lse, None)
 
 
-def decode_check(q, k, v, spec: AttentionSpec) -> list[str]:
+def cpu_kernel_reasons(q, k, v, unavailable: str | None) -> list[str]:
+    """What rules out any of headwise's CPU attention kernels (decode, prefill): tracing, a kernel
+    not built or not usable here (`unavailable`: why), tensors that are not fp32 on the CPU."""
     if torch.compiler.is_compiling():
         return ["not under torch.compile (the kernel is a C call the compiler cannot trace)"]
-    reasons = []
-    why = kernel_attention.decode_attention_unavailable()
-    if why is not None:
-        reasons.append(f"kernel unavailable: {why}")
+    reasons = [] if unavailable is None else [f"kernel unavailable: {unavailable}"]
     if q.device.type != "cpu" or not (q.dtype == k.dtype == v.dtype == torch.float32):
         reasons.append("fp32 CPU tensors only")
+    return reasons
+
+
+def decode_check(q, k, v, spec: AttentionSpec) -> list[str]:
+    reasons = cpu_kernel_reasons(q, k, v, kernel_attention.decode_attention_unavailable())
+    if torch.compiler.is_compiling():
+        return reasons
     if (
         spec.attn_mask is not None
         or spec.key_padding_mask is not None

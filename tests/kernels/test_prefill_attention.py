@@ -1,0 +1,112 @@
+"""kernels.prefill (prefill_attention.c) against a float64 softmax(q k^T) v, in both ISA variants."""
+
+import importlib
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from headwise import kernels
+from headwise.kernels import prefill
+
+VARIANTS = [v for v, flags in kernels.ISA_VARIANTS.items() if set(flags) <= kernels.cpu_flags()]  # this CPU runs
+
+
+def reference(q, k, v, scale, causal):
+    """float64 softmax(q k^T * scale) v with the G query heads of each KV head, bottom-right causal."""
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    kk, vv = (x.double().repeat_interleave(H // Hkv, 1) for x in (k, v))
+    s = q.double() @ kk.transpose(-1, -2) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(T, S, dtype=torch.bool).tril(S - T), float("-inf"))
+    return torch.softmax(s, -1) @ vv, torch.logsumexp(s, -1)
+
+
+def variant_run(variant, q, k, v, scale, causal):
+    """One compiled variant called directly (the package loads only this CPU's best)."""
+    mod = importlib.import_module(f"headwise.kernels._cpu_{variant}")
+    B, H, T, D = q.shape
+    out, lse = torch.empty(B, H, T, D), torch.empty(B, H, T)
+    rc = mod.prefill_attention(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), B, H, k.shape[1], T, k.shape[2], D,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], scale, int(causal),
+    )  # fmt: skip
+    assert rc == 0
+    return out, lse
+
+
+def test_this_machine_runs_the_kernel():
+    assert prefill.prefill_attention_unavailable() is None and VARIANTS
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    B=st.integers(1, 2),
+    Hkv=st.sampled_from([1, 2, 3]),
+    G=st.sampled_from([1, 3, 4, 16]),
+    T=st.integers(1, 70),
+    extra=st.integers(0, 40),
+    D=st.sampled_from([8, 24, 64, 80, 128, 256]),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**16),
+    variant=st.sampled_from(VARIANTS),
+)
+def test_matches_float64_reference(B, Hkv, G, T, extra, D, causal, seed, variant):
+    """Odd T (partial query blocks), keys past the queries (a prefill after a cache), every GQA
+    group size, head_dim with and without a partial 32-channel tile, q and K/V as strided views."""
+    g = torch.Generator().manual_seed(seed)
+    S = T + extra
+    q = torch.randn(B, T, Hkv * G, D, generator=g).transpose(1, 2)  # (B, H, T, D), as a projection hands it
+    k, v = (torch.randn(B, Hkv, S + 5, D, generator=g)[:, :, :S] for _ in range(2))  # views of a longer cache
+    scale = 1 / math.sqrt(D)
+    want, want_lse = reference(q, k, v, scale, causal)
+    out, lse = variant_run(variant, q, k, v, scale, causal)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-5, rtol=1e-6)
+    if variant == kernels.isa():
+        got, got_lse = prefill.prefill_attention(q, k, v, scale, causal, want_lse=True)
+        assert torch.equal(got, out) and torch.equal(got_lse, lse)
+
+
+def test_same_bits_at_any_thread_count():
+    """Each (batch, KV head, query block) is one thread's work, whatever the split."""
+    q, k, v = torch.randn(2, 9, 100, 64), torch.randn(2, 3, 100, 64), torch.randn(2, 3, 100, 64)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = prefill.prefill_attention(q, k, v)[0]
+        torch.set_num_threads(2)
+        two = prefill.prefill_attention(q, k, v)[0]
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_no_keys_gives_zeros_and_minus_infinity():
+    q, k = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 0, 16)
+    out, lse = prefill.prefill_attention(q, k, k, causal=False, want_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize(
+    "shapes,kw,match",
+    [
+        (((1, 4, 8, 16), (1, 3, 8, 16)), {}, "dividing H"),
+        (((1, 34, 8, 16), (1, 2, 8, 16)), {}, "G=17"),
+        (((1, 2, 8, 12), (1, 2, 8, 12)), {}, "head_dim 12"),
+        (((1, 2, 8, 16), (1, 2, 5, 16)), {"causal": True}, "at least as many keys"),
+        (((1, 2, 8, 16), (1, 2, 8, 16)), {"dtype": torch.float64}, "fp32"),
+    ],
+)
+def test_bad_input_is_refused(shapes, kw, match):
+    dtype = kw.pop("dtype", torch.float32)
+    q, k = torch.randn(*shapes[0], dtype=dtype), torch.randn(*shapes[1], dtype=dtype)
+    with pytest.raises(ValueError, match=match):
+        prefill.prefill_attention(q, k, k, **kw)
+    with pytest.raises(ValueError, match="contiguous"):
+        prefill.prefill_attention(
+            torch.randn(1, 2, 16, 8).transpose(-1, -2), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+        )
