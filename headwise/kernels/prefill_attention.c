@@ -8,9 +8,10 @@
  * scale * log2 e; Milakov & Gimelshein 2018), and O += P V as register tiles over channels, O
  * kept in a per-thread buffer that stays in L1/L2. The avx2 build's tiles are 3 rows x 32 keys
  * and 2 rows x 32 channels in ymm; the avx512 build's 6 rows x 64 keys and 6 rows x 64 channels
- * in zmm (PK 64: the per-row softmax work spread over twice the keys). SmolLM2's shape (H 9, Hkv
- * 3, D 64), 2 threads, AMD EPYC Zen 5, best of 20: T = 512 2.05 ms (ymm tiles, PK 32) -> 1.46 ms;
- * T = 2048 48.5 -> 25.5 ms. With causal, query t of T
+ * in zmm (PK 64: the per-row softmax work spread over twice the keys; on SmolLM2's shape, H 9,
+ * Hkv 3, D 64, 2 threads, AMD EPYC Zen 5, best of 20 with other work running: T = 512 2.05 ms with
+ * the ymm tiles and PK 32 -> 1.46 ms; T = 2048 48.5 -> 25.5 ms). benchmarks/prefill_attention.py
+ * has it against PyTorch's SDPA. With causal, query t of T
  * sees keys up to t + S - T (bottom-right aligned, as a prefill that follows a cache), so a block
  * of queries stops at its last query's key and only the blocks on the diagonal are masked.
  * Work items are split over the OpenMP threads of the calling process (dynamic: later query
