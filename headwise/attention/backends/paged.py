@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from ...kernels import attention as kernel_attention
+from ...kernels import prefill as kernel_prefill
 from ..kv import BlockReads, LayerKV, PackedReads, Tile, TileGroup, fold_heads, unfold_heads
 from ..spec import AttentionOutput, AttentionSpec, make_spec
 from .merge import merge_lse
@@ -117,6 +118,11 @@ def _read_group(
         k, v = reads.read_tile(layer, seg, B, q.dtype)  # (B, Hkv, n, D)
         if kv_map is not None:
             k, v = k.index_select(1, kv_map), v.index_select(1, kv_map)
+        causal = _prefill_kernel_mask(reads, group, seg, masks, kv_map, q, k)
+        if causal is not None:  # the prefill kernel draws this tile's mask itself
+            o, l = kernel_prefill.prefill_attention_unchecked(q, k, v, scale, causal, True)
+            acc, lse = merge_lse(acc, lse, fold_heads(o, Hkv), l.reshape(B, Hkv, G * T))
+            continue
         mask, dead = tile_mask(reads, seg, group.rows, masks, kv_map is None, Hkv, G)
         o, l = _attend_tile(qf, k, v, mask, scale)
         if dead is not None:  # the CPU kernel reports LSE 0 there
@@ -129,6 +135,38 @@ def _read_group(
     if kv_map is None:
         return unfold_heads(acc, H).to(q.dtype), lse.reshape(B, H, T)
     return acc.to(q.dtype), lse
+
+
+def _prefill_kernel_mask(
+    reads: BlockReads, group: TileGroup, seg: Tile, masks: TileMasks, kv_map, q: Tensor, k: Tensor
+) -> bool | None:
+    """Whether kernels.prefill reads this tile of one sequence's prefill chunk, and with which
+    mask: causal=True where the tile ends at the sequence's last key and holds every key of the
+    chunk's queries (then query t sees the tile's keys up to t + n - T, the kernel's bottom-right
+    causal), False where every query sees the whole tile; None: the tile mask and flash instead."""
+    rows = range(reads.B)[group.rows]
+    if len(rows) != 1 or not masks.plain or kv_map is not None or q.dtype != torch.float32:
+        return None
+    if torch.is_grad_enabled() and q.requires_grad:  # a forward-only kernel
+        return None
+    b = rows[0]
+    start, end, T = reads.starts[b], reads.ends[b], q.shape[2]
+    if end - start != T or seg.k1 > end or q.device.type != "cpu" or q.stride(-1) != 1 or k.stride(-1) != 1:
+        return None
+    if not _prefill_takes(q.shape[1], reads):
+        return None
+    if not masks.is_causal or seg.k1 - 1 <= start:
+        return False
+    return True if seg.k1 == end and seg.k0 <= start else None
+
+
+def _prefill_takes(H: int, reads: BlockReads) -> bool:
+    Hkv = reads.num_kv_heads
+    return (
+        H % Hkv == 0
+        and kernel_prefill.fits(H // Hkv, reads.head_dim)
+        and kernel_prefill.prefill_attention_unavailable() is None
+    )
 
 
 def _attend_tile(qf: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
