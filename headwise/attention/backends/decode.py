@@ -15,6 +15,7 @@ no dropout, no weights, G*T <= 16 rows per KV head and head_dim a multiple of 8 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -36,19 +37,21 @@ def decode_attention(q, k, v, spec: AttentionSpec) -> AttentionOutput:
     return AttentionOutput(out, lse, None)
 
 
-def cpu_kernel_reasons(q, k, v, unavailable: str | None) -> list[str]:
+def cpu_kernel_reasons(q, k, v, unavailable: Callable[[], str | None]) -> list[str]:
     """What rules out any of headwise's CPU attention kernels (decode, prefill): tracing, a kernel
-    not built or not usable here (`unavailable`: why), tensors that are not fp32 on the CPU."""
+    not built or not usable here (`unavailable()`: why; not called under torch.compile, which
+    would trace into the extension's loading), tensors that are not fp32 on the CPU."""
     if torch.compiler.is_compiling():
         return ["not under torch.compile (the kernel is a C call the compiler cannot trace)"]
-    reasons = [] if unavailable is None else [f"kernel unavailable: {unavailable}"]
+    why = unavailable()
+    reasons = [] if why is None else [f"kernel unavailable: {why}"]
     if q.device.type != "cpu" or not (q.dtype == k.dtype == v.dtype == torch.float32):
         reasons.append("fp32 CPU tensors only")
     return reasons
 
 
 def decode_check(q, k, v, spec: AttentionSpec) -> list[str]:
-    reasons = cpu_kernel_reasons(q, k, v, kernel_attention.decode_attention_unavailable())
+    reasons = cpu_kernel_reasons(q, k, v, kernel_attention.decode_attention_unavailable)
     if torch.compiler.is_compiling():
         return reasons
     if (

@@ -29,7 +29,7 @@ def prefill_attention(q, k, v, spec: AttentionSpec) -> AttentionOutput:
 
 
 def prefill_check(q, k, v, spec: AttentionSpec) -> list[str]:
-    reasons = cpu_kernel_reasons(q, k, v, kernel_prefill.prefill_attention_unavailable())
+    reasons = cpu_kernel_reasons(q, k, v, kernel_prefill.prefill_attention_unavailable)
     if torch.compiler.is_compiling():
         return reasons
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
