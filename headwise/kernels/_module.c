@@ -177,35 +177,28 @@ static PyObject *py_rope_rows(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
-/* prefetch_ahead(n) -> the distance before: how many inputs ahead small_linear.c's tiles prefetch
- * weights (hw_pf_ahead); n < 0 only reads it. Not thread-safe against running kernels: set it
- * once, at load (kernels/__init__.py) or between timed runs (benchmarks/prefetch.py). */
-extern int hw_pf_ahead;
-static PyObject *py_prefetch_ahead(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+/* prefetch_ahead(n), quant_prefetch_ahead(n) -> the distance before: how far ahead small_linear.c's
+ * tiles (inputs, hw_pf_ahead) and quant_linear.c's packed groups (bytes, hw_qpf_ahead) prefetch
+ * weights; n < 0 only reads it. Not thread-safe against running kernels: set once, at load
+ * (kernels/__init__.py) or between timed runs (benchmarks/prefetch.py). */
+extern int hw_pf_ahead, hw_qpf_ahead;
+static PyObject *set_distance(const char *name, int *var, long most, const char *unit, PyObject *const *args,
+                              Py_ssize_t nargs) {
     long n;
-    if (!(hw_nargs("prefetch_ahead", nargs, 1) && HW_L(0, n))) return NULL;
-    if (n > 4096) {
-        PyErr_Format(PyExc_ValueError, "prefetch_ahead: %ld inputs is past any weight panel (at most 4096)", n);
+    if (!(hw_nargs(name, nargs, 1) && HW_L(0, n))) return NULL;
+    if (n > most) {
+        PyErr_Format(PyExc_ValueError, "%s: %ld %s is past any weight block (at most %ld)", name, n, unit, most);
         return NULL;
     }
-    const long before = hw_pf_ahead;
-    if (n >= 0) hw_pf_ahead = (int)n;
+    const long before = *var;
+    if (n >= 0) *var = (int)n;
     return PyLong_FromLong(before);
 }
-
-/* quant_prefetch_ahead(n) -> the distance before: how many bytes ahead quant_linear.c's packed
- * groups prefetch (hw_qpf_ahead); n < 0 only reads it. As prefetch_ahead: set at load. */
-extern int hw_qpf_ahead;
+static PyObject *py_prefetch_ahead(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return set_distance("prefetch_ahead", &hw_pf_ahead, 4096, "inputs", args, nargs);
+}
 static PyObject *py_quant_prefetch_ahead(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    long n;
-    if (!(hw_nargs("quant_prefetch_ahead", nargs, 1) && HW_L(0, n))) return NULL;
-    if (n > 65536) {
-        PyErr_Format(PyExc_ValueError, "quant_prefetch_ahead: %ld bytes is past any weight group (at most 65536)", n);
-        return NULL;
-    }
-    const long before = hw_qpf_ahead;
-    if (n >= 0) hw_qpf_ahead = (int)n;
-    return PyLong_FromLong(before);
+    return set_distance("quant_prefetch_ahead", &hw_qpf_ahead, 65536, "bytes", args, nargs);
 }
 
 /* quant_linear.c's wrappers (their arguments: the comments above each there) */

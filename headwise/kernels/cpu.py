@@ -38,10 +38,11 @@ def cpu_flags() -> set[str]:
 # left memory idle while the FMAs ran, but too far ahead evicts lines before they are read.
 # benchmarks/prefetch.py measures the candidates (SmolLM2's 30 layers and its lm_head, 2 threads,
 # paired against the first tuning):
-# - small_linear.c's 5+-row tiles, in inputs: 128 on AMD EPYC Zen 4 (tuned there, 2026-11) and
-#   Intel Xeon; 64 on AMD EPYC Zen 5 (family 26), 1.03-1.07x the speed of 128 at 8-32 rows (48
-#   within 1%, 32 and 96 worse): results/zen5/prefetch.txt;
-# - quant_linear.c's packed groups, in bytes: 2048 on AMD EPYC Zen 3 / 4 (1280-2560 alike there);
+# - small_linear.c's 5+-row tiles, in inputs: 128 as tuned on AMD EPYC Zen 4 (2026-11), kept for
+#   every CPU not measured (Intel Xeon included); 64 on AMD EPYC Zen 5 (family 26), 1.03-1.07x the
+#   speed of 128 at 8-32 rows (48 within 1%, 32 and 96 worse): results/zen5/prefetch.txt;
+# - quant_linear.c's packed groups, in bytes: 2048 as tuned on AMD EPYC Zen 3 / 4 (1280-2560 alike
+#   there), kept for every CPU not measured;
 #   8192 on Zen 5: results/zen5/prefetch_quant.txt, the Q4_1 layers 1.11x at 1 row and 1.14-1.20x
 #   at 4-16 rows, the Q8_0 lm_head 1.36x at 1 row, 1.27-1.51x at 4-16 (an earlier run: 1.05x and
 #   1.08-1.29x, 1.09x and 1.17-1.37x; 12288 the same within noise, 16384 less at 1 row); generate()

@@ -38,7 +38,7 @@ def prefill_attention_unavailable() -> str | None:
         return why
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(*s, generator=g) for s in ((2, 4, 19, 16), (2, 2, 23, 16), (2, 2, 23, 16)))
-    out, lse = _run(q, k, v, 0.25, True, True)
+    out, lse = prefill_attention_unchecked(q, k, v, 0.25, True, True)
     s = q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.25
     s = s.masked_fill(~torch.ones(19, 23, dtype=torch.bool).tril(4), float("-inf"))
     want = torch.softmax(s, -1) @ v.repeat_interleave(2, 1)
@@ -75,15 +75,12 @@ def prefill_attention(
         )
     if causal and k.shape[2] < T:
         raise ValueError(f"prefill_attention: causal with {T} queries needs at least as many keys, got {k.shape[2]}")
-    return _run(q, k, v, 1.0 / math.sqrt(D) if scale is None else float(scale), causal, want_lse)
+    return prefill_attention_unchecked(q, k, v, 1.0 / math.sqrt(D) if scale is None else float(scale), causal, want_lse)
 
 
-def prefill_attention_unchecked(q, k, v, scale: float, causal: bool, want_lse: bool):
-    """prefill_attention for a caller that has checked what it checks (the `prefill` backend)."""
-    return _run(q, k, v, scale, causal, want_lse)
-
-
-def _run(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, want_lse: bool):
+def prefill_attention_unchecked(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, want_lse: bool):
+    """prefill_attention for a caller that has checked what it checks (the `prefill` and `paged`
+    backends): the kernel call alone."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     out = torch.empty(B, H, T, D)

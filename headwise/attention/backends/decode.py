@@ -50,6 +50,19 @@ def cpu_kernel_reasons(q, k, v, unavailable: Callable[[], str | None]) -> list[s
     return reasons
 
 
+def plain_spec_reasons(spec: AttentionSpec) -> list[str]:
+    """What neither CPU kernel computes: ALiBi, dropout, weights."""
+    return [
+        why
+        for why, bad in (
+            ("no ALiBi", spec.alibi_slopes is not None),
+            ("no dropout", spec.dropout_p > 0),
+            ("returns no weights", spec.need_weights),
+        )
+        if bad
+    ]
+
+
 def decode_check(q, k, v, spec: AttentionSpec) -> list[str]:
     reasons = cpu_kernel_reasons(q, k, v, kernel_attention.decode_attention_unavailable)
     if torch.compiler.is_compiling():
@@ -61,12 +74,7 @@ def decode_check(q, k, v, spec: AttentionSpec) -> list[str]:
         or (spec.is_causal and spec.T > 1)
     ):
         reasons.append("queries must see every key (no mask; causal only with one query row)")
-    if spec.alibi_slopes is not None:
-        reasons.append("no ALiBi")
-    if spec.dropout_p > 0:
-        reasons.append("no dropout")
-    if spec.need_weights:
-        reasons.append("returns no weights")
+    reasons += plain_spec_reasons(spec)
     if spec.kv_map is not None or spec.H % spec.Hkv:
         reasons.append("even GQA groups only")
     elif not kernel_attention.fits(spec.G * spec.T, spec.D):

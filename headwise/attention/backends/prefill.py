@@ -19,7 +19,7 @@ import torch
 
 from ...kernels import prefill as kernel_prefill
 from ..spec import AttentionOutput, AttentionSpec
-from .decode import cpu_kernel_reasons
+from .decode import cpu_kernel_reasons, plain_spec_reasons
 
 
 def prefill_attention(q, k, v, spec: AttentionSpec) -> AttentionOutput:
@@ -38,12 +38,7 @@ def prefill_check(q, k, v, spec: AttentionSpec) -> list[str]:
         reasons.append("causal or no mask only (no mask tensor, key padding or window)")
     if spec.is_causal and spec.S < spec.T:
         reasons.append(f"causal needs S >= T (got T={spec.T}, S={spec.S})")
-    if spec.alibi_slopes is not None:
-        reasons.append("no ALiBi")
-    if spec.dropout_p > 0:
-        reasons.append("no dropout")
-    if spec.need_weights:
-        reasons.append("returns no weights")
+    reasons += plain_spec_reasons(spec)
     if spec.kv_map is not None or spec.H % spec.Hkv:
         reasons.append("even GQA groups only")
     elif not kernel_prefill.fits(spec.G, spec.D):
