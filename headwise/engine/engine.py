@@ -242,13 +242,13 @@ class Engine(Frontends):
                 for group, piece in items:
                     if group.sink is None or group.request_id in dead:
                         continue
-                    if group.reader_idle is not None:  # an async stream's (only while the thread runs)
-                        group.handed += 1
-                        self._fed[group.request_id] = group
                     try:
-                        group.sink(piece)
+                        handed = group.sink(piece)
                     except Exception:
                         dead.add(group.request_id)
+                        continue
+                    if handed and group.reader_idle is not None:  # an async stream's reader has it now
+                        self._fed[group.request_id] = group
                 for rid in dead:
                     self.abort(rid)
 

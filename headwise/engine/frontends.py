@@ -12,7 +12,7 @@ import asyncio
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from ..generation.sampling import SamplingParams
 from .request import RequestOutput, Status, StreamPiece
@@ -79,21 +79,44 @@ class Frontends:
 
     # ------------------------------------------------------------------ streaming
     async def stream(
-        self, prompt, sampling: SamplingParams | None = None, *, request_id: str | None = None, resume=None
+        self,
+        prompt,
+        sampling: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        resume=None,
+        direct: Callable[[StreamPiece], bool] | None = None,
     ) -> AsyncIterator[StreamPiece]:
         """Stream one request's pieces (async generator). Validates and queues at the first
         __anext__ (QueueFull / ValueError raise there) and starts the engine thread if needed.
         Closing the generator early (a client that went away) aborts the request and frees
         its blocks at once. resume (generation.output.Resume): continue a completion that
-        another server began (the gateway's failover); max_new_tokens counts the new tokens."""
+        another server began (the gateway's failover); max_new_tokens counts the new tokens.
+
+        direct(piece) -> bool: a consumer that can take a piece in the stepping thread itself
+        (serve/direct.py writes its SSE chunk to the client's socket). It is offered a piece
+        that does not end the stream only while the reader has passed every earlier piece
+        through its consumer (so order holds); True: taken, the reader never sees it."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
         idle = threading.Event()
 
-        def sink(item):
+        def sink(item) -> bool:
+            """-> True when the piece went to the reader (False: `direct` took it). Called by one
+            deliverer at a time (Engine._flush)."""
+            if (
+                direct is not None
+                and group.taken == group.handed
+                and isinstance(item, StreamPiece)
+                and item.finish_reason is None
+                and direct(item)
+            ):
+                return False
+            group.handed += 1
             idle.clear()
             loop.call_soon_threadsafe(queue.put_nowait, item)
+            return True
 
         group = self._add(self._one_prompt(prompt), sampling, request_id, sink, limits=True, resume=resume)
         group.keep_output = False  # its reader has every piece: nothing to keep for result()

@@ -211,7 +211,9 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
 
     app.openapi = openapi
 
-    # outermost first to run: auth (cheap, before reading any body), then the body limit
+    # outermost first to run: auth (cheap, before reading any body), then the body limit. Neither
+    # touches a response's body: streamed chunks may bypass `send` (direct.py), so a middleware
+    # that rewrites bodies (compression) would need DirectWriter off.
     app.add_middleware(BodySizeLimit, max_bytes=config.server.max_body_bytes)
     app.add_middleware(ApiKeyAuth, keys=config.server.keys(), protect_metrics=protect_metrics)
     return app

@@ -160,14 +160,14 @@ class LocalRuntime:
                 400, f"model {self.name!r} cannot serve {endpoint}; use {use}", param="model", code="wrong_endpoint"
             )
 
-    async def stream(self, prompt: list[int], sampling, request_id: str, resume=None) -> AsyncIterator:
+    async def stream(self, prompt: list[int], sampling, request_id: str, resume=None, direct=None) -> AsyncIterator:
         """The engine's stream, QueueFull -> 429 + Retry-After, ValueError -> 400, a failed
         engine -> 500 (and a fresh engine for the requests that follow). resume: continue a
-        completion another server began (generation.output.Resume)."""
+        completion another server began (generation.output.Resume); direct: see Engine.stream."""
         from ..engine import QueueFull
 
         engine = self.engine
-        gen = engine.stream(prompt, sampling, request_id=request_id, resume=resume)
+        gen = engine.stream(prompt, sampling, request_id=request_id, resume=resume, direct=direct)
         try:
             while True:
                 try:

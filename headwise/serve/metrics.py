@@ -75,6 +75,12 @@ class Metrics:
         self.e2e = Histogram(
             "headwise_e2e_request_latency_seconds", "request arrival to last token", ["model"], buckets=_E2E, registry=r
         )
+        self.direct_chunks = Counter(
+            "headwise_stream_direct_chunks",
+            "streamed chunks the engine's thread wrote to the client's socket itself (serve/direct.py)",
+            ["model"],
+            registry=r,
+        )
         self.attempts = Counter(
             "headwise_gateway_attempts",
             "gateway attempts by route, target and outcome",
@@ -124,6 +130,11 @@ class Metrics:
 
     def finished(self, model: str, streams) -> None:
         self.e2e.labels(model).observe(time.perf_counter() - streams.t_start)
+
+    def stream_closed(self, model: str, direct) -> None:
+        """A streamed answer's end: count the chunks its engine thread wrote (a DirectWriter)."""
+        if direct is not None and direct.written:
+            self.direct_chunks.labels(model).inc(direct.written)
 
     def request(self, model: str, endpoint: str, status: int) -> None:
         self.requests.labels(model, endpoint, str(status)).inc()

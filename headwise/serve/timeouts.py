@@ -21,6 +21,8 @@ import json
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .direct import SCOPE_KEY
+
 
 def _408(what: str, seconds: float) -> bytes:
     body = json.dumps(
@@ -44,6 +46,18 @@ def _408(what: str, seconds: float) -> bytes:
 def timed_h11(header_timeout: float, body_timeout: float) -> type[H11Protocol]:
     class TimedH11Protocol(H11Protocol):
         _header_clock = _body_clock = None
+
+        # Each request's scope carries the connection's transport (direct.py writes a stream's
+        # chunks to it from the engine's thread): uvicorn assigns self.scope per request.
+        @property
+        def scope(self):
+            return self.__dict__.get("_scope")
+
+        @scope.setter
+        def scope(self, scope) -> None:
+            if scope is not None:
+                scope.setdefault("extensions", {})[SCOPE_KEY] = self.transport
+            self.__dict__["_scope"] = scope
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)

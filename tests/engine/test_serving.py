@@ -247,3 +247,42 @@ def test_a_stream_that_stops_reading_is_skipped_until_it_catches_up(tiny_gpt2, m
     assert True in seen["idle"].waits[1:]  # reading again, it is waited for (and takes its pieces)
     assert [t for x in slow for t in x.token_ids] == reference(tiny_gpt2, prompts[4], LONG)[0].token_ids
     assert [t for x in other for t in x.token_ids] == reference(tiny_gpt2, prompts[5], LONG)[0].token_ids
+
+
+def test_a_direct_consumer_gets_pieces_only_while_the_reader_has_caught_up(tiny):
+    """Engine.stream(direct=...): a piece goes to `direct` (in the stepping thread) only when the
+    reader has passed every earlier piece through its consumer; refused pieces and the last one
+    reach the reader. Together, in arrival order, they are the whole completion, as generate()'s."""
+    prompts = ragged_prompts(tiny.config.vocab_size, seed=11)[:3]
+    arrivals, offers = [], []
+
+    async def main(engine):
+        async def one(k, p):
+            calls = 0
+
+            def direct(piece):
+                nonlocal calls
+                calls += 1
+                offers.append((k, calls))
+                if calls % 3 == 0:
+                    return False  # refused: the reader gets it
+                arrivals.append((k, "direct", piece))
+                return True
+
+            async for piece in engine.stream(p, LONG, direct=direct):
+                arrivals.append((k, "reader", piece))
+                await asyncio.sleep(0.003 * (k + 1))  # a consumer slower than a step, at times
+
+        await asyncio.gather(*(one(k, p) for k, p in enumerate(prompts)))
+
+    with Engine(tiny, num_blocks=96, block_size=4, max_num_seqs=4) as engine:
+        asyncio.run(main(engine))
+    for k, p in enumerate(prompts):
+        mine = [(how, x) for kk, how, x in arrivals if kk == k]
+        ref = reference(tiny, p, LONG)[0]
+        assert [t for _, x in mine for t in x.token_ids] == ref.token_ids  # every token once, in order
+        assert [x.num_output_tokens for _, x in mine] == list(range(1, len(ref.token_ids) + 1))
+        assert mine[-1][0] == "reader" and mine[-1][1].finish_reason == ref.finish_reason
+        assert any(how == "direct" for how, _ in mine) and any(how == "reader" for how, _ in mine[1:-1])
+    assert all(x.finish_reason is None for _, how, x in arrivals if how == "direct")
+    assert all_blocks_free(engine)

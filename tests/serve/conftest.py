@@ -35,6 +35,7 @@ import openai  # noqa: E402
 import uvicorn  # noqa: E402
 
 from headwise.serve import parse_config  # noqa: E402
+from headwise.serve.timeouts import timed_h11  # noqa: E402
 
 MAIN_KEY = "sk-main-" + secrets.token_hex(12)
 PEER_KEY = "sk-peer-" + secrets.token_hex(12)
@@ -116,7 +117,11 @@ class LiveServer:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="on", timeout_graceful_shutdown=5))
+        # the protocol `headwise serve` runs (read timeouts; the transport in the scope for direct.py)
+        http = timed_h11(30.0, 60.0)
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, log_config=None, lifespan="on", timeout_graceful_shutdown=5, http=http)
+        )
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def start(self, ready_timeout: float = 120) -> "LiveServer":

@@ -8,6 +8,7 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ..direct import DirectWriter
 from ..errors import APIError
 from ..schemas import ChatCompletionRequest
 from .common import (
@@ -93,7 +94,7 @@ async def create(runtime, req: ChatCompletionRequest, model: str, request: Reque
     prompt, sampling, resume = await off_loop(prepare, runtime, req)
     rid, created = new_id("chatcmpl"), int(time.time())
     streams = Streams(runtime, rid, sampling.n)
-    await streams.start([prompt], sampling, timeout, resume)
+    await streams.start([prompt], sampling, timeout, resume, DirectWriter.of(request.scope) if req.stream else None)
     usage = Usage(prompt_tokens=len(prompt), resumed=len(resume.token_ids) if resume else 0)
     tok, top = runtime.tokenizer, sampling.logprobs  # None: no logprobs asked for
     if req.stream:

@@ -211,12 +211,19 @@ class Streams:
         self.gens: list = []
         self.firsts: list = []
         self.t_start = time.perf_counter()
+        self.direct = None  # serve/direct.py's writer, when one engine stream of one choice takes it
 
-    async def start(self, prompts: list[list[int]], sampling, timeout: float | None, resume=None) -> None:
+    async def start(self, prompts: list[list[int]], sampling, timeout: float | None, resume=None, direct=None) -> None:
+        """direct: a DirectWriter (streamed answers): used when there is one prompt and n = 1."""
+        if direct is not None and len(prompts) == 1 and self.n == 1:
+            self.direct = direct
+        extra = {"direct": self.direct} if self.direct is not None else {}
         try:
             async with asyncio.timeout(timeout):
                 for p, ids in enumerate(prompts):
-                    gen = self.runtime.stream(ids, sampling, request_id=f"{self.request_id}-{p}", resume=resume)
+                    gen = self.runtime.stream(
+                        ids, sampling, request_id=f"{self.request_id}-{p}", resume=resume, **extra
+                    )
                     self.gens.append(gen)
                     self.firsts.append(await anext(gen, None))
         except TimeoutError:
@@ -314,19 +321,29 @@ async def sse_events(
     along as "headwise": {"token_ids": [...]}, also in pieces whose text is held back."""
     if include_usage:
         head = {**head, "usage": None}
+
+    def chunk(i, piece) -> bytes | None:
+        """A piece's chunk (None: it sends nothing), counted; here or in the engine's thread (direct)."""
+        usage.completion[i] = piece.num_output_tokens
+        if metrics:
+            metrics.token_piece(model, streams, piece)
+        if piece.finish_reason == "abort":
+            raise APIError(503, ABORTED, code="aborted")
+        if token_ids and piece.token_ids:
+            return sse({**head, "choices": [choice(i, piece)], "headwise": {"token_ids": piece.token_ids}})
+        if piece.text or piece.finish_reason or piece.logprobs:
+            return sse({**head, "choices": [choice(i, piece)]})
+        return None
+
     try:
         if first:
             yield sse({**head, "choices": first})
+        if streams.direct is not None:  # one engine stream of one choice: index 0
+            streams.direct.start(lambda piece: chunk(0, piece))
         async for i, piece in streams:
-            usage.completion[i] = piece.num_output_tokens
-            if metrics:
-                metrics.token_piece(model, streams, piece)
-            if piece.finish_reason == "abort":
-                raise APIError(503, ABORTED, code="aborted")
-            if token_ids and piece.token_ids:
-                yield sse({**head, "choices": [choice(i, piece)], "headwise": {"token_ids": piece.token_ids}})
-            elif piece.text or piece.finish_reason or piece.logprobs:
-                yield sse({**head, "choices": [choice(i, piece)]})
+            data = chunk(i, piece)
+            if data is not None:
+                yield data
         if metrics:
             metrics.finished(model, streams)
         if include_usage:
@@ -336,6 +353,10 @@ async def sse_events(
         yield sse(stream_error(e).body())
         yield SSE_DONE
     finally:
+        if streams.direct is not None:
+            streams.direct.close()
+            if metrics:
+                metrics.stream_closed(model, streams.direct)
         await streams.close()
 
 

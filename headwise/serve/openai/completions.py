@@ -8,6 +8,7 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ..direct import DirectWriter
 from ..errors import APIError
 from ..schemas import CompletionRequest
 from .common import (
@@ -78,7 +79,7 @@ async def create(runtime, req: CompletionRequest, model: str, request: Request, 
     prompts, sampling, resume = await off_loop(prepare, runtime, req)
     rid, created = new_id("cmpl"), int(time.time())
     streams = Streams(runtime, rid, sampling.n)
-    await streams.start(prompts, sampling, timeout, resume)
+    await streams.start(prompts, sampling, timeout, resume, DirectWriter.of(request.scope) if req.stream else None)
     usage = Usage(prompt_tokens=sum(len(p) for p in prompts), resumed=len(resume.token_ids) if resume else 0)
     total = len(prompts) * sampling.n
     ctx = (streams, rid, created, model, total, usage, runtime.tokenizer, sampling.logprobs, metrics)
