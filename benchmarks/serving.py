@@ -76,11 +76,11 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, name: str, argv: list[str], port: int, logdir: Path):
+    def __init__(self, name: str, argv: list[str], port: int, logdir: Path, cwd: Path = ROOT):
         self.name, self.url = name, f"http://127.0.0.1:{port}"
         self.log = (logdir / f"{name}.log").open("w")
         self.proc = subprocess.Popen(
-            argv, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **SERVER_ENV}, cwd=ROOT
+            argv, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **SERVER_ENV}, cwd=cwd
         )
 
     def wait_ready(self, timeout: float = 300) -> None:

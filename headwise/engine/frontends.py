@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 # 0.81-0.88x generate() without the wait and 0.82-0.95x with it (paired medians of 5 rounds,
 # benchmarks/serving.py, AMD EPYC Zen 5; five runs each way, medians 0.85x and 0.91x).
 # Only when a step fed a few streams: with many, the step is long and compute-bound, and their
-# loop's work (~0.2 ms each) would outgrow the wait.
+# loop's work (~0.2 ms each) would outgrow the wait. A stream whose pieces the stepping thread
+# writes itself (stream(direct=...), serve/direct.py) hands its reader only the first and last.
 READER_WAIT_S = 0.002
 READER_WAIT_STREAMS = 4
 

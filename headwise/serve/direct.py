@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 from typing import Callable
 
@@ -46,7 +47,7 @@ class DirectWriter:
     @classmethod
     def of(cls, scope: dict) -> "DirectWriter | None":
         transport = (scope.get("extensions") or {}).get(SCOPE_KEY)
-        if transport is None or scope.get("http_version") != "1.1" or transport.is_closing():
+        if sys.platform == "win32" or transport is None or scope.get("http_version") != "1.1" or transport.is_closing():
             return None
         if transport.get_extra_info("sslcontext") is not None or transport.get_extra_info("socket") is None:
             return None
