@@ -31,7 +31,7 @@ from .config import Route, ServeConfig, Target
 from .errors import APIError
 from .failover import ReplicaTarget
 from .openai import chat, completions, embeddings
-from .openai.common import until_disconnect
+from .openai.streams import until_disconnect
 from .replicas import ReplicaPool
 from .upstream import UpstreamTarget
 

@@ -12,21 +12,17 @@ from ..direct import DirectWriter
 from ..errors import APIError
 from ..schemas import ChatCompletionRequest
 from .common import (
-    Streams,
-    Usage,
     chat_logprobs,
     check_chars,
     check_context,
-    collect,
     new_id,
     off_loop,
     reject_unsupported,
     resume_of,
     sampling_params,
-    sse_events,
     tokenize,
-    until_disconnect,
 )
+from .streams import Streams, Usage, collect, sse_events, until_disconnect
 
 
 def render_prompt(tok, req: ChatCompletionRequest) -> list[int]:

@@ -12,22 +12,18 @@ from ..direct import DirectWriter
 from ..errors import APIError
 from ..schemas import CompletionRequest
 from .common import (
-    Streams,
-    Usage,
     check_chars,
     check_context,
     check_ids,
-    collect,
     completion_logprobs,
     new_id,
     off_loop,
     reject_unsupported,
     resume_of,
     sampling_params,
-    sse_events,
     tokenize,
-    until_disconnect,
 )
+from .streams import Streams, Usage, collect, sse_events, until_disconnect
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 

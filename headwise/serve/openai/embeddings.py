@@ -16,7 +16,8 @@ from fastapi.responses import Response
 
 from ..errors import APIError
 from ..schemas import EmbeddingRequest
-from .common import check_chars, off_loop, tokenize_many, until_disconnect
+from .common import check_chars, off_loop, tokenize_many
+from .streams import until_disconnect
 
 
 async def create(runtime, req: EmbeddingRequest, model: str, request: Request, *, timeout=None, metrics=None):

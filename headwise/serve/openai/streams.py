@@ -1,0 +1,221 @@
+"""Running a request's engine streams: several prompts merged into one stream of choices, usage,
+the SSE chunks of a streamed answer (the engine's thread may write them itself: serve/direct.py),
+and cancelling work whose client went away.
+
+Nothing is sent to the client before the first piece of every stream has arrived,
+so overload (429), bad input (400) and timeouts are still proper HTTP errors that
+the gateway may retry elsewhere; after that, an error travels inside the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from ..errors import APIError
+from .common import SSE_DONE, sse
+
+log = logging.getLogger("headwise.serve")
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion: dict[int, int] = field(default_factory=dict)  # choice index -> tokens generated
+    resumed: int = 0  # tokens another server generated before this one resumed (headwise.resume)
+
+    def as_dict(self) -> dict:
+        c = sum(self.completion.values()) + self.resumed
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": c, "total_tokens": self.prompt_tokens + c}
+
+
+class Streams:
+    """The engine streams of one API request (one per prompt; each carries n choices).
+
+    `await start(...)` enqueues every prompt and waits for each first piece; then
+    `async for choice, piece in streams` yields pieces as they come, with the global
+    choice index (prompt * n + piece.index). `close()` aborts whatever still runs.
+    """
+
+    def __init__(self, runtime, request_id: str, n: int):
+        self.runtime, self.request_id, self.n = runtime, request_id, n
+        self.gens: list = []
+        self.firsts: list = []
+        self.t_start = time.perf_counter()
+        self.direct = None  # serve/direct.py's writer, when one engine stream of one choice takes it
+
+    async def start(self, prompts: list[list[int]], sampling, timeout: float | None, resume=None, direct=None) -> None:
+        """direct: a DirectWriter (streamed answers): used when there is one prompt and n = 1."""
+        if direct is not None and len(prompts) == 1 and self.n == 1:
+            self.direct = direct
+        extra = {"direct": self.direct} if self.direct is not None else {}
+        try:
+            async with asyncio.timeout(timeout):
+                for p, ids in enumerate(prompts):
+                    gen = self.runtime.stream(
+                        ids, sampling, request_id=f"{self.request_id}-{p}", resume=resume, **extra
+                    )
+                    self.gens.append(gen)
+                    self.firsts.append(await anext(gen, None))
+        except TimeoutError:
+            await self.close()
+            raise APIError(
+                504, f"model {self.runtime.name!r} sent nothing within {timeout:g} s", code="timeout"
+            ) from None
+        except BaseException:
+            await self.close()
+            raise
+
+    async def __aiter__(self):
+        if len(self.gens) == 1:
+            if self.firsts[0] is not None:
+                yield self.firsts[0].index, self.firsts[0]
+                async for piece in self.gens[0]:
+                    yield piece.index, piece
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(p, gen, first):
+            try:
+                if first is not None:
+                    await queue.put((p, first))
+                    async for piece in gen:
+                        await queue.put((p, piece))
+                await queue.put((p, None))
+            except BaseException as e:  # hand errors to the consumer
+                await queue.put((p, e))
+
+        tasks = [asyncio.create_task(pump(p, g, f)) for p, (g, f) in enumerate(zip(self.gens, self.firsts))]
+        try:
+            live = len(tasks)
+            while live:
+                p, item = await queue.get()
+                if item is None:
+                    live -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield p * self.n + item.index, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def close(self) -> None:
+        for p in range(len(self.gens)):
+            self.runtime.abort(f"{self.request_id}-{p}")  # synchronous: runs even while being cancelled
+        for gen in self.gens:
+            try:
+                await gen.aclose()
+            except (RuntimeError, asyncio.CancelledError):  # already running in a cancelled pump task
+                pass
+
+
+def stream_error(e: Exception) -> APIError:
+    """An error after the first byte: it can only travel inside the stream."""
+    if isinstance(e, APIError):
+        return e
+    log.exception("error while streaming")
+    return APIError(500, f"internal error while streaming ({type(e).__name__}); the server log has details")
+
+
+ABORTED = "the request was aborted (server shutting down?)"
+
+
+async def collect(streams, total: int, usage, metrics, model: str):
+    """Run every stream to its end (a non-streamed answer): per choice, its text, finish
+    reason (None = ran out of tokens) and token logprobs."""
+    texts, reasons, lps = [""] * total, [None] * total, [[] for _ in range(total)]
+    try:
+        async for i, piece in streams:
+            texts[i] += piece.text
+            lps[i].extend(piece.logprobs or [])
+            reasons[i] = piece.finish_reason or reasons[i]
+            usage.completion[i] = piece.num_output_tokens
+            if metrics:
+                metrics.token_piece(model, streams, piece)
+    finally:
+        await streams.close()
+    if "abort" in reasons:
+        raise APIError(503, ABORTED, code="aborted")
+    if metrics:
+        metrics.finished(model, streams)
+    return texts, reasons, lps
+
+
+async def sse_events(
+    streams, head: dict, usage, metrics, model: str, include_usage: bool, choice, first=None, token_ids=False
+):
+    """A streamed answer as SSE chunks: `first` (a list of choices, sent before any piece),
+    then `choice(i, piece)` for each piece that carries text, logprobs or a finish reason,
+    then the usage chunk (if asked for) and [DONE]. An error after the start travels as an
+    error event. token_ids (headwise.token_ids, asked for by a gateway): every piece's ids ride
+    along as "headwise": {"token_ids": [...]}, also in pieces whose text is held back."""
+    if include_usage:
+        head = {**head, "usage": None}
+
+    def chunk(i, piece) -> bytes | None:
+        """A piece's chunk (None: it sends nothing), counted; here or in the engine's thread (direct)."""
+        usage.completion[i] = piece.num_output_tokens
+        if metrics:
+            metrics.token_piece(model, streams, piece)
+        if piece.finish_reason == "abort":
+            raise APIError(503, ABORTED, code="aborted")
+        if token_ids and piece.token_ids:
+            return sse({**head, "choices": [choice(i, piece)], "headwise": {"token_ids": piece.token_ids}})
+        if piece.text or piece.finish_reason or piece.logprobs:
+            return sse({**head, "choices": [choice(i, piece)]})
+        return None
+
+    try:
+        if first:
+            yield sse({**head, "choices": first})
+        if streams.direct is not None:  # one engine stream of one choice: index 0
+            streams.direct.start(lambda piece: chunk(0, piece))
+        async for i, piece in streams:
+            data = chunk(i, piece)
+            if data is not None:
+                yield data
+        if metrics:
+            metrics.finished(model, streams)
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": usage.as_dict()})
+        yield SSE_DONE
+    except Exception as e:
+        yield sse(stream_error(e).body())
+        yield SSE_DONE
+    finally:
+        if streams.direct is not None:
+            streams.direct.close()
+            if metrics:
+                metrics.stream_closed(model, streams.direct)
+        await streams.close()
+
+
+async def until_disconnect(coro, request):
+    """Run a non-streaming handler; if the client hangs up first, cancel it (which aborts
+    its engine requests) instead of computing an answer nobody reads."""
+    task = asyncio.ensure_future(coro)
+
+    async def watch():
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    raise APIError(499, "client closed the request", code="client_closed")
+
+
+# ---------------------------------------------------------------- logprobs
