@@ -17,6 +17,7 @@ SOURCES = [
     "decode_attention.c",
     "prefill_attention.c",
     "quant_linear.c",
+    "quant_group.c",
     "quant_convert.c",
     "decoder_step.c",
     "argmax.c",

@@ -178,7 +178,7 @@ static PyObject *py_rope_rows(PyObject *self, PyObject *const *args, Py_ssize_t 
 }
 
 /* prefetch_ahead(n), quant_prefetch_ahead(n) -> the distance before: how far ahead small_linear.c's
- * tiles (inputs, hw_pf_ahead) and quant_linear.c's packed groups (bytes, hw_qpf_ahead) prefetch
+ * tiles (inputs, hw_pf_ahead) and quant_group.c's packed groups (bytes, hw_qpf_ahead) prefetch
  * weights; n < 0 only reads it. Not thread-safe against running kernels: set once, at load
  * (kernels/__init__.py) or between timed runs (benchmarks/prefetch.py). */
 extern int hw_pf_ahead, hw_qpf_ahead;

@@ -13,6 +13,12 @@ enum { QK = 32, QK_K = 256 };
 enum { ERR_ALLOC = -1, ERR_FORMAT = -2, ERR_SHAPE = -3 };
 enum { X8 = 0x100 };  /* fmt | X8: Q4_0 / Q4_1 / Q8_0 rows packed in groups of 8 (hw_repack8) */
 
+/* Packed rows (quant_group.c): every group's outputs for M rows of x quantized as quant_linear.c does
+ * (qx int8, dx scales, sx sums per 32-block), plus bias b and residual r where not NULL; over the
+ * OpenMP threads when par. */
+void hw_quant_groups(int fmt, const uint8_t *w, const int8_t *qx, const float *dx, const float *sx, const float *b,
+                     const float *r, float *y, long M, long O, long I, int par);
+
 /* Bytes per block and values per block (block_bytes: 0 for a format these kernels do not know). */
 static inline long block_bytes(int fmt) {
     switch (fmt) {

@@ -1,0 +1,301 @@
+/* quant_linear.c's weights packed in groups of 8 rows (fmt | X8, quant_blocks.h: Q4_0, Q4_1, Q8_0):
+ * each group's blocks interleaved so that one 32-byte chunk holds the same block of 8 rows, met
+ * by every row of quantized x before the next (group_out), and in the avx512 build, from 4 rows
+ * of x, two groups at a time in zmm (group2_out). quant_linear.c quantizes x and calls
+ * hw_quant_groups; the arithmetic is its rows path's (same integers, same float epilogue). */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+#include "quant_blocks.h"
+
+/* ---- rows packed in groups of 8 (fmt | X8: quant_blocks.h) ---- */
+
+/* A thread reads its groups as one stream; asking for the bytes ~2 KiB ahead (one software
+ * prefetch per 64-byte line) beat the hardware prefetcher alone when the weights come from DRAM:
+ * 100 Q4_1 3072 x 576 matrices (110 MB) at 1 row of x, 1 thread, AMD EPYC: 11.4 -> 8.6 ms mean
+ * (1280 and 2560 bytes ahead alike; 640: less). Past the end of the weight it is a no-op. */
+int hw_qpf_ahead = 2048;  /* bytes; set at load per core by kernels/__init__.py (quant_prefetch_ahead_for:
+                           * 8192 on AMD Zen 5, benchmarks/prefetch.py --quant) */
+/* Rows of x per pass over a packed group: the avx512 build's 32 vector registers hold 8 int sums +
+ * 8 accumulators (each group's nibbles unpacked half as often: SmolLM2's 30 Q4_1 layers + the Q8_0
+ * head at 16 rows, 2 threads, AMD EPYC Zen 4: 16.8 -> 15.7 ms, 8 rows 10.0 -> 9.0, the same bits);
+ * AVX2's 16 hold 4 + 4. */
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+#define GMC 8
+#else
+#define GMC 4
+#endif
+
+/* 8 packed rows against MC (1..GMC) rows of quantized x: out[m] lane r = row r's output. The
+ * weight chunks are loaded one at a time and met by every row of x before the next, so the
+ * registers hold 2 chunks, MC int16 sums and MC accumulators (no spills at MC = GMC). */
+static inline __attribute__((always_inline)) void group_tile(int fmt, int MC, const uint8_t *grp, long nb,
+                                                             const int8_t *qx, const float *dx, const float *sx,
+                                                             long I, __m256 out[GMC]) {
+    const long gb = 8 * block_bytes(fmt), h = 8 * hdr_bytes(fmt);
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    __m256 acc[GMC];
+    for (int m = 0; m < MC; m++) acc[m] = _mm256_setzero_ps();
+    const long ahead = hw_qpf_ahead;
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *p = grp + b * gb;
+        const int8_t *xb = qx + b * QK;
+        for (long o = 0; o < gb; o += 64) _mm_prefetch((const char *)(p + ahead + o), _MM_HINT_T0);
+        __m256i sum[GMC];
+        for (int m = 0; m < MC; m++) sum[m] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(p + h + 32 * c));
+            const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            for (int m = 0; m < MC; m++) {
+                int32_t a, z;
+                memcpy(&a, xb + m * I + 4 * c, 4), memcpy(&z, xb + m * I + 16 + 4 * c, 4);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)  /* the same integers, summed in int32 directly */
+                sum[m] = _mm256_dpbusd_epi32(sum[m], lo, _mm256_set1_epi32(a));
+                sum[m] = _mm256_dpbusd_epi32(sum[m], hi, _mm256_set1_epi32(z));
+#else
+                sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)));
+                sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(z)));
+#endif
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        const __m256 mw = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))
+                                      : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
+        for (int m = 0; m < MC; m++) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+            const __m256 f = _mm256_cvtepi32_ps(sum[m]);
+#else
+            const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[m], _mm256_set1_epi16(1)));
+#endif
+            acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(dx + m * nb + b)), f, acc[m]);
+            acc[m] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(sx + m * nb + b), acc[m]);
+        }
+    }
+    for (int m = 0; m < MC; m++) out[m] = acc[m];
+}
+
+/* Q8_0's groups: 8 chunks of 4 signed values a row; the sign trick per chunk, whose pairs (up to
+ * 2 x 128 x 127) need an int32 sum each. */
+static inline __attribute__((always_inline)) void group_tile_q8(int MC, const uint8_t *grp, long nb, const int8_t *qx,
+                                                                const float *dx, long I, __m256 out[GMC]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    (void)ones;  /* unused with VNNI */
+    __m256 acc[GMC];
+    for (int m = 0; m < MC; m++) acc[m] = _mm256_setzero_ps();
+    const long ahead = hw_qpf_ahead;
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *p = grp + b * 8 * 34;
+        for (long o = 0; o < 8 * 34; o += 64) _mm_prefetch((const char *)(p + ahead + o), _MM_HINT_T0);
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        __m256i sum[GMC];
+        for (int m = 0; m < MC; m++) sum[m] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * c)), a = _mm256_abs_epi8(v);
+            for (int m = 0; m < MC; m++) {
+                int32_t x4;
+                memcpy(&x4, qx + m * I + b * QK + 4 * c, 4);
+                const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(x4), v);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                sum[m] = _mm256_dpbusd_epi32(sum[m], a, sx);
+#else
+                sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(a, sx), ones));
+#endif
+            }
+        }
+        for (int m = 0; m < MC; m++)
+            acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(dx + m * nb + b)),
+                                     _mm256_cvtepi32_ps(sum[m]), acc[m]);
+    }
+    for (int m = 0; m < MC; m++) out[m] = acc[m];
+}
+
+#if GMC > 4
+#define GROUP_MC_WIDE(F, ...)                                \
+        case 4: group_tile(F, 4, __VA_ARGS__); break;        \
+        case 5: group_tile(F, 5, __VA_ARGS__); break;        \
+        case 6: group_tile(F, 6, __VA_ARGS__); break;        \
+        case 7: group_tile(F, 7, __VA_ARGS__); break;
+#else
+#define GROUP_MC_WIDE(F, ...)
+#endif
+#define GROUP_MC(F, mc, ...)                                 \
+    switch (mc) {                                            \
+        case 1: group_tile(F, 1, __VA_ARGS__); break;        \
+        case 2: group_tile(F, 2, __VA_ARGS__); break;        \
+        case 3: group_tile(F, 3, __VA_ARGS__); break;        \
+        GROUP_MC_WIDE(F, __VA_ARGS__)                        \
+        default: group_tile(F, GMC, __VA_ARGS__); break;     \
+    }
+
+/* y[row][o .. o + n) = t + b + r (bias and residual where not NULL). */
+static inline void store_row(const float *t, long n, const float *b, const float *r, float *y, long row, long O,
+                             long o) {
+    for (long k = 0; k < n; k++) {
+        float v = t[k];
+        if (b) v += b[o + k];
+        if (r) v += r[row * O + o + k];
+        y[row * O + o + k] = v;
+    }
+}
+
+/* Outputs [8 g, 8 g + 8) (those below O) of packed group g for all M rows, plus bias and residual. */
+static void group_out(int fmt, const uint8_t *w, const int8_t *qx, const float *dx, const float *sx,
+                      const float *b, const float *r, float *y, long M, long O, long I, long g) {
+    const long nb = I / QK, o = 8 * g, n = O - o < 8 ? O - o : 8;
+    const uint8_t *grp = w + g * nb * 8 * block_bytes(fmt);
+    for (long m0 = 0; m0 < M; m0 += GMC) {
+        const long mc = M - m0 < GMC ? M - m0 : GMC;
+        __m256 out[GMC];
+        if (fmt == Q8_0) {
+            switch (mc) {
+                case 1: group_tile_q8(1, grp, nb, qx + m0 * I, dx + m0 * nb, I, out); break;
+                case 2: group_tile_q8(2, grp, nb, qx + m0 * I, dx + m0 * nb, I, out); break;
+                case 3: group_tile_q8(3, grp, nb, qx + m0 * I, dx + m0 * nb, I, out); break;
+#if GMC > 4
+                case 4: group_tile_q8(4, grp, nb, qx + m0 * I, dx + m0 * nb, I, out); break;
+                case 5: group_tile_q8(5, grp, nb, qx + m0 * I, dx + m0 * nb, I, out); break;
+                case 6: group_tile_q8(6, grp, nb, qx + m0 * I, dx + m0 * nb, I, out); break;
+                case 7: group_tile_q8(7, grp, nb, qx + m0 * I, dx + m0 * nb, I, out); break;
+#endif
+                default: group_tile_q8(GMC, grp, nb, qx + m0 * I, dx + m0 * nb, I, out); break;
+            }
+        } else if (fmt == Q4_1) {
+            GROUP_MC(Q4_1, mc, grp, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
+        } else {
+            GROUP_MC(Q4_0, mc, grp, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
+        }
+        for (long m = 0; m < mc; m++) {
+            float t[8];
+            _mm256_storeu_ps(t, out[m]);
+            store_row(t, n, b, r, y, m0 + m, O, o);
+        }
+    }
+}
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* Two packed groups (16 outputs) at once in 16-wide vectors, from ZMIN rows of x: per chunk the two
+ * groups' 32 bytes joined into one zmm, so each broadcast of x feeds one dpbusd for 16 rows where
+ * group_tile's ymm gives 8. Where the core has full-width 512-bit units (AMD Zen 5, Xeon
+ * Gold/Platinum) that is twice the work per instruction; a batch-1 step stays on group_tile
+ * (memory-bound there). Same integers, the same float epilogue per block, per output lane. */
+enum { ZMIN = 4 };
+static inline __m512i join_si(const uint8_t *a, const uint8_t *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+static inline __m512 join_ph(const uint8_t *a, const uint8_t *b) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)a))),
+                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)), 1);
+}
+static inline __attribute__((always_inline)) void group2_tile(int fmt, int MC, const uint8_t *g0, const uint8_t *g1,
+                                                              long nb, const int8_t *qx, const float *dx,
+                                                              const float *sx, long I, __m512 out[GMC]) {
+    const long gb = 8 * block_bytes(fmt), h = 8 * hdr_bytes(fmt);
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    __m512 acc[GMC];
+    for (int m = 0; m < MC; m++) acc[m] = _mm512_setzero_ps();
+    const long ahead = hw_qpf_ahead;
+    for (long b = 0; b < nb; b++) {
+        const uint8_t *p0 = g0 + b * gb, *p1 = g1 + b * gb;
+        const int8_t *xb = qx + b * QK;
+        for (long o = 0; o < gb; o += 64) {
+            _mm_prefetch((const char *)(p0 + ahead + o), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p1 + ahead + o), _MM_HINT_T0);
+        }
+        __m512i sum[GMC];
+        for (int m = 0; m < MC; m++) sum[m] = _mm512_setzero_si512();
+        if (fmt == Q8_0) {  /* |w| against x with w's sign (AVX-512 has no vpsignb: negate where w < 0) */
+            for (int c = 0; c < 8; c++) {
+                const __m512i v = join_si(p0 + 16 + 32 * c, p1 + 16 + 32 * c), a = _mm512_abs_epi8(v);
+                const __mmask64 neg = _mm512_movepi8_mask(v);
+                for (int m = 0; m < MC; m++) {
+                    int32_t x4;
+                    memcpy(&x4, xb + m * I + 4 * c, 4);
+                    const __m512i xv = _mm512_set1_epi32(x4);
+                    sum[m] = _mm512_dpbusd_epi32(sum[m], a, _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv));
+                }
+            }
+        } else {
+            for (int c = 0; c < 4; c++) {
+                const __m512i v = join_si(p0 + h + 32 * c, p1 + h + 32 * c);
+                const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+                for (int m = 0; m < MC; m++) {
+                    int32_t a, z;
+                    memcpy(&a, xb + m * I + 4 * c, 4), memcpy(&z, xb + m * I + 16 + 4 * c, 4);
+                    sum[m] = _mm512_dpbusd_epi32(sum[m], lo, _mm512_set1_epi32(a));
+                    sum[m] = _mm512_dpbusd_epi32(sum[m], hi, _mm512_set1_epi32(z));
+                }
+            }
+        }
+        const __m512 dw = join_ph(p0, p1);
+        if (fmt == Q8_0) {
+            for (int m = 0; m < MC; m++)
+                acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx[m * nb + b])), _mm512_cvtepi32_ps(sum[m]),
+                                         acc[m]);
+        } else {
+            const __m512 mw = fmt == Q4_1 ? join_ph(p0 + 16, p1 + 16) : _mm512_mul_ps(dw, _mm512_set1_ps(-8.0f));
+            for (int m = 0; m < MC; m++) {
+                acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx[m * nb + b])), _mm512_cvtepi32_ps(sum[m]),
+                                         acc[m]);
+                acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[m * nb + b]), acc[m]);
+            }
+        }
+    }
+    for (int m = 0; m < MC; m++) out[m] = acc[m];
+}
+
+#define GROUP2_MC(F, mc, ...)                                \
+    switch (mc) {                                            \
+        case 1: group2_tile(F, 1, __VA_ARGS__); break;       \
+        case 2: group2_tile(F, 2, __VA_ARGS__); break;       \
+        case 3: group2_tile(F, 3, __VA_ARGS__); break;       \
+        case 4: group2_tile(F, 4, __VA_ARGS__); break;       \
+        case 5: group2_tile(F, 5, __VA_ARGS__); break;       \
+        case 6: group2_tile(F, 6, __VA_ARGS__); break;       \
+        case 7: group2_tile(F, 7, __VA_ARGS__); break;       \
+        default: group2_tile(F, GMC, __VA_ARGS__); break;    \
+    }
+
+/* Outputs [8 g, 8 g + 16) (those below O) of packed groups g and g + 1 for all M rows, plus bias and residual. */
+static void group2_out(int fmt, const uint8_t *w, const int8_t *qx, const float *dx, const float *sx,
+                       const float *b, const float *r, float *y, long M, long O, long I, long g) {
+    const long nb = I / QK, o = 8 * g, n = O - o < 16 ? O - o : 16;
+    const uint8_t *g0 = w + g * nb * 8 * block_bytes(fmt), *g1 = g0 + nb * 8 * block_bytes(fmt);
+    for (long m0 = 0; m0 < M; m0 += GMC) {
+        const long mc = M - m0 < GMC ? M - m0 : GMC;
+        __m512 out[GMC];
+        if (fmt == Q8_0) {
+            GROUP2_MC(Q8_0, mc, g0, g1, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
+        } else if (fmt == Q4_1) {
+            GROUP2_MC(Q4_1, mc, g0, g1, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
+        } else {
+            GROUP2_MC(Q4_0, mc, g0, g1, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
+        }
+        for (long m = 0; m < mc; m++) {
+            float t[16];
+            _mm512_storeu_ps(t, out[m]);
+            store_row(t, n, b, r, y, m0 + m, O, o);
+        }
+    }
+}
+#define HAVE_GROUP2 1
+#endif
+
+void hw_quant_groups(int fmt, const uint8_t *w, const int8_t *qx, const float *dx, const float *sx, const float *b,
+                     const float *r, float *y, long M, long O, long I, int par) {
+    const long ng = (O + 7) / 8;
+#ifdef HAVE_GROUP2
+    if (M >= ZMIN) {
+        #pragma omp parallel for schedule(static) if (par)
+        for (long q = 0; q < (ng + 1) / 2; q++) {
+            if (2 * q + 1 < ng) group2_out(fmt, w, qx, dx, sx, b, r, y, M, O, I, 2 * q);
+            else group_out(fmt, w, qx, dx, sx, b, r, y, M, O, I, 2 * q);
+        }
+        return;
+    }
+#endif
+    #pragma omp parallel for schedule(static) if (par)
+    for (long g = 0; g < ng; g++) group_out(fmt, w, qx, dx, sx, b, r, y, M, O, I, g);
+}
