@@ -137,7 +137,7 @@ def run(args) -> int:
         log_level=args.log_level,
         lifespan="on",
         timeout_graceful_shutdown=s.drain_timeout,
-        http=timed_h11(s.header_timeout, s.body_timeout),
+        http=timed_h11(s.header_timeout, s.body_timeout, s.direct_streams),
     )
     server = _server_class()(uv, app.state.serve)
     app.state.serve.stop_server = lambda: _stop_when_started(server)  # every model failed

@@ -224,8 +224,11 @@ class ServerSettings:
     header_timeout: float = 30.0
     body_timeout: float = 60.0
     metrics_auth: str = "auto"  # /metrics needs a key: auto (with keys, beyond loopback) | always | never
+    direct_streams: bool = True  # a one-choice stream's chunks written by the engine's thread (direct.py)
 
     def __post_init__(self):
+        if not isinstance(self.direct_streams, bool):
+            raise ConfigError(f"[server] direct_streams must be true or false, got {self.direct_streams!r}")
         for key in ("header_timeout", "body_timeout"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"[server] {key} must be > 0 seconds, got {getattr(self, key)}")

@@ -43,7 +43,10 @@ def _408(what: str, seconds: float) -> bytes:
     return head + body
 
 
-def timed_h11(header_timeout: float, body_timeout: float) -> type[H11Protocol]:
+def timed_h11(header_timeout: float, body_timeout: float, direct: bool = True) -> type[H11Protocol]:
+    """direct: put the connection's transport in each request's scope (False: `[server] direct_streams
+    = false`, every stream's chunks go through the event loop)."""
+
     class TimedH11Protocol(H11Protocol):
         _header_clock = _body_clock = None
 
@@ -55,7 +58,7 @@ def timed_h11(header_timeout: float, body_timeout: float) -> type[H11Protocol]:
 
         @scope.setter
         def scope(self, scope) -> None:
-            if scope is not None:
+            if scope is not None and direct:
                 scope.setdefault("extensions", {})[SCOPE_KEY] = self.transport
             self.__dict__["_scope"] = scope
 

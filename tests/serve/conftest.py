@@ -118,7 +118,8 @@ class LiveServer:
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         # the protocol `headwise serve` runs (read timeouts; the transport in the scope for direct.py)
-        http = timed_h11(30.0, 60.0)
+        serve = getattr(app.state, "serve", None)
+        http = timed_h11(30.0, 60.0, serve.config.server.direct_streams if serve is not None else True)
         self.server = uvicorn.Server(
             uvicorn.Config(app, log_config=None, lifespan="on", timeout_graceful_shutdown=5, http=http)
         )

@@ -5,10 +5,14 @@ import asyncio
 import json
 import socket
 
+import httpx
+import pytest
+
 import headwise
+from headwise.serve import ConfigError, create_app, parse_config
 from headwise.serve.direct import DirectWriter
 
-from .conftest import MAIN_KEY, auth, metrics_values
+from .conftest import MAIN_KEY, LiveServer, auth, metrics_values
 
 CHAT = [{"role": "user", "content": "Name three colors."}]
 
@@ -121,3 +125,27 @@ def test_two_choices_and_http_1_0_stream_through_the_loop(client, main, smol):
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == ref.text
     assert payload.rstrip().endswith(b"data: [DONE]")
     assert direct_chunks(main.url) == before  # neither stream was the engine thread's to write
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_direct_streams_setting(tiny_dir, direct):
+    """`[server] direct_streams = false`: the same stream, every chunk through the loop (true: most
+    of them from the engine's thread)."""
+    config = {"server": {"api_key_env": "", "direct_streams": direct}, "models": {"tiny": {"source": str(tiny_dir)}}}
+    with pytest.raises(ConfigError, match="direct_streams must be true or false"):
+        parse_config({**config, "server": {"direct_streams": "no"}})
+    live = LiveServer(create_app(parse_config(config))).start()
+    try:
+        body = {"model": "tiny", "prompt": "The sky is", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        whole = httpx.post(live.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        text = ""
+        with httpx.stream("POST", live.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        assert text == whole and len(text) > 0
+        counts = metrics_values(live.url, "headwise_stream_direct_chunks_total")
+        taken = counts.get((("model", "tiny"),), 0.0)
+        assert taken >= 24 - 2 - 3 if direct else taken == 0.0  # all but the first and last (a few hold text)
+    finally:
+        live.stop()
