@@ -219,8 +219,7 @@ class ServerSettings:
     api_key_env: str | None = "HEADWISE_API_KEYS"  # comma-separated keys; unset/empty = no auth
     max_body_bytes: int = 4 * 2**20  # FastAPI has no limit of its own
     drain_timeout: float = 30.0  # SIGTERM: seconds in-flight requests get to finish
-    # a client that sends part of a request and goes silent (slowloris) gets 408 and a closed
-    # connection: headers must arrive within header_timeout s, the body within body_timeout s
+    # slowloris: headers must arrive within header_timeout s, the body within body_timeout s (else 408, closed)
     header_timeout: float = 30.0
     body_timeout: float = 60.0
     metrics_auth: str = "auto"  # /metrics needs a key: auto (with keys, beyond loopback) | always | never

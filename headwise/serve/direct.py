@@ -63,9 +63,12 @@ class DirectWriter:
     def close(self) -> None:
         """Disarm: later pieces go through the loop (which may write at once after this)."""
         with self.lock:
-            if self.fd is not None:
-                os.close(self.fd)
-                self.fd = None
+            self._disarm()
+
+    def _disarm(self) -> None:  # under self.lock
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
     def __call__(self, piece) -> bool:
         """Write one piece's chunk (stepping thread); False: not taken, the loop must send it."""
@@ -81,12 +84,10 @@ class DirectWriter:
             except BlockingIOError:
                 n = 0
             except OSError:  # the client is gone: the engine aborts the request
-                os.close(self.fd)
-                self.fd = None
+                self._disarm()
                 raise
             self.written += 1
             if n < len(data):  # the socket's buffer is full: the rest, and all that follows, via the loop
                 self.loop.call_soon_threadsafe(self.transport.write, data[n:])
-                os.close(self.fd)
-                self.fd = None
+                self._disarm()
             return True

@@ -50,12 +50,11 @@ class Streams:
         """direct: a DirectWriter (streamed answers): used when there is one prompt and n = 1."""
         if direct is not None and len(prompts) == 1 and self.n == 1:
             self.direct = direct
-        extra = {"direct": self.direct} if self.direct is not None else {}
         try:
             async with asyncio.timeout(timeout):
                 for p, ids in enumerate(prompts):
                     gen = self.runtime.stream(
-                        ids, sampling, request_id=f"{self.request_id}-{p}", resume=resume, **extra
+                        ids, sampling, request_id=f"{self.request_id}-{p}", resume=resume, direct=self.direct
                     )
                     self.gens.append(gen)
                     self.firsts.append(await anext(gen, None))
