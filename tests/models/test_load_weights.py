@@ -136,28 +136,32 @@ NEAR_TIE = 0.25  # logits: fp32's top-two gap below which int8 activation roundi
 
 
 def test_greedy_tokens_agree_until_a_near_tie(smol):
-    """32 greedy tokens from the quantized and the fp32 model: they agree until fp32's top two
-    logits are a near tie, where the int8 rounding of the activations may pick the other one. That
-    rounding is chaotic (a 1e-6 change of the attention's output moves which near ties flip), so
-    how many prompts agree on all 32 varies with the last bits: with PyTorch's SDPA in the prefill
-    6 of these 8, with the prefill kernel 3 (forks at tokens 5-31, every one at a gap of 0.02-0.22;
-    both kernels are 8e-6 from the math backend's logits on average). What must hold is the fork
-    only at a near tie; a model that diverges anywhere else fails."""
+    """32 greedy tokens from the quantized and the fp32 model, free-running: they agree until fp32's
+    top two logits are a near tie, where the int8 rounding of the activations may pick the other
+    one. That rounding is chaotic (a 1e-6 change of the attention's output moves which near ties
+    flip: with PyTorch's SDPA in the prefill 6 of these 8 prompts agreed on all 32, with the prefill
+    kernel 3), so how many agree whole is not asserted. What must hold: a fork only at a near tie,
+    and, fed fp32's own 32 tokens (teacher-forced, so one flip does not carry into the rest), the
+    quantized model picks fp32's token at every position where fp32 is sure, which must be most."""
     q, f = smol
-    whole = 0
+    clear = total = 0
     for p in PROMPTS:
         a = headwise.generate(q, p, max_new_tokens=32, temperature=0)
         b = headwise.generate(f, p, max_new_tokens=32, temperature=0)
-        fork = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
-        if fork is None:
-            assert a.token_ids == b.token_ids
-            whole += 1
-            continue
+        n = len(b.token_ids)  # 32, or fewer where fp32 ended its answer
+        ids = torch.tensor([b.prompt_token_ids + b.token_ids[:-1]])
         with torch.inference_mode():
-            logits = f(torch.tensor([b.prompt_token_ids + b.token_ids[:fork]]))[0, -1]
-        top = logits.topk(2).values
-        assert top[0] - top[1] < NEAR_TIE, f"{p!r} forks at token {fork} where fp32 is sure ({top.tolist()})"
-    assert whole >= 2
+            lf, lq = f(ids)[0, -n:], q(ids)[0, -n:]
+        assert lf.argmax(-1).tolist() == b.token_ids  # the reference is fp32's own greedy pick
+        top = lf.topk(2, dim=-1).values
+        sure = (top[:, 0] - top[:, 1]) >= NEAR_TIE
+        assert torch.equal(lq.argmax(-1)[sure], lf.argmax(-1)[sure]), p
+        clear, total = clear + int(sure.sum()), total + n
+        fork = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if fork is not None:
+            gap = top[fork, 0] - top[fork, 1]
+            assert gap < NEAR_TIE, f"{p!r} forks at token {fork} where fp32 is sure (gap {gap:.3f})"
+    assert clear >= 0.8 * total, f"only {clear} of {total} positions clear of a near tie: the test says little"
 
 
 # Not weights: the tokenizer (49k tokens, ~35 MiB), the shared libraries loading maps (~28 MiB of
