@@ -40,6 +40,7 @@ class Step:
     num_real: Tensor | None = None
     key_padding_mask: Tensor | None = None
     logits_indices: Tensor | None = None
+    claim_stack = None  # a cache's claim_decode_stack (CacheStep)
 
     def layer(self, i: int):
         """Layer i's cache (a `LayerKVCache`), or None for a step without a cache."""
@@ -91,7 +92,9 @@ class PlainStep(Step):
 class CacheStep(Step):
     """A step over a cache of one tensor per layer (contiguous, sliding, int8): row b of the
     batch is sequence b; its T new tokens follow what the cache holds. `layers(i)` gives
-    layer i's cache; positions are layer 0's (every layer agrees at the start of a step)."""
+    layer i's cache; positions are layer 0's (every layer agrees at the start of a step).
+    claim_stack: the cache's claim_decode_stack where it has one, for a decode step whose layers
+    run in one kernel call (models/layer_step.py)."""
 
     def __init__(
         self,
@@ -99,8 +102,9 @@ class CacheStep(Step):
         T: int,
         num_real: Tensor | None = None,
         logits_indices: Tensor | None = None,
+        claim_stack: Callable[[int, int], tuple | None] | None = None,
     ):
-        self._layers, self.T = layers, T
+        self._layers, self.T, self.claim_stack = layers, T, claim_stack
         self.input_positions = layers(0).positions(T)  # (B, T)
         self.B = self.input_positions.shape[0]
         self.num_real, self.logits_indices = num_real, logits_indices

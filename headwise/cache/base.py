@@ -77,7 +77,10 @@ class LayerCacheBase:
     def _set_lengths(self, rows: list[int]) -> None:
         self._host = list(rows)
         self._uniform = len(set(rows)) == 1
-        self._len.copy_(torch.tensor(rows, dtype=torch.long))
+        if self.static:
+            self._len.copy_(torch.tensor(rows, dtype=torch.long))  # the tensor a compiled step reads
+        else:
+            self._len = torch.tensor(rows, dtype=torch.long, device=self.device)  # never shared and written
 
     def reset(self, rows: Sequence[int] | None = None) -> None:
         """Forget every sequence, or only `rows` (their slots are reused; nothing is zeroed)."""
@@ -128,7 +131,7 @@ class LayeredCache:
         num_new: (B,) real tokens per sequence when rows are right-padded (the padding is not
         kept); None = all T. logits_indices: flat rows b * T + t whose logits are wanted.
         """
-        return CacheStep(self.layer, T, num_new, logits_indices)
+        return CacheStep(self.layer, T, num_new, logits_indices, getattr(self, "claim_decode_stack", None))
 
     def _only_layer(self):
         if len(self.layers) != 1:

@@ -83,7 +83,7 @@ class ContiguousLayerCache(LayerCacheBase):
         counts = self._book(T, num_new)
         if counts is None and uniform:  # the fast path: no mask, no scatter
             self.store.write_slice(L, k, v)
-            self._len += T
+            self._len = self._len + T  # a new tensor: claim_decode_stack shares one among layers
             return self.store.read(L + T)
         n_t = None if counts is None else torch.tensor(counts, dtype=torch.long, device=self.device)
         return self._write_masked(k, v, T, n_t)
@@ -128,7 +128,10 @@ class ContiguousLayerCache(LayerCacheBase):
             end = self._len + n_t
         S = self.max_seq_len if self.static else max(1, max(self._host))  # S=1 keeps a 0-key read legal
         mask = causal_visibility(pos, end, S)  # (B, 1, T, S)
-        self._len.copy_(end)
+        if self.static:
+            self._len.copy_(end)  # the tensor a compiled step reads stays the same
+        else:
+            self._len = end  # a new tensor: claim_decode_stack shares one among layers
         return self.store.read(S, attn_mask=mask)
 
     def trim(self, lengths: int | Sequence[int] | Tensor) -> None:
@@ -141,6 +144,17 @@ class ContiguousLayerCache(LayerCacheBase):
             if not 0 <= keep <= L:
                 raise ValueError(f"cannot trim sequence {b} to {keep} tokens: it holds {L}")
         return new
+
+
+class StackParts:
+    """What ContiguousKVCache.claim_decode_stack hands out for a stack: per layer (K, V, base,
+    head stride, key stride). A caller may build on it while it is the object handed out (it can
+    hold a weak reference: the cache holds the strong one)."""
+
+    __slots__ = ("rows", "cache_layers", "layers", "__weakref__")
+
+    def __init__(self, rows: int, cache_layers: list, layers: list[tuple]):
+        self.rows, self.cache_layers, self.layers = rows, cache_layers, layers
 
 
 class ContiguousKVCache(LayeredCache):
@@ -194,6 +208,56 @@ class ContiguousKVCache(LayeredCache):
             for _ in range(num_layers)
         ]
         self.kv_dtype = self.layers[0].kv_dtype
+
+    def claim_decode_stack(self, rows: int, num_layers: int) -> tuple[StackParts, Tensor] | None:
+        """claim_decode for every layer at once, where the stack holds exactly num_layers layers
+        at the same lengths (as after every whole step of a model): books one token per sequence
+        in each and returns (parts, pos): parts.layers per layer (K, V, base, head stride, key
+        stride), the same object step after step while the buffers stay, and pos, this step's new
+        key positions, one tensor for all the layers (each layer's lengths are that tensor + 1
+        then: one op for the stack, where each claim_decode takes one). None, with nothing
+        booked, where that does not hold or any layer's claim_decode would refuse."""
+        layers = self.layers
+        first = layers[0]
+        parts = self.__dict__.get("_stack_parts")
+        if parts is None or parts.rows != rows or parts.cache_layers != layers:
+            parts = self._stack_parts(rows, num_layers)
+            if parts is None:
+                return None
+        host = first._host
+        for layer in layers:  # equal lengths; after a stack claim they share one list
+            if layer._host is not host and layer._host != host:
+                return None
+        if max(host) >= self.max_seq_len:
+            first._check_fits([1] * rows)  # raises, naming the sequence
+        pos, host = first._len, [L + 1 for L in host]
+        new = pos + 1  # never written in place (update() and the ragged path make new tensors)
+        for layer in layers:
+            layer._host, layer._len = host, new
+        return parts, pos
+
+    def _stack_parts(self, rows: int, num_layers: int) -> StackParts | None:
+        layers = self.layers
+        if len(layers) != num_layers or any(type(layer) is not ContiguousLayerCache for layer in layers):
+            return None
+        first = layers[0]
+        if rows != first.batch_size or first.static or first.store.int8 or first.dtype is not torch.float32:
+            return None
+        entries = []
+        for layer in layers:
+            if (layer.batch_size, layer.max_seq_len, layer.static, layer.store.int8, layer.dtype) != (
+                rows,
+                self.max_seq_len,
+                False,
+                False,
+                torch.float32,
+            ):
+                return None
+            k, v = layer.store.k[0], layer.store.v[0]
+            sb, sh, st = k.stride()[:3]
+            entries.append((k, v, torch.arange(rows, dtype=torch.int64) * sb, sh, st))
+        parts = self.__dict__["_stack_parts"] = StackParts(rows, list(layers), entries)
+        return parts
 
     def book(self, num_new: int) -> None:
         """Check and advance every layer's host lengths by num_new tokens per sequence, for a

@@ -13,6 +13,7 @@ the route continues as written.
 from __future__ import annotations
 
 import operator
+import weakref
 from itertools import repeat
 
 import torch
@@ -60,6 +61,9 @@ def stack_step(layers, x: Tensor, step) -> tuple[Tensor, int]:
     h = x.reshape(B * T, C)
     memo = layers.__dict__.get("_stack_memo")
     if memo is not None and memo.holds(layers, h, step, B, T):
+        y = memo.run(step, h)
+        if y is not None:
+            return y.view(B, T, C), len(memo.plans)
         claims = memo.claims(step, h.shape[0])
     else:
         claims = []
@@ -106,6 +110,9 @@ class _StackMemo:
         self.versioned = [t for _, _, t, v in watch if v is not None]
         self.versions = [v for *_, v in watch if v is not None]
         self.plans = tuple((layer.__dict__["_step_memo"][2], p.rope) for layer, p in zip(self.layers, parts))
+        ropes = {id(p.rope) for p in parts}
+        self.rope = parts[0].rope if len(ropes) == 1 else None  # one RoPE for all: one pair of rows a step
+        self.call, self.call_parts = None, None  # a kernel_layer.StackCall, for the cache parts it was built on
         self.state = (h.shape[0], id(kernels.kernels_unavailable), kernels.MAX_ROWS, kernels.KERNEL_ROWS)
         self.blocks, self.claim_fn = blocks, blocks.claim_step
         self.handles = RemovableHandle.next_id  # no hook on any of them now (every layer took the call)
@@ -135,6 +142,24 @@ class _StackMemo:
             return False
         self.handles = RemovableHandle.next_id
         return True
+
+    def run(self, step, h: Tensor) -> Tensor | None:
+        """Every layer's step in one call where the step's cache books the whole stack at once
+        (claim_stack: a contiguous cache, every layer at the same lengths): the descriptors built
+        for its buffers are reused, only the step's positions and RoPE rows written into them.
+        None, with nothing booked, where that does not apply."""
+        claim = step.claim_stack
+        if claim is None or self.rope is None:
+            return None
+        got = claim(h.shape[0], len(self.plans))
+        if got is None:
+            return None
+        parts, pos = got
+        if self.call_parts is None or self.call_parts() is not parts:
+            entries = [(plan, *layer) for (plan, _), layer in zip(self.plans, parts.layers)]
+            self.call, self.call_parts = kernel_layer.StackCall(entries, h.shape[0]), weakref.ref(parts)
+        cos, sin = step.rope_rows(self.rope)
+        return kernel_layer.run_stack(self.call.at(pos, cos, sin), h)
 
     def claims(self, step, N: int) -> list[tuple]:
         """Each layer's entry of run_stack, its new keys booked, up to the first whose cache cannot

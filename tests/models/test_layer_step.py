@@ -317,3 +317,43 @@ def test_a_module_replaced_or_edited_between_decode_steps_takes_part_in_the_next
     assert stacks == [cfg.num_layers] * 6
     assert (swapped - want_swapped).abs().max() <= TOL
     assert (edited - want_edited).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("weights", [None, "q4_1"])
+@torch.inference_mode()
+def test_a_contiguous_cache_books_the_whole_stack_at_once(saved, monkeypatch, weights):
+    """From the second decode step on, a contiguous cache books every layer's key at once
+    (claim_decode_stack) and the stack's descriptors are reused (kernel_layer.BoundStack): the
+    logits are bit for bit those of each layer claiming its own key, and after the steps each
+    layer's lengths are its own again: appending to one layer leaves the others where they were
+    (the layers shared one lengths tensor, which must never be written in place)."""
+    _, path = saved("llama-gqa")
+    model = headwise.load(path, **({} if weights is None else {"weights": weights}))
+    kinds, real = [], kernel_layer.run_stack
+    monkeypatch.setattr(kernel_layer, "run_stack", lambda steps, x: kinds.append(type(steps)) or real(steps, x))
+    ids = _ids(2, 14, seed=31)
+    cfg = model.config
+    cache = ContiguousKVCache(cfg.num_layers, 2, cfg.num_kv_heads, 20, cfg.head_dim)
+    model(ids[:, :5], cache.step(5))
+    got = torch.cat([model(ids[:, t : t + 1], cache.step(1)) for t in range(5, 14)], dim=1)
+    assert kinds == [list] + [kernel_layer.BoundStack] * 8  # the first step remembers the stack
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernel_layer.StackCall, "at", lambda *a: pytest.fail("the stack claim was not switched off"))
+        mp.setattr(ContiguousKVCache, "claim_decode_stack", lambda *a: None)
+        want = _decode(model, ids, prefill=5)
+    assert torch.equal(got, want)
+    assert [layer.lengths.tolist() for layer in cache.layers] == [[14, 14]] * cfg.num_layers
+    k = torch.randn(2, cfg.num_kv_heads, 1, cfg.head_dim)
+    cache.layer(0).update(k, k)  # the uniform path: one more token in layer 0 only
+    assert cache.layer(0).lengths.tolist() == [15, 15] and cache.layer(1).lengths.tolist() == [14, 14]
+    cache.layer(1).trim([3, 14])
+    assert cache.layer(0).lengths.tolist() == [15, 15] and cache.layer(1).lengths.tolist() == [3, 14]
+    assert cache.claim_decode_stack(2, cfg.num_layers) is None  # unequal lengths: nothing booked
+    assert cache.layer(0).lengths.tolist() == [15, 15] and cache.layer(1).lengths.tolist() == [3, 14]
+    full = ContiguousKVCache(cfg.num_layers, 2, cfg.num_kv_heads, 7, cfg.head_dim)
+    model(ids[:, :5], full.step(5))
+    for t in (5, 6):  # the second through the stack claim
+        model(ids[:, t : t + 1], full.step(1))
+    with pytest.raises(ValueError, match="exceeds max_seq_len=7"):
+        model(ids[:, 7:8], full.step(1))
+    assert [layer.lengths.tolist() for layer in full.layers] == [[7, 7]] * cfg.num_layers
