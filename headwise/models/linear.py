@@ -341,6 +341,12 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         flat, C = ids.reshape(-1), self.embedding_dim
+        if self.packed and flat.shape[0] == 1:  # a decode step of one sequence: 3 ops where the rows' way takes 7
+            i = int(flat[0])
+            if not 0 <= i < self.num_embeddings:
+                raise IndexError(f"token id {i} is out of range for an embedding of {self.num_embeddings} rows")
+            group = dequantize(self.blocks[i // 8 : i // 8 + 1], self.fmt, 8, C, packed=True)  # (8, C)
+            return group[i % 8].view(*ids.shape, C)
         if self.packed:  # dequantize each id's group of 8 rows, keep its row
             groups = self.blocks.index_select(0, flat // 8)  # (N, 8 row_bytes)
             rows = dequantize(groups, self.fmt, 8 * len(flat), C, packed=True).view(-1, 8, C)

@@ -199,6 +199,25 @@ def test_embedding_gathers_dequantized_rows(fmt):
     assert torch.equal(emb(ids), reference_weight(blocks, fmt, V, C)[ids])
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+def test_packed_embedding_gathers_the_same_rows_one_id_or_many(fmt):
+    """Packed in groups of 8 rows (as a tied head's kernel wants): a lookup of one id (a decode
+    step) and of many give the dequantized rows; an id out of range is named."""
+    V, C = 50, 256  # 50 rows: the last group holds 2
+    blocks = make_blocks(fmt, V, C)
+    emb = QuantizedEmbedding(V, C, fmt, blocks=blocks)
+    if not emb.pack():
+        pytest.fail(f"no packing here: {linear.kernel_unavailable(fmt)}")
+    want = reference_weight(blocks, fmt, V, C)
+    for i in (0, 7, 8, 13, 48, 49):
+        assert torch.equal(emb(torch.tensor([[i]])), want[i].view(1, 1, C)), i
+    ids = torch.tensor([[3, 0, 49], [7, 7, 1]])
+    assert torch.equal(emb(ids), want[ids])
+    for bad in (50, -1):
+        with pytest.raises(IndexError, match=f"token id {bad} is out of range for an embedding of 50 rows"):
+            emb(torch.tensor([[bad]]))
+
+
 def test_tied_head_shares_the_embedding_blocks():
     emb = QuantizedEmbedding(64, 256, "q8_0", blocks=make_blocks("q8_0", 64, 256))
     head = QuantizedLinear.tied_to(emb)
