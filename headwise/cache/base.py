@@ -101,6 +101,18 @@ class LayerCacheBase:
         return self.store.nbytes()
 
 
+class StackParts:
+    """What a cache's stack claim hands out (ContiguousKVCache.claim_decode_stack,
+    PackedStep.claim_stack): per layer (K, V, head stride, key stride). A caller may build on it
+    while it is the object handed out (it can hold a weak reference: the cache holds the strong
+    one)."""
+
+    __slots__ = ("rows", "cache_layers", "layers", "base", "__weakref__")
+
+    def __init__(self, rows: int | None, cache_layers: list, layers: list[tuple], base: Tensor | None = None):
+        self.rows, self.cache_layers, self.layers, self.base = rows, cache_layers, layers, base
+
+
 # ------------------------------------------------------------------ all layers
 class LayeredCache:
     """A stack of per-layer caches: `cache.layer(i)` goes to attention layer i.

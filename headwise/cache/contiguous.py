@@ -34,7 +34,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .base import LayerCacheBase, LayeredCache
+from .base import LayerCacheBase, LayeredCache, StackParts
 from .store import _as_rows, causal_visibility, check_dims, check_new_kv
 
 
@@ -146,17 +146,6 @@ class ContiguousLayerCache(LayerCacheBase):
         return new
 
 
-class StackParts:
-    """What ContiguousKVCache.claim_decode_stack hands out for a stack: per layer (K, V, base,
-    head stride, key stride). A caller may build on it while it is the object handed out (it can
-    hold a weak reference: the cache holds the strong one)."""
-
-    __slots__ = ("rows", "cache_layers", "layers", "__weakref__")
-
-    def __init__(self, rows: int, cache_layers: list, layers: list[tuple]):
-        self.rows, self.cache_layers, self.layers = rows, cache_layers, layers
-
-
 class ContiguousKVCache(LayeredCache):
     """Preallocated K/V for `num_layers` layers, (B, Hkv, max_seq_len, D) each.
 
@@ -209,14 +198,15 @@ class ContiguousKVCache(LayeredCache):
         ]
         self.kv_dtype = self.layers[0].kv_dtype
 
-    def claim_decode_stack(self, rows: int, num_layers: int) -> tuple[StackParts, Tensor] | None:
+    def claim_decode_stack(self, rows: int, num_layers: int) -> tuple[StackParts, tuple] | None:
         """claim_decode for every layer at once, where the stack holds exactly num_layers layers
         at the same lengths (as after every whole step of a model): books one token per sequence
-        in each and returns (parts, pos): parts.layers per layer (K, V, base, head stride, key
-        stride), the same object step after step while the buffers stay, and pos, this step's new
-        key positions, one tensor for all the layers (each layer's lengths are that tensor + 1
-        then: one op for the stack, where each claim_decode takes one). None, with nothing
-        booked, where that does not hold or any layer's claim_decode would refuse."""
+        in each and returns (parts, (base, pos)): parts.layers per layer (K, V, head stride, key
+        stride), the same object step after step while the buffers stay; base, each sequence's
+        first key (floats into K, the same in every layer) and pos, this step's new key
+        positions, one tensor for all the layers (each layer's lengths are that tensor + 1 then:
+        one op for the stack, where each claim_decode takes one). None, with nothing booked,
+        where that does not hold or any layer's claim_decode would refuse."""
         layers = self.layers
         first = layers[0]
         parts = self.__dict__.get("_stack_parts")
@@ -234,29 +224,25 @@ class ContiguousKVCache(LayeredCache):
         new = pos + 1  # never written in place (update() and the ragged path make new tensors)
         for layer in layers:
             layer._host, layer._len = host, new
-        return parts, pos
+        return parts, (parts.base, pos)
 
     def _stack_parts(self, rows: int, num_layers: int) -> StackParts | None:
         layers = self.layers
         if len(layers) != num_layers or any(type(layer) is not ContiguousLayerCache for layer in layers):
             return None
-        first = layers[0]
-        if rows != first.batch_size or first.static or first.store.int8 or first.dtype is not torch.float32:
-            return None
-        entries = []
+        want = (rows, self.max_seq_len, False, False, torch.float32)
+        entries, strides = [], set()
         for layer in layers:
-            if (layer.batch_size, layer.max_seq_len, layer.static, layer.store.int8, layer.dtype) != (
-                rows,
-                self.max_seq_len,
-                False,
-                False,
-                torch.float32,
-            ):
+            if (layer.batch_size, layer.max_seq_len, layer.static, layer.store.int8, layer.dtype) != want:
                 return None
             k, v = layer.store.k[0], layer.store.v[0]
             sb, sh, st = k.stride()[:3]
-            entries.append((k, v, torch.arange(rows, dtype=torch.int64) * sb, sh, st))
-        parts = self.__dict__["_stack_parts"] = StackParts(rows, list(layers), entries)
+            strides.add(sb)
+            entries.append((k, v, sh, st))
+        if len(strides) != 1:
+            return None
+        base = torch.arange(rows, dtype=torch.int64) * strides.pop()
+        parts = self.__dict__["_stack_parts"] = StackParts(rows, list(layers), entries, base)
         return parts
 
     def book(self, num_new: int) -> None:

@@ -37,6 +37,7 @@ from torch import Tensor
 from ..attention.backends.paged import in_place_ok
 from ..attention.kv import PackedPart, PackedReads, RegionGrid
 from ..attention.step import Step
+from .base import StackParts
 from .paged_step import PagedRead
 
 # The in-place read of decodes needs PyTorch's CPU flash kernel (it takes strided K/V views).
@@ -220,6 +221,29 @@ class PackedStep(PackedReads, Step):
         if self.cache.num_layers != 1:
             raise TypeError(f"this cache has num_layers={self.cache.num_layers}; pass step.layer(i) to layer i")
         return self.layer(0)
+
+    def claim_stack(self, rows: int, num_layers: int) -> tuple | None:
+        """PackedLayerStep.claim_decode for every layer at once (a decode step's layers in one
+        kernel call, models/layer_step.py): (parts, rows) with parts.layers per layer (K, V, head
+        stride, key stride), the same object step after step, and rows (run starts, new keys) or
+        (None, new keys, block tables, block size), the same for every layer. None where a
+        layer's claim_decode would refuse, or the model's layers are not the cache's."""
+        cache = self.cache
+        if rows != self.N or self.N != self.B or cache.kv_dtype or cache.dtype is not torch.float32:
+            return None
+        if num_layers != cache.num_layers:
+            return None
+        parts = cache.__dict__.get("_stack_parts")
+        if parts is None or parts.cache_layers is not cache._layer_kv:
+            entries = [(k, v, k.stride(0), k.stride(2)) for k, v in cache._layer_kv]
+            parts = cache.__dict__["_stack_parts"] = StackParts(None, cache._layer_kv, entries)
+        claim = self.__dict__.get("_decode_rows")
+        if claim is None:
+            claim = self._decode_rows = PackedLayerStep(self, 0)._decode_rows()
+        self._written.update(range(num_layers))
+        if not self.defer_prefix:
+            self.commit()
+        return parts, claim
 
     def _mark_written(self, layer: int) -> None:
         self._written.add(layer)

@@ -78,56 +78,64 @@ def _descriptor_ints(plan: StepPlan, k, v, base, s_h, s_t, pos, table, width, bs
 
 
 class StackCall:
-    """run_stack for a stack that steps again and again over the same cache buffers (a contiguous
-    cache's, every sequence at the same length in every layer): the descriptors are built once,
-    and each call writes only what a step changes, the same in every layer: the tensor of the
-    rows' new key positions and the RoPE rows. `layers`: per layer (plan, k, v, base, head stride,
-    key stride), as run_stack's entries without pos, cos and sin."""
+    """run_stack for a stack that steps again and again over the same cache buffers: the
+    descriptors are built once, and each step writes in only what it changes, the same in every
+    layer: its rows (key offsets or block tables, new key positions) and RoPE rows. `layers`:
+    per layer (plan, k, v, head stride, key stride), as run_stack's entries without the step's
+    parts. Any number of rows."""
 
-    _POS, _COS, _SIN = -101, -102, -103  # markers, where the per-step pointers go
+    _MARKS = (-101, -102, -103, -104, -105, -106, -107)  # where base, pos, table, width, bs, cos, sin go
 
-    def __init__(self, layers: list[tuple], rows: int):
+    def __init__(self, layers: list[tuple]):
         desc, fl = [], []
         C = layers[0][0].dims[0]
-        for plan, k, v, base, s_h, s_t in layers:
+        for plan, k, v, s_h, s_t in layers:
             if plan.dims[0] != C:
                 raise ValueError(f"decoder stack: a layer of width {plan.dims[0]} in a stack of width {C}")
-            if base.shape != (rows,):
-                raise ValueError(f"decoder stack: {rows} rows with key offsets {tuple(base.shape)}")
-            desc += _descriptor_ints(
-                plan, k.data_ptr(), v.data_ptr(), base.data_ptr(), s_h, s_t, self._POS, 0, 0, 0, self._COS, self._SIN
-            )
+            desc += _descriptor_ints(plan, k.data_ptr(), v.data_ptr(), self._MARKS[0], s_h, s_t, *self._MARKS[1:])
             fl += (plan.eps, plan.scale)
         n = len(desc) // len(layers)
-        self.pos, self.cos, self.sin = (slice(desc.index(m), None, n) for m in (self._POS, self._COS, self._SIN))
-        self.desc, self.fl, self.rows, self.width, self.num_layers = desc, fl, rows, C, len(layers)
+        self.fields = [slice(desc.index(m), None, n) for m in self._MARKS]
+        self.desc, self.fl, self.width, self.num_layers = desc, fl, C, len(layers)
         self.plans = [layer[0] for layer in layers]  # the weights the descriptors point into stay alive
 
-    def at(self, pos: Tensor, cos: Tensor, sin: Tensor) -> BoundStack:
-        """The step's entry for run_stack: pos (rows,) int64 each row's new key, cos, sin (rows,
-        D / 2) contiguous fp32 (the callers' checked types: the cache, Step.rope_rows)."""
-        M = self.rows
-        if pos.shape != (M,) or cos.shape[0] != M or sin.shape[0] != M:
-            raise ValueError(
-                f"decoder stack of {M} rows: pos {tuple(pos.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}"
-            )
-        L, desc = self.num_layers, self.desc.copy()  # a copy: two threads may step one model
-        desc[self.pos], desc[self.cos], desc[self.sin] = (
-            [pos.data_ptr()] * L,
-            [cos.data_ptr()] * L,
-            [sin.data_ptr()] * L,
+    def at(self, rows: tuple, cos: Tensor, sin: Tensor) -> BoundStack:
+        """The step's entry for run_stack. rows = (base, pos[, table, block size]) as a cache's
+        claim_decode gives them without the strides: base (M,) int64 or None where table (M,
+        width) int64 is given, pos (M,) int64; cos, sin (M, D / 2) contiguous fp32 (the callers'
+        checked types: the cache, Step.rope_rows)."""
+        base, pos, *paged = rows
+        table, bs = paged if paged else (None, 0)
+        M = pos.shape[0]
+        ok = pos.shape == (M,) and cos.shape[0] == M and sin.shape[0] == M
+        ok = ok and (base.shape == (M,) if table is None else base is None and table.shape[0] == M)
+        if not ok:
+            got = [None if t is None else tuple(t.shape) for t in (base, pos, table, cos, sin)]
+            raise ValueError(f"decoder stack rows: base, pos, table, cos, sin {got} do not give {M} rows")
+        values = (
+            0 if base is None else base.data_ptr(),
+            pos.data_ptr(),
+            0 if table is None else table.data_ptr(),
+            0 if table is None else table.shape[1],
+            bs,
+            cos.data_ptr(),
+            sin.data_ptr(),
         )
-        return BoundStack(self, desc, (pos, cos, sin))
+        L, desc = self.num_layers, self.desc.copy()  # a copy: two threads may step one model
+        for field, value in zip(self.fields, values):
+            desc[field] = [value] * L
+        return BoundStack(self, desc, M, (base, pos, table, cos, sin))
 
 
 class BoundStack:
     """A StackCall's descriptors for one step (StackCall.at), what run_stack takes in place of
     the layers' entries; its length is the layer count, as theirs."""
 
-    __slots__ = ("call", "desc", "tensors")
+    __slots__ = ("call", "desc", "rows", "tensors")
 
-    def __init__(self, call: StackCall, desc: list[int], tensors: tuple):
-        self.call, self.desc, self.tensors = call, desc, tensors  # tensors: pos, cos, sin, alive until the call
+    def __init__(self, call: StackCall, desc: list[int], rows: int, tensors: tuple):
+        self.call, self.desc, self.rows = call, desc, rows
+        self.tensors = tensors  # alive until the call
 
     def __len__(self) -> int:
         return self.call.num_layers
@@ -146,10 +154,9 @@ def run_stack(steps: list[tuple], x: Tensor) -> Tensor:
     built once for a cache's buffers)."""
     M, C = x.shape
     if type(steps) is BoundStack:
-        call = steps.call
-        if (M, C) != (call.rows, call.width):
-            raise ValueError(f"decoder stack of {call.rows} rows x {call.width}: x {tuple(x.shape)}")
-        return _call_stack(steps.desc, call.fl, x)
+        if (M, C) != (steps.rows, steps.call.width):
+            raise ValueError(f"decoder stack of {steps.rows} rows x {steps.call.width}: x {tuple(x.shape)}")
+        return _call_stack(steps.desc, steps.call.fl, x)
     desc, fl = [], []
     for plan, cos, sin, k, v, rows in steps:
         if plan.dims[0] != C:

@@ -144,22 +144,23 @@ class _StackMemo:
         return True
 
     def run(self, step, h: Tensor) -> Tensor | None:
-        """Every layer's step in one call where the step's cache books the whole stack at once
-        (claim_stack: a contiguous cache, every layer at the same lengths): the descriptors built
-        for its buffers are reused, only the step's positions and RoPE rows written into them.
-        None, with nothing booked, where that does not apply."""
+        """Every layer's step in one call where the step books the whole stack at once
+        (claim_stack: a contiguous cache with every layer at the same lengths, or a packed paged
+        step of one token per sequence): the descriptors built for the cache's buffers are
+        reused, only the step's rows and RoPE rows written into them. None, with nothing booked,
+        where that does not apply."""
         claim = step.claim_stack
         if claim is None or self.rope is None:
             return None
         got = claim(h.shape[0], len(self.plans))
         if got is None:
             return None
-        parts, pos = got
+        parts, rows = got
         if self.call_parts is None or self.call_parts() is not parts:
             entries = [(plan, *layer) for (plan, _), layer in zip(self.plans, parts.layers)]
-            self.call, self.call_parts = kernel_layer.StackCall(entries, h.shape[0]), weakref.ref(parts)
+            self.call, self.call_parts = kernel_layer.StackCall(entries), weakref.ref(parts)
         cos, sin = step.rope_rows(self.rope)
-        return kernel_layer.run_stack(self.call.at(pos, cos, sin), h)
+        return kernel_layer.run_stack(self.call.at(rows, cos, sin), h)
 
     def claims(self, step, N: int) -> list[tuple]:
         """Each layer's entry of run_stack, its new keys booked, up to the first whose cache cannot

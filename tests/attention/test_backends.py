@@ -303,7 +303,9 @@ def test_prefill_backend_matches_math(p):
         assert explain(q, k, v, **kw).chosen == "prefill"
     ref = attend(q, k, v, backend="math", return_lse=True, **kw)
     res = attend(q, k, v, backend="prefill", return_lse=True, **kw)
-    torch.testing.assert_close(res.out, ref.out, atol=1e-5, rtol=1e-5)
+    # fp32 both, summed in different orders (MKL's, under load with fewer threads): one run saw one
+    # value of 11,136 1.35e-5 off (of 0.25), over the 1e-5 this test had
+    torch.testing.assert_close(res.out, ref.out, atol=3e-5, rtol=1e-5)
     torch.testing.assert_close(res.lse, ref.lse, atol=1e-5, rtol=1e-6)
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import headwise
-from headwise.cache import ContiguousKVCache
+from headwise.cache import ContiguousKVCache, PagedKVCache
+from headwise.cache.packed import PackedStep
 from headwise.kernels import layer as kernel_layer
 from headwise.models import blocks, llama
 
@@ -357,3 +358,44 @@ def test_a_contiguous_cache_books_the_whole_stack_at_once(saved, monkeypatch, we
     with pytest.raises(ValueError, match="exceeds max_seq_len=7"):
         model(ids[:, 7:8], full.step(1))
     assert [layer.lengths.tolist() for layer in full.layers] == [[7, 7]] * cfg.num_layers
+
+
+@pytest.mark.parametrize("fragmented", [False, True])
+@torch.inference_mode()
+def test_a_packed_step_books_the_whole_stack_at_once(saved, monkeypatch, fragmented):
+    """The engine's packed decode steps, over sequences whose blocks are one run each or
+    scattered through the pool (block tables): from the second step on the step books every
+    layer at once (PackedStep.claim_stack) and the stack's descriptors are reused; the logits are
+    bit for bit those of each layer claiming on its own, and the same rows as HF's."""
+    hf, path = saved("llama-gqa")
+    model = headwise.load(path)
+    kinds, real = [], kernel_layer.run_stack
+    monkeypatch.setattr(kernel_layer, "run_stack", lambda steps, x: kinds.append(type(steps)) or real(steps, x))
+    seqs = {s: _ids(1, 18, seed=40 + i)[0].tolist() for i, s in enumerate("ab")}
+
+    def run():
+        cfg = model.config
+        cache = (
+            scattered(model, num_blocks=48, block_size=4)
+            if fragmented
+            else PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 48, 4)
+        )
+        for s, ids in seqs.items():
+            cache.add_sequence(s, ids[:6])
+            model(torch.tensor([ids[:6]]), cache.packed([s], [6], [ids[:6]]))
+        out = []
+        for t in range(6, 18):
+            toks = [[seqs[s][t]] for s in seqs]
+            out.append(model(torch.tensor([[x[0] for x in toks]]), cache.packed(list(seqs), [1, 1], toks))[0])
+        if fragmented:
+            assert_scattered(cache, list(seqs))
+        return torch.stack(out)  # (12, 2, V)
+
+    got = run()
+    assert kinds == [list] + [kernel_layer.BoundStack] * 11
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(PackedStep, "claim_stack", lambda *a: None)
+        want = run()
+    assert torch.equal(got, want)
+    for b, ids in enumerate(seqs.values()):
+        close(got[:, b], hf(torch.tensor([ids])).logits[0, 6:18])
