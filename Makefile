@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench clean
+.PHONY: run test bench bench-cpu clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,20 @@ test: $(STAMP) $(CHROMIUM)
 
 bench: $(STAMP)
 	$(PY) benchmarks/attention.py
+
+# Issue 14's figures on the CPU at hand, in one go, for a kind of CPU not measured yet (an Intel
+# Xeon without AMX, an AVX2-only one): llama.cpp built first (~7 min, cached), then decode and
+# prefill against llama-bench, serving against llama-server, and the prefetch distances to add to
+# headwise/kernels/cpu.py's tables; ~50 min on 2 cores, run alone. Results under
+# benchmarks/results/<cpu tag>/ (`python benchmarks/_common.py --cpu-tag`).
+CPU_RESULTS = benchmarks/results/$(shell $(PY) benchmarks/_common.py --cpu-tag)
+bench-cpu: $(STAMP)
+	$(PY) benchmarks/peers/llama_cpp.py build
+	$(PY) benchmarks/quantized.py --rounds 3 --out $(CPU_RESULTS)/quantized
+	$(PY) benchmarks/serving.py --llama --no-baseline --concurrency 1,16 --baseline-concurrency 1 --rounds 3 \
+		--out $(CPU_RESULTS)/serving_llama
+	$(PY) benchmarks/prefetch.py --out $(CPU_RESULTS)/prefetch
+	$(PY) benchmarks/prefetch.py --quant --distances 2048,1024,4096,8192,12288 --out $(CPU_RESULTS)/prefetch_quant
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

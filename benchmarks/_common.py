@@ -66,6 +66,29 @@ def cpu_model() -> str:
     return f"{name} [{cpu_isa()}]"
 
 
+def cpu_tag() -> str:
+    """A folder name for this kind of CPU's results, e.g. "amd-f26-avx512" (AMD EPYC Zen 5),
+    "intel-f6-m143-avx512-amx", "amd-f25-avx2": vendor, family (and model for Intel, whose
+    families do not tell generations apart) and the widest ISA."""
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    flags = cpu_flags()
+    vendor = {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(info.get("vendor_id", ""), "cpu")
+    parts = [vendor, f"f{info.get('cpu family', 'x')}"]
+    if vendor == "intel":
+        parts.append(f"m{info.get('model', 'x')}")
+    parts.append("avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "noavx2")
+    if "amx_tile" in flags:
+        parts.append("amx")
+    return "-".join(parts)
+
+
 def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -212,3 +235,11 @@ class Log:
 
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
+
+
+if __name__ == "__main__":  # `python benchmarks/_common.py --cpu-tag`: the Makefile's bench-cpu folder
+    import sys
+
+    if sys.argv[1:] != ["--cpu-tag"]:
+        raise SystemExit("usage: python benchmarks/_common.py --cpu-tag")
+    print(cpu_tag())
