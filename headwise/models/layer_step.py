@@ -112,7 +112,7 @@ class _StackMemo:
         self.plans = tuple((layer.__dict__["_step_memo"][2], p.rope) for layer, p in zip(self.layers, parts))
         ropes = {id(p.rope) for p in parts}
         self.rope = parts[0].rope if len(ropes) == 1 else None  # one RoPE for all: one pair of rows a step
-        self.call, self.call_parts = None, None  # a kernel_layer.StackCall, for the cache parts it was built on
+        self.stack_call = None  # (weak ref to a cache's StackParts, the kernel_layer.StackCall built on them)
         self.state = (h.shape[0], id(kernels.kernels_unavailable), kernels.MAX_ROWS, kernels.KERNEL_ROWS)
         self.blocks, self.claim_fn = blocks, blocks.claim_step
         self.handles = RemovableHandle.next_id  # no hook on any of them now (every layer took the call)
@@ -156,11 +156,12 @@ class _StackMemo:
         if got is None:
             return None
         parts, rows = got
-        if self.call_parts is None or self.call_parts() is not parts:
+        built = self.stack_call  # read once: another thread may step this model over another cache
+        if built is None or built[0]() is not parts:
             entries = [(plan, *layer) for (plan, _), layer in zip(self.plans, parts.layers)]
-            self.call, self.call_parts = kernel_layer.StackCall(entries), weakref.ref(parts)
+            built = self.stack_call = (weakref.ref(parts), kernel_layer.StackCall(entries))
         cos, sin = step.rope_rows(self.rope)
-        return kernel_layer.run_stack(self.call.at(rows, cos, sin), h)
+        return kernel_layer.run_stack(built[1].at(rows, cos, sin), h)
 
     def claims(self, step, N: int) -> list[tuple]:
         """Each layer's entry of run_stack, its new keys booked, up to the first whose cache cannot

@@ -399,3 +399,39 @@ def test_a_packed_step_books_the_whole_stack_at_once(saved, monkeypatch, fragmen
     assert torch.equal(got, want)
     for b, ids in enumerate(seqs.values()):
         close(got[:, b], hf(torch.tensor([ids])).logits[0, 6:18])
+
+
+@pytest.mark.parametrize("weights", [None, "q4_1"])
+def test_two_threads_decode_one_model_over_their_own_caches(saved, weights):
+    """The stack's descriptors are built per cache: two threads stepping the same model, each
+    over its own cache, get what each gets alone (the threads interleave their steps; the GIL
+    switches between them every few steps)."""
+    import sys
+    import threading
+
+    _, path = saved("llama-gqa")
+    model = headwise.load(path, **({} if weights is None else {"weights": weights}))
+    prompts = [_ids(2, 40, seed=50), _ids(2, 40, seed=51)]
+    with torch.inference_mode():
+        alone = [_decode(model, ids, prefill=4) for ids in prompts]
+    got, errors = [None, None], []
+
+    def run(i):
+        try:
+            with torch.inference_mode():
+                got[i] = _decode(model, prompts[i], prefill=4)
+        except Exception as e:  # reported below, with the thread's index
+            errors.append((i, e))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch as often as the interpreter can: the steps interleave
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    assert all(torch.equal(g, a) for g, a in zip(got, alone))
