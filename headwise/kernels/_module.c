@@ -201,6 +201,21 @@ static PyObject *py_quant_prefetch_ahead(PyObject *self, PyObject *const *args, 
     return set_distance("quant_prefetch_ahead", &hw_qpf_ahead, 65536, "bytes", args, nargs);
 }
 
+/* prefill_query_block(n) -> the count before: query tokens per block of prefill_attention.c (its
+ * G x n rows meet each key block once); n < 0 only reads it. Set as the distances above. */
+extern int hw_pa_queries;
+static PyObject *py_prefill_query_block(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    long n;
+    if (!(hw_nargs("prefill_query_block", nargs, 1) && HW_L(0, n))) return NULL;
+    if (n == 0 || n > 256) {
+        PyErr_Format(PyExc_ValueError, "prefill_query_block: %ld query tokens; give 1 to 256", n);
+        return NULL;
+    }
+    const long before = hw_pa_queries;
+    if (n > 0) hw_pa_queries = (int)n;
+    return PyLong_FromLong(before);
+}
+
 /* quant_linear.c's wrappers (their arguments: the comments above each there) */
 PyObject *hwpy_quant_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *hwpy_dequantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
@@ -216,6 +231,8 @@ static PyMethodDef methods[] = {
     {"rope_rows", (PyCFunction)(void (*)(void))py_rope_rows, METH_FASTCALL, "rows.c"},
     {"prefetch_ahead", (PyCFunction)(void (*)(void))py_prefetch_ahead, METH_FASTCALL, "small_linear.c"},
     {"quant_prefetch_ahead", (PyCFunction)(void (*)(void))py_quant_prefetch_ahead, METH_FASTCALL, "quant_linear.c"},
+    {"prefill_query_block", (PyCFunction)(void (*)(void))py_prefill_query_block, METH_FASTCALL,
+     "prefill_attention.c"},
     {"argmax_rows", (PyCFunction)(void (*)(void))py_argmax_rows, METH_FASTCALL, "argmax.c"},
     {"quant_linear", (PyCFunction)(void (*)(void))hwpy_quant_linear, METH_FASTCALL, "quant_linear.c"},
     {"dequantize", (PyCFunction)(void (*)(void))hwpy_dequantize, METH_FASTCALL, "quant_linear.c"},

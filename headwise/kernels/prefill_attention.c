@@ -23,6 +23,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 
 #include "common.h" /* exp2_ps */
@@ -32,7 +33,23 @@ enum { PK = 64 }; /* keys per block: four zmm of scores a row */
 #else
 enum { PK = 32 };
 #endif
-enum { PQ = 16, MAX_PG = 16, MAX_PD = 256 };
+enum { MAX_PG = 16, MAX_PD = 256 };
+/* Query tokens per block, at most (a block's rows are G x that many; each key block is transposed
+ * and read once per block): PK, so that a causal block's diagonal tile is square. Against 16, the
+ * first tuning (benchmarks/prefill_query_block.py, AMD EPYC Zen 5, 2 threads, SmolLM2's and a
+ * Llama-8B's shapes, T = 128-4096): the avx512 build with 64 1.11x (geometric mean; 1.11-1.18x
+ * from T = 512, 0.96-1.01x at 128), 128 no better; the avx2 build with 32 1.01-1.03x, 64 0.95x
+ * (0.81x at T = 128). Fewer where the blocks would not give every thread two (query_block). Any
+ * size gives the same bits: a row meets its keys in the same key blocks. prefill_query_block()
+ * (_module.c) sets it. */
+int hw_pa_queries = PK;
+
+static long query_block(long B, long Hkv, long T) {
+    const long want = 2L * omp_get_max_threads();
+    long pq = hw_pa_queries;
+    while (pq > 16 && B * Hkv * ((T + pq - 1) / pq) < want) pq /= 2;
+    return pq;
+}
 #if defined(__AVX512F__) && defined(__AVX512VL__)
 #define SRB 6 /* 32 vector registers: 6 rows x 4 accumulators + 4 operands (macros: the #if below) */
 #define ORB 6
@@ -327,7 +344,7 @@ int hw_prefill_attention_f32(const float *q, const float *k, const float *v, flo
     if (Hkv < 1 || H % Hkv || H / Hkv > MAX_PG || D < 8 || D > MAX_PD || D % 8 || T < 1 || S < 0 ||
         (causal && S < T))
         return 1;
-    const long nqb = (T + PQ - 1) / PQ, items = B * Hkv * nqb;
+    const long PQ = query_block(B, Hkv, T), nqb = (T + PQ - 1) / PQ, items = B * Hkv * nqb;
     int failed = 0;
     #pragma omp parallel
     {

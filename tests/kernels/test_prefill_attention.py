@@ -85,6 +85,32 @@ def test_same_bits_at_any_thread_count():
     assert torch.equal(one, two)
 
 
+def test_same_bits_at_any_query_block():
+    """Query tokens per block (prefill_query_block: by default the key block's 64 in the avx512
+    build, 32 in avx2; fewer where the blocks would not give every thread two): a row meets its
+    keys in the same key blocks whatever its query block, so every size gives the same bits, and
+    the float64 reference's values."""
+    mod = kernels._ext()[0]
+    q, k, v = torch.randn(1, 8, 75, 64), torch.randn(1, 2, 90, 64), torch.randn(1, 2, 90, 64)
+    before = mod.prefill_query_block(-1)
+    try:
+        outs = []
+        for n in (1, 5, 16, 64, 256):
+            assert mod.prefill_query_block(n) in (before, 1, 5, 16, 64)  # the size before
+            outs.append(prefill.prefill_attention(q, k, v, causal=True, want_lse=True))
+        for bad in (0, 257):
+            with pytest.raises(ValueError, match="give 1 to 256"):
+                mod.prefill_query_block(bad)
+    finally:
+        mod.prefill_query_block(before)
+    default = {"avx512": 64, "avx2": 32}[kernels.isa()]
+    assert before == default and mod.prefill_query_block(-1) == default
+    for out, lse in outs[1:]:
+        assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
+    want, want_lse = reference(q, k, v, 1 / 8, True)
+    torch.testing.assert_close(outs[0][0].double(), want, atol=2e-5, rtol=1e-5)
+
+
 def test_no_keys_gives_zeros_and_minus_infinity():
     q, k = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 0, 16)
     out, lse = prefill.prefill_attention(q, k, k, causal=False, want_lse=True)
