@@ -167,6 +167,22 @@ def time_interleaved(
     return times, rounds
 
 
+def paired_candidates(fns: dict, base: str, rounds: int, row: Sequence[object]) -> tuple[dict, list[list]]:
+    """Settings of one knob timed against the setting `base`, interleaved (time_interleaved):
+    fns {setting: zero-argument callable}. Returns ({setting: {"ms": summarize, "paired_vs_base":
+    the median over rounds of that round's base time / its time}}, table lines: `row` + setting,
+    min / median / max ms, base / it of the medians, paired)."""
+    times, _ = time_interleaved(fns, rounds=rounds)
+    ref, res, lines = times[base], {}, []
+    for name, t in times.items():
+        paired = statistics.median(b / x for b, x in zip(ref, t))
+        s = summarize([x * 1e3 for x in t])
+        res[name] = {"ms": s, "paired_vs_base": paired}
+        lines.append([*row, name, f"{s['min']:.2f}", f"{s['median']:.2f}", f"{s['max']:.2f}",
+                      f"{statistics.median(ref) / statistics.median(t):.3f}x", f"{paired:.3f}x"])  # fmt: skip
+    return res, lines
+
+
 def summarize(samples: Sequence[float]) -> dict:
     return {"min": min(samples), "median": statistics.median(samples), "max": max(samples), "n": len(samples)}
 

@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _common import Log, busy_and_steal, cpu_ticks, environment, loadavg, summarize, table, time_interleaved  # noqa: E402
+from _common import Log, busy_and_steal, cpu_ticks, environment, loadavg, paired_candidates, table  # noqa: E402
 import torch  # noqa: E402  (after _common: headwise first)
 from headwise import kernels  # noqa: E402
 from headwise.kernels import quant  # noqa: E402
@@ -141,16 +141,9 @@ def main(argv=None) -> int:
                     outs = {name: fn() for name, fn in fns.items()}
                     for name, out in outs.items():  # a prefetch changes no arithmetic: the same bits
                         assert all(torch.equal(a, b) for a, b in zip(out, outs[str(ref)])), name
-                    times, _ = time_interleaved(fns, rounds=args.rounds)
-                    base = times[str(ref)]
-                    res = {}
-                    for d in distances:
-                        t = times[str(d)]
-                        paired = statistics.median(b / x for b, x in zip(base, t))
-                        s = summarize([x * 1e3 for x in t])
-                        res[d] = {"ms": s, "paired_vs_base": paired}
-                        lines.append([group, M, d, f"{s['min']:.2f}", f"{s['median']:.2f}", f"{s['max']:.2f}",
-                                      f"{statistics.median(base) / statistics.median(t):.3f}x", f"{paired:.3f}x"])  # fmt: skip
+                    timed, rows_lines = paired_candidates(fns, str(ref), args.rounds, [group, M])
+                    res = {d: timed[str(d)] for d in distances}
+                    lines += rows_lines
                     results.setdefault(group, {})[M] = res
                     best = max(distances, key=lambda d: res[d]["paired_vs_base"])
                     print(f"  {group} rows {M}: best {best} ({res[best]['paired_vs_base']:.3f}x of {ref})", flush=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _common import Log, busy_and_steal, cpu_ticks, environment, loadavg, summarize, table, time_interleaved  # noqa: E402
+from _common import Log, busy_and_steal, cpu_ticks, environment, loadavg, paired_candidates, table  # noqa: E402
 import torch  # noqa: E402  (after _common: headwise first)
 from headwise import kernels  # noqa: E402
 from headwise.attention import attend  # noqa: E402
@@ -80,16 +80,9 @@ def main(argv=None) -> int:
                     outs = {b: fn() for b, fn in fns.items()}
                     for b, out in outs.items():
                         assert torch.equal(out, outs[str(BASE)]), f"{name} T={T}: block {b} differs from {BASE}"
-                    times, _ = time_interleaved(fns, rounds=args.rounds)
-                    base = times[str(BASE)]
-                    res = {}
-                    for pq in blocks:
-                        t = times[str(pq)]
-                        paired = statistics.median(b / x for b, x in zip(base, t))
-                        s = summarize([x * 1e3 for x in t])
-                        res[pq] = {"ms": s, "paired_vs_base": paired}
-                        lines.append([name, T, pq, f"{s['min']:.2f}", f"{s['median']:.2f}", f"{s['max']:.2f}",
-                                      f"{statistics.median(base) / statistics.median(t):.3f}x", f"{paired:.3f}x"])  # fmt: skip
+                    timed, shape_lines = paired_candidates(fns, str(BASE), args.rounds, [name, T])
+                    res = {pq: timed[str(pq)] for pq in blocks}
+                    lines += shape_lines
                     results.setdefault(name, {})[T] = res
                     best = max(blocks, key=lambda b: res[b]["paired_vs_base"])
                     print(f"  {name} T={T}: best {best} ({res[best]['paired_vs_base']:.3f}x of {BASE})", flush=True)
