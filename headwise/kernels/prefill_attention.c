@@ -255,25 +255,31 @@ static void block(struct scratch *w, const float *q, const float *k, const float
                 continue;
             }
             const __m256 limv = _mm256_set1_ps((float)lim);
-            float mx = -INFINITY;
+            const int full = lim == PK;  /* every key of the block: no lane to mask */
+            __m256 mxv = _mm256_set1_ps(-INFINITY);  /* max is exact: one horizontal step at the end */
             for (int cb = 0; cb < PK / 8; cb++) {
-                const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(8.0f * cb)), limv, _CMP_LT_OQ);
-                const __m256 s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_load_ps(pr + 8 * cb), valid);
-                _mm256_store_ps(pr + 8 * cb, s);
-                __m128 h = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-                h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-                h = _mm_max_ss(h, _mm_movehdup_ps(h));
-                const float hm = _mm_cvtss_f32(h);
-                if (hm > mx) mx = hm;
+                __m256 s = _mm256_load_ps(pr + 8 * cb);
+                if (!full) {
+                    const __m256 valid =
+                        _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(8.0f * cb)), limv, _CMP_LT_OQ);
+                    s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, valid);
+                    _mm256_store_ps(pr + 8 * cb, s);
+                }
+                mxv = _mm256_max_ps(mxv, s);
             }
+            __m128 hx = _mm_max_ps(_mm256_castps256_ps128(mxv), _mm256_extractf128_ps(mxv, 1));
+            hx = _mm_max_ps(hx, _mm_movehl_ps(hx, hx));
+            hx = _mm_max_ss(hx, _mm_movehdup_ps(hx));
+            const float mx = _mm_cvtss_f32(hx);
             const float mn = w->m[r] > mx ? w->m[r] : mx;
             w->alpha[r] = exp2f(w->m[r] - mn);  /* 0 on the row's first block (m = -inf) */
             w->m[r] = mn;
             __m256 sum = zero;
             for (int cb = 0; cb < PK / 8; cb++) {
-                const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(8.0f * cb)), limv, _CMP_LT_OQ);
-                const __m256 e = _mm256_and_ps(exp2_ps(_mm256_sub_ps(_mm256_load_ps(pr + 8 * cb), _mm256_set1_ps(mn))),
-                                               valid);
+                __m256 e = exp2_ps(_mm256_sub_ps(_mm256_load_ps(pr + 8 * cb), _mm256_set1_ps(mn)));
+                if (!full)
+                    e = _mm256_and_ps(
+                        e, _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(8.0f * cb)), limv, _CMP_LT_OQ));
                 _mm256_store_ps(pr + 8 * cb, e);
                 sum = _mm256_add_ps(sum, e);
             }
