@@ -26,6 +26,24 @@ static inline __m256 exp2_ps(__m256 x) {
     return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
 }
 
+#if defined(__AVX512F__)
+/* exp2_ps on 16 lanes: the same operations, so each lane gets exp2_ps's bits. */
+static inline __m512 exp2_ps_z(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    const __m512 i = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, i);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(i), 23);
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
+}
+#endif
+
 enum { PRO_NONE = 0, PRO_RMSNORM = 1, PRO_SWIGLU = 2 };
 
 /* The prologue for M rows into buf (M, I); returns the rows the matmul reads. */

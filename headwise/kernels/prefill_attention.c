@@ -212,7 +212,11 @@ static void block(struct scratch *w, const float *q, const float *k, const float
     /* keys the block's last query sees (causal), else all */
     long nkeys = causal ? t0 + nt + off : S;
     if (nkeys > S) nkeys = S;
+#if defined(__AVX512F__)
+    const __m512 lanez = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
     const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), zero = _mm256_setzero_ps();
+#endif
     for (long s0 = 0; s0 < nkeys; s0 += PK) {
         const long nk = nkeys - s0 < PK ? nkeys - s0 : PK;
         for (long d = 0; d < D; d++) {
@@ -254,9 +258,24 @@ static void block(struct scratch *w, const float *q, const float *k, const float
                 for (long j = 0; j < PK; j++) pr[j] = 0.0f;
                 continue;
             }
-            const __m256 limv = _mm256_set1_ps((float)lim);
             const int full = lim == PK;  /* every key of the block: no lane to mask */
-            __m256 mxv = _mm256_set1_ps(-INFINITY);  /* max is exact: one horizontal step at the end */
+#if defined(__AVX512F__)
+            const __m512 limz = _mm512_set1_ps((float)lim);
+            __m512 mxz = _mm512_set1_ps(-INFINITY);
+            for (int cb = 0; cb < PK / 16; cb++) {
+                __m512 s = _mm512_load_ps(pr + 16 * cb);
+                if (!full) {
+                    const __mmask16 valid =
+                        _mm512_cmp_ps_mask(_mm512_add_ps(lanez, _mm512_set1_ps(16.0f * cb)), limz, _CMP_LT_OQ);
+                    s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), s);
+                    _mm512_store_ps(pr + 16 * cb, s);
+                }
+                mxz = _mm512_max_ps(mxz, s);
+            }
+            const float mx = _mm512_reduce_max_ps(mxz);  /* max is exact: any order */
+#else
+            const __m256 limv = _mm256_set1_ps((float)lim);
+            __m256 mxv = _mm256_set1_ps(-INFINITY);
             for (int cb = 0; cb < PK / 8; cb++) {
                 __m256 s = _mm256_load_ps(pr + 8 * cb);
                 if (!full) {
@@ -271,9 +290,22 @@ static void block(struct scratch *w, const float *q, const float *k, const float
             hx = _mm_max_ps(hx, _mm_movehl_ps(hx, hx));
             hx = _mm_max_ss(hx, _mm_movehdup_ps(hx));
             const float mx = _mm_cvtss_f32(hx);
+#endif
             const float mn = w->m[r] > mx ? w->m[r] : mx;
             w->alpha[r] = exp2f(w->m[r] - mn);  /* 0 on the row's first block (m = -inf) */
             w->m[r] = mn;
+#if defined(__AVX512F__)
+            __m512 sumz = _mm512_setzero_ps();
+            for (int cb = 0; cb < PK / 16; cb++) {
+                __m512 e = exp2_ps_z(_mm512_sub_ps(_mm512_load_ps(pr + 16 * cb), _mm512_set1_ps(mn)));
+                if (!full)
+                    e = _mm512_maskz_mov_ps(
+                        _mm512_cmp_ps_mask(_mm512_add_ps(lanez, _mm512_set1_ps(16.0f * cb)), limz, _CMP_LT_OQ), e);
+                _mm512_store_ps(pr + 16 * cb, e);
+                sumz = _mm512_add_ps(sumz, e);
+            }
+            w->l[r] = w->l[r] * w->alpha[r] + _mm512_reduce_add_ps(sumz);
+#else
             __m256 sum = zero;
             for (int cb = 0; cb < PK / 8; cb++) {
                 __m256 e = exp2_ps(_mm256_sub_ps(_mm256_load_ps(pr + 8 * cb), _mm256_set1_ps(mn)));
@@ -287,6 +319,7 @@ static void block(struct scratch *w, const float *q, const float *k, const float
             h = _mm_add_ps(h, _mm_movehl_ps(h, h));
             h = _mm_add_ss(h, _mm_movehdup_ps(h));
             w->l[r] = w->l[r] * w->alpha[r] + _mm_cvtss_f32(h);
+#endif
         }
         const float *vb = vh + s0 * sv_t;
         long dz = 0;  /* channels done in zmm */
