@@ -229,21 +229,36 @@ class PackedStep(PackedReads, Step):
         (None, new keys, block tables, block size), the same for every layer. None where a
         layer's claim_decode would refuse, or the model's layers are not the cache's."""
         cache = self.cache
-        if rows != self.N or self.N != self.B or cache.kv_dtype or cache.dtype is not torch.float32:
-            return None
-        if num_layers != cache.num_layers:
+        claim = self.decode_rows(rows)
+        if claim is None or num_layers != cache.num_layers:
             return None
         parts = cache.__dict__.get("_stack_parts")
         if parts is None or parts.cache_layers is not cache._layer_kv:
             entries = [(k, v, k.stride(0), k.stride(2)) for k, v in cache._layer_kv]
             parts = cache.__dict__["_stack_parts"] = StackParts(None, cache._layer_kv, entries)
-        claim = self.__dict__.get("_decode_rows")
-        if claim is None:
-            claim = self._decode_rows = PackedLayerStep(self, 0)._decode_rows()
         self._written.update(range(num_layers))
         if not self.defer_prefix:
             self.commit()
         return parts, claim
+
+    def decode_rows(self, rows: int) -> tuple | None:
+        """For a step in which every sequence adds one token to an fp32 cache (rows of them), what
+        every layer's one-call decode reads, built once per step: (run starts in floats, new keys)
+        where every table is one run, else (None, new keys, tables (B, width) int64, block size).
+        None otherwise (prefill chunks, int8, not fp32)."""
+        cache = self.cache
+        if rows != self.N or self.N != self.B or cache.kv_dtype or cache.dtype is not torch.float32:
+            return None
+        claim = self.__dict__.get("_decode_rows")
+        if claim is None:
+            bs, pos = cache.block_size, torch.tensor(self.starts, dtype=torch.int64)
+            used, table = self._block_tables(list(range(self.B)))
+            if all(t[i + 1] == t[i] + 1 for t in used for i in range(len(t) - 1)):
+                claim = torch.tensor([t[0] * bs for t in used], dtype=torch.int64) * cache.head_dim, pos
+            else:
+                claim = None, pos, table, bs
+            self._decode_rows = claim
+        return claim
 
     def _mark_written(self, layer: int) -> None:
         self._written.add(layer)
@@ -312,22 +327,10 @@ class PackedLayerStep:
         they lie: a pool fragmented by finished requests, prefix blocks shared with another
         sequence). The kernel writes each new key into the slot this step reserved (the table's,
         as the general route's `_slots`). None otherwise (prefill chunks, int8, not fp32)."""
-        step, cache = self.step, self.step.cache
-        if rows != step.N or step.N != step.B or cache.kv_dtype or cache.dtype is not torch.float32:
-            return None
-        claim = step.__dict__.get("_decode_rows")  # the same for every layer of the step
+        step = self.step
+        claim = step.decode_rows(rows)  # the same for every layer of the step
         if claim is None:
-            claim = step._decode_rows = self._decode_rows()
-        k, v = cache._layer_kv[self.layer_index]  # (Hkv, NB, bs, D)
+            return None
+        k, v = step.cache._layer_kv[self.layer_index]  # (Hkv, NB, bs, D)
         step._mark_written(self.layer_index)
         return k, v, (*claim[:2], k.stride(0), k.stride(2), *claim[2:])
-
-    def _decode_rows(self) -> tuple:
-        """(run starts in floats, new keys) where every table is one run, else (None, new keys,
-        tables (B, width) int64, block size)."""
-        step, cache = self.step, self.step.cache
-        bs, pos = cache.block_size, torch.tensor(step.starts, dtype=torch.int64)
-        used, table = step._block_tables(list(range(step.B)))
-        if all(t[i + 1] == t[i] + 1 for t in used for i in range(len(t) - 1)):
-            return torch.tensor([t[0] * bs for t in used], dtype=torch.int64) * cache.head_dim, pos
-        return None, pos, table, bs

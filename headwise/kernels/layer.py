@@ -55,14 +55,16 @@ def _descriptor(plan: StepPlan, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, 
     """One layer's int64s for decoder_stack (decoder_step.c's ST_* order): the plan's fixed head,
     then what the step's cache and positions give."""
     base, pos, s_h, s_t, *paged = rows
+    return _descriptor_ints(plan, k.data_ptr(), v.data_ptr(), s_h, s_t, _step_ints((base, pos, *paged), cos, sin))
+
+
+def _step_ints(rows: tuple, cos: Tensor, sin: Tensor) -> tuple[int, ...]:
+    """rows = (base, pos[, table, block size]) and the RoPE rows -> the descriptor's per-step
+    values: base, pos, table, table width, block size, cos, sin (pointers, or 0 where absent)."""
+    base, pos, *paged = rows
     table, bs = paged if paged else (None, 0)
-    return _descriptor_ints(
-        plan,
-        k.data_ptr(),
-        v.data_ptr(),
+    return (
         0 if base is None else base.data_ptr(),
-        s_h,
-        s_t,
         pos.data_ptr(),
         0 if table is None else table.data_ptr(),
         0 if table is None else table.shape[1],
@@ -72,8 +74,9 @@ def _descriptor(plan: StepPlan, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, 
     )
 
 
-def _descriptor_ints(plan: StepPlan, k, v, base, s_h, s_t, pos, table, width, bs, cos, sin) -> list[int]:
+def _descriptor_ints(plan: StepPlan, k: int, v: int, s_h: int, s_t: int, step: tuple) -> list[int]:
     C, H, Hkv, D, F = plan.dims
+    base, pos, table, width, bs, cos, sin = step
     return [*plan.head, k, v, base, s_h, s_t, pos, table, width, bs, H, Hkv, D, F, cos, sin]
 
 
@@ -92,7 +95,7 @@ class StackCall:
         for plan, k, v, s_h, s_t in layers:
             if plan.dims[0] != C:
                 raise ValueError(f"decoder stack: a layer of width {plan.dims[0]} in a stack of width {C}")
-            desc += _descriptor_ints(plan, k.data_ptr(), v.data_ptr(), self._MARKS[0], s_h, s_t, *self._MARKS[1:])
+            desc += _descriptor_ints(plan, k.data_ptr(), v.data_ptr(), s_h, s_t, self._MARKS)
             fl += (plan.eps, plan.scale)
         n = len(desc) // len(layers)
         self.fields = [slice(desc.index(m), None, n) for m in self._MARKS]
@@ -112,15 +115,7 @@ class StackCall:
         if not ok:
             got = [None if t is None else tuple(t.shape) for t in (base, pos, table, cos, sin)]
             raise ValueError(f"decoder stack rows: base, pos, table, cos, sin {got} do not give {M} rows")
-        values = (
-            0 if base is None else base.data_ptr(),
-            pos.data_ptr(),
-            0 if table is None else table.data_ptr(),
-            0 if table is None else table.shape[1],
-            bs,
-            cos.data_ptr(),
-            sin.data_ptr(),
-        )
+        values = _step_ints(rows, cos, sin)
         L, desc = self.num_layers, self.desc.copy()  # a copy: two threads may step one model
         for field, value in zip(self.fields, values):
             desc[field] = [value] * L
