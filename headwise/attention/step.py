@@ -41,6 +41,11 @@ class Step:
     key_padding_mask: Tensor | None = None
     logits_indices: Tensor | None = None
     claim_stack = None  # a cache's claim_decode_stack (CacheStep)
+    # The caller's word that nothing changed the model (a module, weight, hook or attention
+    # setting) since its previous step over the same cache, which that step checked: generate()
+    # gives it between its own decode steps, where no code of the user's runs (not when
+    # streaming). The decode stack then skips re-checking its modules (models/layer_step.py).
+    model_unchanged: bool = False
 
     def layer(self, i: int):
         """Layer i's cache (a `LayerKVCache`), or None for a step without a cache."""

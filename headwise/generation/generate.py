@@ -51,6 +51,8 @@ def generate(
     stream=True (one prompt, n == 1), an iterator of text pieces.
     compile: run each one-token decode step as one torch.compile graph (compiled.py): the
     first call per batch and cache size compiles for tens of seconds; later calls reuse it.
+    The model is taken as it is at the call: changing it from another thread while generate()
+    runs is not supported (as any PyTorch forward); a stream may change it between its pieces.
     """
     params = sampling or SamplingParams()
     if fields:
@@ -155,7 +157,11 @@ def _run(model, prompts: Sequence[list[int]], params: SamplingParams, streaming:
             if all(s.finish_reason for s in seqs):
                 break
             if step_fn is None:
-                last = model(nxt[:, None], cache.step(1))[:, -1]  # (B, V)
+                decode = cache.step(1)
+                # between two decode steps of a whole generate() no code of the user's runs (a
+                # stream yields to it): the model is as the step before checked it
+                decode.model_unchanged = not streaming and step > 0
+                last = model(nxt[:, None], decode)[:, -1]  # (B, V)
             else:
                 cache.book(1)  # host bookkeeping, outside the graph
                 last = step_fn(nxt[:, None], cache)

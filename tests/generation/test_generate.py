@@ -120,6 +120,33 @@ def test_streaming_pieces_join_to_the_text_and_never_split_utf8(smol):
     assert all("\ufffd" not in p for p in pieces[:-1])
 
 
+def test_a_stream_sees_the_model_changed_between_its_pieces(smol):
+    """generate() vouches that the model is unchanged between its own decode steps
+    (Step.model_unchanged: the decode stack skips re-checking its modules), but not while it
+    streams: a hook added between two pieces runs at every later step and changes the text from
+    there on, as it changes a whole generate()."""
+    model, _ = smol
+    prompt = [{"role": "user", "content": "Name three rivers of Europe."}]
+    calls = []
+
+    def flip(module, args, out):
+        calls.append(out.shape)
+        return out * -4.0
+
+    stream = headwise.generate(model, prompt, max_new_tokens=16, temperature=0, ignore_eos=True, stream=True)
+    head = next(stream) + next(stream) + next(stream)  # the stack remembered and run from the memo
+    handle = model.layers[5].mlp.register_forward_hook(flip)
+    try:
+        tail = "".join(stream)
+        whole = headwise.generate(model, prompt, max_new_tokens=16, temperature=0, ignore_eos=True)
+    finally:
+        handle.remove()
+    plain = headwise.generate(model, prompt, max_new_tokens=16, temperature=0, ignore_eos=True)
+    assert len(calls) >= 16  # the stream's later steps and every step of the whole run
+    assert plain.text.startswith(head) and head + tail != plain.text  # the hook changed the rest
+    assert whole.text != plain.text
+
+
 def test_stop_strings_cut_across_token_boundaries(smol):
     model, _ = smol
     prompt = [{"role": "user", "content": "Count from one to twenty in words, separated by commas."}]

@@ -320,6 +320,39 @@ def test_a_module_replaced_or_edited_between_decode_steps_takes_part_in_the_next
     assert (edited - want_edited).abs().max() <= TOL
 
 
+@pytest.mark.parametrize("weights", ["q4_1", "q8_0"])
+@torch.inference_mode()
+def test_quantized_blocks_and_norms_edited_in_place_reach_the_stack(saved, stacks, weights):
+    """A quantized linear's blocks and the norms' weights are read through their own pointers, so
+    the stack's memo does not watch their versions: edited in place after the stack was
+    remembered, the next steps run the new numbers. The last layer's MLP (its norm and down
+    projection) feeds no key or value, so a model loaded afresh, edited the same way, and run
+    over the whole sequence at once is the reference; the edit moves the logits far more."""
+    _, path = saved("llama-gqa")
+    ids = _ids(2, 10, seed=23)
+
+    def edit(model):
+        last = model.layers[-1]
+        last.mlp.down.blocks.copy_(last.mlp.down.blocks.flip(0))  # whole blocks of other rows
+        last.mlp_norm.weight.mul_(-2.0)
+
+    model = headwise.load(path, weights=weights)
+    cfg = model.config
+    cache = ContiguousKVCache(cfg.num_layers, 2, cfg.num_kv_heads, ids.shape[1], cfg.head_dim)
+    model(ids[:, :4], cache.step(4))
+    for t in (4, 5):  # the stack remembered, then run from the memo
+        model(ids[:, t : t + 1], cache.step(1))
+    unedited = model(ids)[:, 6:]
+    edit(model)
+    got = torch.cat([model(ids[:, t : t + 1], cache.step(1)) for t in range(6, 10)], dim=1)
+    fresh = headwise.load(path, weights=weights)
+    edit(fresh)
+    want = fresh(ids)[:, 6:]
+    assert stacks == [cfg.num_layers] * 6
+    err, moved = (got - want).abs().max(), (unedited - want).abs().max()
+    assert err <= 1e-4 and moved >= 1000 * err, (err, moved)
+
+
 @pytest.mark.parametrize("weights", [None, "q4_1"])
 @torch.inference_mode()
 def test_a_contiguous_cache_books_the_whole_stack_at_once(saved, monkeypatch, weights):
