@@ -37,6 +37,20 @@ class RotaryEmbedding(nn.Module):
         angles = positions[:, None, :, None].float() * self.inv_freq  # (B|1, 1, T, dim/2)
         return angles.cos(), angles.sin()
 
+    def table(self, n: int) -> tuple[Tensor, Tensor]:
+        """cos and sin (P, dim/2) contiguous fp32 of positions 0 .. P - 1, P >= n: cos_sin's own
+        numbers, kept and doubled as positions grow, remade when inv_freq is replaced or edited.
+        Decode steps take their rows from it (Step.rope_rows) instead of eight ops each."""
+        inv = self._buffers["inv_freq"]
+        version = None if inv.is_inference() else inv._version
+        t = self.__dict__.get("_table")
+        if t is None or t[0] is not inv or t[1] != version or t[2] < n:
+            P = max(n, 256 if t is None else 2 * t[2] if t[2] < n else t[2])
+            with torch.inference_mode(False), torch.no_grad():  # plain tensors: usable in any mode
+                cos, sin = self.cos_sin(torch.arange(P, device=inv.device))
+            t = self.__dict__["_table"] = (inv, version, P, cos.view(P, -1), sin.view(P, -1))
+        return t[3], t[4]
+
     def forward(
         self, x: Tensor, positions: Tensor | None = None, *, cos_sin: tuple[Tensor, Tensor] | None = None
     ) -> Tensor:

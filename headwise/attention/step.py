@@ -32,6 +32,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from .rope import RotaryEmbedding
+
 
 class Step:
     """Per-step metadata; see the module docstring. Subclasses (cache steps) set the fields."""
@@ -46,6 +48,10 @@ class Step:
     # gives it between its own decode steps, where no code of the user's runs (not when
     # streaming). The decode stack then skips re-checking its modules (models/layer_step.py).
     model_unchanged: bool = False
+    # Where the step knows its positions on the host, for RoPE rows from a table: every row's T
+    # positions from one start, (L, B, T); or the largest position of any row.
+    positions_run: tuple[int, int, int] | None = None
+    max_position: int | None = None
 
     def layer(self, i: int):
         """Layer i's cache (a `LayerKVCache`), or None for a step without a cache."""
@@ -73,6 +79,8 @@ class Step:
         per step and rope module."""
         key = ("rows", id(rope))
         rows = self.memo.get(key)
+        if rows is None and type(rope).cos_sin is RotaryEmbedding.cos_sin:
+            rows = self.memo[key] = self._table_rows(rope)
         if rows is None:
             B, T = self.input_positions.shape
             cos, sin = self.rope_cos_sin(rope)  # (B|1, 1, T, dim/2)
@@ -80,6 +88,21 @@ class Step:
                 t.expand(B, 1, T, t.shape[-1]).reshape(B * T, -1).contiguous() for t in (cos, sin)
             )
         return rows
+
+    def _table_rows(self, rope) -> tuple[Tensor, Tensor] | None:
+        """rope_rows from RotaryEmbedding.table (positions known on the host): a decode step of
+        one sequence takes two views, any other two copies, where cos_sin takes eight ops."""
+        run = self.positions_run
+        if run is not None:
+            L, B, T = run
+            cos, sin = rope.table(L + T)
+            cos, sin = cos[L : L + T], sin[L : L + T]
+            return (cos, sin) if B == 1 else (cos.repeat(B, 1), sin.repeat(B, 1))
+        if self.max_position is not None:
+            cos, sin = rope.table(self.max_position + 1)
+            pos = self.input_positions.reshape(-1)
+            return cos.index_select(0, pos), sin.index_select(0, pos)
+        return None
 
 
 class PlainStep(Step):
@@ -110,7 +133,10 @@ class CacheStep(Step):
         claim_stack: Callable[[int, int], tuple | None] | None = None,
     ):
         self._layers, self.T, self.claim_stack = layers, T, claim_stack
-        self.input_positions = layers(0).positions(T)  # (B, T)
+        first = layers(0)
+        self.input_positions = first.positions(T)  # (B, T)
+        run = getattr(first, "positions_run", None)
+        self.positions_run = None if run is None else run(T)
         self.B = self.input_positions.shape[0]
         self.num_real, self.logits_indices = num_real, logits_indices
 

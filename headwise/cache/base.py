@@ -56,6 +56,14 @@ class LayerCacheBase:
             return torch.arange(L, L + num_new, device=self.device).expand(self.batch_size, num_new)
         return self._len[:, None] + torch.arange(num_new, device=self.device)
 
+    def positions_run(self, num_new: int) -> tuple[int, int, int] | None:
+        """(L, B, T): every sequence's next T tokens at positions L .. L + T - 1, known on the host
+        (Step.rope_rows reads RoPE's rows from a table then); None where lengths differ or the
+        cache is static (a compiled step reads no host state)."""
+        if not self.static and self._uniform:
+            return self._host[0], self.batch_size, num_new
+        return None
+
     @property
     def lengths(self) -> Tensor:
         """(B,) long: tokens appended per sequence (real ones; padding is not counted)."""

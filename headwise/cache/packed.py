@@ -73,6 +73,7 @@ class PackedStep(PackedReads, Step):
         positions = [p for L, n in zip(starts, counts) for p in range(L, L + n)]
         slots = [t[p // bs] * bs + p % bs for t, L, n in zip(tables, starts, counts) for p in range(L, L + n)]
         self._positions = torch.tensor(positions, dtype=torch.long, device=dev)[None]  # (1, N)
+        self.max_position = max(positions, default=None)  # Step's: RoPE rows from a table
         self._slots = torch.tensor(slots, dtype=torch.long, device=dev)  # (N,)
         self._pending, self._written, self.defer_prefix = pending, set(), defer_prefix
         self.num_kv_heads, self.head_dim, self.dtype, self.device = cache.num_kv_heads, cache.head_dim, cache.dtype, dev
