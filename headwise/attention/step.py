@@ -134,11 +134,23 @@ class CacheStep(Step):
     ):
         self._layers, self.T, self.claim_stack = layers, T, claim_stack
         first = layers(0)
-        self.input_positions = first.positions(T)  # (B, T)
         run = getattr(first, "positions_run", None)
         self.positions_run = None if run is None else run(T)
-        self.B = self.input_positions.shape[0]
+        if self.positions_run is None:
+            self._positions = first.positions(T)  # (B, T)
+            self.B = self._positions.shape[0]
+        else:  # made when asked: a decode step on the stack reads its RoPE rows from the table
+            self._positions, self.B, self._device = None, self.positions_run[1], first.device
         self.num_real, self.logits_indices = num_real, logits_indices
+
+    @property
+    def input_positions(self) -> Tensor:
+        """(B, T) long: the positions as the cache gave them when the step was made."""
+        p = self._positions
+        if p is None:
+            L, B, T = self.positions_run
+            p = self._positions = torch.arange(L, L + T, device=self._device).expand(B, T)
+        return p
 
     def layer(self, i: int):
         return self._layers(i)

@@ -76,7 +76,8 @@ def test_table_holds_cos_sin_of_every_position_and_follows_inv_freq():
 def test_steps_take_rope_rows_from_the_table_as_cos_sin_gives_them():
     """Step.rope_rows from the table (positions known on the host) against cos_sin of the step's
     positions tensor, in float64: a contiguous cache's decode step of one sequence and of three
-    (at a long position), a ragged step (no run: cos_sin), and the engine's packed step."""
+    (at a long position; its positions tensor made when asked, as the step was made), a ragged
+    step (no run: cos_sin), and the engine's packed step."""
     from headwise.cache import ContiguousKVCache, PagedKVCache
 
     rope = RotaryEmbedding(16)
@@ -94,6 +95,9 @@ def test_steps_take_rope_rows_from_the_table_as_cos_sin_gives_them():
         cache.layer(0).update(kv, kv)
         step = cache.step(1)
         assert step.positions_run == (L, B, 1)
+        new = torch.zeros(B, 2, 1, 16)
+        cache.layer(0).update(new, new)  # the step's token written: its positions stay as made
+        assert step.input_positions.tolist() == [[L]] * B
         check(step)
         check(cache.step(4))
     ragged = ContiguousKVCache(1, 2, 2, 64, 16)
