@@ -43,11 +43,12 @@ class Step:
     key_padding_mask: Tensor | None = None
     logits_indices: Tensor | None = None
     claim_stack = None  # a cache's claim_decode_stack (CacheStep)
-    # The caller's word that nothing changed the model (a module, weight, hook or attention
-    # setting) since its previous step over the same cache, which that step checked: generate()
-    # gives it between its own decode steps, where no code of the user's runs (not when
-    # streaming). The decode stack then skips re-checking its modules (models/layer_step.py).
-    model_unchanged: bool = False
+    # The caller's word that nothing changes the model (a module, weight, hook or attention
+    # setting) during its run: an object naming the run, set on each of its steps. generate()
+    # gives it when it does not stream (no code of the user's runs between its steps), a
+    # server's engine always (the model is the server's own). The decode stack checks the
+    # model's modules at the run's first step only (models/layer_step.py). None: every step.
+    model_vouch: object | None = None
     # Where the step knows its positions on the host, for RoPE rows from a table: every row's T
     # positions from one start, (L, B, T); or the largest position of any row.
     positions_run: tuple[int, int, int] | None = None

@@ -47,7 +47,14 @@ class TokenOutput(NamedTuple):
 
 
 class EngineCore:
-    def __init__(self, model, config: EngineConfig | None = None, *, lock: threading.RLock | None = None):
+    def __init__(
+        self,
+        model,
+        config: EngineConfig | None = None,
+        *,
+        lock: threading.RLock | None = None,
+        model_fixed: bool = False,
+    ):
         cfg = getattr(model, "config", None)
         if cfg is None or not getattr(cfg, "causal", False) or not getattr(cfg, "lm_head", False):
             kind = getattr(cfg, "arch", type(model).__name__)
@@ -78,7 +85,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.cache, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens
         )
-        self.runner = ModelRunner(model, self.cache)
+        self.runner = ModelRunner(model, self.cache, model_fixed=model_fixed)
         self.lock = lock if lock is not None else threading.RLock()
         self.counts = collections.Counter()  # steps, prefill_tokens, output_tokens
         self.seconds = {"schedule": 0.0, "forward": 0.0, "output": 0.0}

@@ -46,9 +46,12 @@ class Engine(Frontends):
     its fields as keywords (`Engine(model, max_num_seqs=8)`), which change `config`'s.
     add_request/stream beyond the waiting queue's bounds raise QueueFull.
     generate(), stream() and the background thread (start/shutdown) are in frontends.py.
+    model_fixed=True: nothing changes the model while the engine lives (`headwise serve`'s own
+    models), so its decode steps check the model's modules once, not at every step; leave it
+    False to add hooks or edit weights between requests.
     """
 
-    def __init__(self, model, config: EngineConfig | None = None, **limits):
+    def __init__(self, model, config: EngineConfig | None = None, *, model_fixed: bool = False, **limits):
         config = config if config is not None else EngineConfig()
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be a headwise.engine.EngineConfig, got {type(config).__name__}")
@@ -58,7 +61,9 @@ class Engine(Frontends):
                 f"unknown engine setting(s) {', '.join(unknown)}; known: {', '.join(EngineConfig.fields())}"
             )
         self._lock = threading.RLock()  # scheduler, cache bookkeeping, requests, counters
-        self.core = EngineCore(model, config.replace(**limits) if limits else config, lock=self._lock)
+        self.core = EngineCore(
+            model, config.replace(**limits) if limits else config, lock=self._lock, model_fixed=model_fixed
+        )
         self.model, self.tokenizer = model, getattr(model, "tokenizer", None)
         self.output = OutputProcessor(self.tokenizer)
         self._wake = threading.Condition(self._lock)

@@ -37,9 +37,12 @@ class Batch:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: PagedKVCache):
+    def __init__(self, model, cache: PagedKVCache, *, model_fixed: bool = False):
         self.model, self.cache = model, cache
         self.device = next(model.parameters()).device
+        # model_fixed: nothing changes the model while the engine runs (a server's own model):
+        # its decode steps check the model's modules once (Step.model_vouch), not every step
+        self.vouch = object() if model_fixed else None
 
     def prepare(self, chunks: list[Chunk]) -> Batch:
         """Reserve the chunks' slots in the cache and build the step (call under the engine's lock)."""
@@ -55,6 +58,7 @@ class ModelRunner:
         # writes: ask for one row (the last) rather than all N, and drop it. (A list: the model
         # checks it in Python, where a tensor would cost reductions and syncs every step.)
         step = self.cache.packed(seq_ids, counts, news, defer_prefix=True, logits_indices=rows or [off - 1])
+        step.model_vouch = self.vouch
         return Batch(chunks, input_ids, step, rows)
 
     def run(self, batch: Batch) -> Tensor | None:

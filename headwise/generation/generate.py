@@ -131,6 +131,9 @@ def _run(model, prompts: Sequence[list[int]], params: SamplingParams, streaming:
         last = model(ids, step)  # (B, V)
         t_prefill = time.perf_counter() - t0
         t1 = time.perf_counter()
+        # between the decode steps of a whole generate() no code of the user's runs (a stream
+        # yields to it): the model is as the run's first step found it (Step.model_vouch)
+        vouch = None if streaming else object()
         for step in range(params.max_new_tokens):
             if gens[0] is None:
                 nxt = sample(last, params, seen=seen)  # (B,)
@@ -158,9 +161,7 @@ def _run(model, prompts: Sequence[list[int]], params: SamplingParams, streaming:
                 break
             if step_fn is None:
                 decode = cache.step(1)
-                # between two decode steps of a whole generate() no code of the user's runs (a
-                # stream yields to it): the model is as the step before checked it
-                decode.model_unchanged = not streaming and step > 0
+                decode.model_vouch = vouch
                 last = model(nxt[:, None], decode)[:, -1]  # (B, V)
             else:
                 cache.book(1)  # host bookkeeping, outside the graph

@@ -78,3 +78,32 @@ def test_one_and_sixteen_requests_equal_generate(tiny):
         assert [o.token_ids for o in outs] == [reference(tiny, p, greedy)[0].token_ids for p in batch]
         assert all_blocks_free(engine)
     assert engine.stats().steps < 16 * 10  # the 16 shared their steps
+
+
+def test_an_engine_checks_the_model_each_step_unless_it_is_fixed(tiny_llama):
+    """Engine's default takes the model as it is at every step: a hook added between two decode
+    steps of a request runs at each later step (the decode stack looked at the modules again).
+    model_fixed=True (headwise serve's own models) vouches for the model on each step
+    (Step.model_vouch: the modules checked once per run) and gives what generate() gives."""
+    prompt = ragged_prompts(tiny_llama.config.vocab_size, seed=9)[2]
+    greedy = SamplingParams(max_new_tokens=10, temperature=0)
+    plain = reference(tiny_llama, prompt, greedy)[0].token_ids
+    for fixed in (False, True):
+        engine = Engine(tiny_llama, num_blocks=64, block_size=4, max_num_seqs=2, model_fixed=fixed)
+        runner, vouches = engine.core.runner, []
+        prepare = runner.prepare
+        runner.prepare = lambda chunks: (lambda b: vouches.append(b.step.model_vouch) or b)(prepare(chunks))
+        assert engine.generate([prompt], greedy)[0].token_ids == plain
+        assert vouches and all(v is (runner.vouch if fixed else None) for v in vouches)
+        assert (runner.vouch is not None) == fixed
+    engine, calls = Engine(tiny_llama, num_blocks=64, block_size=4, max_num_seqs=2), []
+    rid = engine.add_request(prompt, greedy)
+    for _ in range(4):  # the prefill, then decode steps from the stack's memo
+        engine.step()
+    handle = tiny_llama.layers[1].mlp.register_forward_hook(lambda mod, args, out: calls.append(out.shape))
+    try:
+        while not engine.step():
+            pass
+    finally:
+        handle.remove()
+    assert len(calls) == 10 - 4 and engine.result(rid).token_ids == plain  # the hook changed nothing

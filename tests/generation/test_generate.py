@@ -122,7 +122,7 @@ def test_streaming_pieces_join_to_the_text_and_never_split_utf8(smol):
 
 def test_a_stream_sees_the_model_changed_between_its_pieces(smol):
     """generate() vouches that the model is unchanged between its own decode steps
-    (Step.model_unchanged: the decode stack skips re-checking its modules), but not while it
+    (Step.model_vouch: the decode stack checks its modules at the first only), but not while it
     streams: a hook added between two pieces runs at every later step and changes the text from
     there on, as it changes a whole generate()."""
     model, _ = smol
