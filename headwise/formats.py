@@ -9,6 +9,8 @@ from __future__ import annotations
 QUANT_FORMATS = {
     "q4_0": (2, 32, 18),  # f16 d, 16 bytes of 4-bit q: w = d (q - 8)
     "q4_1": (3, 32, 20),  # f16 d, f16 m, 16 bytes: w = d q + m
+    "q5_0": (6, 32, 22),  # f16 d, 4 bytes of fifth bits, 16 bytes of low nibbles: w = d (q - 16)
+    "q5_1": (7, 32, 24),  # f16 d, f16 m, 4 + 16 bytes: w = d q + m
     "q8_0": (8, 32, 34),  # f16 d, 32 int8: w = d q
     "q4_k": (12, 256, 144),  # f16 d, f16 dmin, 12 bytes of 6-bit scales / mins, 128 bytes of 4-bit q
     "q6_k": (14, 256, 210),  # 128 + 64 bytes of 6-bit q, 16 int8 scales, f16 d

@@ -8,7 +8,7 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  /* GGML type ids */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  /* GGML type ids */
 enum { QK = 32, QK_K = 256 };
 enum { ERR_ALLOC = -1, ERR_FORMAT = -2, ERR_SHAPE = -3 };
 enum { X8 = 0x100 };  /* fmt | X8: Q4_0 / Q4_1 / Q8_0 rows packed in groups of 8 (hw_repack8) */
@@ -24,6 +24,8 @@ static inline long block_bytes(int fmt) {
     switch (fmt) {
         case Q4_0: return 18;
         case Q4_1: return 20;
+        case Q5_0: return 22;
+        case Q5_1: return 24;
         case Q8_0: return 34;
         case Q4_K: return 144;
         case Q6_K: return 210;
@@ -71,6 +73,22 @@ static inline __m256i nibbles16(const uint8_t *qs) {  /* 16 bytes -> low nibbles
     return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
 }
 
+/* byte j = 0xFF where bit j of x is set, else 0 (each byte ORed with all bits but its own). */
+static inline __m256i bits_to_bytes(uint32_t x) {
+    const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+    const __m256i b = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)x), spread),
+                                      _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1));
+}
+
+/* A Q5 block's 32 values 0..31 in order: the 16 bytes' nibbles (low first) and qh's bit j as
+ * value j's fifth bit (ggml's dequantize_row_q5_0). */
+static inline __m256i fives(const uint8_t *qh, const uint8_t *qs) {
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    return _mm256_or_si256(nibbles16(qs), _mm256_and_si256(bits_to_bytes(h), _mm256_set1_epi8(0x10)));
+}
+
 /* ggml's get_scale_min_k4: sub-block j's 6-bit scale and min from a Q4_K block's 12 bytes. */
 static inline void k4_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     if (j < 4) {
@@ -91,6 +109,12 @@ static inline __attribute__((always_inline)) wblock unpack(int fmt, const uint8_
     } else if (fmt == Q4_1) {
         const uint8_t *p = row + b * 20;
         w.q = nibbles16(p + 4), w.dw = f16(p), w.mw = f16(p + 2);
+    } else if (fmt == Q5_0) {
+        const uint8_t *p = row + b * 22;
+        w.q = fives(p + 2, p + 6), w.dw = f16(p), w.mw = -16.0f * w.dw;
+    } else if (fmt == Q5_1) {
+        const uint8_t *p = row + b * 24;
+        w.q = fives(p + 4, p + 8), w.dw = f16(p), w.mw = f16(p + 2);
     } else if (fmt == Q8_0) {
         const uint8_t *p = row + b * 34;
         w.q = _mm256_loadu_si256((const __m256i *)(p + 2)), w.dw = f16(p), w.mw = 0.0f;

@@ -64,7 +64,9 @@ static void dequantize_row(int fmt, const uint8_t *row, float *out, long I) {
         float *o = out + b * QK;
         if (fmt == Q4_0) {
             emit32(o, _mm256_sub_epi8(w.q, _mm256_set1_epi8(8)), w.dw, w.dw, 0.0f, 0);
-        } else if (fmt == Q4_1 || fmt == Q4_K) {  /* dw q + m; Q4_K's m = -(dmin mn): (d sc) q - dmin mn */
+        } else if (fmt == Q5_0) {
+            emit32(o, _mm256_sub_epi8(w.q, _mm256_set1_epi8(16)), w.dw, w.dw, 0.0f, 0);
+        } else if (fmt == Q4_1 || fmt == Q5_1 || fmt == Q4_K) {  /* dw q + m; Q4_K's m = -(dmin mn): (d sc) q - dmin mn */
             emit32(o, w.q, w.dw, w.dw, w.mw, 1);
         } else if (fmt == Q8_0) {
             emit32(o, w.q, w.dw, w.dw, 0.0f, 0);
@@ -108,6 +110,8 @@ int hw_dequantize(int fmt, const uint8_t *w, float *out, long O, long I) {
         switch (fmt) {  /* constant fmt: each case is its own loop */
             case Q4_0: dequantize_row(Q4_0, w + o * row_bytes, out + o * I, I); break;
             case Q4_1: dequantize_row(Q4_1, w + o * row_bytes, out + o * I, I); break;
+            case Q5_0: dequantize_row(Q5_0, w + o * row_bytes, out + o * I, I); break;
+            case Q5_1: dequantize_row(Q5_1, w + o * row_bytes, out + o * I, I); break;
             case Q8_0: dequantize_row(Q8_0, w + o * row_bytes, out + o * I, I); break;
             case Q4_K: dequantize_row(Q4_K, w + o * row_bytes, out + o * I, I); break;
             default: dequantize_row(Q6_K, w + o * row_bytes, out + o * I, I); break;

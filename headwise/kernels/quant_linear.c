@@ -13,6 +13,7 @@
  * own scale (and min), so every format meets x in the same 32-blocks.
  *   Q4_0: w = dw (q - 8), q 0..15   -> dw * dx * qw.qx with mw = -8 dw
  *   Q4_1: w = dw q + mw             -> unsigned q against qx, + mw sx
+ *   Q5_0, Q5_1: Q4_0's and Q4_1's with a fifth bit per value (q 0..31, Q5_0's mw = -16 dw)
  *   Q8_0: w = dw q, q -128..127     -> the sign trick: |qw| . sign(qx, qw)
  *   Q4_K: sub-block j: w = d sc_j q - dmin mn_j      (Q4_1's path)
  *   Q6_K: 16-value groups k: w = d sc_k (q - 32)     (sign trick, scales multiply the int16 pairs)
@@ -183,6 +184,8 @@ int hw_quant_linear(int fmt, const uint8_t *w, const float *x, const float *b, c
         switch (fmt) {
             case Q4_0: PARALLEL_ROWS(Q4_0) break;
             case Q4_1: PARALLEL_ROWS(Q4_1) break;
+            case Q5_0: PARALLEL_ROWS(Q5_0) break;
+            case Q5_1: PARALLEL_ROWS(Q5_1) break;
             case Q8_0: PARALLEL_ROWS(Q8_0) break;
             case Q4_K: PARALLEL_ROWS(Q4_K) break;
             default: PARALLEL_ROWS(Q6_K) break;
@@ -198,7 +201,7 @@ static PyObject *hw_result(const char *name, int rc) {
     if (rc == 0) Py_RETURN_NONE;
     if (rc == ERR_ALLOC) return PyErr_Format(PyExc_MemoryError, "%s: could not allocate its buffers", name);
     if (rc == ERR_FORMAT)
-        return PyErr_Format(PyExc_ValueError, "%s: unknown format (GGML ids: Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, "
+        return PyErr_Format(PyExc_ValueError, "%s: unknown format (GGML ids: Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q4_K=12, "
                                               "Q6_K=14; quantize: 2, 3, 8)", name);
     return PyErr_Format(PyExc_ValueError, "%s: sizes must be positive, inputs a multiple of the block", name);
 }

@@ -28,6 +28,10 @@ from .quants import UnsupportedQuantType, dequantize, supported_types, type_name
 from .gguf_meta import GGUFError, gguf_tokenizer, read_metadata
 from .tokenizer import Tokenizer
 
+# The formats a weights="auto" load keeps as blocks, in its cache entry's name: an entry written
+# when fewer were kept (their tensors converted to fp32) would hold fp32 where blocks now stay.
+_KEPT = "".join(f"{ggml:x}" for ggml in sorted(FORMAT_OF_GGML))
+
 
 def read_gguf(
     path: str | os.PathLike,
@@ -44,8 +48,9 @@ def read_gguf(
     $HEADWISE_CACHE or ~/.cache/headwise); False always converts from the file.
     keep_quantized: tensors in a format headwise computes from (q4_0, q4_1, q8_0, q4_k,
     q6_k; models/linear.py) come back as QuantTensor blocks, the rest fp32 (weights="auto"),
-    cached in an entry of their own (<entry>-stored: the blocks as uint8 tensors), since
-    parsing the file's metadata takes ~2 s for SmolLM2 and reading the entry ~0.3 s.
+    cached in an entry of their own (<entry>-stored-<formats kept>: the blocks as uint8 tensors;
+    an entry made when headwise kept fewer formats is not reused), since parsing the file's
+    metadata takes ~2 s for SmolLM2 and reading the entry ~0.3 s.
     """
     path = Path(path)
     if not path.is_file():
@@ -54,7 +59,7 @@ def read_gguf(
         config, tensors, tokenizer = convert_gguf(path, keep_quantized=True)
     elif keep_quantized:
         entry = cache_entry(path, cache_dir)
-        entry = entry.with_name(entry.name + "-stored")
+        entry = entry.with_name(f"{entry.name}-stored-{_KEPT}")
         cached = gguf_cache.read(entry)
         if cached is not None:
             (config, tensors), tokenizer = unflatten(*cached[:2]), cached[2]
@@ -270,7 +275,7 @@ def _one_thread():
 
 def llama_tensors(reader, cfg: dict, path: Path, *, keep_quantized: bool = False) -> dict[str, Tensor]:
     """{HF name: fp32 tensor}; keep_quantized: tensors in a format models/linear.py computes
-    from (q4_0, q4_1, q8_0, q4_k, q6_k) come as QuantTensor blocks, copied out of the file."""
+    from (q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q6_k) come as QuantTensor blocks, copied out of the file."""
     out = {}
     with _one_thread():
         for t in reader.tensors:

@@ -33,16 +33,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import kernels
+from ..formats import QUANT_FORMATS
 from . import quants
 
-# name -> (ggml type id, values per block, bytes per block); kernels.quant.FORMATS has the same
-FORMATS = {
-    "q4_0": (2, 32, 18),
-    "q4_1": (3, 32, 20),
-    "q8_0": (8, 32, 34),
-    "q4_k": (12, 256, 144),
-    "q6_k": (14, 256, 210),
-}
+FORMATS = QUANT_FORMATS  # name -> (ggml type id, values per block, bytes per block): headwise/formats.py
 FORMAT_OF_GGML = {ggml: name for name, (ggml, _, _) in FORMATS.items()}
 
 

@@ -1,7 +1,7 @@
 """`headwise.load(..., weights=...)`: which weights stay or become GGML blocks, and the saved form.
 
     weights="auto"   a GGUF's tensors as stored where a quantized kernel format exists
-                     (q4_0, q4_1, q8_0, q4_k, q6_k); other types and safetensors stay float
+                     (q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q6_k); other types and safetensors stay float
     weights="fp32"   everything dequantized to fp32 (the loader as it was before issue 14)
     weights="bf16"   everything dequantized, then cast to bf16
     weights="q8_0" | "q4_0" | "q4_1" (aliases "int8" = q8_0, "int4" = q4_1)
@@ -71,15 +71,20 @@ class QuantTensor(NamedTuple):
 
 
 def fuse_rows(parts: list) -> Tensor | QuantTensor:
-    """Stack row blocks (q | k | v, gate | up): blocks when every part is in one format,
-    else fp32 (the caller warns: the projection then has no quantized copy)."""
+    """Stack row blocks (q | k | v, gate | up): blocks when every part is in one format, or when
+    the formats differ but each part is Q8_0 or holds exactly what a Q8_0 block can (Q4_0, Q5_0:
+    llama.cpp's Q4_K_M keeps some V projections in Q8_0 beside Q5_0 Q and K where the width is
+    not a multiple of 256); else fp32 (the caller warns: the projection then has no quantized copy)."""
     quantized = [p for p in parts if isinstance(p, QuantTensor)]
     if not quantized:
         return torch.cat(parts, dim=0)
     fmts = {p.fmt for p in quantized}
+    if len(quantized) == len(parts) and len(fmts) > 1 and fmts <= set(_AS_Q8_0):
+        parts = [as_q8_0(p) for p in parts]
+        fmts = {"q8_0"}
     if len(quantized) == len(parts) and len(fmts) == 1:
         O = sum(p.shape[0] for p in parts)
-        return QuantTensor(torch.cat([p.blocks for p in parts], dim=0), quantized[0].fmt, (O, parts[0].shape[1]))
+        return QuantTensor(torch.cat([p.blocks for p in parts], dim=0), parts[0].fmt, (O, parts[0].shape[1]))
     return torch.cat([p.dequantize() if isinstance(p, QuantTensor) else p.float() for p in parts], dim=0)
 
 
@@ -87,9 +92,32 @@ def mixed(parts: list) -> str | None:
     """When fuse_rows(parts) falls back to fp32 although some parts are blocks: the parts'
     formats in row order ("q4_k|q4_k|q6_k"), else None."""
     q = [p for p in parts if isinstance(p, QuantTensor)]
-    if not q or (len(q) == len(parts) and len({p.fmt for p in q}) == 1):
+    fmts = {p.fmt for p in q}
+    if not q or (len(q) == len(parts) and (len(fmts) == 1 or fmts <= set(_AS_Q8_0))):
         return None
     return "|".join(p.fmt if isinstance(p, QuantTensor) else str(p.dtype).removeprefix("torch.") for p in parts)
+
+
+# Formats whose blocks are Q8_0 blocks in other clothes: w = d (q - offset), one f16 d per 32
+# values, q - offset within int8. name -> (bytes of fifth bits after d, offset); q8_0 as is.
+_AS_Q8_0 = {"q4_0": (0, 8), "q5_0": (4, 16), "q8_0": None}
+
+
+def as_q8_0(p: QuantTensor) -> QuantTensor:
+    """A Q4_0 / Q5_0 weight as Q8_0 blocks of exactly its values (the same d, q - offset)."""
+    if p.fmt == "q8_0":
+        return p
+    high, offset = _AS_Q8_0[p.fmt]
+    O, I = p.shape
+    b = p.blocks.view(O, I // 32, FORMATS[p.fmt][2])
+    qs = b[..., 2 + high :]  # 16 bytes: values j (low nibbles) and 16 + j (high)
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).to(torch.int16)
+    if high:  # value j's fifth bit: bit j of the little-endian u32 after d
+        bits = b[..., 2:6].to(torch.int64)
+        word = bits[..., 0] | bits[..., 1] << 8 | bits[..., 2] << 16 | bits[..., 3] << 24
+        q |= (((word[..., None] >> torch.arange(32)) & 1) << 4).to(torch.int16)
+    q8 = (q - offset).to(torch.int8).view(torch.uint8)
+    return QuantTensor(torch.cat([b[..., :2], q8], dim=-1).reshape(O, -1).contiguous(), "q8_0", p.shape)
 
 
 def warn_mixed(names: list[str], what: str) -> None:

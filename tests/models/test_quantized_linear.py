@@ -25,10 +25,10 @@ K_SHAPES = [(7, 256), (33, 512)]  # the K-quants' blocks are 256 values
 
 
 def make_blocks(fmt, O, I, seed=0):
-    """Blocks as llama.cpp's quantizer writes them (q4_0, q4_1, q8_0) or random with sane f16
-    scales (q4_k, q6_k: gguf cannot quantize them)."""
+    """Blocks as llama.cpp's quantizer writes them (q4_0, q4_1, q5_0, q5_1, q8_0) or random with
+    sane f16 scales (q4_k, q6_k: gguf cannot quantize them)."""
     g = torch.Generator().manual_seed(seed)
-    if fmt in ("q4_0", "q4_1", "q8_0"):
+    if fmt in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0"):
         w = torch.randn(O, I, generator=g) * 0.05
         return torch.from_numpy(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType(FORMATS[fmt][0])))
     _, block, nbytes = FORMATS[fmt]
@@ -237,8 +237,8 @@ def test_weight_is_a_copy_repr_and_bytes():
 def test_bad_blocks_and_formats_are_named():
     with pytest.raises(ValueError, match=r"uint8 \(8, 144\)"):
         QuantizedLinear(256, 8, "q4_0", blocks=torch.zeros(8, 100, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="unknown quantized format 'q5_0'"):
-        QuantizedLinear(256, 8, "q5_0")
+    with pytest.raises(ValueError, match="unknown quantized format 'q2_k'"):
+        QuantizedLinear(256, 8, "q2_k")
     with pytest.raises(ValueError, match="not a multiple"):
         QuantizedLinear(100, 8, "q8_0")
 
@@ -318,3 +318,19 @@ def test_pack_quantized_keeps_a_tied_head_on_one_buffer(tmp_path):
         torch.testing.assert_close(model(ids), before, rtol=0, atol=1e-3 * before.abs().max().item())
     back = headwise.load(save(model, tmp_path / "saved"), pack=False)  # saved in the file's layout
     assert not back.embed.packed and torch.equal(back.embed.blocks, model.embed.file_blocks())
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q5_0"])
+def test_mixed_fused_parts_become_q8_0_of_the_same_values(fmt):
+    """q | k | v in Q5_0, Q5_0, Q8_0 (llama.cpp's Q4_K_M where widths are not multiples of 256):
+    fused as Q8_0 blocks whose values gguf decodes exactly as it decodes the parts; a mix Q8_0
+    cannot hold (Q4_1's offsets) stays fp32."""
+    from headwise.models.quantized_load import QuantTensor, fuse_rows, mixed
+
+    parts = [QuantTensor(make_blocks(f, O, 96, seed=O), f, (O, 96)) for f, O in ((fmt, 9), (fmt, 3), ("q8_0", 3))]
+    fused = fuse_rows(parts)
+    assert mixed(parts) is None and fused.fmt == "q8_0" and fused.shape == (15, 96)
+    want = torch.cat([reference_weight(p.blocks, p.fmt, *p.shape) for p in parts])
+    assert torch.equal(reference_weight(fused.blocks, "q8_0", 15, 96), want)
+    odd = [parts[0], QuantTensor(make_blocks("q4_1", 3, 96), "q4_1", (3, 96))]
+    assert mixed(odd) == f"{fmt}|q4_1" and fuse_rows(odd).dtype == torch.float32
