@@ -32,7 +32,7 @@ static void repack_group(int fmt, uint8_t *rows, long row_bytes, long nrows, lon
 
 /* (O, row_bytes) blocks -> packed groups (ceil(O / 8) x 8 rows), or back (pack = 0). */
 int hw_repack8(int fmt, const uint8_t *src, uint8_t *dst, long O, long I, int pack) {
-    if (fmt != Q4_0 && fmt != Q4_1 && fmt != Q8_0) return ERR_FORMAT;
+    if (!packable(fmt)) return ERR_FORMAT;
     if (O < 1 || I < 1 || I % QK) return ERR_SHAPE;
     const long nb = I / QK, row_bytes = nb * block_bytes(fmt), G = (O + 7) / 8;
     #pragma omp parallel for schedule(static) if (O * I >= (1L << 16))
@@ -81,7 +81,7 @@ static void dequantize_row(int fmt, const uint8_t *row, float *out, long I) {
 int hw_dequantize(int fmt, const uint8_t *w, float *out, long O, long I) {
     const int packed = (fmt & X8) != 0;
     fmt &= ~X8;
-    if (!block_bytes(fmt) || (packed && fmt != Q4_0 && fmt != Q4_1 && fmt != Q8_0)) return ERR_FORMAT;
+    if (!block_bytes(fmt) || (packed && !packable(fmt))) return ERR_FORMAT;
     if (O < 1 || I < 1 || I % block_values(fmt)) return ERR_SHAPE;
     const long row_bytes = I / block_values(fmt) * block_bytes(fmt);
     if (packed) {  /* each group back to rows in a scratch, then as rows */
@@ -97,9 +97,15 @@ int hw_dequantize(int fmt, const uint8_t *w, float *out, long O, long I) {
             }
             repack_group(fmt, rows, row_bytes, n, I / QK, (uint8_t *)w + g * 8 * row_bytes, 0);
             for (long k = 0; k < n; k++) {
-                if (fmt == Q4_1) dequantize_row(Q4_1, rows + k * row_bytes, out + (8 * g + k) * I, I);
-                else if (fmt == Q8_0) dequantize_row(Q8_0, rows + k * row_bytes, out + (8 * g + k) * I, I);
-                else dequantize_row(Q4_0, rows + k * row_bytes, out + (8 * g + k) * I, I);
+                uint8_t *row = rows + k * row_bytes;
+                float *o = out + (8 * g + k) * I;
+                switch (fmt) {
+                    case Q4_1: dequantize_row(Q4_1, row, o, I); break;
+                    case Q5_0: dequantize_row(Q5_0, row, o, I); break;
+                    case Q5_1: dequantize_row(Q5_1, row, o, I); break;
+                    case Q8_0: dequantize_row(Q8_0, row, o, I); break;
+                    default: dequantize_row(Q4_0, row, o, I); break;
+                }
             }
             free(rows);
         }

@@ -1,4 +1,4 @@
-/* quant_linear.c's weights packed in groups of 8 rows (fmt | X8, quant_blocks.h: Q4_0, Q4_1, Q8_0):
+/* quant_linear.c's weights packed in groups of 8 rows (fmt | X8, quant_blocks.h: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0):
  * each group's blocks interleaved so that one 32-byte chunk holds the same block of 8 rows, met
  * by every row of quantized x before the next (group_out), and in the avx512 build, from 4 rows
  * of x, two groups at a time in zmm (group2_out). quant_linear.c quantizes x and calls
@@ -29,13 +29,29 @@ int hw_qpf_ahead = 2048;  /* bytes; set at load per core by kernels/__init__.py 
 #define GMC 4
 #endif
 
+/* A Q5 group's fifth bits for chunk c: qh holds the 8 rows' 32-bit masks (dword lane r = row r);
+ * byte j of lane r gets 0x10 where value 4c + j (lo) or 16 + 4c + j (hi) has its fifth bit,
+ * matching the chunk's nibbles. The mask's byte k = c / 2 (lo; 2 + c / 2 for hi) spread over the
+ * lane's 4 bytes, each byte then tested for its own bit 4 (c % 2) + j. */
+static inline __m256i fifth_bits(__m256i qh, int c, int hi) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4,
+                                            8, 8, 8, 8, 12, 12, 12, 12);
+    const __m256i bit = _mm256_set1_epi32((int)(0x08040201u << (4 * (c % 2))));
+    const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(qh, _mm256_add_epi8(spread, _mm256_set1_epi8(
+                                                                  (char)(2 * hi + c / 2)))), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(b, bit), _mm256_set1_epi8(0x10));
+}
+
 /* 8 packed rows against MC (1..GMC) rows of quantized x: out[m] lane r = row r's output. The
  * weight chunks are loaded one at a time and met by every row of x before the next, so the
- * registers hold 2 chunks, MC int16 sums and MC accumulators (no spills at MC = GMC). */
+ * registers hold 2 chunks, MC int16 sums and MC accumulators (no spills at MC = GMC). Q5_0 / Q5_1:
+ * Q4_0's / Q4_1's with each value's fifth bit from the group's first chunk (values 0..31: in
+ * AVX2's int16 sums 8 pair sums could pass 2^15, so there each chunk's two go to int32 at once). */
 static inline __attribute__((always_inline)) void group_tile(int fmt, int MC, const uint8_t *grp, long nb,
                                                              const int8_t *qx, const float *dx, const float *sx,
                                                              long I, __m256 out[GMC]) {
-    const long gb = 8 * block_bytes(fmt), h = 8 * hdr_bytes(fmt);
+    const int five = fmt == Q5_0 || fmt == Q5_1;
+    const long gb = 8 * block_bytes(fmt), h = 8 * hdr_bytes(fmt) + (five ? 32 : 0);
     const __m256i mask = _mm256_set1_epi8(0x0F);
     __m256 acc[GMC];
     for (int m = 0; m < MC; m++) acc[m] = _mm256_setzero_ps();
@@ -46,9 +62,11 @@ static inline __attribute__((always_inline)) void group_tile(int fmt, int MC, co
         for (long o = 0; o < gb; o += 64) _mm_prefetch((const char *)(p + ahead + o), _MM_HINT_T0);
         __m256i sum[GMC];
         for (int m = 0; m < MC; m++) sum[m] = _mm256_setzero_si256();
+        const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(p + h - 32)) : _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(p + h + 32 * c));
-            const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            if (five) lo = _mm256_or_si256(lo, fifth_bits(qh, c, 0)), hi = _mm256_or_si256(hi, fifth_bits(qh, c, 1));
             for (int m = 0; m < MC; m++) {
                 int32_t a, z;
                 memcpy(&a, xb + m * I + 4 * c, 4), memcpy(&z, xb + m * I + 16 + 4 * c, 4);
@@ -56,19 +74,21 @@ static inline __attribute__((always_inline)) void group_tile(int fmt, int MC, co
                 sum[m] = _mm256_dpbusd_epi32(sum[m], lo, _mm256_set1_epi32(a));
                 sum[m] = _mm256_dpbusd_epi32(sum[m], hi, _mm256_set1_epi32(z));
 #else
-                sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)));
-                sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(z)));
+                const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)),
+                                                      _mm256_maddubs_epi16(hi, _mm256_set1_epi32(z)));
+                sum[m] = five ? _mm256_add_epi32(sum[m], _mm256_madd_epi16(pair, _mm256_set1_epi16(1)))
+                              : _mm256_add_epi16(sum[m], pair);
 #endif
             }
         }
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-        const __m256 mw = fmt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))
-                                      : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
+        const __m256 mw = fmt == Q4_1 || fmt == Q5_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)))
+                                                     : _mm256_mul_ps(dw, _mm256_set1_ps(fmt == Q5_0 ? -16.0f : -8.0f));
         for (int m = 0; m < MC; m++) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
             const __m256 f = _mm256_cvtepi32_ps(sum[m]);
 #else
-            const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[m], _mm256_set1_epi16(1)));
+            const __m256 f = _mm256_cvtepi32_ps(five ? sum[m] : _mm256_madd_epi16(sum[m], _mm256_set1_epi16(1)));
 #endif
             acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(dx + m * nb + b)), f, acc[m]);
             acc[m] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(sx + m * nb + b), acc[m]);
@@ -164,6 +184,10 @@ static void group_out(int fmt, const uint8_t *w, const int8_t *qx, const float *
             }
         } else if (fmt == Q4_1) {
             GROUP_MC(Q4_1, mc, grp, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
+        } else if (fmt == Q5_0) {
+            GROUP_MC(Q5_0, mc, grp, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
+        } else if (fmt == Q5_1) {
+            GROUP_MC(Q5_1, mc, grp, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
         } else {
             GROUP_MC(Q4_0, mc, grp, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
         }
@@ -287,7 +311,7 @@ void hw_quant_groups(int fmt, const uint8_t *w, const int8_t *qx, const float *d
                      const float *r, float *y, long M, long O, long I, int par) {
     const long ng = (O + 7) / 8;
 #ifdef HAVE_GROUP2
-    if (M >= ZMIN) {
+    if (M >= ZMIN && fmt != Q5_0 && fmt != Q5_1) {  /* the Q5s stay on group_tile's ymm */
         #pragma omp parallel for schedule(static) if (par)
         for (long q = 0; q < (ng + 1) / 2; q++) {
             if (2 * q + 1 < ng) group2_out(fmt, w, qx, dx, sx, b, r, y, M, O, I, 2 * q);

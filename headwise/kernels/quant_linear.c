@@ -161,7 +161,7 @@ int hw_quant_linear(int fmt, const uint8_t *w, const float *x, const float *b, c
                     long rot_cols, long head_dim) {
     const int packed = (fmt & X8) != 0;
     fmt &= ~X8;
-    if (!block_bytes(fmt) || (packed && fmt != Q4_0 && fmt != Q4_1 && fmt != Q8_0)) return ERR_FORMAT;
+    if (!block_bytes(fmt) || (packed && !packable(fmt))) return ERR_FORMAT;
     if (M < 1 || O < 1 || I < 1 || I % block_values(fmt)) return ERR_SHAPE;
     const long nb = I / QK, row_bytes = I / block_values(fmt) * block_bytes(fmt);
     float *buf = kind != PRO_NONE ? malloc(sizeof(float) * (size_t)(M * I)) : NULL;

@@ -352,3 +352,47 @@ def test_bad_weights_are_refused():
 def test_bad_input_is_refused(x, kw, match):
     with pytest.raises(ValueError, match=match):
         run(random_blocks("q4_1", 4, 256), "q4_1", x, **kw)
+
+
+def _saturated(fmt, O, I):
+    """Q5 blocks at their largest values: every nibble 15 and every fifth bit set (q = 31), d = 1/64
+    (Q5_1's m too): each 4-value pair sum of a maddubs at its largest against x's 127."""
+    blocks = random_blocks(fmt, O, I).view(O, I // 32, -1)
+    hdr = F16_FIELDS[fmt]
+    blocks[..., len(hdr) * 2 :] = 0xFF
+    for at in hdr:
+        blocks[..., at : at + 2] = torch.tensor([1 / 64], dtype=torch.float16).view(torch.uint8)
+    return blocks.reshape(O, -1).contiguous()
+
+
+_SATURATED_RUN = """
+import sys, torch
+sys.path.insert(0, {root!r})
+from tests.kernels.test_quant_linear import _saturated, run, quantized_x, assert_close
+from headwise import kernels
+for fmt in ("q5_0", "q5_1"):
+    blocks = _saturated(fmt, 24, 512)
+    for M in (1, 3, 8):
+        x = torch.ones(M, 512)
+        for packed in (False, True):
+            assert_close(run(blocks, fmt, x, packed=packed), quantized_x(x), blocks, fmt)
+print(kernels.isa())
+"""
+
+
+@pytest.mark.parametrize("isa", [None, "avx2"])
+def test_q5_at_their_largest_values_do_not_overflow(isa):
+    """Q5_0 / Q5_1 weights of 31 against x of 127 in every lane, rows and packed, in this CPU's
+    variant and in the avx2 one (whose int16 sums would pass 2^15 after 8 pair sums: each chunk's
+    go to int32), against the float64 reference."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, **({"HEADWISE_ISA": isa} if isa else {})}
+    root = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run(
+        [sys.executable, "-c", _SATURATED_RUN.format(root=root)], env=env, capture_output=True, text=True, cwd=root
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert isa is None or out.stdout.split()[-1] == isa
