@@ -17,6 +17,11 @@ model with defaults and decodes 16 tokens; VmRSS then, against the file's weight
 
     .venv/bin/python benchmarks/quantized.py              # ~6 min; saves results/quantized.{txt,json}
     .venv/bin/python benchmarks/quantized.py --quick      # 16 tokens, 1 round, nothing saved
+    .venv/bin/python benchmarks/quantized.py --requantize Q4_K_M   # the file llama-quantize makes of it
+
+--requantize TYPE: every contender on llama-quantize's TYPE of the builtin file (cached beside the
+llama.cpp build), the formats a user downloads (Q4_K_M: for SmolLM2's 576-wide rows mostly Q5_0,
+Q4_K / Q6_K down projections, Q8_0 for some V projections).
 """
 
 from __future__ import annotations
@@ -107,9 +112,9 @@ def hf_model(path: Path):
     return m
 
 
-def resident(weights: str) -> dict:
+def resident(model: str, weights: str) -> dict:
     """VmRSS / VmHWM of a fresh process that loaded the model and decoded 16 tokens."""
-    out = subprocess.run([sys.executable, "-c", RSS_CODE, MODEL, weights], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", RSS_CODE, model, weights], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -128,6 +133,11 @@ def main() -> None:
     ap.add_argument("--no-llama", action="store_true", help="skip llama.cpp (not built here)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--quick", action="store_true", help="16 new tokens, prefill 64, 1 round, nothing saved")
+    ap.add_argument(
+        "--requantize",
+        metavar="TYPE",
+        help="run on llama-quantize's TYPE of the builtin file (Q4_K_M, Q8_0, ...: peers/llama_cpp.py QUANT_TYPES)",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "quantized")
     args = ap.parse_args()
     if args.quick:
@@ -136,11 +146,18 @@ def main() -> None:
     log = Log()
     env = environment()
     path = resolve(MODEL)
+    if args.requantize:
+        from peers import llama_cpp
+
+        path = llama_cpp.quantize(path, args.requantize)
+    model = str(path) if args.requantize else MODEL
     log(f"headwise quantized-decode benchmark  {env['date']}")
     log(f"torch {torch.__version__}  cpu {env['cpu_model']}  threads {args.threads}  kernels {headwise.kernels.isa()}")
     log(f"file {path.name}: {gguf_weight_bytes(path) / 2**20:.1f} MiB of tensors")
 
-    models = {"hw_q": headwise.load(MODEL), "hw_fp32": headwise.load(MODEL, weights="fp32")}
+    models = {"hw_q": headwise.load(model), "hw_fp32": headwise.load(model, weights="fp32")}
+    formats = sorted({getattr(m, "fmt", None) for m in models["hw_q"].modules()} - {None})
+    log(f"hw_q computes from {', '.join(formats)} blocks")
     V = models["hw_q"].config.vocab_size
     hf = None if args.no_hf else hf_model(path)
     llama = None
@@ -217,7 +234,7 @@ def main() -> None:
     log(f"\nPrefill {args.prefill} tokens, tok/s")
     log(table(["contender", "min", "median", "max", f"vs {ref_d}"], rows))
 
-    mem = {w: resident(w) for w in ("auto", "fp32")}
+    mem = {w: resident(model, w) for w in ("auto", "fp32")}
     wb = gguf_weight_bytes(path)
     log("\nResident memory after load + 16 tokens (fresh process)")
     log(
