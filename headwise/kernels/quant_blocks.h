@@ -155,8 +155,10 @@ static inline __attribute__((always_inline)) wblock unpack(int fmt, const uint8_
  * ~1.8x from 2 rows. */
 
 /* the f16 fields before a block's quants (a Q5 block's 4 bytes of fifth bits are its first chunk) */
-static inline long hdr_bytes(int fmt) { return fmt == Q4_1 || fmt == Q5_1 ? 4 : 2; }
-static inline int packable(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q5_1 || fmt == Q8_0; }
+static inline long hdr_bytes(int fmt) { return fmt == Q4_1 || fmt == Q5_1 || fmt == Q4_K ? 4 : 2; }
+static inline int packable(int fmt) {
+    return fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q5_1 || fmt == Q8_0 || fmt == Q4_K;
+}
 
 int hw_quant_linear(int fmt, const uint8_t *w, const float *x, const float *b, const float *r, float *y, long M,
                     long O, long I, int kind, const float *norm_w, float eps, const float *cos, const float *sin,

@@ -33,8 +33,8 @@ static void repack_group(int fmt, uint8_t *rows, long row_bytes, long nrows, lon
 /* (O, row_bytes) blocks -> packed groups (ceil(O / 8) x 8 rows), or back (pack = 0). */
 int hw_repack8(int fmt, const uint8_t *src, uint8_t *dst, long O, long I, int pack) {
     if (!packable(fmt)) return ERR_FORMAT;
-    if (O < 1 || I < 1 || I % QK) return ERR_SHAPE;
-    const long nb = I / QK, row_bytes = nb * block_bytes(fmt), G = (O + 7) / 8;
+    if (O < 1 || I < 1 || I % block_values(fmt)) return ERR_SHAPE;
+    const long nb = I / block_values(fmt), row_bytes = nb * block_bytes(fmt), G = (O + 7) / 8;
     #pragma omp parallel for schedule(static) if (O * I >= (1L << 16))
     for (long g = 0; g < G; g++) {
         const long n = O - 8 * g < 8 ? O - 8 * g : 8;
@@ -95,7 +95,7 @@ int hw_dequantize(int fmt, const uint8_t *w, float *out, long O, long I) {
                 rc = ERR_ALLOC;
                 continue;
             }
-            repack_group(fmt, rows, row_bytes, n, I / QK, (uint8_t *)w + g * 8 * row_bytes, 0);
+            repack_group(fmt, rows, row_bytes, n, I / block_values(fmt), (uint8_t *)w + g * 8 * row_bytes, 0);
             for (long k = 0; k < n; k++) {
                 uint8_t *row = rows + k * row_bytes;
                 float *o = out + (8 * g + k) * I;
@@ -104,6 +104,7 @@ int hw_dequantize(int fmt, const uint8_t *w, float *out, long O, long I) {
                     case Q5_0: dequantize_row(Q5_0, row, o, I); break;
                     case Q5_1: dequantize_row(Q5_1, row, o, I); break;
                     case Q8_0: dequantize_row(Q8_0, row, o, I); break;
+                    case Q4_K: dequantize_row(Q4_K, row, o, I); break;
                     default: dequantize_row(Q4_0, row, o, I); break;
                 }
             }

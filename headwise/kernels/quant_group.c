@@ -150,6 +150,81 @@ static inline __attribute__((always_inline)) void group_tile_q8(int MC, const ui
         default: group_tile(F, GMC, __VA_ARGS__); break;     \
     }
 
+/* Q4_K's groups: per super-block the 8 rows' d and dmin, their 12 bytes of 6-bit scales and mins
+ * as 3 chunks (dword lane r = row r's bytes 4c .. 4c + 3), then 32 chunks of quants: chunk 8 k + c
+ * holds each row's bytes 32 k + 4 c .. + 3, whose low nibbles are values 4 c .. of sub-block 2 k
+ * and high nibbles those of sub-block 2 k + 1. Sub-block j's scale and min for the 8 rows are
+ * ggml's get_scale_min_k4 on the lanes at once; w = (d sc_j) q - dmin mn_j, the rows path's. */
+static inline __m256i lane_byte(__m256i v, int k) {  /* byte k of each dword lane, as int32 */
+    return _mm256_and_si256(_mm256_srli_epi32(v, 8 * k), _mm256_set1_epi32(0xFF));
+}
+static inline __attribute__((always_inline)) void group_tile_q4k(int MC, const uint8_t *grp, long nsb,
+                                                                 const int8_t *qx, const float *dx, const float *sx,
+                                                                 long I, __m256 out[GMC]) {
+    const long nb = I / QK;
+    const __m256i mask = _mm256_set1_epi8(0x0F), m6 = _mm256_set1_epi32(63), m4 = _mm256_set1_epi32(0x0F);
+    __m256 acc[GMC];
+    for (int m = 0; m < MC; m++) acc[m] = _mm256_setzero_ps();
+    const long ahead = hw_qpf_ahead;
+    for (long s = 0; s < nsb; s++) {
+        const uint8_t *p = grp + s * 8 * 144;
+        for (long o = 0; o < 8 * 144; o += 64) _mm_prefetch((const char *)(p + ahead + o), _MM_HINT_T0);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)));
+        const __m256i s0 = _mm256_loadu_si256((const __m256i *)(p + 32)),
+                      s1 = _mm256_loadu_si256((const __m256i *)(p + 64)),
+                      s2 = _mm256_loadu_si256((const __m256i *)(p + 96));
+        const uint8_t *q = p + 128;
+        for (int k = 0; k < 4; k++) {
+            __m256 dw[2], mw[2];
+            for (int h = 0; h < 2; h++) {  /* sub-block j = 2 k + h */
+                const int j = 2 * k + h;
+                __m256i sc, mn;
+                if (j < 4) {
+                    sc = _mm256_and_si256(lane_byte(s0, j), m6), mn = _mm256_and_si256(lane_byte(s1, j), m6);
+                } else {
+                    const __m256i lo = lane_byte(s2, j - 4);
+                    sc = _mm256_or_si256(_mm256_and_si256(lo, m4), _mm256_slli_epi32(_mm256_srli_epi32(lane_byte(s0, j - 4), 6), 4));
+                    mn = _mm256_or_si256(_mm256_srli_epi32(lo, 4), _mm256_slli_epi32(_mm256_srli_epi32(lane_byte(s1, j - 4), 6), 4));
+                }
+                dw[h] = rounded8(_mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
+                mw[h] = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn)));
+            }
+            __m256i sum[2][GMC];
+            for (int m = 0; m < MC; m++) sum[0][m] = sum[1][m] = _mm256_setzero_si256();
+            const int8_t *xb = qx + (s * 8 + 2 * k) * QK;
+            for (int c = 0; c < 8; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(q + (8 * k + c) * 32));
+                const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+                for (int m = 0; m < MC; m++) {
+                    int32_t a, z;
+                    memcpy(&a, xb + m * I + 4 * c, 4), memcpy(&z, xb + m * I + QK + 4 * c, 4);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                    sum[0][m] = _mm256_dpbusd_epi32(sum[0][m], lo, _mm256_set1_epi32(a));
+                    sum[1][m] = _mm256_dpbusd_epi32(sum[1][m], hi, _mm256_set1_epi32(z));
+#else  /* 8 pair sums of at most 2 x 15 x 127 each: within int16 */
+                    sum[0][m] = _mm256_add_epi16(sum[0][m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)));
+                    sum[1][m] = _mm256_add_epi16(sum[1][m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(z)));
+#endif
+                }
+            }
+            for (int h = 0; h < 2; h++) {
+                const long b = s * 8 + 2 * k + h;
+                for (int m = 0; m < MC; m++) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                    const __m256 f = _mm256_cvtepi32_ps(sum[h][m]);
+#else
+                    const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[h][m], _mm256_set1_epi16(1)));
+#endif
+                    acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw[h], _mm256_broadcast_ss(dx + m * nb + b)), f, acc[m]);
+                    acc[m] = _mm256_fmadd_ps(mw[h], _mm256_broadcast_ss(sx + m * nb + b), acc[m]);
+                }
+            }
+        }
+    }
+    for (int m = 0; m < MC; m++) out[m] = acc[m];
+}
+
 /* y[row][o .. o + n) = t + b + r (bias and residual where not NULL). */
 static inline void store_row(const float *t, long n, const float *b, const float *r, float *y, long row, long O,
                              long o) {
@@ -165,7 +240,7 @@ static inline void store_row(const float *t, long n, const float *b, const float
 static void group_out(int fmt, const uint8_t *w, const int8_t *qx, const float *dx, const float *sx,
                       const float *b, const float *r, float *y, long M, long O, long I, long g) {
     const long nb = I / QK, o = 8 * g, n = O - o < 8 ? O - o : 8;
-    const uint8_t *grp = w + g * nb * 8 * block_bytes(fmt);
+    const uint8_t *grp = w + g * (I / block_values(fmt)) * 8 * block_bytes(fmt);
     for (long m0 = 0; m0 < M; m0 += GMC) {
         const long mc = M - m0 < GMC ? M - m0 : GMC;
         __m256 out[GMC];
@@ -188,6 +263,21 @@ static void group_out(int fmt, const uint8_t *w, const int8_t *qx, const float *
             GROUP_MC(Q5_0, mc, grp, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
         } else if (fmt == Q5_1) {
             GROUP_MC(Q5_1, mc, grp, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
+        } else if (fmt == Q4_K) {
+            const int8_t *q = qx + m0 * I;
+            const float *d = dx + m0 * nb, *s = sx + m0 * nb;
+            switch (mc) {
+                case 1: group_tile_q4k(1, grp, I / QK_K, q, d, s, I, out); break;
+                case 2: group_tile_q4k(2, grp, I / QK_K, q, d, s, I, out); break;
+                case 3: group_tile_q4k(3, grp, I / QK_K, q, d, s, I, out); break;
+#if GMC > 4
+                case 4: group_tile_q4k(4, grp, I / QK_K, q, d, s, I, out); break;
+                case 5: group_tile_q4k(5, grp, I / QK_K, q, d, s, I, out); break;
+                case 6: group_tile_q4k(6, grp, I / QK_K, q, d, s, I, out); break;
+                case 7: group_tile_q4k(7, grp, I / QK_K, q, d, s, I, out); break;
+#endif
+                default: group_tile_q4k(GMC, grp, I / QK_K, q, d, s, I, out); break;
+            }
         } else {
             GROUP_MC(Q4_0, mc, grp, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
         }
@@ -311,7 +401,7 @@ void hw_quant_groups(int fmt, const uint8_t *w, const int8_t *qx, const float *d
                      const float *r, float *y, long M, long O, long I, int par) {
     const long ng = (O + 7) / 8;
 #ifdef HAVE_GROUP2
-    if (M >= ZMIN && fmt != Q5_0 && fmt != Q5_1) {  /* the Q5s stay on group_tile's ymm */
+    if (M >= ZMIN && (fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0)) {  /* the others stay on ymm tiles */
         #pragma omp parallel for schedule(static) if (par)
         for (long q = 0; q < (ng + 1) / 2; q++) {
             if (2 * q + 1 < ng) group2_out(fmt, w, qx, dx, sx, b, r, y, M, O, I, 2 * q);

@@ -287,11 +287,14 @@ def test_packed_layout_computes_the_same(fmt, O):
     packed = copy.deepcopy(rows)
     assert packed.pack() and packed.packed and packed.blocks.shape == (-(-O // 8), 8 * rows.blocks.shape[1])
     assert torch.equal(packed.weight, rows.weight) and torch.equal(packed.file_blocks(), rows.blocks)
+    # Q4_K's per-sub-block mins cancel much of each sum, so the two layouts' float sums (in other
+    # orders) differ by a few 1e-5 there; each is within tests/kernels' float64 bound
+    tol = 4e-5 if fmt == "q4_k" else 1e-5
     for n in (1, 5, kernels.KERNEL_ROWS + 3):
         x = torch.randn(n, I)
         with torch.inference_mode():
-            torch.testing.assert_close(packed(x), rows(x), rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(packed._tiled(x), packed._chunked(x), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(packed(x), rows(x), rtol=tol, atol=tol)
+            torch.testing.assert_close(packed._tiled(x), packed._chunked(x), rtol=tol, atol=tol)
     emb = QuantizedEmbedding(O, I, fmt, blocks=rows.blocks.clone())
     ids = torch.tensor([[0, O - 1, O // 2], [1, 1, O - 2]])
     want = emb(ids)
