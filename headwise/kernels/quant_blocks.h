@@ -156,8 +156,11 @@ static inline __attribute__((always_inline)) wblock unpack(int fmt, const uint8_
 
 /* the f16 fields before a block's quants (a Q5 block's 4 bytes of fifth bits are its first chunk) */
 static inline long hdr_bytes(int fmt) { return fmt == Q4_1 || fmt == Q5_1 || fmt == Q4_K ? 4 : 2; }
+/* where in a block its f16 fields are: first, except Q6_K's d, its last 2 bytes (the packed group
+ * puts them first all the same; the chunks are the block's other bytes in order) */
+static inline long hdr_at(int fmt) { return fmt == Q6_K ? 208 : 0; }
 static inline int packable(int fmt) {
-    return fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q5_1 || fmt == Q8_0 || fmt == Q4_K;
+    return fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q5_1 || fmt == Q8_0 || fmt == Q4_K || fmt == Q6_K;
 }
 
 int hw_quant_linear(int fmt, const uint8_t *w, const float *x, const float *b, const float *r, float *y, long M,

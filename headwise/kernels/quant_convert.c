@@ -20,13 +20,13 @@ static inline void copy_to(int pack, uint8_t *row, uint8_t *grp, size_t n) {
 
 /* nrows (<= 8) rows of blocks (row_bytes apart) <-> one packed group of nb blocks (pack = 1: to it). */
 static void repack_group(int fmt, uint8_t *rows, long row_bytes, long nrows, long nb, uint8_t *grp, int pack) {
-    const long bb = block_bytes(fmt), h = hdr_bytes(fmt);
+    const long bb = block_bytes(fmt), h = hdr_bytes(fmt), at = hdr_at(fmt), q0 = at ? 0 : h;
     if (pack) memset(grp, 0, (size_t)(8 * nb * bb));
     for (long r = 0; r < nrows; r++)
         for (long b = 0; b < nb; b++) {
             uint8_t *row = rows + r * row_bytes + b * bb, *g = grp + b * 8 * bb;
-            for (long f = 0; f < h / 2; f++) copy_to(pack, row + 2 * f, g + 16 * f + 2 * r, 2);  /* d (, m) */
-            for (long c = 0; c < (bb - h) / 4; c++) copy_to(pack, row + h + 4 * c, g + 8 * h + 32 * c + 4 * r, 4);
+            for (long f = 0; f < h / 2; f++) copy_to(pack, row + at + 2 * f, g + 16 * f + 2 * r, 2);  /* d (, m) */
+            for (long c = 0; c < (bb - h) / 4; c++) copy_to(pack, row + q0 + 4 * c, g + 8 * h + 32 * c + 4 * r, 4);
         }
 }
 
@@ -105,6 +105,7 @@ int hw_dequantize(int fmt, const uint8_t *w, float *out, long O, long I) {
                     case Q5_1: dequantize_row(Q5_1, row, o, I); break;
                     case Q8_0: dequantize_row(Q8_0, row, o, I); break;
                     case Q4_K: dequantize_row(Q4_K, row, o, I); break;
+                    case Q6_K: dequantize_row(Q6_K, row, o, I); break;
                     default: dequantize_row(Q4_0, row, o, I); break;
                 }
             }

@@ -225,6 +225,65 @@ static inline __attribute__((always_inline)) void group_tile_q4k(int MC, const u
     for (int m = 0; m < MC; m++) out[m] = acc[m];
 }
 
+/* Q6_K's groups: per super-block the 8 rows' d, then the block's other bytes as chunks (8 rows x 4
+ * bytes): 32 of ql, 16 of qh, 4 of the 16 int8 scales. Sub-block j's values 4 c .. 4 c + 3 are ql
+ * chunk 16 (j / 4) + 8 (j % 2) + c shifted by 4 ((j % 4) / 2) and qh chunk 32 + 8 (j / 4) + c
+ * shifted by 2 (j % 4) (the rows path's unpack), minus 32. Signed weights: the sign trick, each
+ * 16-value half's sum times its scale in integers (AVX2: 4 pair sums <= 4 x 2 x 32 x 127 < 2^15). */
+static inline __attribute__((always_inline)) void group_tile_q6k(int MC, const uint8_t *grp, long nsb,
+                                                                 const int8_t *qx, const float *dx, long I,
+                                                                 __m256 out[GMC]) {
+    const long nb = I / QK;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), k32 = _mm256_set1_epi8(32);
+    __m256 acc[GMC];
+    for (int m = 0; m < MC; m++) acc[m] = _mm256_setzero_ps();
+    const long ahead = hw_qpf_ahead;
+    for (long s = 0; s < nsb; s++) {
+        const uint8_t *p = grp + s * 8 * 210, *ch = p + 16;
+        for (long o = 0; o < 8 * 210; o += 64) _mm_prefetch((const char *)(p + ahead + o), _MM_HINT_T0);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        for (int j = 0; j < 8; j++) {
+            const int cq = 16 * (j / 4) + 8 * (j % 2), chh = 32 + 8 * (j / 4), sl = 4 * ((j % 4) / 2), sh = 2 * (j % 4);
+            const __m256i scs = _mm256_loadu_si256((const __m256i *)(ch + 32 * (48 + j / 2)));
+            const int k0 = 2 * (j % 2);  /* the two scales' bytes in each lane, sign-extended */
+            const __m256i sc0 = _mm256_srai_epi32(_mm256_slli_epi32(scs, 24 - 8 * k0), 24),
+                          sc1 = _mm256_srai_epi32(_mm256_slli_epi32(scs, 16 - 8 * k0), 24);
+            const int8_t *xb = qx + (s * 8 + j) * QK;
+            __m256i sum[2][GMC];
+            for (int m = 0; m < MC; m++) sum[0][m] = sum[1][m] = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                const __m256i ql = _mm256_loadu_si256((const __m256i *)(ch + 32 * (cq + c)));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(ch + 32 * (chh + c)));
+                const __m256i q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, sl), m4),
+                                                  _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, sh), m2), 4));
+                const __m256i w = _mm256_sub_epi8(q, k32), aw = _mm256_abs_epi8(w);
+                for (int m = 0; m < MC; m++) {
+                    int32_t a;
+                    memcpy(&a, xb + m * I + 4 * c, 4);
+                    const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(a), w);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                    sum[c / 4][m] = _mm256_dpbusd_epi32(sum[c / 4][m], aw, sx);
+#else
+                    sum[c / 4][m] = _mm256_add_epi16(sum[c / 4][m], _mm256_maddubs_epi16(aw, sx));
+#endif
+                }
+            }
+            for (int m = 0; m < MC; m++) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                const __m256i s0 = sum[0][m], s1 = sum[1][m];
+#else
+                const __m256i s0 = _mm256_madd_epi16(sum[0][m], _mm256_set1_epi16(1)),
+                              s1 = _mm256_madd_epi16(sum[1][m], _mm256_set1_epi16(1));
+#endif
+                const __m256i t = _mm256_add_epi32(_mm256_mullo_epi32(s0, sc0), _mm256_mullo_epi32(s1, sc1));
+                acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_broadcast_ss(dx + m * nb + s * 8 + j)),
+                                         _mm256_cvtepi32_ps(t), acc[m]);
+            }
+        }
+    }
+    for (int m = 0; m < MC; m++) out[m] = acc[m];
+}
+
 /* y[row][o .. o + n) = t + b + r (bias and residual where not NULL). */
 static inline void store_row(const float *t, long n, const float *b, const float *r, float *y, long row, long O,
                              long o) {
@@ -277,6 +336,21 @@ static void group_out(int fmt, const uint8_t *w, const int8_t *qx, const float *
                 case 7: group_tile_q4k(7, grp, I / QK_K, q, d, s, I, out); break;
 #endif
                 default: group_tile_q4k(GMC, grp, I / QK_K, q, d, s, I, out); break;
+            }
+        } else if (fmt == Q6_K) {
+            const int8_t *q = qx + m0 * I;
+            const float *d = dx + m0 * nb;
+            switch (mc) {
+                case 1: group_tile_q6k(1, grp, I / QK_K, q, d, I, out); break;
+                case 2: group_tile_q6k(2, grp, I / QK_K, q, d, I, out); break;
+                case 3: group_tile_q6k(3, grp, I / QK_K, q, d, I, out); break;
+#if GMC > 4
+                case 4: group_tile_q6k(4, grp, I / QK_K, q, d, I, out); break;
+                case 5: group_tile_q6k(5, grp, I / QK_K, q, d, I, out); break;
+                case 6: group_tile_q6k(6, grp, I / QK_K, q, d, I, out); break;
+                case 7: group_tile_q6k(7, grp, I / QK_K, q, d, I, out); break;
+#endif
+                default: group_tile_q6k(GMC, grp, I / QK_K, q, d, I, out); break;
             }
         } else {
             GROUP_MC(Q4_0, mc, grp, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)

@@ -128,7 +128,15 @@ def round_activations(x: Tensor) -> Tensor:
     return x + (xq - x).detach() if x.requires_grad else xq
 
 
-PACKABLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k")  # kernels.quant.PACKABLE: formats with the 8-row layout
+PACKABLE = (
+    "q4_0",
+    "q4_1",
+    "q5_0",
+    "q5_1",
+    "q8_0",
+    "q4_k",
+    "q6_k",
+)  # kernels.quant.PACKABLE: formats with the 8-row layout
 
 
 def _blocks_buffer(
