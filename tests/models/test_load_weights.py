@@ -310,6 +310,38 @@ def test_mixed_formats_fall_back_to_fp32_with_one_warning(tmp_path):
     assert (lq - lf).abs().max() < 0.05 * lf.abs().max()
 
 
+def test_a_q4_k_m_style_file_computes_every_linear_from_its_blocks(tmp_path):
+    """llama.cpp's Q4_K_M where a width is not a multiple of 256 (SmolLM2's): Q5_0 Q, K, O, gate and
+    up, a Q8_0 V in one layer, Q6_K / Q4_K down projections, a Q6_K output. Every linear computes
+    from blocks in the 8-row packed layout, the first layer's q|k|v as Q8_0 blocks of exactly the
+    file's values (no warning, no fp32 copy): each weight equals the fp32 path's, and so do the
+    logits to within the int8 rounding of activations."""
+    types = [
+        {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": v, "attn_output": "Q5_0", "ffn_gate": "Q5_0", "ffn_up": "Q5_0"}
+        | {"ffn_down": down}
+        for v, down in (("Q8_0", "Q6_K"), ("Q5_0", "Q4_K"))
+    ]
+    path = tmp_path / "q4_k_m.gguf"
+    write_tiny_llama(path, types=types)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        q = headwise.load(path)
+    assert not [w for w in caught if "mix storage formats" in str(w.message)]
+    names = ("qkv_proj", "out_proj", "gate_up", "down")
+    linears = {n: m for n, m in q.named_modules() if n.rsplit(".", 1)[-1] in names}
+    assert len(linears) == 4 * q.config.num_layers
+    assert linears and all(type(m) is QuantizedLinear and m.packed for m in linears.values()), linears
+    assert [layer.attn.qkv_proj.fmt for layer in q.layers] == ["q8_0", "q5_0"]
+    assert [layer.mlp.down.fmt for layer in q.layers] == ["q6_k", "q4_k"] and q.lm_head.fmt == "q6_k"
+    f = dict(headwise.load(path, weights="fp32").named_modules())
+    for n, m in linears.items():
+        assert torch.equal(m.weight, f[n].weight), n
+    ids = torch.randint(0, q.config.vocab_size, (2, 12))
+    with torch.inference_mode():
+        lq, lf = q(ids), f[""](ids)
+    assert (lq - lf).abs().max() < 0.05 * lf.abs().max()
+
+
 def test_bad_weights_value_lists_the_valid_ones():
     with pytest.raises(ValueError, match="weights='int3' is not one of auto, fp32, bf16, q8_0, q4_0, q4_1, int8"):
         headwise.load("smollm2", weights="int3")
