@@ -380,7 +380,8 @@ static inline __m512 join_ph(const uint8_t *a, const uint8_t *b) {
 static inline __attribute__((always_inline)) void group2_tile(int fmt, int MC, const uint8_t *g0, const uint8_t *g1,
                                                               long nb, const int8_t *qx, const float *dx,
                                                               const float *sx, long I, __m512 out[GMC]) {
-    const long gb = 8 * block_bytes(fmt), h = 8 * hdr_bytes(fmt);
+    const int five = fmt == Q5_0 || fmt == Q5_1;
+    const long gb = 8 * block_bytes(fmt), h = 8 * hdr_bytes(fmt) + (five ? 32 : 0);
     const __m512i mask = _mm512_set1_epi8(0x0F);
     __m512 acc[GMC];
     for (int m = 0; m < MC; m++) acc[m] = _mm512_setzero_ps();
@@ -406,9 +407,17 @@ static inline __attribute__((always_inline)) void group2_tile(int fmt, int MC, c
                 }
             }
         } else {
+            const __m256i qh0 = five ? _mm256_loadu_si256((const __m256i *)(p0 + h - 32)) : _mm256_setzero_si256(),
+                          qh1 = five ? _mm256_loadu_si256((const __m256i *)(p1 + h - 32)) : _mm256_setzero_si256();
             for (int c = 0; c < 4; c++) {
                 const __m512i v = join_si(p0 + h + 32 * c, p1 + h + 32 * c);
-                const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+                __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+                if (five) {  /* the fifth bits of each group (group_tile's), joined */
+                    lo = _mm512_or_si512(lo, _mm512_inserti64x4(_mm512_castsi256_si512(fifth_bits(qh0, c, 0)),
+                                                                fifth_bits(qh1, c, 0), 1));
+                    hi = _mm512_or_si512(hi, _mm512_inserti64x4(_mm512_castsi256_si512(fifth_bits(qh0, c, 1)),
+                                                                fifth_bits(qh1, c, 1), 1));
+                }
                 for (int m = 0; m < MC; m++) {
                     int32_t a, z;
                     memcpy(&a, xb + m * I + 4 * c, 4), memcpy(&z, xb + m * I + 16 + 4 * c, 4);
@@ -423,7 +432,8 @@ static inline __attribute__((always_inline)) void group2_tile(int fmt, int MC, c
                 acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx[m * nb + b])), _mm512_cvtepi32_ps(sum[m]),
                                          acc[m]);
         } else {
-            const __m512 mw = fmt == Q4_1 ? join_ph(p0 + 16, p1 + 16) : _mm512_mul_ps(dw, _mm512_set1_ps(-8.0f));
+            const __m512 mw = fmt == Q4_1 || fmt == Q5_1 ? join_ph(p0 + 16, p1 + 16)
+                                                         : _mm512_mul_ps(dw, _mm512_set1_ps(fmt == Q5_0 ? -16.0f : -8.0f));
             for (int m = 0; m < MC; m++) {
                 acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx[m * nb + b])), _mm512_cvtepi32_ps(sum[m]),
                                          acc[m]);
@@ -458,6 +468,10 @@ static void group2_out(int fmt, const uint8_t *w, const int8_t *qx, const float 
             GROUP2_MC(Q8_0, mc, g0, g1, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
         } else if (fmt == Q4_1) {
             GROUP2_MC(Q4_1, mc, g0, g1, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
+        } else if (fmt == Q5_0) {
+            GROUP2_MC(Q5_0, mc, g0, g1, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
+        } else if (fmt == Q5_1) {
+            GROUP2_MC(Q5_1, mc, g0, g1, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
         } else {
             GROUP2_MC(Q4_0, mc, g0, g1, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
         }
@@ -475,7 +489,7 @@ void hw_quant_groups(int fmt, const uint8_t *w, const int8_t *qx, const float *d
                      const float *r, float *y, long M, long O, long I, int par) {
     const long ng = (O + 7) / 8;
 #ifdef HAVE_GROUP2
-    if (M >= ZMIN && (fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0)) {  /* the others stay on ymm tiles */
+    if (M >= ZMIN && fmt != Q4_K && fmt != Q6_K) {  /* the K-quants stay on their ymm tiles */
         #pragma omp parallel for schedule(static) if (par)
         for (long q = 0; q < (ng + 1) / 2; q++) {
             if (2 * q + 1 < ng) group2_out(fmt, w, qx, dx, sx, b, r, y, M, O, I, 2 * q);
