@@ -16,6 +16,9 @@ QUANT_FORMATS = {
     "q6_k": (14, 256, 210),  # 128 + 64 bytes of 6-bit q, 16 int8 scales, f16 d
 }
 
+# Formats with the 8-row packed layout (kernels/quant_blocks.h packable): every one headwise computes from.
+PACKABLE = tuple(QUANT_FORMATS)
+
 
 def bits_per_weight(fmt: str) -> float:
     """Bits a weight takes in `fmt`, its block's scales included (q4_1: 5.0, q8_0: 8.5)."""

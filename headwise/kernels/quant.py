@@ -19,14 +19,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..formats import QUANT_FORMATS
+from ..formats import PACKABLE, QUANT_FORMATS
 from . import PRO_NONE, _ext, check_call
 
 FORMATS = QUANT_FORMATS  # name -> (GGML type id, values per block, bytes per block): headwise/formats.py
 QUANTIZE_FORMATS = ("q4_0", "q4_1", "q8_0")  # what `quantize` makes
-# Formats `pack_rows` can store in groups of 8 rows, the layout the kernel reads fastest
-# (quant_linear.c: ~2.3x at 1 row of x, ~1.8x from 2, AMD EPYC): same bytes as the file's.
-PACKABLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q6_k")
+# PACKABLE (headwise/formats.py): the formats `pack_rows` stores in groups of 8 rows, the layout the
+# kernel reads fastest (benchmarks/packed_formats.py: 1.4-7.7x at 1 row of x, AMD EPYC Zen 5).
 _X8 = 0x100  # quant_linear.c's X8: a format id | _X8 is that format packed
 
 

@@ -132,23 +132,29 @@ static inline __attribute__((always_inline)) void group_tile_q8(int MC, const ui
     for (int m = 0; m < MC; m++) out[m] = acc[m];
 }
 
+/* tile(MC, ...) for MC = mc (1 .. GMC), each MC a constant the compiler unrolls for. */
 #if GMC > 4
-#define GROUP_MC_WIDE(F, ...)                                \
-        case 4: group_tile(F, 4, __VA_ARGS__); break;        \
-        case 5: group_tile(F, 5, __VA_ARGS__); break;        \
-        case 6: group_tile(F, 6, __VA_ARGS__); break;        \
-        case 7: group_tile(F, 7, __VA_ARGS__); break;
+#define TILE_MC_WIDE(tile, ...)                              \
+        case 4: tile(4, __VA_ARGS__); break;                 \
+        case 5: tile(5, __VA_ARGS__); break;                 \
+        case 6: tile(6, __VA_ARGS__); break;                 \
+        case 7: tile(7, __VA_ARGS__); break;
 #else
-#define GROUP_MC_WIDE(F, ...)
+#define TILE_MC_WIDE(tile, ...)
 #endif
-#define GROUP_MC(F, mc, ...)                                 \
+#define TILE_MC(tile, mc, ...)                               \
     switch (mc) {                                            \
-        case 1: group_tile(F, 1, __VA_ARGS__); break;        \
-        case 2: group_tile(F, 2, __VA_ARGS__); break;        \
-        case 3: group_tile(F, 3, __VA_ARGS__); break;        \
-        GROUP_MC_WIDE(F, __VA_ARGS__)                        \
-        default: group_tile(F, GMC, __VA_ARGS__); break;     \
+        case 1: tile(1, __VA_ARGS__); break;                 \
+        case 2: tile(2, __VA_ARGS__); break;                 \
+        case 3: tile(3, __VA_ARGS__); break;                 \
+        TILE_MC_WIDE(tile, __VA_ARGS__)                      \
+        default: tile(GMC, __VA_ARGS__); break;              \
     }
+/* group_tile's fmt comes first: one constant format per tile function */
+#define TILE_Q4_0(MC, ...) group_tile(Q4_0, MC, __VA_ARGS__)
+#define TILE_Q4_1(MC, ...) group_tile(Q4_1, MC, __VA_ARGS__)
+#define TILE_Q5_0(MC, ...) group_tile(Q5_0, MC, __VA_ARGS__)
+#define TILE_Q5_1(MC, ...) group_tile(Q5_1, MC, __VA_ARGS__)
 
 /* Q4_K's groups: per super-block the 8 rows' d and dmin, their 12 bytes of 6-bit scales and mins
  * as 3 chunks (dword lane r = row r's bytes 4c .. 4c + 3), then 32 chunks of quants: chunk 8 k + c
@@ -303,57 +309,16 @@ static void group_out(int fmt, const uint8_t *w, const int8_t *qx, const float *
     for (long m0 = 0; m0 < M; m0 += GMC) {
         const long mc = M - m0 < GMC ? M - m0 : GMC;
         __m256 out[GMC];
-        if (fmt == Q8_0) {
-            switch (mc) {
-                case 1: group_tile_q8(1, grp, nb, qx + m0 * I, dx + m0 * nb, I, out); break;
-                case 2: group_tile_q8(2, grp, nb, qx + m0 * I, dx + m0 * nb, I, out); break;
-                case 3: group_tile_q8(3, grp, nb, qx + m0 * I, dx + m0 * nb, I, out); break;
-#if GMC > 4
-                case 4: group_tile_q8(4, grp, nb, qx + m0 * I, dx + m0 * nb, I, out); break;
-                case 5: group_tile_q8(5, grp, nb, qx + m0 * I, dx + m0 * nb, I, out); break;
-                case 6: group_tile_q8(6, grp, nb, qx + m0 * I, dx + m0 * nb, I, out); break;
-                case 7: group_tile_q8(7, grp, nb, qx + m0 * I, dx + m0 * nb, I, out); break;
-#endif
-                default: group_tile_q8(GMC, grp, nb, qx + m0 * I, dx + m0 * nb, I, out); break;
-            }
-        } else if (fmt == Q4_1) {
-            GROUP_MC(Q4_1, mc, grp, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
-        } else if (fmt == Q5_0) {
-            GROUP_MC(Q5_0, mc, grp, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
-        } else if (fmt == Q5_1) {
-            GROUP_MC(Q5_1, mc, grp, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
-        } else if (fmt == Q4_K) {
-            const int8_t *q = qx + m0 * I;
-            const float *d = dx + m0 * nb, *s = sx + m0 * nb;
-            switch (mc) {
-                case 1: group_tile_q4k(1, grp, I / QK_K, q, d, s, I, out); break;
-                case 2: group_tile_q4k(2, grp, I / QK_K, q, d, s, I, out); break;
-                case 3: group_tile_q4k(3, grp, I / QK_K, q, d, s, I, out); break;
-#if GMC > 4
-                case 4: group_tile_q4k(4, grp, I / QK_K, q, d, s, I, out); break;
-                case 5: group_tile_q4k(5, grp, I / QK_K, q, d, s, I, out); break;
-                case 6: group_tile_q4k(6, grp, I / QK_K, q, d, s, I, out); break;
-                case 7: group_tile_q4k(7, grp, I / QK_K, q, d, s, I, out); break;
-#endif
-                default: group_tile_q4k(GMC, grp, I / QK_K, q, d, s, I, out); break;
-            }
-        } else if (fmt == Q6_K) {
-            const int8_t *q = qx + m0 * I;
-            const float *d = dx + m0 * nb;
-            switch (mc) {
-                case 1: group_tile_q6k(1, grp, I / QK_K, q, d, I, out); break;
-                case 2: group_tile_q6k(2, grp, I / QK_K, q, d, I, out); break;
-                case 3: group_tile_q6k(3, grp, I / QK_K, q, d, I, out); break;
-#if GMC > 4
-                case 4: group_tile_q6k(4, grp, I / QK_K, q, d, I, out); break;
-                case 5: group_tile_q6k(5, grp, I / QK_K, q, d, I, out); break;
-                case 6: group_tile_q6k(6, grp, I / QK_K, q, d, I, out); break;
-                case 7: group_tile_q6k(7, grp, I / QK_K, q, d, I, out); break;
-#endif
-                default: group_tile_q6k(GMC, grp, I / QK_K, q, d, I, out); break;
-            }
-        } else {
-            GROUP_MC(Q4_0, mc, grp, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
+        const int8_t *q = qx + m0 * I;
+        const float *d = dx + m0 * nb, *s = sx + m0 * nb;
+        switch (fmt) {
+            case Q8_0: TILE_MC(group_tile_q8, mc, grp, nb, q, d, I, out) break;
+            case Q4_1: TILE_MC(TILE_Q4_1, mc, grp, nb, q, d, s, I, out) break;
+            case Q5_0: TILE_MC(TILE_Q5_0, mc, grp, nb, q, d, s, I, out) break;
+            case Q5_1: TILE_MC(TILE_Q5_1, mc, grp, nb, q, d, s, I, out) break;
+            case Q4_K: TILE_MC(group_tile_q4k, mc, grp, I / QK_K, q, d, s, I, out) break;
+            case Q6_K: TILE_MC(group_tile_q6k, mc, grp, I / QK_K, q, d, I, out) break;
+            default: TILE_MC(TILE_Q4_0, mc, grp, nb, q, d, s, I, out) break;
         }
         for (long m = 0; m < mc; m++) {
             float t[8];

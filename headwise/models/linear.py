@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import kernels
-from ..formats import QUANT_FORMATS
+from ..formats import PACKABLE, QUANT_FORMATS
 from . import quants
 
 FORMATS = QUANT_FORMATS  # name -> (ggml type id, values per block, bytes per block): headwise/formats.py
@@ -126,17 +126,6 @@ def round_activations(x: Tensor) -> Tensor:
     d = xb.abs().amax(-1, keepdim=True).div_(127)
     xq = (xb * torch.where(d == 0, 0, 1 / d)).round_().mul_(d).reshape(x.shape).to(x.dtype)
     return x + (xq - x).detach() if x.requires_grad else xq
-
-
-PACKABLE = (
-    "q4_0",
-    "q4_1",
-    "q5_0",
-    "q5_1",
-    "q8_0",
-    "q4_k",
-    "q6_k",
-)  # kernels.quant.PACKABLE: formats with the 8-row layout
 
 
 def _blocks_buffer(

@@ -70,30 +70,37 @@ class QuantTensor(NamedTuple):
         return dequantize(self.blocks, self.fmt, *self.shape)
 
 
+def fused_format(parts: list) -> str | None:
+    """The format q | k | v or gate | up fuse into as blocks: their one format, or Q8_0 when they
+    differ but each part is Q8_0 or holds exactly what a Q8_0 block can (Q4_0, Q5_0: llama.cpp's
+    Q4_K_M keeps some V projections in Q8_0 beside Q5_0 Q and K where the width is not a multiple
+    of 256); None when some part is float or the formats cannot meet (then fp32)."""
+    if not all(isinstance(p, QuantTensor) for p in parts):
+        return None
+    fmts = {p.fmt for p in parts}
+    if len(fmts) == 1:
+        return parts[0].fmt
+    return "q8_0" if fmts <= set(_AS_Q8_0) else None
+
+
 def fuse_rows(parts: list) -> Tensor | QuantTensor:
-    """Stack row blocks (q | k | v, gate | up): blocks when every part is in one format, or when
-    the formats differ but each part is Q8_0 or holds exactly what a Q8_0 block can (Q4_0, Q5_0:
-    llama.cpp's Q4_K_M keeps some V projections in Q8_0 beside Q5_0 Q and K where the width is
-    not a multiple of 256); else fp32 (the caller warns: the projection then has no quantized copy)."""
-    quantized = [p for p in parts if isinstance(p, QuantTensor)]
-    if not quantized:
+    """Stack row blocks (q | k | v, gate | up): blocks in fused_format(parts) where there is one,
+    else fp32 (the caller warns: the projection then has no quantized copy)."""
+    if not any(isinstance(p, QuantTensor) for p in parts):
         return torch.cat(parts, dim=0)
-    fmts = {p.fmt for p in quantized}
-    if len(quantized) == len(parts) and len(fmts) > 1 and fmts <= set(_AS_Q8_0):
+    fmt = fused_format(parts)
+    if fmt is None:
+        return torch.cat([p.dequantize() if isinstance(p, QuantTensor) else p.float() for p in parts], dim=0)
+    if fmt == "q8_0":
         parts = [as_q8_0(p) for p in parts]
-        fmts = {"q8_0"}
-    if len(quantized) == len(parts) and len(fmts) == 1:
-        O = sum(p.shape[0] for p in parts)
-        return QuantTensor(torch.cat([p.blocks for p in parts], dim=0), parts[0].fmt, (O, parts[0].shape[1]))
-    return torch.cat([p.dequantize() if isinstance(p, QuantTensor) else p.float() for p in parts], dim=0)
+    O = sum(p.shape[0] for p in parts)
+    return QuantTensor(torch.cat([p.blocks for p in parts], dim=0), fmt, (O, parts[0].shape[1]))
 
 
 def mixed(parts: list) -> str | None:
     """When fuse_rows(parts) falls back to fp32 although some parts are blocks: the parts'
     formats in row order ("q4_k|q4_k|q6_k"), else None."""
-    q = [p for p in parts if isinstance(p, QuantTensor)]
-    fmts = {p.fmt for p in q}
-    if not q or (len(q) == len(parts) and (len(fmts) == 1 or fmts <= set(_AS_Q8_0))):
+    if not any(isinstance(p, QuantTensor) for p in parts) or fused_format(parts) is not None:
         return None
     return "|".join(p.fmt if isinstance(p, QuantTensor) else str(p.dtype).removeprefix("torch.") for p in parts)
 
