@@ -225,6 +225,7 @@ def llama_bench(
     reps: int = 5,
     version: str = VERSION,
     n_depth: int = 0,
+    cache_type: str | None = None,
 ) -> dict:
     """llama-bench's pp<n_prompt> and tg<n_gen> on one file: {"pp": tok/s, "tg": tok/s, "pp_std", "tg_std",
     "pp_samples", "tg_samples", "pp_repack", "tg_repack", "build", "cpu_info", "model_type", "model_size"}.
@@ -233,7 +234,9 @@ def llama_bench(
 
     llama-bench's own method: one warm-up run, then `reps` timed runs of each test in a fresh
     context; pp is one batch of n_prompt tokens, tg n_gen single-token decode steps from an
-    empty cache (n_depth > 0: after n_depth tokens already in it, llama-bench's -d, filled untimed); tok/s is the mean over the runs (stddev beside it)."""
+    empty cache (n_depth > 0: after n_depth tokens already in it, llama-bench's -d, filled untimed); tok/s is the mean over the runs (stddev beside it).
+    cache_type: its K/V cache type (-ctk / -ctv, e.g. "q8_0"; a quantized V needs flash attention: -fa on);
+    None keeps its default (f16)."""
     gguf = _existing(gguf)
     out: dict = {}
     tests = []
@@ -242,6 +245,7 @@ def llama_bench(
             continue
         cmd = [str(tool("llama-bench", version)), "-m", str(gguf), "-t", str(threads), "-r", str(reps), "-o", "json"]
         cmd += ["-p", str(n_p), "-n", str(n_g)] + (["-d", str(n_depth)] if n_depth else [])
+        cmd += ["-ctk", cache_type, "-ctv", cache_type, "-fa", "on"] if cache_type else []
         r = subprocess.run(cmd + ([] if REPACK else ["--repack", "0"]), capture_output=True, text=True, env=child_env())
         out[key + "_repack"] = "on" if REPACK else "off"
         if r.returncode < 0 and REPACK:

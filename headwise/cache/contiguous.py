@@ -92,9 +92,11 @@ class ContiguousLayerCache(LayerCacheBase):
         """For a caller that writes one new token per sequence into the buffers itself and then
         attends over each sequence's keys (kernels.layer's one-call decode step): books the tokens
         and returns (K, V, (base, pos, head stride, key stride)) — sequence b's keys start base[b]
-        floats into K, its new key is pos[b] — or None where this cache cannot hand its buffers
-        out (int8, static for torch.compile, not fp32, or `rows` is not one per sequence)."""
-        if rows != self.batch_size or self.static or self.store.int8 or self.dtype is not torch.float32:
+        elements into K, its new key is pos[b]; an int8 cache's K and V are each its (int8 values,
+        fp32 scales) pair, the scale of the row at element offset e at e / head_dim — or None where
+        this cache cannot hand its buffers out (static for torch.compile, not fp32, or `rows` is
+        not one per sequence)."""
+        if rows != self.batch_size or self.static or self.dtype is not torch.float32:
             return None
         host = self._host  # _book(1, None) for one token each, without its general checks
         if max(host) >= self.max_seq_len:
@@ -102,8 +104,8 @@ class ContiguousLayerCache(LayerCacheBase):
         self._host = [L + 1 for L in host]  # all one longer: _uniform stays what it was
         pos = self._len  # this step's new keys: the kernel reads it, nothing writes it again
         self._len = pos + 1  # one op where clone() + `+= 1` took two (x 30 layers a step)
-        k, v = self.store.k[0], self.store.v[0]
-        sb, sh, st = k.stride()[:3]
+        k, v = self.store.planes()
+        sb, sh, st = self.store.k[0].stride()[:3]
         memo = self.__dict__.get("_base")  # (rows, stride, offsets): the same every step
         if memo is None or memo[:2] != (rows, sb):
             memo = self.__dict__["_base"] = (rows, sb, torch.arange(rows, dtype=torch.int64) * sb)
@@ -230,15 +232,14 @@ class ContiguousKVCache(LayeredCache):
         layers = self.layers
         if len(layers) != num_layers or any(type(layer) is not ContiguousLayerCache for layer in layers):
             return None
-        want = (rows, self.max_seq_len, False, False, torch.float32)
+        want = (rows, self.max_seq_len, False, self.layers[0].store.int8, torch.float32)
         entries, strides = [], set()
         for layer in layers:
             if (layer.batch_size, layer.max_seq_len, layer.static, layer.store.int8, layer.dtype) != want:
                 return None
-            k, v = layer.store.k[0], layer.store.v[0]
-            sb, sh, st = k.stride()[:3]
+            sb, sh, st = layer.store.k[0].stride()[:3]
             strides.add(sb)
-            entries.append((k, v, sh, st))
+            entries.append((*layer.store.planes(), sh, st))
         if len(strides) != 1:
             return None
         base = torch.arange(rows, dtype=torch.int64) * strides.pop()

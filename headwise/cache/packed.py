@@ -235,7 +235,9 @@ class PackedStep(PackedReads, Step):
             return None
         parts = cache.__dict__.get("_stack_parts")
         if parts is None or parts.cache_layers is not cache._layer_kv:
-            entries = [(k, v, k.stride(0), k.stride(2)) for k, v in cache._layer_kv]
+            entries = [
+                (*planes, k.stride(0), k.stride(2)) for planes, (k, _) in zip(cache._layer_planes, cache._layer_kv)
+            ]
             parts = cache.__dict__["_stack_parts"] = StackParts(None, cache._layer_kv, entries)
         self._written.update(range(num_layers))
         if not self.defer_prefix:
@@ -243,12 +245,12 @@ class PackedStep(PackedReads, Step):
         return parts, claim
 
     def decode_rows(self, rows: int) -> tuple | None:
-        """For a step in which every sequence adds one token to an fp32 cache (rows of them), what
-        every layer's one-call decode reads, built once per step: (run starts in floats, new keys)
-        where every table is one run, else (None, new keys, tables (B, width) int64, block size).
-        None otherwise (prefill chunks, int8, not fp32)."""
+        """For a step in which every sequence adds one token to an fp32 (or int8) cache (rows of
+        them), what every layer's one-call decode reads, built once per step: (run starts in
+        elements, new keys) where every table is one run, else (None, new keys, tables (B, width)
+        int64, block size). None otherwise (prefill chunks, not fp32)."""
         cache = self.cache
-        if rows != self.N or self.N != self.B or cache.kv_dtype or cache.dtype is not torch.float32:
+        if rows != self.N or self.N != self.B or cache.dtype is not torch.float32:
             return None
         claim = self.__dict__.get("_decode_rows")
         if claim is None:
@@ -327,11 +329,13 @@ class PackedLayerStep:
         block), each row's run start and new key; else each row's block table (blocks wherever
         they lie: a pool fragmented by finished requests, prefix blocks shared with another
         sequence). The kernel writes each new key into the slot this step reserved (the table's,
-        as the general route's `_slots`). None otherwise (prefill chunks, int8, not fp32)."""
+        as the general route's `_slots`). An int8 pool's K and V are (int8, scales) pairs. None
+        otherwise (prefill chunks, not fp32)."""
         step = self.step
         claim = step.decode_rows(rows)  # the same for every layer of the step
         if claim is None:
             return None
-        k, v = step.cache._layer_kv[self.layer_index]  # (Hkv, NB, bs, D)
+        k = step.cache._layer_kv[self.layer_index][0]  # (Hkv, NB, bs, D)
+        planes = step.cache._layer_planes[self.layer_index]
         step._mark_written(self.layer_index)
-        return k, v, (*claim[:2], k.stride(0), k.stride(2), *claim[2:])
+        return (*planes, (*claim[:2], k.stride(0), k.stride(2), *claim[2:]))

@@ -59,6 +59,12 @@ class PagedStorage:
         # each layer's value planes (Hkv, NB, bs, D), as views made once: indexing the pool per layer
         # per step showed up in a serving profile (a decode step asks 2 x num_layers times)
         self._layer_kv = [(self._k[0][i], self._v[0][i]) for i in range(self.num_layers)]
+        # (K, V) as the one-call decode kernel reads them: those planes, or (int8, scales) pairs
+        self._layer_planes = (
+            [tuple((x[0][i], x[1][i]) for x in (self._k, self._v)) for i in range(self.num_layers)]
+            if self.kv_dtype == "int8"
+            else self._layer_kv
+        )
         self._scratch: dict[tuple[int, int], Tensor] = {}  # gather buffers, reused tile to tile
 
     def memory_bytes(self) -> int:

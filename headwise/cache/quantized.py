@@ -17,8 +17,12 @@ element are then 1 + 4/D: 0.27x fp32 at D=64, 0.26x at D=128 (the issue asks for
 
 The caches store int8 and dequantize on read: every read of S tokens costs one
 pass over S*Hkv*D int8 values (written out in the compute dtype) before attention
-runs. That is the same order as attention itself; int8 saves memory, not time,
-until an attention kernel reads int8 directly.
+runs. That is the same order as attention itself, so on that route int8 saves
+memory, not time. A decode step that takes the one-call stack (kernels/decoder_step.c,
+models/layer_step.py: one new token per sequence, contiguous or paged) does not
+dequantize: the kernel quantizes the new keys and values exactly as quantize_int8
+does and its attention reads the int8 rows, widening each tile of 8 keys in cache,
+so a long context's decode streams ~1/4 of fp32's K/V bytes.
 """
 
 from __future__ import annotations

@@ -40,6 +40,12 @@ class KVStore:
 
         self.k, self.v = planes(), planes()
 
+    def planes(self) -> tuple:
+        """(K, V) as a kernel reads them in place: the fp32 buffers, or each an (int8, scales) pair."""
+        if self.int8:
+            return self.k, self.v
+        return self.k[0], self.v[0]
+
     def _encode(self, x: Tensor) -> tuple[Tensor, ...]:
         return quantize_int8(x) if self.int8 else (x,)
 

@@ -61,9 +61,28 @@ static inline void tile_rows(const int64_t *tab, long bs, long t0, long nk, long
     }
 }
 
-/* One (sequence, KV head) pair: G rows of q over n keys at k, v (key t at k + key_row(t)*sk_t). */
-static void pair(const float *q, const float *k, const float *v, float *out, float *lse, long n, long G, long D,
-                 long sk_t, long sv_t, float scale, const int64_t *tab, long bs) {
+/* Key rows r[0 .. TK) of an int8 plane (row r at q + r * s, its scale at sc[r * s / D]) as fp32 q * scale into
+ * buf (TK x D), the value the cache's dequantize_int8 gives (int8 -> fp32, times the fp32 scale). */
+static inline void widen_rows(const int8_t *q, const float *sc, long s, const long r[TK], long D, float *buf) {
+    for (long j = 0; j < TK; j++) {
+        const int8_t *row = q + r[j] * s;
+        const __m256 f = _mm256_set1_ps(sc[r[j] * s / D]);
+        for (long d = 0; d < D; d += 8) {
+            const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + d)));
+            _mm256_store_ps(buf + j * D + d, _mm256_mul_ps(_mm256_cvtepi32_ps(w), f));
+        }
+    }
+}
+
+/* One (sequence, KV head) pair: G rows of q over n keys at k, v (key t at k + key_row(t)*sk_t).
+ * ks NULL: k, v are fp32. Else k, v are int8 (cache/quantized.py's layout) and ks, vs their fp32
+ * scales, one per key row, at the row's element offset / D: each tile's 8 keys and values are
+ * widened into a buffer once, and the fp32 code below reads that (~1/4 of the bytes from memory). */
+static void pair(const void *k_, const void *v_, const float *ks, const float *vs, const float *q, float *out,
+                 float *lse, long n, long G, long D, long sk_t, long sv_t, float scale, const int64_t *tab, long bs) {
+    const float *k = k_, *v = v_;
+    const long esize = ks ? 1 : 4;  /* bytes per stored element */
+    float kbuf[TK * MAX_D] __attribute__((aligned(32))), vbuf[TK * MAX_D] __attribute__((aligned(32)));
     if (n <= 0) {
         for (long i = 0; i < G * D; i++) out[i] = 0.0f;
         if (lse) for (long g = 0; g < G; g++) lse[g] = -INFINITY;
@@ -86,17 +105,23 @@ static void pair(const float *q, const float *k, const float *v, float *out, flo
         const float *kr[TK], *vr[TK];
         long rows[TK];
         tile_rows(tab, bs, t0, nk, rows);
-        for (long j = 0; j < TK; j++) kr[j] = k + rows[j] * sk_t, vr[j] = v + rows[j] * sv_t;
+        if (ks) {
+            widen_rows(k_, ks, sk_t, rows, D, kbuf);
+            widen_rows(v_, vs, sv_t, rows, D, vbuf);
+            for (long j = 0; j < TK; j++) kr[j] = kbuf + j * D, vr[j] = vbuf + j * D;
+        } else {
+            for (long j = 0; j < TK; j++) kr[j] = k + rows[j] * sk_t, vr[j] = v + rows[j] * sv_t;
+        }
         /* the next tile's K and V: with the pool beyond the caches (30 layers' worth), 5-15% faster
          * than the hardware prefetcher alone (2 tiles ahead: less; in cache: ~5% slower) */
-        const long tp = t0 + TK;
+        const long tp = t0 + (ks ? 4 : 1) * TK;  /* int8: as many bytes ahead as fp32's one tile */
         if (tp < n) {
             const long np = n - tp < TK ? n - tp : TK;
             tile_rows(tab, bs, tp, np, rows);
             for (long j = 0; j < np; j++)
-                for (long d = 0; d < D; d += 16) {
-                    _mm_prefetch((const char *)(k + rows[j] * sk_t + d), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(v + rows[j] * sv_t + d), _MM_HINT_T0);
+                for (long d = 0; d < D * esize; d += 64) {
+                    _mm_prefetch((const char *)k_ + rows[j] * sk_t * esize + d, _MM_HINT_T0);
+                    _mm_prefetch((const char *)v_ + rows[j] * sv_t * esize + d, _MM_HINT_T0);
                 }
         }
         const __m256 valid = _mm256_cmp_ps(lane, _mm256_set1_ps((float)nk), _CMP_LT_OQ);
@@ -173,9 +198,26 @@ int hw_decode_attention_f32(const float *q, const float *k, const float *v, floa
     #pragma omp parallel for schedule(dynamic) if (parallel)
     for (long ch = 0; ch < C * Hkv; ch++) {
         const long c = ch / Hkv, h = ch % Hkv;
-        pair(q + ch * G * D, k + c * sk_c + h * sk_h, v + c * sv_c + h * sv_h, out + ch * G * D,
+        pair(k + c * sk_c + h * sk_h, v + c * sv_c + h * sv_h, NULL, NULL, q + ch * G * D, out + ch * G * D,
              lse ? lse + ch * G : NULL, lengths ? lengths[c] : all_keys, G, D, sk_t, sv_t, scale,
              tables ? tables + c * tw : NULL, bs);
     }
+    return HW_OK;
+}
+
+/* One sequence's Hkv x G query rows over the n keys of an int8 cache (hw_decoder_step's batch-1
+ * or per-row call): k, v int8 with head h's key t at k + h sk_h + key_row(t) sk_t (elements), ks,
+ * vs the fp32 scales at the same offsets / D. Heads over the threads when the work is large
+ * enough, as hw_decode_attention_f32. Returns HW_OK or HW_BAD_SHAPE. */
+int hw_decode_attention_i8(const float *q, const int8_t *k, const int8_t *v, const float *ks, const float *vs,
+                           float *out, long Hkv, long G, long D, long sk_h, long sk_t, long n, float scale,
+                           const int64_t *tab, long bs) {
+    if ((tab && bs < 1) || G < 1 || G > MAX_G || D < 8 || D > MAX_D || D % 8 || sk_h % D || sk_t % D)
+        return HW_BAD_SHAPE;
+    const int parallel = n * Hkv * G * D >= PARALLEL_MIN_WORK;
+    #pragma omp parallel for schedule(dynamic) if (parallel)
+    for (long h = 0; h < Hkv; h++)
+        pair(k + h * sk_h, v + h * sk_h, ks + h * sk_h / D, vs + h * sk_h / D, q + h * G * D, out + h * G * D, NULL,
+             n, G, D, sk_t, sk_t, scale, tab, bs);
     return HW_OK;
 }

@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <float.h>
+#include <immintrin.h>
 
 #include "common.h"
 
@@ -29,6 +31,32 @@ int hw_decode_attention_f32(const float *q, const float *k, const float *v, floa
                             const long *lengths, float scale, long all_keys, const int64_t *tables, long tw,
                             long bs);
 
+int hw_decode_attention_i8(const float *q, const int8_t *k, const int8_t *v, const float *ks, const float *vs,
+                           float *out, long Hkv, long G, long D, long sk_h, long sk_t, long n, float scale,
+                           const int64_t *tab, long bs);
+
+/* x (D floats, D % 8 == 0) -> q (D int8) and *scale as cache/quantized.py's quantize_int8 makes them,
+ * bit for bit: scale = amax|x| / 127, q = round-half-even(x / max(scale, FLT_MIN)) (a true division). */
+static void quantize_row_i8(const float *x, long D, int8_t *q, float *scale) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 amax = _mm256_setzero_ps();
+    for (long d = 0; d < D; d += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + d)));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, amax);
+    float a = lanes[0];
+    for (int i = 1; i < 8; i++) a = a > lanes[i] ? a : lanes[i];
+    const float sc = a / 127.0f;
+    const __m256 div = _mm256_set1_ps(sc > FLT_MIN ? sc : FLT_MIN);
+    for (long d = 0; d < D; d += 8) {
+        const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + d), div),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i i = _mm256_cvtps_epi32(r);  /* |r| <= 127: exact */
+        const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+        _mm_storel_epi64((__m128i *)(q + d), _mm_packs_epi16(w, w));
+    }
+    *scale = sc;
+}
+
 static int linear(const int64_t *lin, const float *x, const float *r, float *y, long M, long O, long I, int kind,
                   const float *norm_w, float eps, const float *cos, const float *sin, long rot_cols, long head_dim) {
     const float *b = (const float *)(intptr_t)lin[2];
@@ -41,16 +69,25 @@ static int linear(const int64_t *lin, const float *x, const float *r, float *y, 
 
 /* lin: 4 x (fmt, weight, bias) for qkv (C -> (H + 2 Hkv) D), out (H D -> C), gate_up (C -> 2F),
  * down (F -> C). x, y (M, C); cos, sin (M, D / 2); kc, vc: this layer's K and V, row m's keys at
- * kc + base[m] + h s_h + t s_t (floats; each key's D floats contiguous): a contiguous cache's
+ * kc + base[m] + h s_h + t s_t (elements; each key's D contiguous): a contiguous cache's
  * sequence m, or the run of consecutive blocks a paged sequence holds. With table (M, tw) given
  * (base then unused), row m's key t is at kc + h s_h + (table[m][t / bs] * bs + t % bs) s_t: a
  * paged pool's blocks wherever they lie. pos (M,): the key row m writes, so it then attends over
- * keys 0 .. pos[m]. Returns 0, -1 (no memory) or a kernel's code. */
-/* Row m's attention over its own keys (hw_decoder_step's K/V layout: base[m] floats in, or its table). */
-static int attend_row(const float *q, const float *kc, const float *vc, float *o, const int64_t *base,
-                      const int64_t *table, long tw, long bs, const long *lengths, long Hkv, long H, long D, long s_h,
-                      long s_t, float scale, long m) {
+ * keys 0 .. pos[m]. ks, vs NULL: K and V are fp32. Else they are int8 planes (cache/quantized.py:
+ * int8 values, one fp32 scale per key row at the row's element offset / D in ks, vs): the new keys
+ * are quantized as its quantize_int8 does, bit for bit, and attention reads the int8 rows (1/4 of
+ * fp32's bytes, which set a long context's decode speed). Returns 0, -1 (no memory) or a kernel's code. */
+/* Row m's attention over its own keys (hw_decoder_step's K/V layout: base[m] elements in, or its table). */
+static int attend_row(const float *q, const float *kc, const float *vc, const float *ks, const float *vs, float *o,
+                      const int64_t *base, const int64_t *table, long tw, long bs, const long *lengths, long Hkv,
+                      long H, long D, long s_h, long s_t, float scale, long m) {
     const long HD = H * D;
+    if (ks) {
+        const long at = table ? 0 : base[m];
+        return hw_decode_attention_i8(q + m * HD, (const int8_t *)kc + at, (const int8_t *)vc + at, ks + at / D,
+                                      vs + at / D, o + m * HD, Hkv, H / Hkv, D, s_h, s_t, lengths[m], scale,
+                                      table ? table + m * tw : NULL, bs);
+    }
     return hw_decode_attention_f32(q + m * HD, kc + (table ? 0 : base[m]), vc + (table ? 0 : base[m]), o + m * HD,
                                    NULL, 1, Hkv, H / Hkv, D, 0, s_h, s_t, 0, s_h, s_t, lengths + m, scale, 0,
                                    table ? table + m * tw : NULL, tw, bs);
@@ -58,8 +95,8 @@ static int attend_row(const float *q, const float *kc, const float *vc, float *o
 
 static int hw_decoder_step(const int64_t *lin, const float *attn_norm, const float *mlp_norm, float eps, const float *x,
                     float *y, long M, long C, long H, long Hkv, long D, long F, const float *cos, const float *sin,
-                    float *kc, float *vc, const int64_t *base, long s_h, long s_t, const int64_t *pos, float scale,
-                    const int64_t *table, long tw, long bs) {
+                    float *kc, float *vc, float *ks, float *vs, const int64_t *base, long s_h, long s_t,
+                    const int64_t *pos, float scale, const int64_t *table, long tw, long bs) {
     if (table && bs < 1) return -3;
     const long QKV = (H + 2 * Hkv) * D, HD = H * D;
     float *buf = malloc(sizeof(float) * (size_t)(M * (QKV + 2 * HD + C + 2 * F)));
@@ -75,8 +112,13 @@ static int hw_decoder_step(const int64_t *lin, const float *attn_norm, const flo
         const long p = pos[m], key = table ? (table[m * tw + p / bs] * bs + p % bs) * s_t : base[m] + p * s_t;
         for (long j = 0; j < Hkv; j++) {
             const long at = key + j * s_h;
-            memcpy(kc + at, row + HD + j * D, sizeof(float) * (size_t)D);
-            memcpy(vc + at, row + HD + (Hkv + j) * D, sizeof(float) * (size_t)D);
+            if (ks) {
+                quantize_row_i8(row + HD + j * D, D, (int8_t *)kc + at, ks + at / D);
+                quantize_row_i8(row + HD + (Hkv + j) * D, D, (int8_t *)vc + at, vs + at / D);
+            } else {
+                memcpy(kc + at, row + HD + j * D, sizeof(float) * (size_t)D);
+                memcpy(vc + at, row + HD + (Hkv + j) * D, sizeof(float) * (size_t)D);
+            }
         }
         lengths[m] = pos[m] + 1;
     }
@@ -87,11 +129,11 @@ static int hw_decoder_step(const int64_t *lin, const float *attn_norm, const flo
      * batch-1 step went from 6 to 125 ms.) */
     int arc = 0;
     if (M == 1)
-        arc = attend_row(q, kc, vc, o, base, table, tw, bs, lengths, Hkv, H, D, s_h, s_t, scale, 0);
+        arc = attend_row(q, kc, vc, ks, vs, o, base, table, tw, bs, lengths, Hkv, H, D, s_h, s_t, scale, 0);
     else {
         #pragma omp parallel for schedule(dynamic) reduction(| : arc)
         for (long m = 0; m < M; m++)
-            arc |= attend_row(q, kc, vc, o, base, table, tw, bs, lengths, Hkv, H, D, s_h, s_t, scale, m);
+            arc |= attend_row(q, kc, vc, ks, vs, o, base, table, tw, bs, lengths, Hkv, H, D, s_h, s_t, scale, m);
     }
     rc = arc;
     if (rc) goto done;
@@ -114,8 +156,8 @@ done:
  * follow each other by microseconds, within the time libgomp's workers spin before they sleep
  * (threads.py), where the ~40 us of Python between two layer calls let them fall asleep and
  * every layer paid a futex wake-up. Returns 0, or a layer's nonzero code (then *failed = l). */
-enum { ST_LIN = 0, ST_ATTN_NORM = 12, ST_MLP_NORM, ST_K, ST_V, ST_BASE, ST_SH, ST_ST, ST_POS, ST_TABLE, ST_TW, ST_BS,
-       ST_H, ST_HKV, ST_D, ST_F, ST_COS, ST_SIN, STACK_FIELDS };
+enum { ST_LIN = 0, ST_ATTN_NORM = 12, ST_MLP_NORM, ST_K, ST_V, ST_KS, ST_VS, ST_BASE, ST_SH, ST_ST, ST_POS, ST_TABLE,
+       ST_TW, ST_BS, ST_H, ST_HKV, ST_D, ST_F, ST_COS, ST_SIN, STACK_FIELDS };
 
 long hw_stack_fields(void) { return STACK_FIELDS; }
 
@@ -132,7 +174,8 @@ int hw_decoder_stack(long n, const int64_t *layers, const float *fl, const float
         rc = hw_decoder_step(d + ST_LIN, PTR(const float *, d[ST_ATTN_NORM]), PTR(const float *, d[ST_MLP_NORM]),
                              fl[2 * l], in, out, M, C, d[ST_H], d[ST_HKV], d[ST_D], d[ST_F],
                              PTR(const float *, d[ST_COS]), PTR(const float *, d[ST_SIN]), PTR(float *, d[ST_K]),
-                             PTR(float *, d[ST_V]), PTR(const int64_t *, d[ST_BASE]), d[ST_SH], d[ST_ST],
+                             PTR(float *, d[ST_V]), PTR(float *, d[ST_KS]), PTR(float *, d[ST_VS]),
+                             PTR(const int64_t *, d[ST_BASE]), d[ST_SH], d[ST_ST],
                              PTR(const int64_t *, d[ST_POS]), fl[2 * l + 1], PTR(const int64_t *, d[ST_TABLE]),
                              d[ST_TW], d[ST_BS]);
         if (rc) *failed = l;

@@ -55,7 +55,15 @@ def _descriptor(plan: StepPlan, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, 
     """One layer's int64s for decoder_stack (decoder_step.c's ST_* order): the plan's fixed head,
     then what the step's cache and positions give."""
     base, pos, s_h, s_t, *paged = rows
-    return _descriptor_ints(plan, k.data_ptr(), v.data_ptr(), s_h, s_t, _step_ints((base, pos, *paged), cos, sin))
+    return _descriptor_ints(plan, k, v, s_h, s_t, _step_ints((base, pos, *paged), cos, sin))
+
+
+def _plane(x) -> tuple[int, int]:
+    """A cache's K or V plane -> (values pointer, scales pointer or 0): an fp32 tensor, or an int8
+    cache's (int8 values, fp32 scales (..., 1)) pair (cache/quantized.py), read by the kernel as is."""
+    if type(x) is tuple:
+        return x[0].data_ptr(), x[1].data_ptr()
+    return x.data_ptr(), 0
 
 
 def _step_ints(rows: tuple, cos: Tensor, sin: Tensor) -> tuple[int, ...]:
@@ -74,10 +82,11 @@ def _step_ints(rows: tuple, cos: Tensor, sin: Tensor) -> tuple[int, ...]:
     )
 
 
-def _descriptor_ints(plan: StepPlan, k: int, v: int, s_h: int, s_t: int, step: tuple) -> list[int]:
+def _descriptor_ints(plan: StepPlan, k, v, s_h: int, s_t: int, step: tuple) -> list[int]:
     C, H, Hkv, D, F = plan.dims
     base, pos, table, width, bs, cos, sin = step
-    return [*plan.head, k, v, base, s_h, s_t, pos, table, width, bs, H, Hkv, D, F, cos, sin]
+    (k, ks), (v, vs) = _plane(k), _plane(v)
+    return [*plan.head, k, v, ks, vs, base, s_h, s_t, pos, table, width, bs, H, Hkv, D, F, cos, sin]
 
 
 class StackCall:
@@ -95,7 +104,7 @@ class StackCall:
         for plan, k, v, s_h, s_t in layers:
             if plan.dims[0] != C:
                 raise ValueError(f"decoder stack: a layer of width {plan.dims[0]} in a stack of width {C}")
-            desc += _descriptor_ints(plan, k.data_ptr(), v.data_ptr(), s_h, s_t, self._MARKS)
+            desc += _descriptor_ints(plan, k, v, s_h, s_t, self._MARKS)
             fl += (plan.eps, plan.scale)
         n = len(desc) // len(layers)
         self.fields = [slice(desc.index(m), None, n) for m in self._MARKS]

@@ -1,11 +1,12 @@
 """The decoder block's few-rows route for a decode step in one kernel call (kernels/layer.py).
 
-When every new row is one token of its own sequence over an fp32 cache that hands out its
-buffers (`claim_decode`: a contiguous cache's rows, or a packed paged step's pool with each
+When every new row is one token of its own sequence over an fp32 or int8 cache that hands out
+its buffers (`claim_decode`: a contiguous cache's rows, or a packed paged step's pool with each
 sequence's run start or block table), and the layer is the pre-norm SwiGLU kind whose four
 linears all run on headwise's kernels (fp32 blocked or quantized), blocks.DecoderBlock._few_rows
 hands the whole layer to `kernels.layer.run_stack`: the same kernels it would call one by one,
-without ~40 Python-level operations between them. Anything else (a prefill, an int8 or static
+without ~40 Python-level operations between them (an int8 cache's keys quantized and read by the
+kernel, as the route's quantize_int8 / dequantize_int8 do). Anything else (a prefill, a static
 cache, ALiBi, a forced attention backend, uneven GQA groups, another norm or MLP) returns None and
 the route continues as written.
 """

@@ -101,9 +101,9 @@ def test_cases_it_leaves_to_the_route(saved, one_calls):
     model = headwise.load(path)
     ids = _ids(2, 10, seed=3)
     cfg = model.config
-    int8 = ContiguousKVCache(cfg.num_layers, 2, cfg.num_kv_heads, 16, cfg.head_dim, kv_dtype="int8")
-    model(ids[:, :6], cache=int8)
-    model(ids[:, 6:7], cache=int8)  # an int8 cache: its buffers are not fp32
+    static = ContiguousKVCache(cfg.num_layers, 2, cfg.num_kv_heads, 16, cfg.head_dim, static=True)
+    model(ids[:, :6], cache=static)
+    model(ids[:, 6:7], cache=static)  # a static cache (torch.compile's): its steps book outside the model
     assert one_calls == []
     for layer in model.layers:
         layer.attn.backend = "math"  # a backend asked for by name: the user's choice is kept
@@ -468,3 +468,83 @@ def test_two_threads_decode_one_model_over_their_own_caches(saved, weights):
         sys.setswitchinterval(interval)
     assert not errors, errors
     assert all(torch.equal(g, a) for g, a in zip(got, alone))
+
+
+def _by_the_route(model, fn, backend=None):
+    """The same steps through the block's route (no one call): its kernels one by one writing the
+    int8 cache through cache/quantized.py; with backend="math", PyTorch's math attention over the
+    cache as quantized.py dequantizes it (a backend chosen by name also leaves the one call)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(blocks, "claim_step", lambda *a: None)
+        mp.setattr(llama, "stack_step", lambda layers, x, step: (x, 0))
+        for layer in model.layers if backend else ():
+            mp.setattr(layer.attn, "backend", backend)
+        return fn()
+
+
+@pytest.mark.parametrize("weights", [None, "q4_1"])
+@pytest.mark.parametrize("B", [1, 3])
+@torch.inference_mode()
+def test_an_int8_cache_decodes_in_the_stack_reading_int8(saved, stacks, weights, B):
+    """kv_dtype="int8": the stack quantizes each new key and value as quantize_int8 does (the
+    cache then holds the same int8 values and scales, bit for bit, as the route writes) and its
+    kernel reads the int8 rows: the route's logits bit for bit (its kernels over the dequantized
+    rows), and (fp32 weights) torch's math attention over the dequantized cache within 2e-5."""
+    _, path = saved("llama-gqa")
+    model = headwise.load(path, **({} if weights is None else {"weights": weights}))
+    ids = _ids(B, 24, seed=17 + B)
+    cfg = model.config
+
+    def run():
+        cache = ContiguousKVCache(cfg.num_layers, B, cfg.num_kv_heads, 24, cfg.head_dim, kv_dtype="int8")
+        model(ids[:, :7], cache.step(7))
+        logits = torch.cat([model(ids[:, t : t + 1], cache.step(1)) for t in range(7, 24)], dim=1)
+        return logits, cache
+
+    got, cache = run()
+    assert stacks == [cfg.num_layers] * 17
+    want, ref = _by_the_route(model, run)
+    assert torch.equal(got, want)  # the route's kernels, attention over the dequantized rows: the same bits
+    if weights is None:  # (quantized linears differ from the math route's by their own rounding)
+        close(got, _by_the_route(model, run, backend="math")[0], tol=2e-5)
+    for mine, theirs in zip(cache.layers, ref.layers):
+        for a, b in zip((*mine.store.k, *mine.store.v), (*theirs.store.k, *theirs.store.v)):
+            assert torch.equal(a, b)  # int8 values and fp32 scales
+
+
+@pytest.mark.parametrize("block_size", [4, 3])
+@torch.inference_mode()
+def test_an_int8_paged_pool_decodes_in_the_stack_over_scattered_blocks(saved, stacks, block_size):
+    """The engine's int8 pool (kv_dtype="int8"), fragmented: the stack writes through the block
+    tables and reads int8 blocks wherever they lie; each row equals torch's math attention over
+    the same pool stepped by the route, and the pools hold the route's int8 values and scales."""
+    _, path = saved("llama-gqa")
+    model = headwise.load(path)
+    seqs = {s: _ids(1, 21, seed=40 + i)[0].tolist() for i, s in enumerate("abc")}
+    prompt = {"a": 9, "b": 4, "c": 13}
+
+    def run():
+        cache = scattered(model, num_blocks=64, block_size=block_size, kv_dtype="int8")
+        for s, ids in seqs.items():
+            cache.add_sequence(s, ids[: prompt[s]])
+            model(torch.tensor([ids[: prompt[s]]]), cache.packed([s], [prompt[s]], [ids[: prompt[s]]]))
+        pos, outs = dict(prompt), []
+        for _ in range(8):
+            order = list(seqs)
+            toks = [[seqs[s][pos[s]]] for s in order]
+            outs.append(model(torch.tensor([[t[0] for t in toks]]), cache.packed(order, [1] * 3, toks))[0])
+            for s in order:
+                pos[s] += 1
+        return torch.stack(outs), cache
+
+    got, cache = run()
+    assert stacks == [model.config.num_layers] * 8
+    assert_scattered(cache, list(seqs))
+    close(got, _by_the_route(model, run, backend="math")[0], tol=2e-5)
+    _, ref = _by_the_route(model, run)  # its projections of the packed rows round differently: k, v within 1e-6
+    for a, b in zip((*cache._k, *cache._v), (*ref._k, *ref._v)):
+        if a.dtype is torch.int8:
+            assert (a.int() - b.int()).abs().max() <= 1  # a value at a rounding tie may go either way
+            assert (a != b).float().mean() < 1e-3
+        else:
+            close(a, b, rel=1e-5)
