@@ -30,3 +30,13 @@ def test_raw_continuation_that_hits_the_limit_says_length():
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip(), r.stderr
     assert REASON.search(r.stderr).group(1) == "length", r.stderr
+
+
+def test_an_int8_kv_cache_from_the_command_line():
+    r = headwise(
+        "generate", "--kv-dtype", "int8", "--raw", "--prompt", "The capital of France is", "--max-new-tokens", "6"
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() and REASON.search(r.stderr).group(1) == "length", r.stderr
+    r = headwise("generate", "--kv-dtype", "fp8", "--prompt", "hi")
+    assert r.returncode == 2 and "--kv-dtype" in r.stderr and "int8" in r.stderr

@@ -207,3 +207,47 @@ def test_compiled_decode_matches_transformers_and_eager(tiny):
     batched = headwise.generate(model, prompts, max_new_tokens=12, temperature=0, compile=True)
     eager = headwise.generate(model, prompts, max_new_tokens=12, temperature=0)
     assert [r.token_ids for r in batched] == [r.token_ids for r in eager]
+
+
+@torch.inference_mode()
+def test_an_int8_kv_cache_decodes_as_torch_attends_over_it(tiny, monkeypatch):
+    """generate(kv_dtype="int8") keeps K/V in an int8 cache (its decode steps read them in the
+    stack kernel) and picks the tokens that torch's math attention over the same int8 cache,
+    stepped by the block's route, picks."""
+    from headwise import cache as caches
+    from headwise.models import blocks, llama
+
+    _, model = tiny
+    prompt = list(range(5, 40))
+    made = []
+    real = caches.ContiguousKVCache
+
+    def spy(*args, **kw):
+        made.append(kw.get("kv_dtype"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(caches, "ContiguousKVCache", spy)
+    got = headwise.generate(model, prompt, max_new_tokens=24, temperature=0, kv_dtype="int8").token_ids
+    assert made == ["int8"]
+    monkeypatch.setattr(caches, "ContiguousKVCache", real)
+    cfg = model.config
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(blocks, "claim_step", lambda *a: None)
+        mp.setattr(llama, "stack_step", lambda layers, x, step: (x, 0))
+        for layer in model.layers:
+            mp.setattr(layer.attn, "backend", "math")
+        cache = real(cfg.num_layers, 1, cfg.num_kv_heads, len(prompt) + 24, cfg.head_dim, kv_dtype="int8")
+        nxt = model(torch.tensor([prompt]), cache=cache)[:, -1].argmax(-1, keepdim=True)
+        want = [int(nxt)]
+        for _ in range(23):
+            nxt = model(nxt, cache=cache)[:, -1].argmax(-1, keepdim=True)
+            want.append(int(nxt))
+    assert got == want
+
+
+def test_a_bad_kv_dtype_is_named(tiny):
+    _, model = tiny
+    with pytest.raises(ValueError, match="kv_dtype must be None .* or 'int8', got 'fp8'"):
+        headwise.generate(model, [1, 2, 3], max_new_tokens=2, kv_dtype="fp8")
+    with pytest.raises(ValueError, match="does not combine with compile=True"):
+        headwise.generate(model, [1, 2, 3], max_new_tokens=2, kv_dtype="int8", compile=True)
