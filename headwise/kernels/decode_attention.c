@@ -141,7 +141,20 @@ static void pair(const void *k_, const void *v_, const float *ks, const float *v
             const float *qg = qs + g * D;
             __m256 d8[TK];
             for (long j = 0; j < TK; j++) d8[j] = _mm256_setzero_ps();
-            for (long d = 0; d < D; d += 8) {
+            long d = 0;
+#ifdef __AVX512F__ /* 16 channels an instruction where the core has them (then the ymm loop: D % 16) */
+            if (D >= 16) {
+                __m512 z[TK];
+                for (long j = 0; j < TK; j++) z[j] = _mm512_setzero_ps();
+                for (; d + 16 <= D; d += 16) {
+                    const __m512 qv = _mm512_loadu_ps(qg + d);
+                    for (long j = 0; j < TK; j++) z[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kr[j] + d), z[j]);
+                }
+                for (long j = 0; j < TK; j++)
+                    d8[j] = _mm256_add_ps(_mm512_castps512_ps256(z[j]), _mm512_extractf32x8_ps(z[j], 1));
+            }
+#endif
+            for (; d < D; d += 8) {
                 const __m256 qv = _mm256_load_ps(qg + d);
                 for (long j = 0; j < TK; j++) d8[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[j] + d), d8[j]);
             }
@@ -168,7 +181,26 @@ static void pair(const void *k_, const void *v_, const float *ks, const float *v
             for (long j = 0; j < TK; j++) pb[j] = _mm256_broadcast_ss(p + g * TK + j);
             const __m256 al = _mm256_set1_ps(alpha[g]);
             float *ag = acc + g * D;
-            for (long d = 0; d < D; d += 8) {
+            long d = 0;
+#ifdef __AVX512F__
+            if (D >= 16) {
+                __m512 pz[TK];
+                for (long j = 0; j < TK; j++) pz[j] = _mm512_set1_ps(p[g * TK + j]);
+                const __m512 alz = _mm512_set1_ps(alpha[g]);
+                for (; d + 16 <= D; d += 16) {
+                    __m512 a0 = _mm512_fmadd_ps(pz[0], _mm512_loadu_ps(vr[0] + d), _mm512_mul_ps(_mm512_loadu_ps(ag + d), alz));
+                    __m512 a1 = _mm512_mul_ps(pz[1], _mm512_loadu_ps(vr[1] + d));
+                    __m512 a2 = _mm512_mul_ps(pz[2], _mm512_loadu_ps(vr[2] + d));
+                    __m512 a3 = _mm512_mul_ps(pz[3], _mm512_loadu_ps(vr[3] + d));
+                    a0 = _mm512_fmadd_ps(pz[4], _mm512_loadu_ps(vr[4] + d), a0);
+                    a1 = _mm512_fmadd_ps(pz[5], _mm512_loadu_ps(vr[5] + d), a1);
+                    a2 = _mm512_fmadd_ps(pz[6], _mm512_loadu_ps(vr[6] + d), a2);
+                    a3 = _mm512_fmadd_ps(pz[7], _mm512_loadu_ps(vr[7] + d), a3);
+                    _mm512_storeu_ps(ag + d, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+                }
+            }
+#endif
+            for (; d < D; d += 8) {
                 __m256 a0 = _mm256_fmadd_ps(pb[0], _mm256_loadu_ps(vr[0] + d), _mm256_mul_ps(_mm256_load_ps(ag + d), al));
                 __m256 a1 = _mm256_mul_ps(pb[1], _mm256_loadu_ps(vr[1] + d));
                 __m256 a2 = _mm256_mul_ps(pb[2], _mm256_loadu_ps(vr[2] + d));
@@ -217,23 +249,25 @@ int hw_decode_attention_f32(const float *q, const float *k, const float *v, floa
     return HW_OK;
 }
 
-/* One sequence's Hkv x G query rows over the n keys of an int8 cache (hw_decoder_step's batch-1
- * or per-row call): k, v int8 with head h's key t at k + h sk_h + key_row(t) sk_t (elements), ks,
- * vs the fp32 scales at the same offsets / D. Widening the int8 rows makes this compute-bound
- * where fp32 is bound by memory, so on a call outside any parallel region (a batch-1 step, whose
- * pool spins between the stack's kernels) the keys are cut into chunks as well as the heads, to
- * keep every thread busy (SmolLM2's 3 heads on 2 threads leave one idle a third of the time):
- * nthreads / gcd(Hkv, nthreads) chunks of at least MIN_CHUNK keys, starting at multiples of TK
- * and of bs; each (head, chunk) item's output and LSE, then out = sum_c e^(lse_c - max) out_c /
- * sum_c e^(lse_c - max). SmolLM2 at 4,000 keys, 2 threads, AMD Zen 5: attention 4.4 -> 3.7 ms a
- * token with the zmm widening (fp32's: 6.1).
+/* One sequence's Hkv x G query rows over its n keys (hw_decoder_step's call per row): K and V fp32
+ * (ks NULL) or int8 with fp32 scales ks, vs at the rows' element offsets / D (pair's two kinds); head
+ * h's key t at k + (h sk_h + key_row(t) sk_t) elements. On a call outside any parallel region (a
+ * batch-1 step, whose pool spins between the stack's kernels) the keys are cut into chunks as well
+ * as the heads, to keep every thread busy: SmolLM2's 3 heads on 2 threads left one idle a third of
+ * the time. nthreads / gcd(Hkv, nthreads) chunks of at least MIN_CHUNK keys, starting at multiples
+ * of TK and of bs; each (head, chunk) item's output and LSE, then out = sum_c e^(lse_c - max) out_c /
+ * sum_c e^(lse_c - max). SmolLM2 at 4,000 keys, 2 threads, AMD Zen 5, attention per token: fp32
+ * 6.8 -> 5.9 ms, int8 4.4 -> 3.5 (with the zmm loops and widening). Inside a parallel region (the
+ * rows of a batch in parallel) the heads go one after another on the calling thread.
  * Returns HW_OK, HW_BAD_SHAPE, or -1 (no memory). */
 enum { MIN_CHUNK = 64 };
-int hw_decode_attention_i8(const float *q, const int8_t *k, const int8_t *v, const float *ks, const float *vs,
-                           float *out, long Hkv, long G, long D, long sk_h, long sk_t, long n, float scale,
-                           const int64_t *tab, long bs) {
-    if ((tab && bs < 1) || G < 1 || G > MAX_G || D < 8 || D > MAX_D || D % 8 || sk_h % D || sk_t % D)
+int hw_decode_attention_seq(const float *q, const void *k_, const void *v_, const float *ks, const float *vs,
+                            float *out, long Hkv, long G, long D, long sk_h, long sk_t, long n, float scale,
+                            const int64_t *tab, long bs) {
+    if ((tab && bs < 1) || G < 1 || G > MAX_G || D < 8 || D > MAX_D || D % 8 || (ks && (sk_h % D || sk_t % D)))
         return HW_BAD_SHAPE;
+    const char *k = k_, *v = v_;
+    const long es = ks ? 1 : 4; /* bytes per element */
     const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
     long a = Hkv, b = threads;
     while (b) {
@@ -245,9 +279,11 @@ int hw_decode_attention_i8(const float *q, const int8_t *k, const int8_t *v, con
     if (nch <= 1) {
         const int parallel = threads > 1 && n * Hkv * G * D >= PARALLEL_MIN_WORK;
         #pragma omp parallel for schedule(dynamic) if (parallel)
-        for (long h = 0; h < Hkv; h++)
-            pair(k + h * sk_h, v + h * sk_h, ks + h * sk_h / D, vs + h * sk_h / D, q + h * G * D, out + h * G * D,
-                 NULL, n, G, D, sk_t, sk_t, scale, tab, bs);
+        for (long h = 0; h < Hkv; h++) {
+            const long at = h * sk_h;
+            pair(k + at * es, v + at * es, ks ? ks + at / D : NULL, ks ? vs + at / D : NULL, q + h * G * D,
+                 out + h * G * D, NULL, n, G, D, sk_t, sk_t, scale, tab, bs);
+        }
         return HW_OK;
     }
     const long unit = tab ? (bs % TK == 0 ? bs : bs * TK) : TK; /* a multiple of TK and of bs */
@@ -261,8 +297,8 @@ int hw_decode_attention_i8(const float *q, const int8_t *k, const int8_t *v, con
     for (long it = 0; it < Hkv * nch; it++) {
         const long h = it / nch, t0 = it % nch * chunk, len = n - t0 < chunk ? n - t0 : chunk;
         const long at = h * sk_h + (tab ? 0 : t0 * sk_t);
-        pair(k + at, v + at, ks + at / D, vs + at / D, q + h * G * D, part + it * G * D, lse + it * G, len, G, D,
-             sk_t, sk_t, scale, tab ? tab + t0 / bs : NULL, bs);
+        pair(k + at * es, v + at * es, ks ? ks + at / D : NULL, ks ? vs + at / D : NULL, q + h * G * D,
+             part + it * G * D, lse + it * G, len, G, D, sk_t, sk_t, scale, tab ? tab + t0 / bs : NULL, bs);
     }
     for (long hg = 0; hg < Hkv * G; hg++) { /* row g of head h; item (h, c)'s row g at (h nch + c) G + g */
         const long h = hg / G, g = hg % G;

@@ -26,14 +26,10 @@ int hw_small_linear_f32(const float *Wb, const float *x, const float *b, const f
 int hw_quant_linear(int fmt, const uint8_t *w, const float *x, const float *b, const float *r, float *y, long M,
                     long O, long I, int kind, const float *norm_w, float eps, const float *cos, const float *sin,
                     long rot_cols, long head_dim);
-int hw_decode_attention_f32(const float *q, const float *k, const float *v, float *out, float *lse, long C, long Hkv,
-                            long G, long D, long sk_c, long sk_h, long sk_t, long sv_c, long sv_h, long sv_t,
-                            const long *lengths, float scale, long all_keys, const int64_t *tables, long tw,
-                            long bs);
 
-int hw_decode_attention_i8(const float *q, const int8_t *k, const int8_t *v, const float *ks, const float *vs,
-                           float *out, long Hkv, long G, long D, long sk_h, long sk_t, long n, float scale,
-                           const int64_t *tab, long bs);
+int hw_decode_attention_seq(const float *q, const void *k, const void *v, const float *ks, const float *vs,
+                            float *out, long Hkv, long G, long D, long sk_h, long sk_t, long n, float scale,
+                            const int64_t *tab, long bs);
 
 /* x (D floats, D % 8 == 0) -> q (D int8) and *scale as cache/quantized.py's quantize_int8 makes them,
  * bit for bit: scale = amax|x| / 127, q = round-half-even(x / max(scale, FLT_MIN)) (a true division). */
@@ -81,16 +77,10 @@ static int linear(const int64_t *lin, const float *x, const float *r, float *y, 
 static int attend_row(const float *q, const float *kc, const float *vc, const float *ks, const float *vs, float *o,
                       const int64_t *base, const int64_t *table, long tw, long bs, const long *lengths, long Hkv,
                       long H, long D, long s_h, long s_t, float scale, long m) {
-    const long HD = H * D;
-    if (ks) {
-        const long at = table ? 0 : base[m];
-        return hw_decode_attention_i8(q + m * HD, (const int8_t *)kc + at, (const int8_t *)vc + at, ks + at / D,
-                                      vs + at / D, o + m * HD, Hkv, H / Hkv, D, s_h, s_t, lengths[m], scale,
-                                      table ? table + m * tw : NULL, bs);
-    }
-    return hw_decode_attention_f32(q + m * HD, kc + (table ? 0 : base[m]), vc + (table ? 0 : base[m]), o + m * HD,
-                                   NULL, 1, Hkv, H / Hkv, D, 0, s_h, s_t, 0, s_h, s_t, lengths + m, scale, 0,
-                                   table ? table + m * tw : NULL, tw, bs);
+    const long HD = H * D, at = table ? 0 : base[m], es = ks ? 1 : 4; /* bytes per element */
+    return hw_decode_attention_seq(q + m * HD, (const char *)kc + at * es, (const char *)vc + at * es,
+                                   ks ? ks + at / D : NULL, ks ? vs + at / D : NULL, o + m * HD, Hkv, H / Hkv, D, s_h,
+                                   s_t, lengths[m], scale, table ? table + m * tw : NULL, bs);
 }
 
 static int hw_decoder_step(const int64_t *lin, const float *attn_norm, const float *mlp_norm, float eps, const float *x,
@@ -123,8 +113,8 @@ static int hw_decoder_step(const int64_t *lin, const float *attn_norm, const flo
         lengths[m] = pos[m] + 1;
     }
     /* each row over its own keys (one sequence each): rows in parallel, each call then on one
-     * thread; one row on its own, outside any parallel region, so that a long context splits its
-     * KV heads over the threads. (Inside even an inactive `parallel if (0)` region the call's own
+     * thread; one row on its own, outside any parallel region, so that its KV heads and, from 128
+     * keys, chunks of its keys spread over the threads (hw_decode_attention_seq). (Inside even an inactive `parallel if (0)` region the call's own
      * parallel loop is a nested team, which libgomp does not take from its pool: at 1,000 keys a
      * batch-1 step went from 6 to 125 ms.) */
     int arc = 0;
