@@ -86,6 +86,22 @@ static inline void widen_rows(const int8_t *q, const float *sc, long s, long ss,
     }
 }
 
+/* acc[d ..] = al acc[d ..] + sum_j p_j v_j[d ..] for one row, W-bit vectors (256, 512) of type T, pv the row's
+ * TK weights broadcast: four short chains (one chain of 8 FMAs: its latency, not the FMA units, would set
+ * the pace). In pair(): ag (the row's acc), vr (the tile's value rows), d. */
+#define PV_CHUNK(W, T, pv, al)                                                                                  \
+    do {                                                                                                       \
+        T a0 = _mm##W##_fmadd_ps(pv[0], _mm##W##_loadu_ps(vr[0] + d), _mm##W##_mul_ps(_mm##W##_loadu_ps(ag + d), al)); \
+        T a1 = _mm##W##_mul_ps(pv[1], _mm##W##_loadu_ps(vr[1] + d));                                           \
+        T a2 = _mm##W##_mul_ps(pv[2], _mm##W##_loadu_ps(vr[2] + d));                                           \
+        T a3 = _mm##W##_mul_ps(pv[3], _mm##W##_loadu_ps(vr[3] + d));                                           \
+        a0 = _mm##W##_fmadd_ps(pv[4], _mm##W##_loadu_ps(vr[4] + d), a0);                                       \
+        a1 = _mm##W##_fmadd_ps(pv[5], _mm##W##_loadu_ps(vr[5] + d), a1);                                       \
+        a2 = _mm##W##_fmadd_ps(pv[6], _mm##W##_loadu_ps(vr[6] + d), a2);                                       \
+        a3 = _mm##W##_fmadd_ps(pv[7], _mm##W##_loadu_ps(vr[7] + d), a3);                                       \
+        _mm##W##_storeu_ps(ag + d, _mm##W##_add_ps(_mm##W##_add_ps(a0, a1), _mm##W##_add_ps(a2, a3)));         \
+    } while (0)
+
 /* One (sequence, KV head) pair: G rows of q over n keys at k, v (key t at k + key_row(t)*sk_t).
  * ks NULL: k, v are fp32. Else k, v are int8 (cache/quantized.py's layout) and ks, vs their fp32
  * scales, one per key row, at the row's element offset / D: each tile's 8 keys and values are
@@ -174,8 +190,7 @@ static void pair(const void *k_, const void *v_, const float *ks, const float *v
             l[g] = l[g] * alpha[g] + hsum(pg);
             _mm256_store_ps(p + g * TK, pg);
         }
-        /* per row: its 8 weights in registers, then acc = alpha acc + sum_j p_j v_j in four short
-         * chains (one chain of 8 FMAs: its latency, not the FMA units, would set the pace) */
+        /* per row: its 8 weights in registers, then acc = alpha acc + sum_j p_j v_j (PV_CHUNK) */
         for (long g = 0; g < G; g++) {
             __m256 pb[TK];
             for (long j = 0; j < TK; j++) pb[j] = _mm256_broadcast_ss(p + g * TK + j);
@@ -187,30 +202,10 @@ static void pair(const void *k_, const void *v_, const float *ks, const float *v
                 __m512 pz[TK];
                 for (long j = 0; j < TK; j++) pz[j] = _mm512_set1_ps(p[g * TK + j]);
                 const __m512 alz = _mm512_set1_ps(alpha[g]);
-                for (; d + 16 <= D; d += 16) {
-                    __m512 a0 = _mm512_fmadd_ps(pz[0], _mm512_loadu_ps(vr[0] + d), _mm512_mul_ps(_mm512_loadu_ps(ag + d), alz));
-                    __m512 a1 = _mm512_mul_ps(pz[1], _mm512_loadu_ps(vr[1] + d));
-                    __m512 a2 = _mm512_mul_ps(pz[2], _mm512_loadu_ps(vr[2] + d));
-                    __m512 a3 = _mm512_mul_ps(pz[3], _mm512_loadu_ps(vr[3] + d));
-                    a0 = _mm512_fmadd_ps(pz[4], _mm512_loadu_ps(vr[4] + d), a0);
-                    a1 = _mm512_fmadd_ps(pz[5], _mm512_loadu_ps(vr[5] + d), a1);
-                    a2 = _mm512_fmadd_ps(pz[6], _mm512_loadu_ps(vr[6] + d), a2);
-                    a3 = _mm512_fmadd_ps(pz[7], _mm512_loadu_ps(vr[7] + d), a3);
-                    _mm512_storeu_ps(ag + d, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-                }
+                for (; d + 16 <= D; d += 16) PV_CHUNK(512, __m512, pz, alz);
             }
 #endif
-            for (; d < D; d += 8) {
-                __m256 a0 = _mm256_fmadd_ps(pb[0], _mm256_loadu_ps(vr[0] + d), _mm256_mul_ps(_mm256_load_ps(ag + d), al));
-                __m256 a1 = _mm256_mul_ps(pb[1], _mm256_loadu_ps(vr[1] + d));
-                __m256 a2 = _mm256_mul_ps(pb[2], _mm256_loadu_ps(vr[2] + d));
-                __m256 a3 = _mm256_mul_ps(pb[3], _mm256_loadu_ps(vr[3] + d));
-                a0 = _mm256_fmadd_ps(pb[4], _mm256_loadu_ps(vr[4] + d), a0);
-                a1 = _mm256_fmadd_ps(pb[5], _mm256_loadu_ps(vr[5] + d), a1);
-                a2 = _mm256_fmadd_ps(pb[6], _mm256_loadu_ps(vr[6] + d), a2);
-                a3 = _mm256_fmadd_ps(pb[7], _mm256_loadu_ps(vr[7] + d), a3);
-                _mm256_store_ps(ag + d, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-            }
+            for (; d < D; d += 8) PV_CHUNK(256, __m256, pb, al);
         }
     }
     for (long g = 0; g < G; g++) {
