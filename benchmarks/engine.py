@@ -83,9 +83,9 @@ def run_engine(engine: Engine, prompts, params) -> dict:
     }
 
 
-def run_hw_one(model, prompts, params) -> dict:
+def run_hw_one(model, prompts, params, kv_dtype=None) -> dict:
     t0 = time.perf_counter()
-    res = [headwise.generate(model, p, params) for p in prompts]
+    res = [headwise.generate(model, p, params, kv_dtype=kv_dtype) for p in prompts]
     wall = time.perf_counter() - t0
     ids = [r.token_ids for r in res]
     # tokens_per_second of all prompts together: their tokens after the first / their decode time
@@ -185,6 +185,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument(
+        "--kv-dtype", default=None, choices=["int8"], help="K/V caches of the engines and of hw_one (default: fp32)"
+    )
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--quick", action="store_true", help="8 new tokens, 1 round, sizes 1,16, nothing saved")
     ap.add_argument("--out", type=Path, default=None)
@@ -199,7 +202,8 @@ def main(argv=None) -> int:
     log = Log()
     env = environment()
     log(
-        f"engine benchmark: SmolLM2-135M weights={args.weights}, {args.threads} threads, {args.new_tokens} new tokens per prompt, "
+        f"engine benchmark: SmolLM2-135M weights={args.weights}, kv_dtype={args.kv_dtype}, {args.threads} threads, "
+        f"{args.new_tokens} new tokens per prompt, "
         f"prompts of 112-144 tokens; {env['date']}, torch {env['torch']}, {env['cpu_model']}"
     )
 
@@ -216,17 +220,17 @@ def main(argv=None) -> int:
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     prompts = make_prompts(max(sizes), V)
     subset = prompts[: args.subset]
-    engines = {n: Engine(model, max_num_seqs=64, max_num_batched_tokens=512) for n in sizes}
+    engines = {n: Engine(model, max_num_seqs=64, max_num_batched_tokens=512, kv_dtype=args.kv_dtype) for n in sizes}
 
     # warm-up (first forwards pack weights, allocate scratch) and agreement
     warm = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
     for e in engines.values():
         e.generate(prompts[:2], warm)
-    run_hw_one(model, prompts[:1], warm)
+    run_hw_one(model, prompts[:1], warm, args.kv_dtype)
     if hf is not None:
         run_hf_one(hf, prompts[:1], 4)
     fns = {f"engine_{n}": (lambda n=n: run_engine(engines[n], prompts[:n], params)) for n in sizes}
-    fns["hw_one"] = lambda: run_hw_one(model, subset, params)
+    fns["hw_one"] = lambda: run_hw_one(model, subset, params, args.kv_dtype)
     if hf is not None:
         fns["hf_one"] = lambda: run_hf_one(hf, subset, args.new_tokens)
 
