@@ -114,9 +114,9 @@ static int hw_decoder_step(const int64_t *lin, const float *attn_norm, const flo
     }
     /* each row over its own keys (one sequence each): rows in parallel, each call then on one
      * thread; one row on its own, outside any parallel region, so that its KV heads and, from 128
-     * keys, chunks of its keys spread over the threads (hw_decode_attention_seq). (Inside even an inactive `parallel if (0)` region the call's own
-     * parallel loop is a nested team, which libgomp does not take from its pool: at 1,000 keys a
-     * batch-1 step went from 6 to 125 ms.) */
+     * keys, chunks of its keys spread over the threads (hw_decode_attention_seq). (Inside even an
+     * inactive `parallel if (0)` region the call's own parallel loop is a nested team, which
+     * libgomp does not take from its pool: at 1,000 keys a batch-1 step went from 6 to 125 ms.) */
     int arc = 0;
     if (M == 1)
         arc = attend_row(q, kc, vc, ks, vs, o, base, table, tw, bs, lengths, Hkv, H, D, s_h, s_t, scale, 0);
