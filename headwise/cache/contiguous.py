@@ -232,7 +232,7 @@ class ContiguousKVCache(LayeredCache):
         layers = self.layers
         if len(layers) != num_layers or any(type(layer) is not ContiguousLayerCache for layer in layers):
             return None
-        want = (rows, self.max_seq_len, False, self.layers[0].store.int8, torch.float32)
+        want = (rows, self.max_seq_len, False, layers[0].store.int8, torch.float32)
         entries, strides = [], set()
         for layer in layers:
             if (layer.batch_size, layer.max_seq_len, layer.static, layer.store.int8, layer.dtype) != want:
