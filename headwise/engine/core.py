@@ -132,9 +132,11 @@ class EngineCore:
                 request.finish_reason = reason
 
     # ------------------------------------------------------------------ a step
-    def step(self, process: Callable[[list[TokenOutput]], object] | None = None):
+    def step(self, process: Callable[[list[TokenOutput]], object] | None = None, *, vouch: object | None = None):
         """Schedule -> run -> sample -> update. -> the step's TokenOutputs, or process(outputs):
-        run under the lock, before anything else can touch the requests (the front end's text)."""
+        run under the lock, before anything else can touch the requests (the front end's text).
+        vouch: the caller's word that nothing changed the model since the step it last passed
+        the same object to (Step.model_vouch; ignored when the engine's model is fixed)."""
         t0 = time.perf_counter()
         with self.lock:
             plan = self.scheduler.schedule()
@@ -148,7 +150,7 @@ class EngineCore:
                         f"{self.cache.num_blocks}); this is a bug"
                     )
                 return process([]) if process is not None else []
-            batch = self.runner.prepare(plan.chunks)
+            batch = self.runner.prepare(plan.chunks, vouch)
         t1 = time.perf_counter()
         logits = self.runner.run(batch)  # (R, V) or None
         with self.lock:

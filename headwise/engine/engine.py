@@ -80,6 +80,7 @@ class Engine(Frontends):
         self._itl = collections.deque(maxlen=SAMPLES)
         self._counts = collections.Counter()  # prompt_tokens, finished, aborted, decode_tokens
         self._decode_seconds = 0.0  # first token to last, summed over finished requests
+        self._sink_calls = 0  # pieces handed to sinks (user code: on_piece callbacks), see generate()
 
     config = property(lambda self: self.core.config)  # resolved: every None sized for the model
     cache = property(lambda self: self.core.cache)
@@ -247,6 +248,7 @@ class Engine(Frontends):
                 for group, piece in items:
                     if group.sink is None or group.request_id in dead:
                         continue
+                    self._sink_calls += 1
                     try:
                         handed = group.sink(piece)
                     except Exception:
@@ -260,8 +262,13 @@ class Engine(Frontends):
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step and one forward; returns the requests that finished in it."""
+        return self._step(None)
+
+    def _step(self, vouch: object | None) -> list[RequestOutput]:
+        """step(); vouch: the caller's word that no code of the user's ran since the last step it
+        vouched for with the same object (Step.model_vouch; generate() stepping in its thread)."""
         with self._step_mutex:
-            finished = self.core.step(self._process)
+            finished = self.core.step(self._process, vouch=vouch)
         self._flush()
         return finished
 

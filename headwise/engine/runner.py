@@ -44,8 +44,9 @@ class ModelRunner:
         # its decode steps check the model's modules once (Step.model_vouch), not every step
         self.vouch = object() if model_fixed else None
 
-    def prepare(self, chunks: list[Chunk]) -> Batch:
-        """Reserve the chunks' slots in the cache and build the step (call under the engine's lock)."""
+    def prepare(self, chunks: list[Chunk], vouch: object | None = None) -> Batch:
+        """Reserve the chunks' slots in the cache and build the step (call under the engine's lock).
+        vouch: the caller's Step.model_vouch for this step where the model is not fixed."""
         news = [c.request.token_ids[c.start : c.start + c.num_tokens] for c in chunks]
         rows, off = [], 0
         for c in chunks:
@@ -58,7 +59,7 @@ class ModelRunner:
         # writes: ask for one row (the last) rather than all N, and drop it. (A list: the model
         # checks it in Python, where a tensor would cost reductions and syncs every step.)
         step = self.cache.packed(seq_ids, counts, news, defer_prefix=True, logits_indices=rows or [off - 1])
-        step.model_vouch = self.vouch
+        step.model_vouch = self.vouch if self.vouch is not None else vouch
         return Batch(chunks, input_ids, step, rows)
 
     def run(self, batch: Batch) -> Tensor | None:

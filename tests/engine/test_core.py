@@ -43,8 +43,8 @@ def test_runner_computes_logits_for_sampled_rows_only(tiny_llama):
     batches, rows_seen = [], []
     prepare = runner.prepare
 
-    def spy(chunks):
-        batch = prepare(chunks)
+    def spy(chunks, vouch=None):
+        batch = prepare(chunks, vouch)
         batches.append((batch.num_tokens, len(batch.rows)))
         return batch
 
@@ -84,7 +84,9 @@ def test_an_engine_checks_the_model_each_step_unless_it_is_fixed(tiny_llama):
     """Engine's default takes the model as it is at every step: a hook added between two decode
     steps of a request runs at each later step (the decode stack looked at the modules again).
     model_fixed=True (headwise serve's own models) vouches for the model on each step
-    (Step.model_vouch: the modules checked once per run) and gives what generate() gives."""
+    (Step.model_vouch: the modules checked once per run) and gives what generate() gives.
+    generate() stepping in its own thread vouches for its own steps, with a new object each call
+    (the user's code runs between two calls)."""
     prompt = ragged_prompts(tiny_llama.config.vocab_size, seed=9)[2]
     greedy = SamplingParams(max_new_tokens=10, temperature=0)
     plain = reference(tiny_llama, prompt, greedy)[0].token_ids
@@ -92,9 +94,15 @@ def test_an_engine_checks_the_model_each_step_unless_it_is_fixed(tiny_llama):
         engine = Engine(tiny_llama, num_blocks=64, block_size=4, max_num_seqs=2, model_fixed=fixed)
         runner, vouches = engine.core.runner, []
         prepare = runner.prepare
-        runner.prepare = lambda chunks: (lambda b: vouches.append(b.step.model_vouch) or b)(prepare(chunks))
+        runner.prepare = lambda chunks, vouch=None: (lambda b: vouches.append(b.step.model_vouch) or b)(
+            prepare(chunks, vouch)
+        )
         assert engine.generate([prompt], greedy)[0].token_ids == plain
-        assert vouches and all(v is (runner.vouch if fixed else None) for v in vouches)
+        first, vouches[:] = list(vouches), []
+        assert engine.generate([prompt], greedy)[0].token_ids == plain
+        assert first and first[0] is not None and all(v is first[0] for v in first)  # one word for a whole call
+        assert vouches and all(v is vouches[0] for v in vouches)
+        assert (vouches[0] is first[0] is runner.vouch) if fixed else (vouches[0] is not first[0])
         assert (runner.vouch is not None) == fixed
     engine, calls = Engine(tiny_llama, num_blocks=64, block_size=4, max_num_seqs=2), []
     rid = engine.add_request(prompt, greedy)
@@ -107,3 +115,34 @@ def test_an_engine_checks_the_model_each_step_unless_it_is_fixed(tiny_llama):
     finally:
         handle.remove()
     assert len(calls) == 10 - 4 and engine.result(rid).token_ids == plain  # the hook changed nothing
+
+
+def test_generate_looks_again_after_another_requests_callback_ran(tiny_llama):
+    """generate()'s word for its steps holds only while no code of the user's runs between them:
+    another request's on_piece callback that adds a hook mid-run is followed by a step that looks
+    at the modules again, and the hook runs at every later step."""
+    other, prompt = ragged_prompts(tiny_llama.config.vocab_size, seed=9)[1:3]
+    greedy = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
+    engine, calls, added = Engine(tiny_llama, num_blocks=64, block_size=4, max_num_seqs=2), [], []
+
+    def on_piece(piece):
+        if len(piece.token_ids) and not added and engine.core.counts["output_tokens"] >= 6:
+            added.append(engine.core.counts["steps"])
+            added.append(tiny_llama.layers[1].mlp.register_forward_hook(lambda m, a, out: calls.append(out.shape)))
+
+    rid = engine.add_request(
+        other, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True), on_piece=on_piece
+    )
+    try:
+        out = engine.generate([prompt], greedy)[0]
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        if added:
+            added[1].remove()
+    assert out.token_ids == reference(tiny_llama, prompt, greedy)[0].token_ids  # the hook changed nothing
+    assert (
+        engine.result(rid).token_ids
+        == reference(tiny_llama, other, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))[0].token_ids
+    )
+    assert added and len(calls) == engine.core.counts["steps"] - added[0] > 0  # every step after the hook ran it
