@@ -24,3 +24,17 @@ def bits_per_weight(fmt: str) -> float:
     """Bits a weight takes in `fmt`, its block's scales included (q4_1: 5.0, q8_0: 8.5)."""
     _, values, nbytes = QUANT_FORMATS[fmt]
     return 8 * nbytes / values
+
+
+# llama-quantize's type for a weight whose rows are not whole super-blocks of the K-quant asked for
+# (SmolLM2's 576-wide rows, MiniLM's 384): headwise.load(weights=...) and plan.py follow it.
+FALLBACK = {"q4_k": "q5_0", "q6_k": "q8_0"}
+
+
+def target_format(fmt: str, in_features: int) -> str | None:
+    """The format a weight of rows of in_features values takes when `fmt` is asked for: `fmt`, its
+    FALLBACK where the rows are not whole blocks of it, or None (the weight stays float)."""
+    for f in (fmt, FALLBACK.get(fmt)):
+        if f is not None and in_features % QUANT_FORMATS[f][1] == 0:
+            return f
+    return None

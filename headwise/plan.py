@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from headwise.config import AttentionConfig, ModelConfig
-from headwise.formats import QUANT_FORMATS
+from headwise.formats import QUANT_FORMATS, target_format
 
 DTYPE_BYTES = {
     "fp32": 4, "float32": 4,
@@ -32,10 +32,30 @@ def weight_bytes(cfg: ModelConfig, params: dict[str, int], dtype: str, weights: 
     fmt = weights.strip().lower()
     if fmt not in QUANT_FORMATS:
         raise ValueError(f"unknown weights {weights!r}; valid: {', '.join([*DTYPE_BYTES, *QUANT_FORMATS])}")
-    _, values, nbytes = QUANT_FORMATS[fmt]
-    positions = cfg.max_positions * cfg.d_model if cfg.positions == "learned" else 0
-    matrices = params["attention"] + params["mlp"] + params["embeddings"] - positions + params["lm_head"]
-    return {fmt: -(-matrices // values) * nbytes, dtype: (params["total"] - matrices) * dtype_bytes(dtype)}
+    out: dict[str, int] = {}
+    floats = params["total"]
+    for width, count in _matrices_by_width(cfg, params).items():
+        f = target_format(fmt, width)  # a K-quant's fallback where rows are not whole blocks, as at load
+        if f is None or not count:
+            continue
+        _, values, nbytes = QUANT_FORMATS[f]
+        out[f] = out.get(f, 0) + -(-count // values) * nbytes
+        floats -= count
+    out[dtype] = out.get(dtype, 0) + floats * dtype_bytes(dtype)
+    return out
+
+
+def _matrices_by_width(cfg: ModelConfig, params: dict[str, int]) -> dict[int, int]:
+    """Weights of the quantizable matrices (attention, MLP, token embeddings, lm_head), by the
+    width of their rows (in_features): a block format needs whole blocks of it."""
+    C, L, F = cfg.d_model, cfg.num_layers, cfg.d_ff
+    HD, KD = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    positions = cfg.max_positions * C if cfg.positions == "learned" else 0
+    by = {C: L * (C * HD + 2 * C * KD + (2 if cfg.mlp == "swiglu" else 1) * C * F)}
+    by[HD] = by.get(HD, 0) + L * HD * C  # the output projection
+    by[F] = by.get(F, 0) + L * F * C  # the down projection
+    by[C] += params["embeddings"] - positions + params["lm_head"]
+    return by
 
 
 def dtype_bytes(dtype: str) -> int:

@@ -147,15 +147,12 @@ def _find_exe(name: str) -> str:
     raise RuntimeError(f"{name} is not on PATH after `pip install {name}`: install it (apt-get install {name})")
 
 
-def build(version: str = VERSION, jobs: int | None = None, force: bool = False) -> Path:
-    """Download, configure and build llama.cpp's tools; returns the bin folder. Cached."""
+def source(version: str = VERSION) -> Path:
+    """llama.cpp's source tree from the sdist (downloaded and unpacked once, cached)."""
     root = build_dir(version)
-    if is_built(version) and not force:
-        return bin_dir(version)
-    t0 = time.perf_counter()
-    sdist = _download_sdist(version, root / "sdist")
     src = root / "src"
     if not (src / "CMakeLists.txt").is_file():
+        sdist = _download_sdist(version, root / "sdist")
         _log(f"unpacking {sdist.name}")
         with tempfile.TemporaryDirectory(dir=root) as tmp:
             with tarfile.open(sdist) as tar:
@@ -165,6 +162,16 @@ def build(version: str = VERSION, jobs: int | None = None, force: bool = False) 
                 raise RuntimeError(f"{sdist} has no llama.cpp/CMakeLists.txt: its layout changed; unpack it and look")
             shutil.rmtree(src, ignore_errors=True)
             inner.rename(src)
+    return src
+
+
+def build(version: str = VERSION, jobs: int | None = None, force: bool = False) -> Path:
+    """Download, configure and build llama.cpp's tools; returns the bin folder. Cached."""
+    root = build_dir(version)
+    if is_built(version) and not force:
+        return bin_dir(version)
+    t0 = time.perf_counter()
+    src = source(version)
     cmake, ninja = _find_exe("cmake"), _find_exe("ninja")
     build_number = version.split(".")[0]
     obj = root / "build"

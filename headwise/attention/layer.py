@@ -242,6 +242,27 @@ class MultiHeadAttention(nn.Module):
         return q, F.linear(key, w[1], b[1]), F.linear(value, w[2], b[2])
 
     # ------------------------------------------------------------- weights in/out
+    def unfuse(self) -> "MultiHeadAttention":
+        """Hold Q, K and V in three linears (q_proj, k_proj, v_proj) instead of qkv_proj's one: the
+        same rows, three matmuls. Loading does it where a checkpoint stores them in quantized formats
+        that cannot share one matrix (llama.cpp's Q4_K_M: Q4_K Q and K, a Q6_K V in some layers), so
+        each keeps its blocks instead of becoming fp32. Decode steps of such a layer take the
+        general route, not the one-call decoder stack."""
+        if not self.fused:
+            return self
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        old = self._modules.pop("qkv_proj")
+        ws = old.weight.split([H * D, Hkv * D, Hkv * D], dim=0)
+        bs = old.bias.split([H * D, Hkv * D, Hkv * D], dim=0) if old.bias is not None else (None,) * 3
+        for name, w, b in zip(("q_proj", "k_proj", "v_proj"), ws, bs):
+            lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta")
+            lin.weight = nn.Parameter(w.detach().clone(), requires_grad=old.weight.requires_grad)
+            if b is not None:
+                lin.bias = nn.Parameter(b.detach().clone(), requires_grad=old.bias.requires_grad)
+            setattr(self, name, lin)
+        self.fused = False
+        return self
+
     def projection_weights(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(W_q (H*D, C), W_k (Hkv*D, kdim), W_v (Hkv*D, vdim), W_o (C, H*D)), as views."""
         if self.fused:

@@ -1,8 +1,10 @@
 /* GGML blocks <-> fp32 and the packed rows (quant_blocks.h has the layouts; issue 14):
  * hw_dequantize writes the fp32 matrix (prefill runs a fp32 GEMM on it), hw_quantize makes
- * Q8_0 / Q4_0 / Q4_1 blocks from fp32 (int8 / int4 at load time), both bit for bit what ggml's
- * reference code (and the gguf package's numpy port) computes, and hw_repack8 packs Q4_0 / Q4_1 /
- * Q8_0 rows in the groups of 8 that quant_linear.c reads fastest, or back. */
+ * Q8_0 / Q4_0 / Q4_1 / Q5_0 blocks from fp32 (int8 / int4 at load time), both bit for bit what
+ * ggml's reference code (and the gguf package's numpy port) computes, and the K-quants Q4_K / Q6_K
+ * by ggml's reference search (quantize_row_q4_K_ref, quantize_row_q6_K_ref; no FMA contraction,
+ * every product rounded before its sum, as a numpy port computes them), and hw_repack8 packs
+ * Q4_0 / Q4_1 / Q8_0 rows in the groups of 8 that quant_linear.c reads fastest, or back. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -176,11 +178,201 @@ static void quantize_block(int fmt, const float *x, uint8_t *out) {
     }
 }
 
+/* quantize_row_q5_0_ref: d = (the value of largest |x|) / -16, q = x / d + 16 in 5 bits, the
+ * fifth bits of the 32 values in a 32-bit mask after d. */
+static void quantize_q5_0(const float *x, uint8_t *out) {
+    float amax = 0.0f, max = 0.0f;
+    for (int j = 0; j < QK; j++)
+        if (fabsf(x[j]) > amax) amax = fabsf(x[j]), max = x[j];
+    const float d = max / -16.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    store_f16(out, d);
+    uint32_t high = 0;
+    for (int j = 0; j < QK / 2; j++) {
+        int a = (int8_t)(rounded(x[j] * id) + 16.5f), c = (int8_t)(rounded(x[j + 16] * id) + 16.5f);
+        a = a < 31 ? a : 31, c = c < 31 ? c : 31;
+        out[6 + j] = (uint8_t)((a & 15) | ((c & 15) << 4));
+        high |= (uint32_t)((a >> 4) & 1) << j | (uint32_t)((c >> 4) & 1) << (j + 16);
+    }
+    memcpy(out + 2, &high, 4);
+}
+
+/* ---- the K-quants' reference search. Float order matters here (a sum's rounding can flip which
+ * trial scale wins): products are rounded before they are added (rounded()) and sums run in index
+ * order, as ggml's C and a numpy port of it compute them. ---- */
+
+static inline int nearest(float v) { return _mm_cvt_ss2si(_mm_set_ss(v)); }  /* round half to even */
+static inline int clampi(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
+static inline float f16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* make_qkx2_quants(32, 15, x, w, ..., rmin -1, rdelta 0.1, nstep 20, squared error): levels L
+ * (0..15) with x ~ scale * L - neg_min, the scale and min a weighted least-squares fit over the
+ * levels each of 21 trial scales rounds x to, the best of them (and of plain min-max rounding)
+ * by weighted squared error. Returns scale; *neg_min = -min >= 0. */
+static float fit_scale_min(const float *x, const float *w, uint8_t *L, float *neg_min) {
+    float min = x[0], max = x[0], sum_w = w[0], sum_x = rounded(sum_w * x[0]);
+    for (int i = 1; i < 32; i++) {
+        min = x[i] < min ? x[i] : min, max = x[i] > max ? x[i] : max;
+        sum_w += w[i], sum_x += rounded(w[i] * x[i]);
+    }
+    if (min > 0) min = 0;
+    if (max == min) {
+        memset(L, 0, 32);
+        *neg_min = -min;
+        return 0.0f;
+    }
+    float iscale = 15.0f / (max - min), scale = 1.0f / iscale, best = 0.0f;
+    for (int i = 0; i < 32; i++) {
+        L[i] = (uint8_t)clampi(nearest(rounded(iscale * (x[i] - min))), 0, 15);
+        const float diff = rounded(scale * L[i]) + min - x[i];
+        best += rounded(w[i] * rounded(diff * diff));
+    }
+    for (int step = 0; step <= 20; step++) {
+        uint8_t trial[32];
+        iscale = (-1.0f + rounded(0.1f * step) + 15.0f) / (max - min);
+        float sl = 0.0f, sl2 = 0.0f, sxl = 0.0f;
+        for (int i = 0; i < 32; i++) {
+            const int l = clampi(nearest(rounded(iscale * (x[i] - min))), 0, 15);
+            const float wl = rounded(w[i] * l);
+            trial[i] = (uint8_t)l;
+            sl += wl, sl2 += rounded(wl * l), sxl += rounded(wl * x[i]);
+        }
+        const float D = rounded(sum_w * sl2) - rounded(sl * sl);
+        if (!(D > 0)) continue;
+        float s = (rounded(sum_w * sxl) - rounded(sum_x * sl)) / D, m = (rounded(sl2 * sum_x) - rounded(sl * sxl)) / D;
+        if (m > 0) m = 0, s = sxl / sl2;
+        float err = 0.0f;
+        for (int i = 0; i < 32; i++) {
+            const float diff = rounded(s * trial[i]) + m - x[i];
+            err += rounded(w[i] * rounded(diff * diff));
+        }
+        if (err < best) memcpy(L, trial, 32), best = err, scale = s, min = m;
+    }
+    *neg_min = -min;
+    return scale;
+}
+
+/* quantize_row_q4_K_ref: 256 values in 8 sub-blocks of 32, each fit by fit_scale_min (weights
+ * rms + |x|); the sub-blocks' scales and mins in 6 bits of the block's d and dmin (f16), the
+ * levels rounded again against those. Block: d, dmin, 12 bytes of scales / mins, 128 of nibbles. */
+static void quantize_q4_k(const float *x, uint8_t *out) {
+    uint8_t L[QK_K], *sc = out + 4;
+    float scales[8], mins[8], max_scale = 0.0f, max_min = 0.0f;
+    for (int j = 0; j < 8; j++) {
+        const float *xj = x + 32 * j;
+        float w[32], sum_x2 = 0.0f;
+        for (int l = 0; l < 32; l++) sum_x2 += rounded(xj[l] * xj[l]);
+        const float av_x = sqrtf(sum_x2 / 32);
+        for (int l = 0; l < 32; l++) w[l] = av_x + fabsf(xj[l]);
+        scales[j] = fit_scale_min(xj, w, L + 32 * j, &mins[j]);
+        max_scale = scales[j] > max_scale ? scales[j] : max_scale;
+        max_min = mins[j] > max_min ? mins[j] : max_min;
+    }
+    const float inv_scale = max_scale > 0 ? 63.0f / max_scale : 0.0f, inv_min = max_min > 0 ? 63.0f / max_min : 0.0f;
+    memset(sc, 0, 12);
+    for (int j = 0; j < 8; j++) {
+        uint8_t ls = (uint8_t)nearest(inv_scale * scales[j]), lm = (uint8_t)nearest(inv_min * mins[j]);
+        ls = ls < 63 ? ls : 63, lm = lm < 63 ? lm : 63;
+        if (j < 4) {
+            sc[j] = ls, sc[j + 4] = lm;
+        } else {
+            sc[j + 4] = (uint8_t)((ls & 15) | ((lm & 15) << 4));
+            sc[j - 4] |= (uint8_t)((ls >> 4) << 6), sc[j] |= (uint8_t)((lm >> 4) << 6);
+        }
+    }
+    store_f16(out, max_scale / 63.0f), store_f16(out + 2, max_min / 63.0f);
+    const float d = f16_at(out), dmin = f16_at(out + 2);
+    for (int j = 0; j < 8; j++) {
+        int s, m;
+        if (j < 4) s = sc[j] & 63, m = sc[j + 4] & 63;  /* get_scale_min_k4 */
+        else s = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4), m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+        const float dj = d * s, mj = dmin * m;
+        if (dj == 0.0f) continue;
+        for (int i = 0; i < 32; i++) L[32 * j + i] = (uint8_t)clampi(nearest((x[32 * j + i] + mj) / dj), 0, 15);
+    }
+    uint8_t *q = out + 16;
+    for (int j = 0; j < QK_K; j += 64, q += 32)
+        for (int l = 0; l < 32; l++) q[l] = (uint8_t)(L[j + l] | (L[j + l + 32] << 4));
+}
+
+/* make_qx_quants(16, 32, x, L, rmse_type 1): levels L (0..63, x ~ scale * (L - 32)) for the
+ * scale, among 19 trials around -32 / (the value of largest |x|), that fits best weighted by x^2. */
+static float fit_scale_signed(const float *x, int8_t *L) {
+    float amax = 0.0f, max = 0.0f;
+    for (int i = 0; i < 16; i++)
+        if (fabsf(x[i]) > amax) amax = fabsf(x[i]), max = x[i];
+    if (amax < 1e-15f) {  /* GROUP_MAX_EPS: all zero */
+        memset(L, 0, 16);
+        return 0.0f;
+    }
+    float scale = 0.0f, best = 0.0f;
+    for (int t = 0; t <= 18; t++) {  /* t = 0: the plain scale; then offsets -9 .. 9 tenths, 0 skipped */
+        const int off = t == 0 ? 0 : t <= 9 ? t - 10 : t - 9;
+        const float iscale = t == 0 ? -32.0f / max : -(32.0f + rounded(0.1f * off)) / max;
+        float sumlx = 0.0f, suml2 = 0.0f;
+        for (int i = 0; i < 16; i++) {
+            const int l = clampi(nearest(rounded(iscale * x[i])), -32, 31);
+            const float w = rounded(x[i] * x[i]);
+            sumlx += rounded(rounded(w * x[i]) * l), suml2 += rounded(rounded(w * l) * l);
+        }
+        if (t == 0 || (suml2 > 0 && rounded(sumlx * sumlx) > rounded(best * suml2))) {
+            for (int i = 0; i < 16; i++) L[i] = (int8_t)(clampi(nearest(rounded(iscale * x[i])), -32, 31) + 32);
+            scale = suml2 != 0.0f ? sumlx / suml2 : 0.0f, best = rounded(scale * sumlx);
+        }
+    }
+    return scale;
+}
+
+/* quantize_row_q6_K_ref: 256 values in 16 sub-blocks of 16, each fit by fit_scale_signed; the
+ * scales as int8 of the block's d (f16) and the 6-bit levels rounded again against them. Block:
+ * 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d. */
+static void quantize_q6_k(const float *x, uint8_t *out) {
+    int8_t L[QK_K];
+    float scales[16], max_scale = 0.0f, max_abs = 0.0f;
+    for (int b = 0; b < 16; b++) {
+        scales[b] = fit_scale_signed(x + 16 * b, L + 16 * b);
+        if (fabsf(scales[b]) > max_abs) max_abs = fabsf(scales[b]), max_scale = scales[b];
+    }
+    memset(out, 0, 210);
+    if (max_abs < 1e-15f) return;  /* d = 0, every level 0 */
+    const float iscale = -128.0f / max_scale;
+    store_f16(out + 208, 1.0f / iscale);
+    const float d = f16_at(out + 208);
+    int8_t *sc = (int8_t *)(out + 192);
+    for (int b = 0; b < 16; b++) {
+        const int v = nearest(iscale * scales[b]);
+        sc[b] = (int8_t)(v < 127 ? v : 127);
+    }
+    for (int b = 0; b < 16; b++) {
+        const float db = d * sc[b];
+        if (db == 0.0f) continue;
+        for (int i = 0; i < 16; i++) L[16 * b + i] = (int8_t)(clampi(nearest(x[16 * b + i] / db), -32, 31) + 32);
+    }
+    uint8_t *ql = out, *qh = out + 128;
+    for (int j = 0; j < QK_K; j += 128, ql += 64, qh += 32)
+        for (int l = 0; l < 32; l++) {
+            const int a = L[j + l], b = L[j + l + 32], c = L[j + l + 64], e = L[j + l + 96];
+            ql[l] = (uint8_t)((a & 15) | ((c & 15) << 4)), ql[l + 32] = (uint8_t)((b & 15) | ((e & 15) << 4));
+            qh[l] = (uint8_t)((a >> 4) | ((b >> 4) << 2) | ((c >> 4) << 4) | ((e >> 4) << 6));
+        }
+}
+
 int hw_quantize(int fmt, const float *w, uint8_t *out, long O, long I) {
-    if (fmt != Q4_0 && fmt != Q4_1 && fmt != Q8_0) return ERR_FORMAT;
-    if (O < 1 || I < 1 || I % QK) return ERR_SHAPE;
-    const long nb = O * (I / QK), bytes = block_bytes(fmt);
+    if (fmt != Q4_0 && fmt != Q4_1 && fmt != Q8_0 && fmt != Q5_0 && fmt != Q4_K && fmt != Q6_K) return ERR_FORMAT;
+    const long bv = block_values(fmt);
+    if (O < 1 || I < 1 || I % bv) return ERR_SHAPE;
+    const long nb = O * (I / bv), bytes = block_bytes(fmt);
     #pragma omp parallel for schedule(static) if (O * I >= (1L << 16))
-    for (long k = 0; k < nb; k++) quantize_block(fmt, w + k * QK, out + k * bytes);
+    for (long k = 0; k < nb; k++) {
+        const float *x = w + k * bv;
+        uint8_t *o = out + k * bytes;
+        if (fmt == Q5_0) quantize_q5_0(x, o);
+        else if (fmt == Q4_K) quantize_q4_k(x, o);
+        else if (fmt == Q6_K) quantize_q6_k(x, o);
+        else quantize_block(fmt, x, o);
+    }
     return 0;
 }

@@ -98,7 +98,7 @@ def quantize(weight: Tensor, fmt: str) -> Tensor:
     except NotImplementedError:
         raise ValueError(
             f"no quantizer for {fmt} here (gguf.quants has none and headwise.kernels.quant is unavailable); "
-            "requantize to q8_0, q4_0 or q4_1"
+            "requantize to q8_0, q4_0, q4_1 or q5_0"
         ) from None
     return torch.from_numpy(np.ascontiguousarray(out).view(np.uint8)).reshape(O, -1)
 

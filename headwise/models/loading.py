@@ -188,11 +188,37 @@ def convert(
                 raise AssertionError(f"table bug: {name} has row blocks {sorted(blocks)}")
             parts = [blocks[j] for j in range(len(blocks))]
             kinds = mixed(parts)
+            if kinds and name.endswith(_QKV):  # each keeps its format: the attention is unfused at load
+                out |= {name.removesuffix("qkv_proj.weight") + f"{p}_proj.weight": t for p, t in zip("qkv", parts)}
+                continue
             if kinds:
                 fp32_fused.append(f"{name} [{kinds}]")
             out[name] = fuse_rows(parts)  # torch.cat, or rows of blocks stacked
+    _split_qkv_biases(out)
     warn_mixed(fp32_fused, what)
     return out
+
+
+_QKV = "attn.qkv_proj.weight"
+
+
+def _split_qkv_biases(out: dict) -> None:
+    """The fused q|k|v bias of an attention whose weights convert left as three (mixed formats)
+    -> q_proj / k_proj / v_proj biases."""
+    for name in [n for n in out if n.endswith("attn.q_proj.weight")]:
+        prefix = name.removesuffix("q_proj.weight")
+        bias = out.pop(prefix + "qkv_proj.bias", None)
+        if bias is not None:
+            sizes = [out[prefix + f"{p}_proj.weight"].shape[0] for p in "qkv"]
+            out |= {prefix + f"{p}_proj.bias": b for p, b in zip("qkv", bias.split(sizes))}
+
+
+def unfuse_attentions(model: nn.Module, state: dict) -> None:
+    """Unfuse (MultiHeadAttention.unfuse) every meta-built attention whose Q, K and V arrive in
+    `state` as three weights (convert left them apart: formats that cannot share one matrix)."""
+    for name, m in model.named_modules():
+        if getattr(m, "fused", False) and f"{name}.q_proj.weight" in state:
+            m.unfuse()
 
 
 # ---------------------------------------------------------------------------- dict -> model
@@ -296,6 +322,7 @@ def _build(
 
 def _finish(model: nn.Module, state: dict, *, weights: str, pack: bool, what: str) -> nn.Module:
     """A meta-built model + its headwise state dict (QuantTensors where quantized) -> the model."""
+    unfuse_attentions(model, state)
     requantize(state, model, weights)
     install(model, state)
     expected = dict(model.named_parameters())  # tied aliases appear once

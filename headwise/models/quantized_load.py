@@ -4,8 +4,10 @@
                      (q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q6_k); other types and safetensors stay float
     weights="fp32"   everything dequantized to fp32 (the loader as it was before issue 14)
     weights="bf16"   everything dequantized, then cast to bf16
-    weights="q8_0" | "q4_0" | "q4_1" (aliases "int8" = q8_0, "int4" = q4_1)
-                     linear weights and the token embedding requantized to that format
+    weights="q8_0" | "q4_0" | "q4_1" | "q5_0" | "q4_k" | "q6_k" (aliases "int8" = q8_0, "int4" = q4_1)
+                     linear weights and the token embedding requantized to that format; a
+                     K-quant's rows that are not whole 256-value super-blocks take llama-quantize's
+                     fallback instead (q4_k -> q5_0, q6_k -> q8_0)
 
 Norms, biases and position embeddings always stay float. In transit (reader -> loading.convert
 -> model) a quantized weight is a `QuantTensor`; `install` then swaps the meta-built model's
@@ -27,10 +29,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ..formats import target_format
 from .linear import FORMATS, QUANTIZED, QuantizedEmbedding, QuantizedLinear, dequantize, kernel_unavailable, quantize
 
 ALIASES = {"int8": "q8_0", "int4": "q4_1"}
-TARGETS = ("q8_0", "q4_0", "q4_1")  # what weights= may requantize to (gguf.quants has their quantizers)
+TARGETS = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q6_k")  # what weights= may requantize to (kernels.quant)
 WEIGHTS = ("auto", "fp32", "bf16", *TARGETS, *ALIASES)
 SAVED_FILE = "headwise_model.json"
 SAVED_FORMAT = "headwise-model-1"
@@ -163,18 +166,18 @@ def requantize(state: dict, model: nn.Module, weights: str) -> None:
             if isinstance(t, QuantTensor):
                 state[name] = t.dequantize().to(dtype)
         return
-    block = FORMATS[weights][1]
     for name, m in _quantizable(model, model.config.vocab_size).items():
         t = state.get(name)
         if t is None:
             continue
+        fmt = target_format(weights, t.shape[1])
+        if fmt is None:
+            continue  # not whole blocks of any: stays float (llama.cpp does the same)
         if isinstance(t, QuantTensor):
-            if t.fmt == weights:
+            if t.fmt == fmt:
                 continue
             t = t.dequantize()
-        if t.shape[1] % block:
-            continue  # not whole blocks: stays float (llama.cpp does the same)
-        state[name] = QuantTensor(quantize(t, weights), weights, tuple(t.shape))
+        state[name] = QuantTensor(quantize(t, fmt), fmt, tuple(t.shape))
 
 
 def install(model: nn.Module, state: dict) -> None:

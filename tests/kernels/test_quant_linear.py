@@ -269,7 +269,7 @@ def awkward_weights(O, I):
     return w
 
 
-@pytest.mark.parametrize("fmt", quant.QUANTIZE_FORMATS)
+@pytest.mark.parametrize("fmt", [f for f in quant.QUANTIZE_FORMATS if not f.endswith("_k")])  # gguf's quantizers
 @pytest.mark.parametrize("O,I", [(3, 64), (13, 576), (300, 1536)])
 def test_quantize_equals_gguf_bit_for_bit(fmt, O, I):
     w = awkward_weights(O, I)
@@ -279,7 +279,7 @@ def test_quantize_equals_gguf_bit_for_bit(fmt, O, I):
 
 def test_quantize_then_compute():
     """The int8 / int4 path for a float checkpoint: quantize at load, then compute from the blocks."""
-    w, x = torch.randn(50, 576) * 0.05, torch.randn(3, 576)
+    w, x = torch.randn(50, 768) * 0.05, torch.randn(3, 768)
     for fmt in quant.QUANTIZE_FORMATS:
         blocks = quant.quantize(w, fmt)
         assert_close(run(blocks, fmt, x), quantized_x(x), blocks, fmt)
@@ -321,8 +321,8 @@ def test_bad_weights_are_refused():
         quant.plan_quant(random_blocks("q4_k", 4, 256), "q4_k", 4, 100)
     with pytest.raises(ValueError, match="bias"):
         quant.plan_quant(blocks, "q4_1", 4, 256, torch.randn(5))
-    with pytest.raises(ValueError, match="q6_k"):
-        quant.quantize(torch.randn(4, 256), "q6_k")
+    with pytest.raises(ValueError, match="quantize makes .*, not 'q5_1'"):
+        quant.quantize(torch.randn(4, 256), "q5_1")
     with pytest.raises(ValueError, match="fp32"):
         quant.quantize(torch.randn(4, 256).double(), "q8_0")
     with pytest.raises(ValueError, match="multiple"):

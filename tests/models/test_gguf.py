@@ -210,9 +210,15 @@ def llama_cpp_permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _pack(w, name, rng):
+def _pack(w, name, rng, kquants="random"):
     if name == "F32":
         return w.astype(np.float32), None
+    if kquants == "headwise" and name in ("Q4_K", "Q6_K"):
+        from headwise.kernels import quant
+
+        return quant.quantize(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)), name.lower()).numpy(), Q[
+            name
+        ]
     if name in ("Q4_K", "Q5_K", "Q6_K"):  # gguf cannot quantize these: random blocks
         rows = random_kquant_blocks(name, w.size // 256, rng)
         return rows.reshape(w.shape[0], -1), Q[name]
@@ -220,9 +226,11 @@ def _pack(w, name, rng):
     return packed, (None if name == "F16" else Q[name])
 
 
-def write_tiny_llama(path, *, arch="llama", types=TYPES, tied=False, seed=0, extra=(), drop=()):
+def write_tiny_llama(path, *, arch="llama", types=TYPES, tied=False, seed=0, extra=(), drop=(), kquants="random"):
     """A 2-layer llama GGUF, C=256 with GQA 4/2. Returns the HF-order weights that went in
-    (before quantization), so F32 tensors can be checked exactly."""
+    (before quantization), so F32 tensors can be checked exactly. kquants: Q4_K / Q5_K / Q6_K
+    tensors as random blocks (gguf cannot quantize them), or "headwise": Q4_K / Q6_K quantized
+    from the weights by headwise's quantizer (a model whose logits stay in a sane range)."""
     rng = np.random.default_rng(seed)
     tokens, merges = tiny_vocab()
     V = len(tokens)
@@ -260,7 +268,7 @@ def write_tiny_llama(path, *, arch="llama", types=TYPES, tied=False, seed=0, ext
         stored = weight
         if name.endswith(("attn_q.weight", "attn_k.weight")):
             stored = llama_cpp_permute(weight, H if "attn_q" in name else HKV)
-        data, raw = _pack(stored, kind, rng)
+        data, raw = _pack(stored, kind, rng, kquants)
         w.add_tensor(name, data, raw_dtype=raw)
 
     def rand(*shape):

@@ -22,6 +22,7 @@ from headwise.cache import ContiguousKVCache
 from headwise.models.builtin import resolve
 from headwise.models.gguf import open_gguf
 from headwise.models.linear import QuantizedEmbedding, QuantizedLinear, weight_bytes
+from headwise.kernels import quant
 from headwise.models.quantized_load import save
 
 from ..helpers import save_hf
@@ -263,6 +264,61 @@ def test_requantized_safetensors_checkpoint(tmp_path_factory, name, weights, fmt
     assert torch.isfinite(lq).all() and F.cosine_similarity(lq.flatten(), lf.flatten(), dim=0) > 0.9
 
 
+@pytest.mark.parametrize("weights,fallback", [("q4_k", "q5_0"), ("q6_k", "q8_0")])
+def test_k_quant_targets_take_llama_quantizes_fallback_on_narrow_rows(tmp_path_factory, weights, fallback):
+    """weights="q4_k" / "q6_k" on a safetensors Llama whose hidden width (320) is not whole 256-value
+    super-blocks but whose MLP width (512) is: the down projections in the K-quant, every other
+    matrix (and the tied embedding / head) in llama-quantize's fallback; each weight within a step
+    of its format of the fp32 one, the blocks those of kernels.quant.quantize on it (the format's
+    reference quantizer, tested bit for bit there), logits near fp32's, and save / load gives the
+    same model back."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        hidden_size=320, intermediate_size=512, num_hidden_layers=2, num_attention_heads=5, num_key_value_heads=1,
+        vocab_size=128, max_position_embeddings=64, initializer_range=0.05, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    path = save_hf(tmp_path_factory, f"wide-{weights}", tf.LlamaForCausalLM(config).eval())
+    ref, q = headwise.load(path, weights="fp32"), headwise.load(path, weights=weights)
+    fmts = {n: m.fmt for n, m in q.named_modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))}
+    want = {n: weights if n.endswith("mlp.down") else fallback for n in fmts}
+    assert fmts == want and len(fmts) == 2 + 4 * 2 and q.lm_head.blocks is q.embed.blocks  # embed, head, 4 a layer
+    fp = dict(ref.named_modules())
+    for n, m in q.named_modules():
+        if isinstance(m, QuantizedLinear):
+            w = fp[n].weight
+            assert torch.equal(m.file_blocks(), quant.quantize(w.contiguous(), m.fmt)), n
+            assert (m.weight - w).abs().max() <= w.abs().max() / (6 if m.fmt in ("q4_k", "q5_0") else 30), n
+    ids = torch.randint(0, config.vocab_size, (2, 9))
+    with torch.inference_mode():
+        lq, lf = q(ids), ref(ids)
+    cos = F.cosine_similarity(lq.flatten(), lf.flatten(), dim=0)  # a random model: 5 bits give ~0.986
+    assert cos > (0.995 if weights == "q6_k" else 0.95), cos
+    back = headwise.load(save(q, tmp_path_factory.mktemp("saved")))
+    assert {n: m.fmt for n, m in back.named_modules() if hasattr(m, "fmt")} == fmts
+    with torch.inference_mode():
+        assert torch.equal(back(ids), lq)
+
+
+def test_smollm2_requantized_to_q6_k_keeps_its_perplexity(smol):
+    """SmolLM2 requantized from the shipped file (dequantized) to q6_k: its 1536-wide down
+    projections in Q6_K, the 576-wide rest in Q8_0 (llama-quantize's fallback): perplexity on
+    held-out text within 1% of the dequantized fp32 model (measured +0.58%: Q8_0's and Q6_K's
+    rounding on top of the int8 activations; the shipped Q4_1 file +0.36%)."""
+    _, f = smol
+    q = headwise.load("smollm2", weights="q6_k")
+    formats = {m.fmt for m in q.modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))}
+    assert formats == {"q6_k", "q8_0"} and q.layers[0].mlp.down.fmt == "q6_k"
+    nll_q = nll_f = 0.0
+    for part in range(3):
+        ids = heldout_ids(q.tokenizer, part=part)
+        nll_q += math.log(perplexity(teacher_forced_logits(q, ids), ids))
+        nll_f += math.log(perplexity(teacher_forced_logits(f, ids), ids))
+    assert abs(math.exp(nll_q / 3) / math.exp(nll_f / 3) - 1) < 0.01
+
+
 def test_bf16_and_fp32_dequantize(smol, tmp_path):
     tiny = tmp_path / "tiny.gguf"
     write_tiny_llama(tiny)
@@ -285,29 +341,81 @@ def test_saved_model_loads_dequantized_or_requantized(smol, tmp_path):
     assert back.lm_head.weight is back.embed.weight
 
 
-def test_mixed_formats_fall_back_to_fp32_with_one_warning(tmp_path):
-    """The tiny file mixes types inside q|k|v and gate|up (as Q4_K_M files put V in Q6_K): those
-    projections are fp32, the rest kept as stored, and every weight equals the fp32 path's."""
+def test_mixed_formats_keep_q_k_v_apart_and_gate_up_in_fp32(tmp_path):
+    """The tiny file mixes types inside q|k|v and gate|up (as Q4_K_M files put V in Q6_K). Q, K and V
+    that cannot share one matrix stay three linears, each in its stored format (or float); a mixed
+    gate|up is fp32 with one warning; every weight equals the fp32 path's, and so do the logits to
+    within the int8 rounding of activations."""
     tiny = tmp_path / "tiny.gguf"
-    write_tiny_llama(tiny)
+    write_tiny_llama(tiny, kquants="headwise")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         q = headwise.load(tiny)
     mixed = [w for w in caught if "mix storage formats" in str(w.message)]
     assert len(mixed) == 1
     msg = str(mixed[0].message)
-    assert "layers.0.attn.qkv_proj.weight [q4_k|q4_0|q4_1]" in msg and "layers.1.mlp.gate_up.weight" in msg
-    assert type(q.layers[0].attn.qkv_proj) is not QuantizedLinear
+    assert "layers.0.mlp.gate_up.weight [q5_0|q5_1]" in msg and "layers.1.mlp.gate_up.weight" in msg
+    assert "qkv_proj" not in msg
+    kept = [[getattr(layer.attn, f"{p}_proj") for p in "qkv"] for layer in q.layers]
+    assert [getattr(m, "fmt", "float") for m in kept[0]] == ["q4_k", "q4_0", "q4_1"]
+    assert [getattr(m, "fmt", "float") for m in kept[1]] == ["float", "q6_k", "q8_0"]
+    assert not any(layer.attn.fused or "qkv_proj" in layer.attn._modules for layer in q.layers)
     assert q.layers[1].mlp.down.fmt == "q8_0" and q.lm_head.fmt == "q6_k" and q.embed.fmt == "q8_0"
     f = headwise.load(tiny, weights="fp32")
     fp = dict(f.named_modules())
     for n, m in q.named_modules():
         if hasattr(m, "weight") and isinstance(getattr(m, "weight", None), torch.Tensor) and n in fp:
             assert torch.equal(m.weight, fp[n].weight), n
+    for layer, ref in zip(q.layers, f.layers):
+        assert all(torch.equal(a, b) for a, b in zip(layer.attn.projection_weights(), ref.attn.projection_weights()))
     ids = torch.randint(0, q.config.vocab_size, (1, 12))
     with torch.inference_mode():
         lq, lf = q(ids), f(ids)
     assert (lq - lf).abs().max() < 0.05 * lf.abs().max()
+
+
+def test_a_wide_q4_k_m_file_keeps_q_k_v_in_their_formats(tmp_path):
+    """llama.cpp's Q4_K_M on a model whose width is a multiple of 256 (Llama 7B/8B, Mistral, Qwen):
+    Q4_K Q and K, a Q6_K V and down projection in the layers it gives more bits, Q4_K elsewhere.
+    No fp32 copy and no warning: the mixed layer's Q, K, V are three quantized linears, the other
+    layer fuses them. Decode steps over a cache (the mixed layer on the general route, the fused
+    one on the kernels) give the logits of full forwards, and the weights survive save / load."""
+    types = [
+        {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": v, "attn_output": "Q4_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K"}
+        | {"ffn_down": v}
+        for v in ("Q6_K", "Q4_K")
+    ]
+    path = tmp_path / "q4_k_m_wide.gguf"
+    write_tiny_llama(path, types=types, kquants="headwise")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        q = headwise.load(path)
+    assert not [w for w in caught if "mix storage formats" in str(w.message)]
+    a0, a1 = q.layers[0].attn, q.layers[1].attn
+    assert not a0.fused and [a0.q_proj.fmt, a0.k_proj.fmt, a0.v_proj.fmt] == ["q4_k", "q4_k", "q6_k"]
+    assert a1.fused and a1.qkv_proj.fmt == "q4_k"
+    assert not any(type(m) is torch.nn.Linear for m in q.modules())  # every matrix computes from blocks
+    f = headwise.load(path, weights="fp32")
+    for layer, ref in zip(q.layers, f.layers):
+        assert all(torch.equal(a, b) for a, b in zip(layer.attn.projection_weights(), ref.attn.projection_weights()))
+    ids = torch.randint(0, q.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        full, ref = q(ids), f(ids)
+        assert (full - ref).abs().max() < 0.05 * ref.abs().max()
+        cfg = q.config
+        cache = ContiguousKVCache(cfg.num_layers, 1, cfg.num_kv_heads, 32, cfg.head_dim)
+        steps = [q(ids[:, :12], cache.step(12))[:, -1]]
+        for t in range(12, 20):
+            steps.append(q(ids[:, t : t + 1], cache.step(1))[:, -1])
+    # the same kernels on the same rows: a step's logits are the full forward's at its position
+    # (to the int8 rounding of activations, which sees each row alone in both)
+    torch.testing.assert_close(torch.stack(steps, 1)[0], full[0, 11:], atol=1e-3, rtol=1e-3)
+    back = headwise.load(save(q, tmp_path / "saved"))
+    assert not back.layers[0].attn.fused and back.layers[0].attn.v_proj.fmt == "q6_k"
+    for m, n in zip(q.layers, back.layers):
+        assert all(torch.equal(a, b) for a, b in zip(m.attn.projection_weights(), n.attn.projection_weights()))
+    with torch.inference_mode():
+        assert torch.equal(back(ids), full)
 
 
 def test_a_q4_k_m_style_file_computes_every_linear_from_its_blocks(tmp_path):
@@ -343,7 +451,7 @@ def test_a_q4_k_m_style_file_computes_every_linear_from_its_blocks(tmp_path):
 
 
 def test_bad_weights_value_lists_the_valid_ones():
-    with pytest.raises(ValueError, match="weights='int3' is not one of auto, fp32, bf16, q8_0, q4_0, q4_1, int8"):
+    with pytest.raises(ValueError, match="weights='int3' is not one of auto, fp32, bf16, q8_0, q4_0, q4_1, q5_0, q4_k"):
         headwise.load("smollm2", weights="int3")
     gc.collect()
 
