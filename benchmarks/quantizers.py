@@ -43,7 +43,7 @@ from headwise import kernels  # noqa: E402
 from headwise.kernels import quant  # noqa: E402
 from peers import llama_cpp  # noqa: E402
 
-FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q6_k")
+FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 REF_FN = {
     f: f"quantize_row_{f[:-2]}_{f[-1].upper()}_ref" if f.endswith("_k") else f"quantize_row_{f}_ref" for f in FORMATS
 }

@@ -13,6 +13,7 @@ QUANT_FORMATS = {
     "q5_1": (7, 32, 24),  # f16 d, f16 m, 4 + 16 bytes: w = d q + m
     "q8_0": (8, 32, 34),  # f16 d, 32 int8: w = d q
     "q4_k": (12, 256, 144),  # f16 d, f16 dmin, 12 bytes of 6-bit scales / mins, 128 bytes of 4-bit q
+    "q5_k": (13, 256, 176),  # Q4_K's fields with 32 bytes of fifth bits before the 128 of low nibbles
     "q6_k": (14, 256, 210),  # 128 + 64 bytes of 6-bit q, 16 int8 scales, f16 d
 }
 
@@ -28,7 +29,7 @@ def bits_per_weight(fmt: str) -> float:
 
 # llama-quantize's type for a weight whose rows are not whole super-blocks of the K-quant asked for
 # (SmolLM2's 576-wide rows, MiniLM's 384): headwise.load(weights=...) and plan.py follow it.
-FALLBACK = {"q4_k": "q5_0", "q6_k": "q8_0"}
+FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 
 
 def target_format(fmt: str, in_features: int) -> str | None:

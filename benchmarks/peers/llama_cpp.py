@@ -49,7 +49,21 @@ from typing import Iterator
 # llama.cpp; pass --version to build another.
 VERSION = "11434.0.0"
 TOOLS = ("llama-bench", "llama-server", "llama-quantize", "llama-cli")
-QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K_M", "Q6_K", "F16", "BF16", "F32")
+QUANT_TYPES = (
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q8_0",
+    "Q4_K_S",
+    "Q4_K_M",
+    "Q5_K_S",
+    "Q5_K_M",
+    "Q6_K",
+    "F16",
+    "BF16",
+    "F32",
+)
 # HEADWISE_LLAMA_ISA=avx2: a second build, cached beside the native one, with GGML_NATIVE=OFF, which
 # leaves ggml's x86 defaults (SSE4.2, AVX, AVX2, BMI2, FMA, F16C; no AVX-512): the peer of headwise's
 # avx2 kernels (HEADWISE_ISA=avx2) on a CPU that has more, where no AVX2-only machine is at hand.

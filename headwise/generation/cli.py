@@ -196,8 +196,8 @@ def _common(p, default_model: str, task: str):
         default="auto",
         type=weights_name,
         help="auto (default): a GGUF computed from its quantized blocks as stored; fp32 / bf16: dequantized; "
-        "int8 / int4 (q8_0 / q4_1), q4_0, q5_0, q4_k, q6_k: quantized at load (a K-quant's rows that are not "
-        "whole 256-value blocks take q5_0 / q8_0, as llama-quantize does)",
+        "int8 / int4 (q8_0 / q4_1), q4_0, q5_0, q5_1, q4_k, q5_k, q6_k: quantized at load (a K-quant's rows "
+        "that are not whole 256-value blocks take q5_0 / q5_1 / q8_0, as llama-quantize does)",
     )
 
 

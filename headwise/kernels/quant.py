@@ -8,8 +8,9 @@ that rounding of x (about 0.4% of a block's largest |x|) on top of the weight's 
 keywords are `run_linear`'s: an RMSNorm / SwiGLU prologue, a residual and a RoPE epilogue.
 
 `dequantize` gives the fp32 matrix (prefill: a fp32 GEMM on it) and `quantize` makes Q8_0 /
-Q4_0 / Q4_1 / Q5_0 blocks from fp32 (int8 / int4 weights at load time), both bit for bit what the
-`gguf` package computes, and Q4_K / Q6_K blocks by ggml's reference quantizers (which gguf lacks). `quant_unavailable(fmt)` says why the kernel cannot run.
+Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks from fp32 (int8 / int4 weights at load time), both bit for bit what
+the `gguf` package computes, and Q4_K / Q5_K / Q6_K blocks by ggml's reference quantizers (which gguf
+lacks). `quant_unavailable(fmt)` says why the kernel cannot run.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ..formats import PACKABLE, QUANT_FORMATS
 from . import PRO_NONE, _ext, check_call
 
 FORMATS = QUANT_FORMATS  # name -> (GGML type id, values per block, bytes per block): headwise/formats.py
-QUANTIZE_FORMATS = ("q4_0", "q4_1", "q8_0", "q5_0", "q4_k", "q6_k")  # what `quantize` makes
+QUANTIZE_FORMATS = tuple(FORMATS)  # what `quantize` makes: every format
 # PACKABLE (headwise/formats.py): the formats `pack_rows` stores in groups of 8 rows, the layout the
 # kernel reads fastest (benchmarks/packed_formats.py: 1.4-7.7x at 1 row of x, AMD EPYC Zen 5).
 _X8 = 0x100  # quant_linear.c's X8: a format id | _X8 is that format packed
@@ -185,8 +186,8 @@ def dequantize(
 
 
 def quantize(weight: Tensor, fmt: str) -> Tensor:
-    """weight (O, I) fp32 -> its blocks (O, row_bytes) uint8: q4_0 / q4_1 / q8_0 / q5_0 bit for bit
-    gguf.quants.quantize, q4_k / q6_k as ggml's quantize_row_q4_K_ref / quantize_row_q6_K_ref
+    """weight (O, I) fp32 -> its blocks (O, row_bytes) uint8: q4_0 / q4_1 / q5_0 / q5_1 / q8_0 bit
+    for bit gguf.quants.quantize, q4_k / q5_k / q6_k as ggml's quantize_row_q{4,5,6}_K_ref
     (llama-quantize without an importance matrix) in their float order, without FMA."""
     fmt_id = _format(fmt)[0]
     if fmt not in QUANTIZE_FORMATS:

@@ -1,14 +1,14 @@
 /* GGML's block formats as quant_linear.c (the linear) and quant_convert.c (dequantize, quantize,
  * the packed rows) read them: sizes, the f16 fields, one 32-value block unpacked to bytes, and
- * the packed layout's header. Layouts: ggml-common.h's block_q4_0, block_q4_1, block_q8_0,
- * block_q4_K, block_q6_K; a weight (O, I) is O rows of I / block_values blocks, row-major. */
+ * the packed layout's header. Layouts: ggml-common.h's block_q4_0, block_q4_1, block_q5_0,
+ * block_q5_1, block_q8_0, block_q4_K, block_q5_K, block_q6_K; a weight (O, I) is O rows of I / block_values blocks, row-major. */
 #ifndef HW_QUANT_BLOCKS_H
 #define HW_QUANT_BLOCKS_H
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  /* GGML type ids */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };  /* GGML type ids */
 enum { QK = 32, QK_K = 256 };
 enum { ERR_ALLOC = -1, ERR_FORMAT = -2, ERR_SHAPE = -3 };
 enum { X8 = 0x100 };  /* fmt | X8: Q4_0 / Q4_1 / Q8_0 rows packed in groups of 8 (hw_repack8) */
@@ -28,11 +28,12 @@ static inline long block_bytes(int fmt) {
         case Q5_1: return 24;
         case Q8_0: return 34;
         case Q4_K: return 144;
+        case Q5_K: return 176;
         case Q6_K: return 210;
         default: return 0;
     }
 }
-static inline long block_values(int fmt) { return fmt == Q4_K || fmt == Q6_K ? QK_K : QK; }
+static inline long block_values(int fmt) { return fmt == Q4_K || fmt == Q5_K || fmt == Q6_K ? QK_K : QK; }
 
 static inline float f16(const uint8_t *p) {
     uint16_t h;
@@ -127,6 +128,17 @@ static inline __attribute__((always_inline)) wblock unpack(int fmt, const uint8_
         if (j & 1) v = _mm256_srli_epi16(v, 4);
         w.q = _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
         w.dw = f16(p) * (float)sc, w.mw = -(f16(p + 2) * (float)mn);
+    } else if (fmt == Q5_K) {  /* Q4_K's nibbles (at byte 48) and scales, value l's fifth bit: bit j of qh[l] */
+        const uint8_t *p = row + (b / 8) * 176;
+        const int j = (int)(b % 8);
+        int sc, mn;
+        k4_scale_min(p + 4, j, &sc, &mn);
+        __m256i v = _mm256_loadu_si256((const __m256i *)(p + 48 + 32 * (j / 2)));
+        if (j & 1) v = _mm256_srli_epi16(v, 4);
+        const __m256i hb = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(p + 16)), _mm_cvtsi32_si128(j));
+        w.q = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi8(0x0F)),
+                              _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x01)), 4));
+        w.dw = f16(p) * (float)sc, w.mw = -(f16(p + 2) * (float)mn);
     } else {  /* Q6_K */
         const uint8_t *p = row + (b / 8) * 210;
         const int j = (int)(b % 8), h = j / 4;
@@ -155,12 +167,13 @@ static inline __attribute__((always_inline)) wblock unpack(int fmt, const uint8_
  * ~1.8x from 2 rows. */
 
 /* the f16 fields before a block's quants (a Q5 block's 4 bytes of fifth bits are its first chunk) */
-static inline long hdr_bytes(int fmt) { return fmt == Q4_1 || fmt == Q5_1 || fmt == Q4_K ? 4 : 2; }
+static inline long hdr_bytes(int fmt) { return fmt == Q4_1 || fmt == Q5_1 || fmt == Q4_K || fmt == Q5_K ? 4 : 2; }
 /* where in a block its f16 fields are: first, except Q6_K's d, its last 2 bytes (the packed group
  * puts them first all the same; the chunks are the block's other bytes in order) */
 static inline long hdr_at(int fmt) { return fmt == Q6_K ? 208 : 0; }
 static inline int packable(int fmt) {
-    return fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q5_1 || fmt == Q8_0 || fmt == Q4_K || fmt == Q6_K;
+    return fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q5_1 || fmt == Q8_0 || fmt == Q4_K || fmt == Q5_K ||
+           fmt == Q6_K;
 }
 
 int hw_quant_linear(int fmt, const uint8_t *w, const float *x, const float *b, const float *r, float *y, long M,

@@ -1,8 +1,8 @@
 /* GGML blocks <-> fp32 and the packed rows (quant_blocks.h has the layouts; issue 14):
  * hw_dequantize writes the fp32 matrix (prefill runs a fp32 GEMM on it), hw_quantize makes
- * Q8_0 / Q4_0 / Q4_1 / Q5_0 blocks from fp32 (int8 / int4 at load time), both bit for bit what
- * ggml's reference code (and the gguf package's numpy port) computes, and the K-quants Q4_K / Q6_K
- * by ggml's reference search (quantize_row_q4_K_ref, quantize_row_q6_K_ref; no FMA contraction,
+ * Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks from fp32 (int8 / int4 at load time), both bit for bit what
+ * ggml's reference code (and the gguf package's numpy port) computes, and the K-quants Q4_K / Q5_K /
+ * Q6_K by ggml's reference search (quantize_row_q{4,5,6}_K_ref; no FMA contraction,
  * every product rounded before its sum, as a numpy port computes them), and hw_repack8 packs
  * Q4_0 / Q4_1 / Q8_0 rows in the groups of 8 that quant_linear.c reads fastest, or back. */
 #include <immintrin.h>
@@ -68,7 +68,7 @@ static void dequantize_row(int fmt, const uint8_t *row, float *out, long I) {
             emit32(o, _mm256_sub_epi8(w.q, _mm256_set1_epi8(8)), w.dw, w.dw, 0.0f, 0);
         } else if (fmt == Q5_0) {
             emit32(o, _mm256_sub_epi8(w.q, _mm256_set1_epi8(16)), w.dw, w.dw, 0.0f, 0);
-        } else if (fmt == Q4_1 || fmt == Q5_1 || fmt == Q4_K) {  /* dw q + m; Q4_K's m = -(dmin mn): (d sc) q - dmin mn */
+        } else if (fmt == Q4_1 || fmt == Q5_1 || fmt == Q4_K || fmt == Q5_K) {  /* dw q + m; K's m = -(dmin mn) */
             emit32(o, w.q, w.dw, w.dw, w.mw, 1);
         } else if (fmt == Q8_0) {
             emit32(o, w.q, w.dw, w.dw, 0.0f, 0);
@@ -107,6 +107,7 @@ int hw_dequantize(int fmt, const uint8_t *w, float *out, long O, long I) {
                     case Q5_1: dequantize_row(Q5_1, row, o, I); break;
                     case Q8_0: dequantize_row(Q8_0, row, o, I); break;
                     case Q4_K: dequantize_row(Q4_K, row, o, I); break;
+                    case Q5_K: dequantize_row(Q5_K, row, o, I); break;
                     case Q6_K: dequantize_row(Q6_K, row, o, I); break;
                     default: dequantize_row(Q4_0, row, o, I); break;
                 }
@@ -124,6 +125,7 @@ int hw_dequantize(int fmt, const uint8_t *w, float *out, long O, long I) {
             case Q5_1: dequantize_row(Q5_1, w + o * row_bytes, out + o * I, I); break;
             case Q8_0: dequantize_row(Q8_0, w + o * row_bytes, out + o * I, I); break;
             case Q4_K: dequantize_row(Q4_K, w + o * row_bytes, out + o * I, I); break;
+            case Q5_K: dequantize_row(Q5_K, w + o * row_bytes, out + o * I, I); break;
             default: dequantize_row(Q6_K, w + o * row_bytes, out + o * I, I); break;
         }
     }
@@ -179,21 +181,37 @@ static void quantize_block(int fmt, const float *x, uint8_t *out) {
 }
 
 /* quantize_row_q5_0_ref: d = (the value of largest |x|) / -16, q = x / d + 16 in 5 bits, the
- * fifth bits of the 32 values in a 32-bit mask after d. */
-static void quantize_q5_0(const float *x, uint8_t *out) {
-    float amax = 0.0f, max = 0.0f;
-    for (int j = 0; j < QK; j++)
-        if (fabsf(x[j]) > amax) amax = fabsf(x[j]), max = x[j];
-    const float d = max / -16.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+ * fifth bits of the 32 values in a 32-bit mask after d. quantize_row_q5_1_ref (one): d = (max -
+ * min) / 31, q = (x - min) / d, m = min after d. */
+static void quantize_q5(const float *x, uint8_t *out, int one) {
+    float d, lo = 0.0f, add = 16.5f;
+    if (!one) {
+        float amax = 0.0f, max = 0.0f;
+        for (int j = 0; j < QK; j++)
+            if (fabsf(x[j]) > amax) amax = fabsf(x[j]), max = x[j];
+        d = max / -16.0f;
+    } else {
+        float min = x[0], max = x[0];
+        for (int j = 1; j < QK; j++) min = x[j] < min ? x[j] : min, max = x[j] > max ? x[j] : max;
+        d = (max - min) / 31.0f, lo = min, add = 0.5f;
+        store_f16(out + 2, min);
+    }
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
     store_f16(out, d);
+    uint8_t *qh = out + (one ? 4 : 2), *qs = qh + 4;
     uint32_t high = 0;
     for (int j = 0; j < QK / 2; j++) {
-        int a = (int8_t)(rounded(x[j] * id) + 16.5f), c = (int8_t)(rounded(x[j + 16] * id) + 16.5f);
-        a = a < 31 ? a : 31, c = c < 31 ? c : 31;
-        out[6 + j] = (uint8_t)((a & 15) | ((c & 15) << 4));
+        int a, c;
+        if (!one) {
+            a = (int8_t)(rounded(x[j] * id) + add), c = (int8_t)(rounded(x[j + 16] * id) + add);
+            a = a < 31 ? a : 31, c = c < 31 ? c : 31;
+        } else {
+            a = (uint8_t)(rounded((x[j] - lo) * id) + add), c = (uint8_t)(rounded((x[j + 16] - lo) * id) + add);
+        }
+        qs[j] = (uint8_t)((a & 15) | ((c & 15) << 4));
         high |= (uint32_t)((a >> 4) & 1) << j | (uint32_t)((c >> 4) & 1) << (j + 16);
     }
-    memcpy(out + 2, &high, 4);
+    memcpy(qh, &high, 4);
 }
 
 /* ---- the K-quants' reference search. Float order matters here (a sum's rounding can flip which
@@ -208,11 +226,13 @@ static inline float f16_at(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-/* make_qkx2_quants(32, 15, x, w, ..., rmin -1, rdelta 0.1, nstep 20, squared error): levels L
- * (0..15) with x ~ scale * L - neg_min, the scale and min a weighted least-squares fit over the
- * levels each of 21 trial scales rounds x to, the best of them (and of plain min-max rounding)
- * by weighted squared error. Returns scale; *neg_min = -min >= 0. */
-static float fit_scale_min(const float *x, const float *w, uint8_t *L, float *neg_min) {
+/* make_qkx2_quants(32, nmax, x, w, ..., rmin, rdelta 0.1, nstep, squared error): levels L (0..nmax)
+ * with x ~ scale * L - neg_min, the scale and min a weighted least-squares fit over the levels each
+ * of nstep + 1 trial scales rounds x to, the best of them (and of plain min-max rounding) by
+ * weighted squared error. Q4_K: nmax 15, rmin -1, nstep 20; Q5_K: 31, -0.5, 15. Returns scale;
+ * *neg_min = -min >= 0. */
+static float fit_scale_min(const float *x, const float *w, uint8_t *L, float *neg_min, int nmax, float rmin,
+                           int nstep) {
     float min = x[0], max = x[0], sum_w = w[0], sum_x = rounded(sum_w * x[0]);
     for (int i = 1; i < 32; i++) {
         min = x[i] < min ? x[i] : min, max = x[i] > max ? x[i] : max;
@@ -224,18 +244,18 @@ static float fit_scale_min(const float *x, const float *w, uint8_t *L, float *ne
         *neg_min = -min;
         return 0.0f;
     }
-    float iscale = 15.0f / (max - min), scale = 1.0f / iscale, best = 0.0f;
+    float iscale = (float)nmax / (max - min), scale = 1.0f / iscale, best = 0.0f;
     for (int i = 0; i < 32; i++) {
-        L[i] = (uint8_t)clampi(nearest(rounded(iscale * (x[i] - min))), 0, 15);
+        L[i] = (uint8_t)clampi(nearest(rounded(iscale * (x[i] - min))), 0, nmax);
         const float diff = rounded(scale * L[i]) + min - x[i];
         best += rounded(w[i] * rounded(diff * diff));
     }
-    for (int step = 0; step <= 20; step++) {
+    for (int step = 0; step <= nstep; step++) {
         uint8_t trial[32];
-        iscale = (-1.0f + rounded(0.1f * step) + 15.0f) / (max - min);
+        iscale = (rmin + rounded(0.1f * step) + (float)nmax) / (max - min);
         float sl = 0.0f, sl2 = 0.0f, sxl = 0.0f;
         for (int i = 0; i < 32; i++) {
-            const int l = clampi(nearest(rounded(iscale * (x[i] - min))), 0, 15);
+            const int l = clampi(nearest(rounded(iscale * (x[i] - min))), 0, nmax);
             const float wl = rounded(w[i] * l);
             trial[i] = (uint8_t)l;
             sl += wl, sl2 += rounded(wl * l), sxl += rounded(wl * x[i]);
@@ -255,10 +275,12 @@ static float fit_scale_min(const float *x, const float *w, uint8_t *L, float *ne
     return scale;
 }
 
-/* quantize_row_q4_K_ref: 256 values in 8 sub-blocks of 32, each fit by fit_scale_min (weights
- * rms + |x|); the sub-blocks' scales and mins in 6 bits of the block's d and dmin (f16), the
- * levels rounded again against those. Block: d, dmin, 12 bytes of scales / mins, 128 of nibbles. */
-static void quantize_q4_k(const float *x, uint8_t *out) {
+/* quantize_row_q4_K_ref / quantize_row_q5_K_ref (five): 256 values in 8 sub-blocks of 32, each fit
+ * by fit_scale_min (weights rms + |x|); the sub-blocks' scales and mins in 6 bits of the block's d
+ * and dmin (f16), the levels rounded again against those. Block: d, dmin, 12 bytes of scales /
+ * mins, (Q5_K: 32 bytes of fifth bits, bit j of byte l for value l of sub-block j), 128 of nibbles. */
+static void quantize_k45(const float *x, uint8_t *out, int five) {
+    const int nmax = five ? 31 : 15;
     uint8_t L[QK_K], *sc = out + 4;
     float scales[8], mins[8], max_scale = 0.0f, max_min = 0.0f;
     for (int j = 0; j < 8; j++) {
@@ -267,7 +289,8 @@ static void quantize_q4_k(const float *x, uint8_t *out) {
         for (int l = 0; l < 32; l++) sum_x2 += rounded(xj[l] * xj[l]);
         const float av_x = sqrtf(sum_x2 / 32);
         for (int l = 0; l < 32; l++) w[l] = av_x + fabsf(xj[l]);
-        scales[j] = fit_scale_min(xj, w, L + 32 * j, &mins[j]);
+        scales[j] = five ? fit_scale_min(xj, w, L + 32 * j, &mins[j], 31, -0.5f, 15)
+                         : fit_scale_min(xj, w, L + 32 * j, &mins[j], 15, -1.0f, 20);
         max_scale = scales[j] > max_scale ? scales[j] : max_scale;
         max_min = mins[j] > max_min ? mins[j] : max_min;
     }
@@ -291,11 +314,15 @@ static void quantize_q4_k(const float *x, uint8_t *out) {
         else s = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4), m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
         const float dj = d * s, mj = dmin * m;
         if (dj == 0.0f) continue;
-        for (int i = 0; i < 32; i++) L[32 * j + i] = (uint8_t)clampi(nearest((x[32 * j + i] + mj) / dj), 0, 15);
+        for (int i = 0; i < 32; i++) L[32 * j + i] = (uint8_t)clampi(nearest((x[32 * j + i] + mj) / dj), 0, nmax);
     }
-    uint8_t *q = out + 16;
+    uint8_t *q = out + (five ? 48 : 16), *qh = out + 16;
+    if (five) memset(qh, 0, 32);
     for (int j = 0; j < QK_K; j += 64, q += 32)
-        for (int l = 0; l < 32; l++) q[l] = (uint8_t)(L[j + l] | (L[j + l + 32] << 4));
+        for (int l = 0; l < 32; l++) {
+            q[l] = (uint8_t)((L[j + l] & 15) | ((L[j + l + 32] & 15) << 4));
+            if (five) qh[l] |= (uint8_t)(((L[j + l] >> 4) << (j / 32)) | ((L[j + l + 32] >> 4) << (j / 32 + 1)));
+        }
 }
 
 /* make_qx_quants(16, 32, x, L, rmse_type 1): levels L (0..63, x ~ scale * (L - 32)) for the
@@ -361,7 +388,7 @@ static void quantize_q6_k(const float *x, uint8_t *out) {
 }
 
 int hw_quantize(int fmt, const float *w, uint8_t *out, long O, long I) {
-    if (fmt != Q4_0 && fmt != Q4_1 && fmt != Q8_0 && fmt != Q5_0 && fmt != Q4_K && fmt != Q6_K) return ERR_FORMAT;
+    if (!block_bytes(fmt)) return ERR_FORMAT;  /* every format these kernels know */
     const long bv = block_values(fmt);
     if (O < 1 || I < 1 || I % bv) return ERR_SHAPE;
     const long nb = O * (I / bv), bytes = block_bytes(fmt);
@@ -369,8 +396,8 @@ int hw_quantize(int fmt, const float *w, uint8_t *out, long O, long I) {
     for (long k = 0; k < nb; k++) {
         const float *x = w + k * bv;
         uint8_t *o = out + k * bytes;
-        if (fmt == Q5_0) quantize_q5_0(x, o);
-        else if (fmt == Q4_K) quantize_q4_k(x, o);
+        if (fmt == Q5_0 || fmt == Q5_1) quantize_q5(x, o, fmt == Q5_1);
+        else if (fmt == Q4_K || fmt == Q5_K) quantize_k45(x, o, fmt == Q5_K);
         else if (fmt == Q6_K) quantize_q6_k(x, o);
         else quantize_block(fmt, x, o);
     }

@@ -1,4 +1,4 @@
-/* quant_linear.c's weights packed in groups of 8 rows (fmt | X8, quant_blocks.h: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0):
+/* quant_linear.c's weights packed in groups of 8 rows (fmt | X8, quant_blocks.h: every format it computes):
  * each group's blocks interleaved so that one 32-byte chunk holds the same block of 8 rows, met
  * by every row of quantized x before the next (group_out), and in the avx512 build, from 4 rows
  * of x, two groups at a time in zmm (group2_out). quant_linear.c quantizes x and calls
@@ -155,32 +155,37 @@ static inline __attribute__((always_inline)) void group_tile_q8(int MC, const ui
 #define TILE_Q4_1(MC, ...) group_tile(Q4_1, MC, __VA_ARGS__)
 #define TILE_Q5_0(MC, ...) group_tile(Q5_0, MC, __VA_ARGS__)
 #define TILE_Q5_1(MC, ...) group_tile(Q5_1, MC, __VA_ARGS__)
+#define TILE_Q4_K(MC, ...) group_tile_k4(0, MC, __VA_ARGS__)
+#define TILE_Q5_K(MC, ...) group_tile_k4(1, MC, __VA_ARGS__)
 
 /* Q4_K's groups: per super-block the 8 rows' d and dmin, their 12 bytes of 6-bit scales and mins
  * as 3 chunks (dword lane r = row r's bytes 4c .. 4c + 3), then 32 chunks of quants: chunk 8 k + c
  * holds each row's bytes 32 k + 4 c .. + 3, whose low nibbles are values 4 c .. of sub-block 2 k
  * and high nibbles those of sub-block 2 k + 1. Sub-block j's scale and min for the 8 rows are
- * ggml's get_scale_min_k4 on the lanes at once; w = (d sc_j) q - dmin mn_j, the rows path's. */
+ * ggml's get_scale_min_k4 on the lanes at once; w = (d sc_j) q - dmin mn_j, the rows path's.
+ * Q5_K (five = 1): the same, with 8 chunks of qh between the scales and the quants: chunk c holds
+ * each row's qh bytes 4 c .. 4 c + 3, whose bit j is the fifth bit of value 4 c .. of sub-block j. */
 static inline __m256i lane_byte(__m256i v, int k) {  /* byte k of each dword lane, as int32 */
     return _mm256_and_si256(_mm256_srli_epi32(v, 8 * k), _mm256_set1_epi32(0xFF));
 }
-static inline __attribute__((always_inline)) void group_tile_q4k(int MC, const uint8_t *grp, long nsb,
-                                                                 const int8_t *qx, const float *dx, const float *sx,
-                                                                 long I, __m256 out[GMC]) {
-    const long nb = I / QK;
+static inline __attribute__((always_inline)) void group_tile_k4(int five, int MC, const uint8_t *grp, long nsb,
+                                                                const int8_t *qx, const float *dx, const float *sx,
+                                                                long I, __m256 out[GMC]) {
+    const long nb = I / QK, bb = five ? 176 : 144;
     const __m256i mask = _mm256_set1_epi8(0x0F), m6 = _mm256_set1_epi32(63), m4 = _mm256_set1_epi32(0x0F);
+    const __m256i bit = _mm256_set1_epi8(0x01);
     __m256 acc[GMC];
     for (int m = 0; m < MC; m++) acc[m] = _mm256_setzero_ps();
     const long ahead = hw_qpf_ahead;
     for (long s = 0; s < nsb; s++) {
-        const uint8_t *p = grp + s * 8 * 144;
-        for (long o = 0; o < 8 * 144; o += 64) _mm_prefetch((const char *)(p + ahead + o), _MM_HINT_T0);
+        const uint8_t *p = grp + s * 8 * bb;
+        for (long o = 0; o < 8 * bb; o += 64) _mm_prefetch((const char *)(p + ahead + o), _MM_HINT_T0);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)));
         const __m256i s0 = _mm256_loadu_si256((const __m256i *)(p + 32)),
                       s1 = _mm256_loadu_si256((const __m256i *)(p + 64)),
                       s2 = _mm256_loadu_si256((const __m256i *)(p + 96));
-        const uint8_t *q = p + 128;
+        const uint8_t *q = p + (five ? 384 : 128), *qh = p + 128;  /* Q5_K: 8 chunks of fifth bits first */
         for (int k = 0; k < 4; k++) {
             __m256 dw[2], mw[2];
             for (int h = 0; h < 2; h++) {  /* sub-block j = 2 k + h */
@@ -198,17 +203,33 @@ static inline __attribute__((always_inline)) void group_tile_q4k(int MC, const u
             }
             __m256i sum[2][GMC];
             for (int m = 0; m < MC; m++) sum[0][m] = sum[1][m] = _mm256_setzero_si256();
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+            __m256i sum32[2][GMC];
+            for (int m = 0; m < MC; m++) sum32[0][m] = sum32[1][m] = _mm256_setzero_si256();
+#endif
             const int8_t *xb = qx + (s * 8 + 2 * k) * QK;
             for (int c = 0; c < 8; c++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(q + (8 * k + c) * 32));
-                const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+                __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+                if (five) {  /* values 4 c .. of sub-blocks 2 k, 2 k + 1: bits 2 k, 2 k + 1 of qh bytes 4 c .. */
+                    const __m256i h = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(qh + c * 32)), 2 * k);
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(h, bit), 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), bit), 4));
+                }
                 for (int m = 0; m < MC; m++) {
                     int32_t a, z;
                     memcpy(&a, xb + m * I + 4 * c, 4), memcpy(&z, xb + m * I + QK + 4 * c, 4);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
                     sum[0][m] = _mm256_dpbusd_epi32(sum[0][m], lo, _mm256_set1_epi32(a));
                     sum[1][m] = _mm256_dpbusd_epi32(sum[1][m], hi, _mm256_set1_epi32(z));
-#else  /* 8 pair sums of at most 2 x 15 x 127 each: within int16 */
+#else  /* Q4_K: 8 pair sums of at most 2 x 15 x 127 each stay within int16; Q5_K's (2 x 31 x 127) do
+        * for 4 chunks: the first 4 go to int32 before the next 4 add */
+                    if (five && c == 4) {
+                        sum[0][m] = _mm256_madd_epi16(sum[0][m], _mm256_set1_epi16(1));
+                        sum[1][m] = _mm256_madd_epi16(sum[1][m], _mm256_set1_epi16(1));
+                        sum32[0][m] = sum[0][m], sum32[1][m] = sum[1][m];
+                        sum[0][m] = sum[1][m] = _mm256_setzero_si256();
+                    }
                     sum[0][m] = _mm256_add_epi16(sum[0][m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)));
                     sum[1][m] = _mm256_add_epi16(sum[1][m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(z)));
 #endif
@@ -220,7 +241,8 @@ static inline __attribute__((always_inline)) void group_tile_q4k(int MC, const u
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
                     const __m256 f = _mm256_cvtepi32_ps(sum[h][m]);
 #else
-                    const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[h][m], _mm256_set1_epi16(1)));
+                    const __m256 f = _mm256_cvtepi32_ps(
+                        _mm256_add_epi32(sum32[h][m], _mm256_madd_epi16(sum[h][m], _mm256_set1_epi16(1))));
 #endif
                     acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw[h], _mm256_broadcast_ss(dx + m * nb + b)), f, acc[m]);
                     acc[m] = _mm256_fmadd_ps(mw[h], _mm256_broadcast_ss(sx + m * nb + b), acc[m]);
@@ -316,7 +338,8 @@ static void group_out(int fmt, const uint8_t *w, const int8_t *qx, const float *
             case Q4_1: TILE_MC(TILE_Q4_1, mc, grp, nb, q, d, s, I, out) break;
             case Q5_0: TILE_MC(TILE_Q5_0, mc, grp, nb, q, d, s, I, out) break;
             case Q5_1: TILE_MC(TILE_Q5_1, mc, grp, nb, q, d, s, I, out) break;
-            case Q4_K: TILE_MC(group_tile_q4k, mc, grp, I / QK_K, q, d, s, I, out) break;
+            case Q4_K: TILE_MC(TILE_Q4_K, mc, grp, I / QK_K, q, d, s, I, out) break;
+            case Q5_K: TILE_MC(TILE_Q5_K, mc, grp, I / QK_K, q, d, s, I, out) break;
             case Q6_K: TILE_MC(group_tile_q6k, mc, grp, I / QK_K, q, d, I, out) break;
             default: TILE_MC(TILE_Q4_0, mc, grp, nb, q, d, s, I, out) break;
         }
@@ -454,7 +477,7 @@ void hw_quant_groups(int fmt, const uint8_t *w, const int8_t *qx, const float *d
                      const float *r, float *y, long M, long O, long I, int par) {
     const long ng = (O + 7) / 8;
 #ifdef HAVE_GROUP2
-    if (M >= ZMIN && fmt != Q4_K && fmt != Q6_K) {  /* the K-quants stay on their ymm tiles */
+    if (M >= ZMIN && fmt != Q4_K && fmt != Q5_K && fmt != Q6_K) {  /* the K-quants stay on their ymm tiles */
         #pragma omp parallel for schedule(static) if (par)
         for (long q = 0; q < (ng + 1) / 2; q++) {
             if (2 * q + 1 < ng) group2_out(fmt, w, qx, dx, sx, b, r, y, M, O, I, 2 * q);

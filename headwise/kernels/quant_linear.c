@@ -16,6 +16,7 @@
  *   Q5_0, Q5_1: Q4_0's and Q4_1's with a fifth bit per value (q 0..31, Q5_0's mw = -16 dw)
  *   Q8_0: w = dw q, q -128..127     -> the sign trick: |qw| . sign(qx, qw)
  *   Q4_K: sub-block j: w = d sc_j q - dmin mn_j      (Q4_1's path)
+ *   Q5_K: Q4_K's with a fifth bit per value (q 0..31)
  *   Q6_K: 16-value groups k: w = d sc_k (q - 32)     (sign trick, scales multiply the int16 pairs)
  * Output rows are split over the OpenMP threads (torch's libgomp: one pool), two weight rows at
  * a time against up to four rows of x, so one weight load serves every row of x.
@@ -188,6 +189,7 @@ int hw_quant_linear(int fmt, const uint8_t *w, const float *x, const float *b, c
             case Q5_1: PARALLEL_ROWS(Q5_1) break;
             case Q8_0: PARALLEL_ROWS(Q8_0) break;
             case Q4_K: PARALLEL_ROWS(Q4_K) break;
+            case Q5_K: PARALLEL_ROWS(Q5_K) break;
             default: PARALLEL_ROWS(Q6_K) break;
         }
     }
@@ -202,7 +204,7 @@ static PyObject *hw_result(const char *name, int rc) {
     if (rc == ERR_ALLOC) return PyErr_Format(PyExc_MemoryError, "%s: could not allocate its buffers", name);
     if (rc == ERR_FORMAT)
         return PyErr_Format(PyExc_ValueError, "%s: unknown format (GGML ids: Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q4_K=12, "
-                                              "Q6_K=14; quantize: 2, 3, 8)", name);
+                                              "Q5_K=13, Q6_K=14; quantize: 2, 3, 6, 8, 12, 14)", name);
     return PyErr_Format(PyExc_ValueError, "%s: sizes must be positive, inputs a multiple of the block", name);
 }
 

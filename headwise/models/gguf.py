@@ -46,8 +46,8 @@ def read_gguf(
     dtype: tensors come back fp32 (exact dequantized values) unless given.
     use_cache: read/write the converted copy under `cache_dir` (default
     $HEADWISE_CACHE or ~/.cache/headwise); False always converts from the file.
-    keep_quantized: tensors in a format headwise computes from (q4_0, q4_1, q8_0, q4_k,
-    q6_k; models/linear.py) come back as QuantTensor blocks, the rest fp32 (weights="auto"),
+    keep_quantized: tensors in a format headwise computes from (q4_0, q4_1, q5_0, q5_1, q8_0,
+    q4_k, q5_k, q6_k; models/linear.py) come back as QuantTensor blocks, the rest fp32 (weights="auto"),
     cached in an entry of their own (<entry>-stored-<formats kept>: the blocks as uint8 tensors;
     an entry made when headwise kept fewer formats is not reused), since parsing the file's
     metadata takes ~2 s for SmolLM2 and reading the entry ~0.3 s.
@@ -275,7 +275,7 @@ def _one_thread():
 
 def llama_tensors(reader, cfg: dict, path: Path, *, keep_quantized: bool = False) -> dict[str, Tensor]:
     """{HF name: fp32 tensor}; keep_quantized: tensors in a format models/linear.py computes
-    from (q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q6_k) come as QuantTensor blocks, copied out of the file."""
+    from (q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k) come as QuantTensor blocks, copied out of the file."""
     out = {}
     with _one_thread():
         for t in reader.tensors:

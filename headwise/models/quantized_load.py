@@ -1,13 +1,13 @@
 """`headwise.load(..., weights=...)`: which weights stay or become GGML blocks, and the saved form.
 
     weights="auto"   a GGUF's tensors as stored where a quantized kernel format exists
-                     (q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q6_k); other types and safetensors stay float
+                     (q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k); other types and safetensors stay float
     weights="fp32"   everything dequantized to fp32 (the loader as it was before issue 14)
     weights="bf16"   everything dequantized, then cast to bf16
-    weights="q8_0" | "q4_0" | "q4_1" | "q5_0" | "q4_k" | "q6_k" (aliases "int8" = q8_0, "int4" = q4_1)
-                     linear weights and the token embedding requantized to that format; a
-                     K-quant's rows that are not whole 256-value super-blocks take llama-quantize's
-                     fallback instead (q4_k -> q5_0, q6_k -> q8_0)
+    weights="q8_0" | "q4_0" | "q4_1" | "q5_0" | "q5_1" | "q4_k" | "q5_k" | "q6_k" (aliases "int8" =
+                     q8_0, "int4" = q4_1): linear weights and the token embedding requantized to
+                     that format; a K-quant's rows that are not whole 256-value super-blocks take
+                     llama-quantize's fallback instead (q4_k -> q5_0, q5_k -> q5_1, q6_k -> q8_0)
 
 Norms, biases and position embeddings always stay float. In transit (reader -> loading.convert
 -> model) a quantized weight is a `QuantTensor`; `install` then swaps the meta-built model's
@@ -33,7 +33,7 @@ from ..formats import target_format
 from .linear import FORMATS, QUANTIZED, QuantizedEmbedding, QuantizedLinear, dequantize, kernel_unavailable, quantize
 
 ALIASES = {"int8": "q8_0", "int4": "q4_1"}
-TARGETS = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q6_k")  # what weights= may requantize to (kernels.quant)
+TARGETS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")  # weights= formats (kernels.quant)
 WEIGHTS = ("auto", "fp32", "bf16", *TARGETS, *ALIASES)
 SAVED_FILE = "headwise_model.json"
 SAVED_FORMAT = "headwise-model-1"

