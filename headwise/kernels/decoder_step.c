@@ -63,7 +63,7 @@ static int linear(const int64_t *lin, const float *x, const float *r, float *y, 
                            cos, sin, rot_cols, head_dim);
 }
 
-/* lin: 4 x (fmt, weight, bias) for qkv (C -> (H + 2 Hkv) D), out (H D -> C), gate_up (C -> 2F),
+/* lin: 4 x (fmt, weight, bias) for qkv (C -> (H + 2 Hkv) D; or q with split), out (H D -> C), gate_up (C -> 2F),
  * down (F -> C). x, y (M, C); cos, sin (M, D / 2); kc, vc: this layer's K and V, row m's keys at
  * kc + base[m] + h s_h + t s_t (elements; each key's D contiguous): a contiguous cache's
  * sequence m, or the run of consecutive blocks a paged sequence holds. With table (M, tw) given
@@ -83,18 +83,44 @@ static int attend_row(const float *q, const float *kc, const float *vc, const fl
                                    s_t, lengths[m], scale, table ? table + m * tw : NULL, bs);
 }
 
-static int hw_decoder_step(const int64_t *lin, const float *attn_norm, const float *mlp_norm, float eps, const float *x,
-                    float *y, long M, long C, long H, long Hkv, long D, long F, const float *cos, const float *sin,
-                    float *kc, float *vc, float *ks, float *vs, const int64_t *base, long s_h, long s_t,
-                    const int64_t *pos, float scale, const int64_t *table, long tw, long bs) {
+/* The q | k | v rows (M, QKV) of split projections: q = lin (H D rows), k, v = split's two (fmt,
+ * weight, bias) triples (Hkv D rows each), each its own call (the RMSNorm prologue recomputed, RoPE
+ * on q's and k's heads), then interleaved as the fused matrix's rows would give them. */
+static int split_qkv(const int64_t *lin, const int64_t *split, const float *attn_norm, float eps, const float *x,
+                     float *qkv, float *tmp, long M, long C, long H, long Hkv, long D, const float *cos,
+                     const float *sin) {
+    const long HD = H * D, KD = Hkv * D, QKV = HD + 2 * KD;
+    float *qb = tmp, *kb = qb + M * HD, *vb = kb + M * KD;
+    int rc = linear(lin, x, NULL, qb, M, HD, C, PRO_RMSNORM, attn_norm, eps, cos, sin, HD, D);
+    if (!rc) rc = linear(split, x, NULL, kb, M, KD, C, PRO_RMSNORM, attn_norm, eps, cos, sin, KD, D);
+    if (!rc) rc = linear(split + 3, x, NULL, vb, M, KD, C, PRO_RMSNORM, attn_norm, eps, NULL, NULL, 0, 0);
+    if (rc) return rc;
+    for (long m = 0; m < M; m++) {
+        memcpy(qkv + m * QKV, qb + m * HD, sizeof(float) * (size_t)HD);
+        memcpy(qkv + m * QKV + HD, kb + m * KD, sizeof(float) * (size_t)KD);
+        memcpy(qkv + m * QKV + HD + KD, vb + m * KD, sizeof(float) * (size_t)KD);
+    }
+    return 0;
+}
+
+/* split: NULL, or the k and v projections' (fmt, weight, bias) when the layer holds q, k and v
+ * apart (lin's first triple is then q's): split_qkv. */
+static int hw_decoder_step(const int64_t *lin, const int64_t *split, const float *attn_norm, const float *mlp_norm,
+                    float eps, const float *x, float *y, long M, long C, long H, long Hkv, long D, long F,
+                    const float *cos, const float *sin, float *kc, float *vc, float *ks, float *vs,
+                    const int64_t *base, long s_h, long s_t, const int64_t *pos, float scale, const int64_t *table,
+                    long tw, long bs) {
     if (table && bs < 1) return -3;
     const long QKV = (H + 2 * Hkv) * D, HD = H * D;
-    float *buf = malloc(sizeof(float) * (size_t)(M * (QKV + 2 * HD + C + 2 * F)));
+    float *buf = malloc(sizeof(float) * (size_t)(M * (QKV + 2 * HD + C + 2 * F) + (split ? M * QKV : 0)));
     long *lengths = malloc(sizeof(long) * (size_t)M);
     int rc = -1;
     if (!buf || !lengths) goto done;
     float *qkv = buf, *q = qkv + M * QKV, *o = q + M * HD, *h = o + M * HD, *gu = h + M * C;
-    rc = linear(lin, x, NULL, qkv, M, QKV, C, PRO_RMSNORM, attn_norm, eps, cos, sin, (H + Hkv) * D, D);
+    if (split)
+        rc = split_qkv(lin, split, attn_norm, eps, x, qkv, gu + M * 2 * F, M, C, H, Hkv, D, cos, sin);
+    else
+        rc = linear(lin, x, NULL, qkv, M, QKV, C, PRO_RMSNORM, attn_norm, eps, cos, sin, (H + Hkv) * D, D);
     if (rc) goto done;
     for (long m = 0; m < M; m++) {
         const float *row = qkv + m * QKV;
@@ -147,7 +173,8 @@ done:
  * (threads.py), where the ~40 us of Python between two layer calls let them fall asleep and
  * every layer paid a futex wake-up. Returns 0, or a layer's nonzero code (then *failed = l). */
 enum { ST_LIN = 0, ST_ATTN_NORM = 12, ST_MLP_NORM, ST_K, ST_V, ST_KS, ST_VS, ST_BASE, ST_SH, ST_ST, ST_POS, ST_TABLE,
-       ST_TW, ST_BS, ST_H, ST_HKV, ST_D, ST_F, ST_COS, ST_SIN, STACK_FIELDS };
+       ST_TW, ST_BS, ST_H, ST_HKV, ST_D, ST_F, ST_COS, ST_SIN, ST_SPLIT, STACK_FIELDS = ST_SPLIT + 6 };
+/* ST_SPLIT: -2 for a fused q | k | v (ST_LIN's first triple), else the k and v projections' triples. */
 
 long hw_stack_fields(void) { return STACK_FIELDS; }
 
@@ -161,7 +188,8 @@ int hw_decoder_stack(long n, const int64_t *layers, const float *fl, const float
     for (long l = 0; l < n && !rc; l++) {
         const int64_t *d = layers + l * STACK_FIELDS;
         float *out = l == n - 1 ? y : tmp + (l % 2) * M * C;
-        rc = hw_decoder_step(d + ST_LIN, PTR(const float *, d[ST_ATTN_NORM]), PTR(const float *, d[ST_MLP_NORM]),
+        rc = hw_decoder_step(d + ST_LIN, d[ST_SPLIT] == -2 ? NULL : d + ST_SPLIT, PTR(const float *, d[ST_ATTN_NORM]),
+                             PTR(const float *, d[ST_MLP_NORM]),
                              fl[2 * l], in, out, M, C, d[ST_H], d[ST_HKV], d[ST_D], d[ST_F],
                              PTR(const float *, d[ST_COS]), PTR(const float *, d[ST_SIN]), PTR(float *, d[ST_K]),
                              PTR(float *, d[ST_V]), PTR(float *, d[ST_KS]), PTR(float *, d[ST_VS]),

@@ -28,14 +28,18 @@ class StepPlan(NamedTuple):
     eps: float
     dims: tuple[int, int, int, int, int]  # C, H, Hkv, D, F
     scale: float
+    split: tuple[int, ...] = (-2, 0, 0, -2, 0, 0)  # k's and v's (fmt, weight, bias) when q, k, v are apart
 
 
 def plan_step(plans: tuple, attn_norm: Tensor, mlp_norm: Tensor, eps: float, H: int, Hkv: int, D: int) -> StepPlan:
-    """plans: (qkv, out, gate_up, down), each a LinearPlan or QuantPlan of the matching shape."""
+    """plans: (qkv, out, gate_up, down), each a LinearPlan or QuantPlan of the matching shape; qkv
+    may be a (q, k, v) tuple of three (an attention that holds them apart: MultiHeadAttention.unfuse)."""
     qkv, out, gate_up, down = plans
     C, F = out.out_features, down.in_features
-    want = [((H + 2 * Hkv) * D, C), (C, H * D), (2 * F, C), (C, F)]
-    got = [(p.out_features, p.in_features) for p in plans]
+    parts = qkv if type(qkv) is tuple else (qkv,)
+    want_qkv = [(H * D, C), (Hkv * D, C), (Hkv * D, C)] if len(parts) == 3 else [((H + 2 * Hkv) * D, C)]
+    want = [*want_qkv, (C, H * D), (2 * F, C), (C, F)]
+    got = [(p.out_features, p.in_features) for p in (*parts, out, gate_up, down)]
     if got != want or H % Hkv:
         raise ValueError(f"decoder step: linear shapes {got} do not make a layer of H={H}, Hkv={Hkv}, D={D}: {want}")
     for n in (attn_norm, mlp_norm):
@@ -43,12 +47,19 @@ def plan_step(plans: tuple, attn_norm: Tensor, mlp_norm: Tensor, eps: float, H: 
             raise ValueError(
                 f"decoder step: norm weights must be contiguous fp32 ({C},); got {n.dtype} {tuple(n.shape)}"
             )
-    lin = []
-    for p in plans:
-        fmt = -1 if isinstance(p, LinearPlan) else p.fmt_id
-        lin += [fmt, p.weight_ptr, p.bias_ptr or 0]
+    lin, split = [], []
+    for p in (parts[0], out, gate_up, down):
+        lin += _linear_ints(p)
+    for p in parts[1:]:
+        split += _linear_ints(p)
     lin += [attn_norm.data_ptr(), mlp_norm.data_ptr()]
-    return StepPlan(tuple(lin), plans, (attn_norm, mlp_norm), eps, (C, H, Hkv, D, F), D**-0.5)
+    plan = StepPlan(tuple(lin), plans, (attn_norm, mlp_norm), eps, (C, H, Hkv, D, F), D**-0.5)
+    return plan._replace(split=tuple(split)) if split else plan
+
+
+def _linear_ints(p) -> list[int]:
+    """A linear's (fmt, weight, bias) for the descriptor: fmt -1 for fp32 blocked weights."""
+    return [-1 if isinstance(p, LinearPlan) else p.fmt_id, p.weight_ptr, p.bias_ptr or 0]
 
 
 def _descriptor(plan: StepPlan, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, rows: tuple) -> list[int]:
@@ -86,7 +97,7 @@ def _descriptor_ints(plan: StepPlan, k, v, s_h: int, s_t: int, step: tuple) -> l
     C, H, Hkv, D, F = plan.dims
     base, pos, table, width, bs, cos, sin = step
     (k, ks), (v, vs) = _plane(k), _plane(v)
-    return [*plan.head, k, v, ks, vs, base, s_h, s_t, pos, table, width, bs, H, Hkv, D, F, cos, sin]
+    return [*plan.head, k, v, ks, vs, base, s_h, s_t, pos, table, width, bs, H, Hkv, D, F, cos, sin, *plan.split]
 
 
 class StackCall:

@@ -176,7 +176,7 @@ class DecoderBlock(nn.Module):
     def _route_ok(self) -> bool:
         """No hook of a module the route calls by hand (checked every step: hooks come and go)."""
         parts = self._parts()
-        return parts.attn.hook is None and parts.attn.fused and not any(parts.hook_dicts)
+        return parts.attn.hook is None and parts.qkv is not None and not any(parts.hook_dicts)
 
     def _parts(self) -> "_Parts":
         """The modules the route calls, looked up once and again only when one is replaced
@@ -191,7 +191,7 @@ class DecoderBlock(nn.Module):
         swiglu = type(mlp) is GatedMLP and mlp.activation == "silu"
         parts = _Parts(
             attn,
-            attn._modules.get("qkv_proj"),
+            _qkv_of(attn),
             attn._modules["out_proj"],
             attn._modules.get("rope"),
             m["attn_norm"],
@@ -231,10 +231,10 @@ class DecoderBlock(nn.Module):
         if rope is not None and not rope.interleaved and rope.dim == D and h.dtype == torch.float32:
             # RoPE of all q and k heads in the QKV call (the kernel's epilogue, or the module after it)
             cos, sin = step.rope_rows(rope)  # (N, D/2)
-            qkv = fused_linear(p.qkv, h, norm=p.attn_norm, rope=(rope, cos, sin, (H + Hkv) * D))
+            qkv = qkv_linear(p.qkv, h, p.attn_norm, (rope, cos, sin, (H + Hkv) * D))
             rope = None
         else:
-            qkv = fused_linear(p.qkv, h, norm=p.attn_norm)  # (N, (H + 2 Hkv) D)
+            qkv = qkv_linear(p.qkv, h, p.attn_norm)  # (N, (H + 2 Hkv) D)
         qk = qkv[:, : (H + Hkv) * D].view(B, T, H + Hkv, D)
         if rope is not None:  # partial, interleaved or low-precision RoPE: the module
             qk = rope(qk.transpose(1, 2), cos_sin=step.rope_cos_sin(rope)).transpose(1, 2)
@@ -258,9 +258,36 @@ class DecoderBlock(nn.Module):
         return h.view(B, T, C)
 
 
+def _qkv_of(attn) -> nn.Module | tuple | None:
+    """The route's q | k | v: the fused qkv_proj, or (q_proj, k_proj, v_proj) of a self-attention
+    that holds them apart (MultiHeadAttention.unfuse), None for one the route cannot take."""
+    m = attn._modules
+    if attn.fused:
+        return m.get("qkv_proj")
+    if attn.kdim == attn.vdim == attn.d_model:
+        return m["q_proj"], m["k_proj"], m["v_proj"]
+    return None
+
+
+def qkv_linear(qkv, h: Tensor, norm: nn.Module, rope: tuple | None = None) -> Tensor:
+    """fused_linear of the q | k | v projection(s) -> (N, (H + 2 Hkv) D): one call, or three (q, k
+    and v apart: RoPE on each of q's and k's heads) side by side."""
+    if type(qkv) is not tuple:
+        return fused_linear(qkv, h, norm=norm, rope=rope)
+    q, k, v = qkv
+    return torch.cat(
+        [
+            fused_linear(q, h, norm=norm, rope=None if rope is None else (*rope[:3], q.out_features)),
+            fused_linear(k, h, norm=norm, rope=None if rope is None else (*rope[:3], k.out_features)),
+            fused_linear(v, h, norm=norm),
+        ],
+        dim=1,
+    )
+
+
 class _Parts(NamedTuple):
     attn: nn.Module
-    qkv: nn.Module
+    qkv: nn.Module | tuple  # qkv_proj, or (q_proj, k_proj, v_proj) (_qkv_of)
     out: nn.Module
     rope: nn.Module | None
     attn_norm: nn.Module

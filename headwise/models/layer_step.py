@@ -206,7 +206,8 @@ def _weights_watch(p) -> tuple:
     the kernel as it is, and reading 180 versions per SmolLM2 step (cache misses after the weight
     stream, ~0.1 ms) buys nothing. None for those and for an inference tensor, which has none."""
     watch = []
-    for m in (p.qkv, p.out, *p.mlp._modules.values(), p.attn_norm, p.mlp_norm):
+    qkv = p.qkv if type(p.qkv) is tuple else (p.qkv,)
+    for m in (*qkv, p.out, *p.mlp._modules.values(), p.attn_norm, p.mlp_norm):
         d, name = m._buffers, "blocks"
         t = d.get(name)
         if t is None:  # a plain weight, or a module of neither kind (parallel's RowParallelLinear): None
@@ -267,10 +268,12 @@ def _plan(block, p, h: Tensor):
         and kernel_attention.decode_attention_unavailable() is None
     ):
         return None
-    plans = tuple(_linear_plan(m, h, h.shape[0]) for m in (p.qkv, p.out, mm["gate_up"], mm["down"]))
-    if any(pl is None for pl in plans):
+    qkv = p.qkv if type(p.qkv) is tuple else (p.qkv,)  # q, k, v apart (MultiHeadAttention.unfuse), or one
+    flat = tuple(_linear_plan(m, h, h.shape[0]) for m in (*qkv, p.out, mm["gate_up"], mm["down"]))
+    if any(pl is None for pl in flat):
         return None
-    key = (*map(id, plans), p.attn_norm.weight.data_ptr(), p.mlp_norm.weight.data_ptr(), H, Hkv, D)
+    plans = (flat[:3] if len(qkv) == 3 else flat[0], *flat[len(qkv) :])
+    key = (*map(id, flat), p.attn_norm.weight.data_ptr(), p.mlp_norm.weight.data_ptr(), H, Hkv, D)
     cached = block.__dict__.get("_step_plan")
     if cached is None or cached[0] != key:
         norms = (p.attn_norm.weight.detach(), p.mlp_norm.weight.detach())

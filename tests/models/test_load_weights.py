@@ -378,8 +378,9 @@ def test_a_wide_q4_k_m_file_keeps_q_k_v_in_their_formats(tmp_path):
     """llama.cpp's Q4_K_M on a model whose width is a multiple of 256 (Llama 7B/8B, Mistral, Qwen):
     Q4_K Q and K, a Q6_K V and down projection in the layers it gives more bits, Q4_K elsewhere.
     No fp32 copy and no warning: the mixed layer's Q, K, V are three quantized linears, the other
-    layer fuses them. Decode steps over a cache (the mixed layer on the general route, the fused
-    one on the kernels) give the logits of full forwards, and the weights survive save / load."""
+    layer fuses them. Decode steps over a cache (both layers in the one-call decoder stack, the
+    split one's q, k, v as three kernel calls) give the logits of full forwards, and the weights
+    survive save / load."""
     types = [
         {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": v, "attn_output": "Q4_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K"}
         | {"ffn_down": v}
@@ -410,6 +411,13 @@ def test_a_wide_q4_k_m_file_keeps_q_k_v_in_their_formats(tmp_path):
     # the same kernels on the same rows: a step's logits are the full forward's at its position
     # (to the int8 rounding of activations, which sees each row alone in both)
     torch.testing.assert_close(torch.stack(steps, 1)[0], full[0, 11:], atol=1e-3, rtol=1e-3)
+    memo = q.layers.__dict__.get("_stack_memo")  # both layers took the one-call stack, the split one too
+    assert memo is not None and len(memo.plans) == 2 and memo.plans[0][0].split[0] != -2
+    # the engine's paged steps take the same stack: its greedy tokens are generate()'s
+    prompt = ids[0].tolist()
+    greedy = headwise.SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    want = headwise.generate(q, prompt, max_new_tokens=12, temperature=0, ignore_eos=True).token_ids
+    assert headwise.Engine(q, max_num_seqs=2).generate([prompt], greedy)[0].token_ids == want
     back = headwise.load(save(q, tmp_path / "saved"))
     assert not back.layers[0].attn.fused and back.layers[0].attn.v_proj.fmt == "q6_k"
     for m, n in zip(q.layers, back.layers):
