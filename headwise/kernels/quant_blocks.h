@@ -119,25 +119,20 @@ static inline __attribute__((always_inline)) wblock unpack(int fmt, const uint8_
     } else if (fmt == Q8_0) {
         const uint8_t *p = row + b * 34;
         w.q = _mm256_loadu_si256((const __m256i *)(p + 2)), w.dw = f16(p), w.mw = 0.0f;
-    } else if (fmt == Q4_K) {
-        const uint8_t *p = row + (b / 8) * 144;
+    } else if (fmt == Q4_K || fmt == Q5_K) {  /* Q5_K: Q4_K's fields, then 32 bytes of fifth bits (bit j of
+                                               * qh[l]: value l of sub-block j) before the nibbles */
+        const int five = fmt == Q5_K;
+        const uint8_t *p = row + (b / 8) * (five ? 176 : 144);
         const int j = (int)(b % 8);
         int sc, mn;
         k4_scale_min(p + 4, j, &sc, &mn);
-        __m256i v = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * (j / 2)));
+        __m256i v = _mm256_loadu_si256((const __m256i *)(p + (five ? 48 : 16) + 32 * (j / 2)));
         if (j & 1) v = _mm256_srli_epi16(v, 4);
         w.q = _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
-        w.dw = f16(p) * (float)sc, w.mw = -(f16(p + 2) * (float)mn);
-    } else if (fmt == Q5_K) {  /* Q4_K's nibbles (at byte 48) and scales, value l's fifth bit: bit j of qh[l] */
-        const uint8_t *p = row + (b / 8) * 176;
-        const int j = (int)(b % 8);
-        int sc, mn;
-        k4_scale_min(p + 4, j, &sc, &mn);
-        __m256i v = _mm256_loadu_si256((const __m256i *)(p + 48 + 32 * (j / 2)));
-        if (j & 1) v = _mm256_srli_epi16(v, 4);
-        const __m256i hb = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(p + 16)), _mm_cvtsi32_si128(j));
-        w.q = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi8(0x0F)),
-                              _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x01)), 4));
+        if (five) {
+            const __m256i hb = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(p + 16)), _mm_cvtsi32_si128(j));
+            w.q = _mm256_or_si256(w.q, _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x01)), 4));
+        }
         w.dw = f16(p) * (float)sc, w.mw = -(f16(p + 2) * (float)mn);
     } else {  /* Q6_K */
         const uint8_t *p = row + (b / 8) * 210;
