@@ -246,8 +246,8 @@ class MultiHeadAttention(nn.Module):
         """Hold Q, K and V in three linears (q_proj, k_proj, v_proj) instead of qkv_proj's one: the
         same rows, three matmuls. Loading does it where a checkpoint stores them in quantized formats
         that cannot share one matrix (llama.cpp's Q4_K_M: Q4_K Q and K, a Q6_K V in some layers), so
-        each keeps its blocks instead of becoming fp32. Decode steps of such a layer take the
-        general route, not the one-call decoder stack."""
+        each keeps its blocks instead of becoming fp32. The decode routes run such a layer's q, k
+        and v as three kernel calls (models/blocks.qkv_linear, the decoder stack's split field)."""
         if not self.fused:
             return self
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim

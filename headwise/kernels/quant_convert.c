@@ -220,11 +220,6 @@ static void quantize_q5(const float *x, uint8_t *out, int one) {
 
 static inline int nearest(float v) { return _mm_cvt_ss2si(_mm_set_ss(v)); }  /* round half to even */
 static inline int clampi(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
-static inline float f16_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
 
 /* make_qkx2_quants(32, nmax, x, w, ..., rmin, rdelta 0.1, nstep, squared error): levels L (0..nmax)
  * with x ~ scale * L - neg_min, the scale and min a weighted least-squares fit over the levels each
@@ -307,11 +302,10 @@ static void quantize_k45(const float *x, uint8_t *out, int five) {
         }
     }
     store_f16(out, max_scale / 63.0f), store_f16(out + 2, max_min / 63.0f);
-    const float d = f16_at(out), dmin = f16_at(out + 2);
+    const float d = f16(out), dmin = f16(out + 2);
     for (int j = 0; j < 8; j++) {
         int s, m;
-        if (j < 4) s = sc[j] & 63, m = sc[j + 4] & 63;  /* get_scale_min_k4 */
-        else s = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4), m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+        k4_scale_min(sc, j, &s, &m);
         const float dj = d * s, mj = dmin * m;
         if (dj == 0.0f) continue;
         for (int i = 0; i < 32; i++) L[32 * j + i] = (uint8_t)clampi(nearest((x[32 * j + i] + mj) / dj), 0, nmax);
@@ -367,7 +361,7 @@ static void quantize_q6_k(const float *x, uint8_t *out) {
     if (max_abs < 1e-15f) return;  /* d = 0, every level 0 */
     const float iscale = -128.0f / max_scale;
     store_f16(out + 208, 1.0f / iscale);
-    const float d = f16_at(out + 208);
+    const float d = f16(out + 208);
     int8_t *sc = (int8_t *)(out + 192);
     for (int b = 0; b < 16; b++) {
         const int v = nearest(iscale * scales[b]);
