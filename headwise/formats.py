@@ -1,5 +1,6 @@
-"""The GGML block formats headwise computes from, as plain data (no torch): plan.py sizes weights
-with it, kernels/quant.py checks blocks against it.
+"""The GGML block formats headwise computes from, and llama-quantize's mixes of them, as plain data
+(no torch): plan.py sizes weights with it, kernels/quant.py checks blocks against it,
+headwise.load(weights=...) picks each weight's format with it.
 
 name -> (GGML type id, values per block, bytes per block), the block_* structs of ggml-common.h.
 """
@@ -39,3 +40,48 @@ def target_format(fmt: str, in_features: int) -> str | None:
         if f is not None and in_features % QUANT_FORMATS[f][1] == 0:
             return f
     return None
+
+
+# llama-quantize's K-quant mixes (its ftypes Q4_K_S, Q4_K_M, Q5_K_S, Q5_K_M): a base format and a
+# few weights given more bits. name -> base format.
+MIXES = {"q4_k_s": "q4_k", "q4_k_m": "q4_k", "q5_k_s": "q5_k", "q5_k_m": "q5_k"}
+
+# The roles a weight plays in a mix, llama.cpp's tensor categories: attn_qkv is a checkpoint's own
+# fused q|k|v (GPT-2's c_attn); "output" is the head, or the token embedding where the head is tied.
+ROLES = ("output", "token_embd", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down")  # fmt: skip
+
+
+def use_more_bits(layer: int, num_layers: int) -> bool:
+    """llama-quantize's choice of layers for more bits: the first and last eighth, every third between."""
+    return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
+
+
+def mix_format(
+    mix: str, role: str, layer: int, num_layers: int, in_features: int, *, big_gqa: bool = False
+) -> str | None:
+    """The format llama-quantize's `mix` gives one weight (llama_tensor_get_type for a dense model,
+    llama.cpp b11434): the head (or a tied embedding) Q6_K, Q8_0 where its rows are not whole
+    super-blocks; V (or a fused q|k|v) and the down projection Q6_K in the use_more_bits layers for
+    the _m mixes; Q5_K for the first 4 V and the first eighth of the down projections in q4_k_s;
+    V Q5_K for a 70B-class GQA model (`big_gqa`, llama.cpp's LLM_TYPE_70B) where it would be Q4_K;
+    the base format elsewhere; then FALLBACK for rows that are not whole blocks. None: stays float."""
+    base = MIXES[mix]
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; one of {', '.join(ROLES)}")
+    if role == "output":
+        return target_format("q6_k" if in_features % QUANT_FORMATS[base][1] == 0 else "q8_0", in_features)
+    fmt = base
+    more = use_more_bits(layer, num_layers)
+    if role in ("attn_v", "attn_qkv"):
+        if mix in ("q4_k_m", "q5_k_m") and more:
+            fmt = "q6_k"
+        elif mix == "q4_k_s" and layer < 4:
+            fmt = "q5_k"
+        if big_gqa and fmt == "q4_k":
+            fmt = "q5_k"
+    elif role == "ffn_down":
+        if mix in ("q4_k_m", "q5_k_m") and more:
+            fmt = "q6_k"
+        elif mix == "q4_k_s" and layer < num_layers // 8:
+            fmt = "q5_k"
+    return target_format(fmt, in_features)

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from headwise.config import AttentionConfig, ModelConfig
-from headwise.formats import QUANT_FORMATS, target_format
+from headwise.formats import MIXES, QUANT_FORMATS, mix_format, target_format
 
 DTYPE_BYTES = {
     "fp32": 4, "float32": 4,
@@ -24,18 +24,23 @@ DTYPE_BYTES = {
 
 def weight_bytes(cfg: ModelConfig, params: dict[str, int], dtype: str, weights: str | None) -> dict[str, int]:
     """Bytes of the weights by format: all in `dtype`, or with weights= a quantized format (q4_1,
-    q8_0, ...) for the matrices (attention, MLP, embeddings, lm_head) and `dtype` for norms and
-    the rest, as headwise.load(..., weights=) keeps them. Learned position tables stay in dtype."""
+    q8_0, ...) or one of llama-quantize's mixes (q4_k_m, ...) for the matrices (attention, MLP,
+    embeddings, lm_head) and `dtype` for norms and the rest, as headwise.load(..., weights=) keeps
+    them. Learned position tables stay in dtype."""
     if weights is None or weights.strip().lower() in DTYPE_BYTES:
         fmt = dtype if weights is None else weights.strip().lower()
         return {fmt: params["total"] * dtype_bytes(fmt)}
     fmt = weights.strip().lower()
-    if fmt not in QUANT_FORMATS:
-        raise ValueError(f"unknown weights {weights!r}; valid: {', '.join([*DTYPE_BYTES, *QUANT_FORMATS])}")
+    if fmt not in QUANT_FORMATS and fmt not in MIXES:
+        valid = ", ".join([*DTYPE_BYTES, *QUANT_FORMATS, *MIXES])
+        raise ValueError(f"unknown weights {weights!r}; valid: {valid}")
     out: dict[str, int] = {}
     floats = params["total"]
-    for width, count in _matrices_by_width(cfg, params).items():
-        f = target_format(fmt, width)  # a K-quant's fallback where rows are not whole blocks, as at load
+    for role, layer, width, count in _matrices(cfg, params):
+        if fmt in MIXES:  # the format llama-quantize's mix gives this matrix, as at load
+            f = mix_format(fmt, role, layer, cfg.num_layers, width, big_gqa=_big_gqa(cfg))
+        else:
+            f = target_format(fmt, width)  # a K-quant's fallback where rows are not whole blocks, as at load
         if f is None or not count:
             continue
         _, values, nbytes = QUANT_FORMATS[f]
@@ -45,17 +50,31 @@ def weight_bytes(cfg: ModelConfig, params: dict[str, int], dtype: str, weights: 
     return out
 
 
-def _matrices_by_width(cfg: ModelConfig, params: dict[str, int]) -> dict[int, int]:
-    """Weights of the quantizable matrices (attention, MLP, token embeddings, lm_head), by the
-    width of their rows (in_features): a block format needs whole blocks of it."""
+def _big_gqa(cfg: ModelConfig) -> bool:
+    """llama.cpp's LLM_TYPE_70B for a Llama-family model (80 layers, grouped K/V): V gets Q5_K over Q4_K."""
+    return cfg.arch == "llama" and cfg.num_layers == 80 and cfg.num_kv_heads < cfg.num_heads
+
+
+def _matrices(cfg: ModelConfig, params: dict[str, int]) -> list[tuple[str, int, int, int]]:
+    """The quantizable matrices (attention, MLP, token embeddings, lm_head) as (role, layer, width of
+    their rows, weights): roles as formats.ROLES; a block format needs whole blocks of the width."""
     C, L, F = cfg.d_model, cfg.num_layers, cfg.d_ff
     HD, KD = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     positions = cfg.max_positions * C if cfg.positions == "learned" else 0
-    by = {C: L * (C * HD + 2 * C * KD + (2 if cfg.mlp == "swiglu" else 1) * C * F)}
-    by[HD] = by.get(HD, 0) + L * HD * C  # the output projection
-    by[F] = by.get(F, 0) + L * F * C  # the down projection
-    by[C] += params["embeddings"] - positions + params["lm_head"]
-    return by
+    up = [("ffn_gate", F * C), ("ffn_up", F * C)] if cfg.mlp == "swiglu" else [("ffn_up", F * C)]
+    out = []
+    for i in range(L):
+        qkv = [("attn_q", C * HD), ("attn_k", C * KD), ("attn_v", C * KD)]
+        if cfg.arch == "gpt2":  # its checkpoints fuse q|k|v (c_attn): llama.cpp's attn_qkv
+            qkv = [("attn_qkv", C * (HD + 2 * KD))]
+        out += [(role, i, C, n) for role, n in (*qkv, *up)]
+        out += [("attn_output", i, HD, HD * C), ("ffn_down", i, F, F * C)]
+    table = params["embeddings"] - positions
+    if params["lm_head"]:  # a head of its own: the table is token_embd
+        out += [("token_embd", 0, C, table), ("output", 0, C, params["lm_head"])]
+    else:  # tied, or no head (an encoder): llama-quantize gives the table the output's type
+        out.append(("output", 0, C, table))
+    return out
 
 
 def dtype_bytes(dtype: str) -> int:

@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from headwise.config import PRESETS, get_preset, parse_overrides
-from headwise.formats import QUANT_FORMATS
+from headwise.formats import MIXES, QUANT_FORMATS
 from headwise.plan import Plan, dtype_bytes, fmt_bytes, fmt_count, fmt_flops, plan
 
 
@@ -111,7 +111,8 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     arg("--batch", type=int, default=1, metavar="B", help="sequences held at once (default: 1)")
     arg("--dtype", default="bf16", help="dtype of weights and KV cache: fp32, fp16, bf16, int8, fp8 (default: bf16)")
     arg("--weights", metavar="FORMAT", help="the weights' own format where it differs from --dtype: a GGML block "
-        f"format computed as stored ({', '.join(QUANT_FORMATS)}) for the matrices, norms staying in --dtype")  # fmt: skip
+        f"format computed as stored ({', '.join(QUANT_FORMATS)}) for the matrices, or one of llama-quantize's "
+        f"mixes of them ({', '.join(MIXES)}), norms staying in --dtype")  # fmt: skip
     arg("--memory", metavar="SIZE", help="memory budget, e.g. 80GiB, 80GB (10^9 bytes), 24G (= 24GiB); "
         "adds the largest context and batch that fit after the weights")  # fmt: skip
     arg("--reserve", default="0", metavar="SIZE",

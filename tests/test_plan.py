@@ -352,3 +352,17 @@ def test_quantized_weights_match_the_gguf_file():
     assert q4["fp32"] == by_type["F32"]  # norms
     with pytest.raises(ValueError, match="q4_1"):
         plan(cfg, weights="q3_xs")
+
+
+@pytest.mark.parametrize(
+    "weights,gb",
+    [("q4_k_s", 3.86), ("q4_k_m", 4.08), ("q5_k_s", 4.65), ("q5_k_m", 4.78), ("q6_k", 5.53), ("q8_0", 7.16)],
+)
+def test_llama_quantize_mixes_price_llama_2_7b_as_its_published_files(weights, gb):
+    """Llama-2-7B in llama-quantize's mixes: the weights' bytes (blocks + fp32 norms) are the sizes of
+    the GGUF files of those types published for it (TheBloke/Llama-2-7B-GGUF's table, in GB of 10^9
+    bytes, rounded to 10 MB; a file adds under 1 MB of metadata and vocabulary). The mixes' choices
+    (the head in Q6_K, V and down projections in Q6_K in 16 of 32 layers for the _m mixes, ...) move
+    the size by up to 0.23 GB, so a wrong rule shows."""
+    f = plan(get_preset("llama-2-7b"), dtype="fp32", weights=weights).weight_formats
+    assert abs(sum(f.values()) / 1e9 - gb) < 0.006, f

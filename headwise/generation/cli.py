@@ -197,7 +197,9 @@ def _common(p, default_model: str, task: str):
         type=weights_name,
         help="auto (default): a GGUF computed from its quantized blocks as stored; fp32 / bf16: dequantized; "
         "int8 / int4 (q8_0 / q4_1), q4_0, q5_0, q5_1, q4_k, q5_k, q6_k: quantized at load (a K-quant's rows "
-        "that are not whole 256-value blocks take q5_0 / q5_1 / q8_0, as llama-quantize does)",
+        "that are not whole 256-value blocks take q5_0 / q5_1 / q8_0, as llama-quantize does); q4_k_m, q4_k_s, "
+        "q5_k_m, q5_k_s: llama-quantize's mixes of those names (the head in Q6_K, V and down projections in more "
+        "bits in some layers), the same blocks llama-quantize writes",
     )
 
 

@@ -36,8 +36,9 @@ def load(
 
     The model carries `.config` (ModelConfig) and `.tokenizer` (None when the checkpoint
     has none). weights: "auto" keeps a GGUF's quantized tensors as stored (QuantizedLinear,
-    models/linear.py), "fp32" / "bf16" dequantize, "q8_0" / "q4_0" / "q4_1" (or "int8" /
-    "int4") requantize the linears and token embedding (quantized_load.py). dtype: None
+    models/linear.py), "fp32" / "bf16" dequantize, "q8_0" / "q4_0" / "q4_1" / ... / "q6_k" (or
+    "int8" / "int4") requantize the linears and token embedding, "q4_k_m" / "q4_k_s" / "q5_k_m" /
+    "q5_k_s" to llama-quantize's mixes (quantized_load.py). dtype: None
     keeps the checkpoint's float dtype; backend: the attention backend. pack: gradient-free
     CPU forwards of float linears use oneDNN-prepacked weights (see packing.py; ~1.5x faster
     decoding, one more copy of each weight once used), and quantized blocks are re-laid in

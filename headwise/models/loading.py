@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from .linear import pack_quantized
 from .packing import pack_linears
-from .quantized_load import check_weights, fuse_rows, install, mixed, requantize, warn_mixed
+from .quantized_load import QKV_WEIGHT, check_weights, fuse_rows, install, mixed, requantize, warn_mixed
 
 # model_type -> family module; architectures[0] is the fallback key.
 FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2", "bert": "bert"}
@@ -188,7 +188,7 @@ def convert(
                 raise AssertionError(f"table bug: {name} has row blocks {sorted(blocks)}")
             parts = [blocks[j] for j in range(len(blocks))]
             kinds = mixed(parts)
-            if kinds and name.endswith(_QKV):  # each keeps its format: the attention is unfused at load
+            if kinds and name.endswith(QKV_WEIGHT):  # each keeps its format: the attention is unfused at load
                 out |= {name.removesuffix("qkv_proj.weight") + f"{p}_proj.weight": t for p, t in zip("qkv", parts)}
                 continue
             if kinds:
@@ -197,9 +197,6 @@ def convert(
     _split_qkv_biases(out)
     warn_mixed(fp32_fused, what)
     return out
-
-
-_QKV = "attn.qkv_proj.weight"
 
 
 def _split_qkv_biases(out: dict) -> None:
@@ -324,6 +321,8 @@ def _finish(model: nn.Module, state: dict, *, weights: str, pack: bool, what: st
     """A meta-built model + its headwise state dict (QuantTensors where quantized) -> the model."""
     unfuse_attentions(model, state)
     requantize(state, model, weights)
+    _split_qkv_biases(state)  # a mix may have put q, k and v apart (formats that cannot share a matrix)
+    unfuse_attentions(model, state)
     install(model, state)
     expected = dict(model.named_parameters())  # tied aliases appear once
     expected |= {n: b for n, b in model.named_buffers() if n.endswith(".blocks")}

@@ -7,7 +7,13 @@
     weights="q8_0" | "q4_0" | "q4_1" | "q5_0" | "q5_1" | "q4_k" | "q5_k" | "q6_k" (aliases "int8" =
                      q8_0, "int4" = q4_1): linear weights and the token embedding requantized to
                      that format; a K-quant's rows that are not whole 256-value super-blocks take
-                     llama-quantize's fallback instead (q4_k -> q5_0, q5_k -> q5_1, q6_k -> q8_0)
+                     llama-quantize's fallback instead (q4_k -> q5_0, q5_k -> q5_1, q6_k -> q8_0):
+                     every weight in one format, as `llama-quantize --pure` makes them
+    weights="q4_k_m" | "q4_k_s" | "q5_k_m" | "q5_k_s"   llama-quantize's mixes of those names
+                     (formats.mix_format): the head or tied embedding in Q6_K / Q8_0, V and down
+                     projections in more bits in some layers, the base K-quant elsewhere; a
+                     q|k|v whose parts get formats that cannot share one matrix is held as
+                     three linears (MultiHeadAttention.unfuse), as a llama.cpp file of the mix is
 
 Norms, biases and position embeddings always stay float. In transit (reader -> loading.convert
 -> model) a quantized weight is a `QuantTensor`; `install` then swaps the meta-built model's
@@ -21,7 +27,9 @@ module's format) and the tokenizer files; `headwise.load(dir)` reads it back.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import re
 import warnings
 from pathlib import Path
 from typing import NamedTuple
@@ -29,12 +37,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ..formats import target_format
+from ..formats import MIXES, mix_format, target_format
 from .linear import FORMATS, QUANTIZED, QuantizedEmbedding, QuantizedLinear, dequantize, kernel_unavailable, quantize
 
 ALIASES = {"int8": "q8_0", "int4": "q4_1"}
 TARGETS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")  # weights= formats (kernels.quant)
-WEIGHTS = ("auto", "fp32", "bf16", *TARGETS, *ALIASES)
+WEIGHTS = ("auto", "fp32", "bf16", *TARGETS, *MIXES, *ALIASES)
 SAVED_FILE = "headwise_model.json"
 SAVED_FORMAT = "headwise-model-1"
 
@@ -45,7 +53,8 @@ def check_weights(weights: str) -> str:
     if key not in WEIGHTS:
         raise ValueError(
             f"weights={weights!r} is not one of {', '.join(WEIGHTS)} "
-            "(auto: a GGUF as stored; fp32/bf16: dequantized; a format: requantized to it)"
+            "(auto: a GGUF as stored; fp32/bf16: dequantized; a format: requantized to it; "
+            "q4_k_m / q4_k_s / q5_k_m / q5_k_s: llama-quantize's mixes)"
         )
     return ALIASES.get(key, key)
 
@@ -166,18 +175,83 @@ def requantize(state: dict, model: nn.Module, weights: str) -> None:
             if isinstance(t, QuantTensor):
                 state[name] = t.dequantize().to(dtype)
         return
+    fp32_fused: list[str] = []
     for name, m in _quantizable(model, model.config.vocab_size).items():
         t = state.get(name)
         if t is None:
             continue
-        fmt = target_format(weights, t.shape[1])
-        if fmt is None:
-            continue  # not whole blocks of any: stays float (llama.cpp does the same)
-        if isinstance(t, QuantTensor):
-            if t.fmt == fmt:
-                continue
-            t = t.dequantize()
-        state[name] = QuantTensor(quantize(t, fmt), fmt, tuple(t.shape))
+        if weights in MIXES:
+            rows = _mix_formats(model, name, m, weights, t.shape[1])
+        else:
+            rows = [(t.shape[0], target_format(weights, t.shape[1]))]
+        if len({fmt for _, fmt in rows}) == 1:
+            state[name] = _to_format(t, rows[0][1])
+            continue
+        # parts of one fused matrix in different formats: each part quantized on its own, then
+        # held as convert holds a file's parts (Q8_0 blocks of exactly their values, or q, k, v apart)
+        whole = t.dequantize() if isinstance(t, QuantTensor) else t
+        parts = [_to_format(p, fmt) for p, (_, fmt) in zip(whole.split([n for n, _ in rows]), rows)]
+        kinds = mixed(parts)
+        if kinds and name.endswith(QKV_WEIGHT):
+            del state[name]
+            state |= {name.removesuffix("qkv_proj.weight") + f"{p}_proj.weight": t for p, t in zip("qkv", parts)}
+            continue
+        if kinds:
+            fp32_fused.append(f"{name} [{kinds}]")
+        state[name] = fuse_rows(parts)
+    warn_mixed(fp32_fused, f"weights={weights!r}")
+
+
+QKV_WEIGHT = "attn.qkv_proj.weight"  # q | k | v fused by loading.convert from a checkpoint's three
+
+
+def _to_format(t, fmt: str | None):
+    """`t` (a float tensor or a QuantTensor) as blocks of `fmt`; unchanged where it already is one,
+    float where fmt is None (rows that are not whole blocks of any: llama.cpp keeps those float)."""
+    if isinstance(t, QuantTensor):
+        if t.fmt == fmt:
+            return t
+        t = t.dequantize()
+    if fmt is None:
+        return t
+    return QuantTensor(quantize(t.contiguous(), fmt), fmt, tuple(t.shape))
+
+
+_ROLES = {  # headwise state name suffix -> llama.cpp tensor category (formats.ROLES)
+    "attn.q_proj.weight": "attn_q",
+    "attn.k_proj.weight": "attn_k",
+    "attn.v_proj.weight": "attn_v",
+    "attn.out_proj.weight": "attn_output",
+    "mlp.gate_up.weight": "ffn_up",  # gate and up: the same format in every mix
+    "mlp.up.weight": "ffn_up",
+    "mlp.down.weight": "ffn_down",
+    "lm_head.weight": "output",
+}
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _mix_formats(model: nn.Module, name: str, module: nn.Module, mix: str, in_features: int) -> list:
+    """[(rows, format)] for one weight under llama-quantize's `mix`: one entry, or three for q|k|v
+    fused here from a checkpoint's separate q, k and v (llama.cpp sees three tensors)."""
+    cfg = model.config
+    match = _LAYER.search(name)
+    layer = int(match.group(1)) if match else 0
+    big_gqa = cfg.arch == "llama" and cfg.num_layers == 80 and cfg.num_kv_heads < cfg.num_heads  # LLM_TYPE_70B
+    fmt = functools.partial(
+        mix_format, mix, layer=layer, num_layers=cfg.num_layers, in_features=in_features, big_gqa=big_gqa
+    )
+    if isinstance(module, nn.Embedding):  # the token table: the head's rule where it is the head too
+        head_apart = getattr(cfg, "lm_head", False) and not getattr(cfg, "tie_embeddings", False)
+        return [(module.num_embeddings, fmt(role="token_embd" if head_apart else "output"))]
+    if name.endswith(QKV_WEIGHT):
+        if cfg.arch == "gpt2":  # a checkpoint's own fused q|k|v (c_attn): llama.cpp's attn_qkv
+            return [(module.out_features, fmt(role="attn_qkv"))]
+        attn = model.get_submodule(name.removesuffix(".qkv_proj.weight"))
+        q_rows, kv_rows = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        return [(n, fmt(role=r)) for n, r in ((q_rows, "attn_q"), (kv_rows, "attn_k"), (kv_rows, "attn_v"))]
+    role = next((r for suffix, r in _ROLES.items() if name.endswith(suffix)), None)
+    base = MIXES[mix]
+    return [(module.out_features, fmt(role=role) if role else target_format(base, in_features))]
 
 
 def install(model: nn.Module, state: dict) -> None:

@@ -8,7 +8,7 @@ a model; the gateway resolves that name to a route (an alias, a local model, or
                                 # save_pruned / `headwise analyze` (headwise_pruned.json: served pruned)
     source = "smollm2-135m-instruct"
     cache = "paged"             # paged | int8: the format of the engine's KV block pool
-    weights = "auto"            # auto (a GGUF computed as stored) | fp32 | bf16 | int8 | int4 | q4_0 | q5_0 | q5_1 | q4_k | q5_k | q6_k
+    weights = "auto"            # auto (a GGUF computed as stored) | fp32 | bf16 | int8 | int4 | q4_0 | ... | q6_k | q4_k_m | ...
     max_num_seqs = 64           # the engine's limits: any headwise.EngineConfig field but kv_dtype
     tensor_parallel = 1         # N > 1: heads split over N local processes (this one leads; one such model)
     [providers.peer]            # an upstream OpenAI-compatible server

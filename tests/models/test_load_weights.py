@@ -486,3 +486,114 @@ def test_stored_blocks_cache_gives_back_what_the_file_gives(tmp_path, monkeypatc
     monkeypatch.setattr(hw_gguf, "_KEPT", "238ce")  # as before q5_0 / q5_1 were kept: that entry is not it
     with pytest.raises(TypeError):  # so the file is converted again (convert_gguf is None here)
         hw_gguf.read_gguf(path, keep_quantized=True, cache_dir=tmp_path)
+
+
+def llama_quantize_type(mix, role, layer, num_layers):
+    """The type llama.cpp's llama-quantize (src/llama-quant.cpp, llama_tensor_get_type_impl, b11434)
+    gives a dense Llama's weight under the K-quant mixes, for widths that are whole 256-value
+    super-blocks: restated here from its source, independently of headwise.formats."""
+    more = layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
+    base = {"q4_k_s": "q4_k", "q4_k_m": "q4_k", "q5_k_s": "q5_k", "q5_k_m": "q5_k"}[mix]
+    if role == "output":  # or token_embd where it is tied to the output
+        return "q6_k"
+    if role == "attn_v":
+        return "q6_k" if mix.endswith("_m") and more else "q5_k" if mix == "q4_k_s" and layer < 4 else base
+    if role == "ffn_down":
+        return (
+            "q6_k" if mix.endswith("_m") and more else "q5_k" if mix == "q4_k_s" and layer < num_layers // 8 else base
+        )
+    return base
+
+
+@pytest.mark.parametrize("mix", ["q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s"])
+def test_llama_quantize_mixes_give_each_weight_its_type(tmp_path_factory, mix):
+    """weights="q4_k_m" (and q4_k_s, q5_k_m, q5_k_s) on an 8-layer safetensors Llama whose widths are
+    whole super-blocks: each weight in the type llama-quantize's mix of that name gives it (restated
+    above from llama.cpp's source: the tied embedding / head Q6_K, V and down projections in Q6_K in
+    the layers it gives more bits, ...); where V's type differs from Q and K's, the attention holds
+    three linears. Each weight's blocks are kernels.quant.quantize's of its fp32 rows (the format's
+    reference quantizer, tested bit for bit against ggml's), decode steps give the full forward's
+    logits, and save / load gives the same model back."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    L = 8
+    config = tf.LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=L, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=96, max_position_embeddings=64, initializer_range=0.05, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    path = save_hf(tmp_path_factory, "wide-8-layers", tf.LlamaForCausalLM(config).eval())
+    ref, q = headwise.load(path, weights="fp32"), headwise.load(path, weights=mix)
+    assert q.embed.fmt == "q6_k" and q.lm_head.blocks is q.embed.blocks
+    fp = dict(ref.named_modules())
+    for i, (layer, ref_layer) in enumerate(zip(q.layers, ref.layers)):
+        want = {
+            r: llama_quantize_type(mix, r, i, L)
+            for r in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_up", "ffn_down")
+        }
+        wq, wk, wv, _ = ref_layer.attn.projection_weights()
+        a = layer.attn
+        if want["attn_v"] == want["attn_q"]:
+            assert a.fused and a.qkv_proj.fmt == want["attn_q"], i
+            assert torch.equal(
+                a.qkv_proj.file_blocks(), quant.quantize(torch.cat([wq, wk, wv]).contiguous(), a.qkv_proj.fmt)
+            )
+        else:
+            assert not a.fused and [a.q_proj.fmt, a.k_proj.fmt, a.v_proj.fmt] == [
+                want[r] for r in ("attn_q", "attn_k", "attn_v")
+            ], i
+            for m, w in zip((a.q_proj, a.k_proj, a.v_proj), (wq, wk, wv)):
+                assert torch.equal(m.file_blocks(), quant.quantize(w.contiguous(), m.fmt)), i
+        assert a.out_proj.fmt == want["attn_output"] and layer.mlp.gate_up.fmt == want["ffn_up"], i
+        assert layer.mlp.down.fmt == want["ffn_down"], i
+        for part in ("attn.out_proj", "mlp.gate_up", "mlp.down"):
+            m, w = layer.get_submodule(part), fp[f"layers.{i}.{part}"].weight
+            assert torch.equal(m.file_blocks(), quant.quantize(w.contiguous(), m.fmt)), (i, part)
+    assert torch.equal(q.embed.file_blocks(), quant.quantize(ref.embed.weight.contiguous(), "q6_k"))
+    ids = torch.randint(0, config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        full, lf = q(ids), ref(ids)
+        assert F.cosine_similarity(full.flatten(), lf.flatten(), dim=0) > 0.95  # a random model: 4 bits ~0.975
+        cfg = q.config
+        cache = ContiguousKVCache(cfg.num_layers, 1, cfg.num_kv_heads, 16, cfg.head_dim)
+        steps = [q(ids[:, :10], cache.step(10))[:, -1]] + [
+            q(ids[:, t : t + 1], cache.step(1))[:, -1] for t in range(10, 16)
+        ]
+    # one row a step against 16 at once: the kernels' int8 rounding of activations (per row and
+    # block) and the many-row route's order differ, and 8 random layers amplify it (max ~1.2%)
+    err = (torch.stack(steps, 1)[0] - full[0, 9:]).abs().max()
+    assert err < 0.03 * full.abs().max(), (err, full.abs().max())
+    back = headwise.load(save(q, tmp_path_factory.mktemp("saved")))
+    assert {n: m.fmt for n, m in back.named_modules() if hasattr(m, "fmt")} == {
+        n: m.fmt for n, m in q.named_modules() if hasattr(m, "fmt")
+    }
+    with torch.inference_mode():
+        assert torch.equal(back(ids), full)
+
+
+def test_smollm2_q4_k_m_is_llama_quantizes_mix_and_beats_pure_q4_k(smol):
+    """SmolLM2 (576-wide: Q and K, O, gate and up take Q4_K's fallback Q5_0) requantized with the
+    q4_k_m mix: the tied embedding / head in Q8_0 (576 is not whole super-blocks), V in Q8_0 and the
+    1536-wide down projections in Q6_K in the 14 layers of 30 that llama-quantize gives more bits, Q4_K
+    down projections in the others; perplexity on held-out text below pure q4_k's (everything Q4_K /
+    Q5_0, the tied head included) and within 7% of fp32 (measured +5.1%, pure q4_k +7.7%: 4 and 5 bits
+    on top of the file's own Q4_1 rounding). benchmarks/quant_mixes.py shows the blocks are
+    llama-quantize's own, every one."""
+    _, f = smol
+    q = headwise.load("smollm2", weights="q4_k_m")
+    L = q.config.num_layers
+    more = [llama_quantize_type("q4_k_m", "ffn_down", i, L) == "q6_k" for i in range(L)]
+    assert sum(more) == 14 and q.embed.fmt == "q8_0" and q.lm_head.blocks is q.embed.blocks
+    assert [layer.mlp.down.fmt for layer in q.layers] == ["q6_k" if m else "q4_k" for m in more]
+    # V in Q8_0 beside Q5_0 Q and K: q|k|v as Q8_0 blocks of exactly those values, as a llama.cpp file loads
+    assert [layer.attn.qkv_proj.fmt for layer in q.layers] == ["q8_0" if m else "q5_0" for m in more]
+    assert {layer.attn.out_proj.fmt for layer in q.layers} == {layer.mlp.gate_up.fmt for layer in q.layers} == {"q5_0"}
+    pure = headwise.load("smollm2", weights="q4_k")
+    nll = {"mix": 0.0, "pure": 0.0, "fp32": 0.0}
+    for part in range(3):
+        ids = heldout_ids(q.tokenizer, part=part)
+        for key, model in (("mix", q), ("pure", pure), ("fp32", f)):
+            nll[key] += math.log(perplexity(teacher_forced_logits(model, ids), ids))
+    ppl = {k: math.exp(v / 3) for k, v in nll.items()}
+    assert ppl["mix"] < 1.07 * ppl["fp32"] and ppl["mix"] < ppl["pure"], ppl
