@@ -199,6 +199,11 @@ def pad_kv_heads(model: nn.Module) -> int:
             m.qkv_proj, m.num_kv_heads = prune_quant.rows_and_zeros(m.qkv_proj, parts), Hkv
             m.kv_map = m.kv_map.to(m.qkv_proj.blocks.device)
             continue
+        if not m.fused and all(isinstance(lin, QuantizedLinear) for lin in (m.k_proj, m.v_proj)):  # [K | 0], [V | 0]
+            parts = [torch.arange(n * D), (Hkv - n) * D]
+            m.k_proj, m.v_proj = (prune_quant.rows_and_zeros(lin, parts) for lin in (m.k_proj, m.v_proj))
+            m.num_kv_heads, m.kv_map = Hkv, m.kv_map.to(m.k_proj.blocks.device)
+            continue
         w_q, w_k, w_v, _ = m.projection_weights()
         b_q, b_k, b_v, _ = m.projection_biases()
 
@@ -258,6 +263,7 @@ def load_pruned(path: str | Path, *, backend: str = "auto", pack: bool = True, u
     for l, (m, info) in enumerate(zip(attention_layers(model), meta["layers"])):
         if m.head_ids != info["head_ids"]:
             raise ValueError(f"{meta_file}: layer {l} keeps heads {info['head_ids']} in an order pruning cannot make")
+    _unfuse_as_saved(model, path / WEIGHTS_FILE)
     fmts = meta.get("quantized") or {}
     if fmts:
         _load_blocks(model, path / WEIGHTS_FILE, fmts)
@@ -282,6 +288,18 @@ def load_pruned(path: str | Path, *, backend: str = "auto", pack: bool = True, u
         pack_linears(model)
         pack_quantized(model)
     return model.eval()
+
+
+def _unfuse_as_saved(model: nn.Module, file: Path) -> None:
+    """Unfuse the skeleton's attentions that the saved model held as three linears (q_proj, k_proj,
+    v_proj: a q|k|v whose parts were in formats that cannot share a matrix: MultiHeadAttention.unfuse)."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        prefixes = {k.rsplit(".q_proj.", 1)[0] for k in f.keys() if ".q_proj." in k}
+    for name, m in model.named_modules():
+        if name in prefixes and getattr(m, "fused", False):
+            m.unfuse()
 
 
 def _load_blocks(model: nn.Module, file: Path, fmts: dict[str, str]) -> None:

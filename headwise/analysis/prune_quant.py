@@ -108,8 +108,8 @@ def make_quantized(model: nn.Module, fmts: dict[str, str]) -> None:
 @torch.no_grad()
 def rows_and_zeros(lin: QuantizedLinear, parts) -> QuantizedLinear:
     """A linear whose rows are, in order, each part of `parts`: an index tensor (those rows of
-    lin) or an int (that many zero rows: all-zero bytes are a zero scale, and decode to 0.0 in
-    q4_0, q4_1 and q8_0). pad_kv_heads' K/V rows for heads no query reads."""
+    lin) or an int (that many zero rows: all-zero bytes are zero scales and mins, and decode to
+    0.0 in every format here). pad_kv_heads' K/V rows for heads no query reads."""
     src = lin.file_blocks()
     pieces = [
         src.index_select(0, p.to(src.device)) if torch.is_tensor(p) else src.new_zeros(p, src.shape[1]) for p in parts

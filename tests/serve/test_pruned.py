@@ -133,3 +133,40 @@ def test_quantized_model_keeps_its_blocks_through_prune_save_load(tiny_dir, tmp_
     ids = torch.tensor([[5, 17, 300, 2, 99, 4000, 7]])
     assert torch.allclose(served(ids), back(ids), atol=1e-5, rtol=0)
     assert len(headwise.generate(served, ids[0].tolist(), max_new_tokens=4, temperature=0).token_ids) == 4
+
+
+@torch.no_grad()
+def test_split_q_k_v_keep_their_blocks_through_prune_save_load(tmp_path):
+    """A llama.cpp Q4_K_M-style file whose layer 0 holds Q4_K Q, K beside a Q6_K V (three linears,
+    MultiHeadAttention.unfuse): pruned, saved and loaded, layer 0's q, k, v stay blocks, each the kept
+    rows of the fp32 path's weight (the file dequantized); the reload computes the same logits, and
+    padded to one KV-head count (as served) k and v get zero blocks and the logits do not move."""
+    from headwise.models.linear import QuantizedLinear
+
+    from ..models.test_gguf import write_tiny_llama
+
+    types = [
+        {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": v, "attn_output": "Q4_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K"}
+        | {"ffn_down": v}
+        for v in ("Q6_K", "Q4_K")
+    ]
+    path = tmp_path / "q4_k_m_wide.gguf"
+    write_tiny_llama(path, types=types, kquants="headwise")
+    model, f = headwise.load(path), headwise.load(path, weights="fp32")
+    assert not model.layers[0].attn.fused
+    D = model.config.head_dim
+    prune_heads(model, {0: [2, 3]})  # layer 0 keeps query heads 0, 1 and KV head 0
+    back = load_pruned(save_pruned(model, tmp_path / "pruned"))
+    a, wq, wk, wv = back.layers[0].attn, *f.layers[0].attn.projection_weights()[:3]
+    assert not a.fused and [type(m) for m in (a.q_proj, a.k_proj, a.v_proj)] == [QuantizedLinear] * 3
+    assert [a.q_proj.fmt, a.k_proj.fmt, a.v_proj.fmt] == ["q4_k", "q4_k", "q6_k"]
+    assert torch.equal(a.q_proj.weight, wq[: 2 * D]) and torch.equal(a.k_proj.weight, wk[:D])
+    assert torch.equal(a.v_proj.weight, wv[:D])
+    ids = torch.tensor([[5, 17, 30, 2, 99, 40, 7]])
+    assert torch.equal(back(ids), model(ids))
+    served = load_pruned(tmp_path / "pruned", uniform_kv=True)
+    s = served.layers[0].attn
+    assert s.num_kv_heads == 2 and isinstance(s.k_proj, QuantizedLinear) and isinstance(s.v_proj, QuantizedLinear)
+    assert torch.equal(s.v_proj.weight[D:], torch.zeros(D, s.v_proj.in_features))
+    assert torch.allclose(served(ids), back(ids), atol=1e-5, rtol=0)
+    assert len(headwise.generate(served, ids[0].tolist(), max_new_tokens=4, temperature=0).token_ids) == 4
