@@ -24,13 +24,13 @@ from . import gguf_cache
 from .gguf_cache import cache_entry, default_cache_dir  # noqa: F401 -- part of this module's API
 from .linear import FORMAT_OF_GGML, row_bytes
 from .quantized_load import flatten, unflatten
-from .quants import UnsupportedQuantType, dequantize, supported_types, type_name
+from .quants import AS_FORMAT, UnsupportedQuantType, dequantize, supported_types, type_name
 from .gguf_meta import GGUFError, gguf_tokenizer, read_metadata
 from .tokenizer import Tokenizer
 
 # The formats a weights="auto" load keeps as blocks, in its cache entry's name: an entry written
 # when fewer were kept (their tensors converted to fp32) would hold fp32 where blocks now stay.
-_KEPT = "".join(f"{ggml:x}" for ggml in sorted(FORMAT_OF_GGML))
+_KEPT = "".join(f"{ggml:x}" for ggml in sorted({*FORMAT_OF_GGML, *AS_FORMAT}))
 
 
 def read_gguf(
@@ -47,7 +47,8 @@ def read_gguf(
     use_cache: read/write the converted copy under `cache_dir` (default
     $HEADWISE_CACHE or ~/.cache/headwise); False always converts from the file.
     keep_quantized: tensors in a format headwise computes from (q4_0, q4_1, q5_0, q5_1, q8_0,
-    q4_k, q5_k, q6_k; models/linear.py) come back as QuantTensor blocks, the rest fp32 (weights="auto"),
+    q4_k, q5_k, q6_k; models/linear.py) come back as QuantTensor blocks, Q3_K / IQ4_NL as Q6_K / Q8_0 blocks
+    of exactly their values, the rest fp32 (weights="auto"),
     cached in an entry of their own (<entry>-stored-<formats kept>: the blocks as uint8 tensors;
     an entry made when headwise kept fewer formats is not reused), since parsing the file's
     metadata takes ~2 s for SmolLM2 and reading the entry ~0.3 s.
@@ -275,7 +276,8 @@ def _one_thread():
 
 def llama_tensors(reader, cfg: dict, path: Path, *, keep_quantized: bool = False) -> dict[str, Tensor]:
     """{HF name: fp32 tensor}; keep_quantized: tensors in a format models/linear.py computes
-    from (q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k) come as QuantTensor blocks, copied out of the file."""
+    from (q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k) come as QuantTensor blocks, copied out of the file,
+    and Q3_K / IQ4_NL ones as the Q6_K / Q8_0 blocks of exactly their values (quants.AS_FORMAT)."""
     out = {}
     with _one_thread():
         for t in reader.tensors:
@@ -289,7 +291,8 @@ def llama_tensors(reader, cfg: dict, path: Path, *, keep_quantized: bool = False
             want = _expected_shape(hf, cfg)
             if shape != want:
                 raise GGUFError(f"{path}: tensor {t.name} has shape {shape}, but the config implies {want} for {hf}")
-            if keep_quantized and int(t.tensor_type) in FORMAT_OF_GGML and len(shape) == 2:
+            kept = int(t.tensor_type) in FORMAT_OF_GGML or int(t.tensor_type) in AS_FORMAT
+            if keep_quantized and kept and len(shape) == 2:
                 w = _stored_blocks(t, shape)
                 if ".attn_q." in t.name:  # a row permutation: it applies to rows of blocks alike
                     w = w._replace(blocks=unpermute_qk(w.blocks, cfg["num_attention_heads"]).contiguous())
@@ -324,8 +327,16 @@ def _stored_blocks(t, shape: tuple[int, int]):
     is copied once, with no temporaries, and the map can close after loading."""
     from .quantized_load import QuantTensor
 
-    fmt = FORMAT_OF_GGML[int(t.tensor_type)]
+    ggml = int(t.tensor_type)
     raw = np.asarray(t.data).reshape(-1).view(np.uint8)
+    if ggml in AS_FORMAT:  # held as a kernel format with exactly its values (Q3_K as Q6_K): converted
+        target, block, nbytes, convert = AS_FORMAT[ggml]
+        if shape[1] % block or raw.size != shape[0] * shape[1] // block * nbytes:
+            raise GGUFError(f"tensor {t.name} ({type_name(ggml)}, shape {shape}): {raw.size} bytes, not whole blocks")
+        fmt = FORMAT_OF_GGML[target]
+        blocks = convert(torch.from_numpy(raw).view(-1, nbytes)).reshape(shape[0], -1)
+        return QuantTensor(blocks, fmt, shape)
+    fmt = FORMAT_OF_GGML[ggml]
     if not any(part in t.name for part in _FUSED):
         raw = raw.copy()
     need = shape[0] * row_bytes(fmt, shape[1])

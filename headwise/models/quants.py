@@ -116,6 +116,67 @@ KERNELS = {
 _FLOATS = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # F32, F16, BF16
 
 
+# ---- formats held in another: the same values, a kernel format's blocks ----
+
+
+def _q3_k_as_q6_k(b: Tensor) -> Tensor:
+    """(N, 110) Q3_K blocks -> (N, 210) Q6_K blocks of exactly the same 256 values.
+
+    Q3_K (hmask[32], qs[64], scales[12], f16 d): value v = 128 n + 32 j + l has 2 low bits
+    (qs[32 n + l] >> 2 j) & 3, minus 4 unless bit 4 n + j of hmask[l] is set, times d (s - 32)
+    with s its 16-value sub-block's 6-bit scale (ggml's dequantize_row_q3_K). Q6_K holds
+    d * int8 scale * (q6 - 32): the same d, scale s - 32, q6 = q + 32; both formats round
+    d * scale first, exactly (11 + 6 bits), then times q, exactly, so every value is the same float."""
+    N = b.shape[0]
+    hmask, qs, sc = b[:, 0:32], b[:, 32:96], b[:, 96:108]
+    # values (N, 2 halves n, 4 shifts j, 32 l)
+    low = (qs.reshape(N, 2, 1, 32) >> (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 4, 1)) & 3
+    bit = torch.arange(8, dtype=torch.uint8).view(1, 2, 4, 1)  # 4 n + j
+    high = (hmask.reshape(N, 1, 1, 32) >> bit) & 1
+    q6 = (low + 28 + 4 * high).reshape(N, 256)  # q + 32 = low - 4 (1 - high) + 32
+    lo4, top = sc[:, 0:8], sc[:, 8:12]  # low nibbles of scales 0-7 | 8-15, then their 2 top bits
+    s = torch.cat(
+        [
+            (lo4[:, 0:4] & 0x0F) | ((top & 0x03) << 4),
+            (lo4[:, 4:8] & 0x0F) | (((top >> 2) & 0x03) << 4),
+            (lo4[:, 0:4] >> 4) | (((top >> 4) & 0x03) << 4),
+            (lo4[:, 4:8] >> 4) | (((top >> 6) & 0x03) << 4),
+        ],
+        dim=1,
+    )  # (N, 16), 0..63, one per 16 values in order
+    out = torch.empty(N, 210, dtype=torch.uint8)
+    q = q6.reshape(N, 2, 4, 32)  # Q6_K: per half, runs of 32 values k = 0..3
+    out[:, 0:128] = torch.cat(
+        [q[:, :, 0] & 0x0F | (q[:, :, 2] & 0x0F) << 4, q[:, :, 1] & 0x0F | (q[:, :, 3] & 0x0F) << 4], dim=2
+    ).reshape(N, 128)
+    h = q >> 4
+    out[:, 128:192] = (h[:, :, 0] | h[:, :, 1] << 2 | h[:, :, 2] << 4 | h[:, :, 3] << 6).reshape(N, 64)
+    out[:, 192:208] = (s.to(torch.int16) - 32).to(torch.int8).view(torch.uint8)
+    out[:, 208:210] = b[:, 108:110]
+    return out
+
+
+_IQ4NL_VALUES = torch.tensor(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.int8
+)
+
+
+def _iq4_nl_as_q8_0(b: Tensor) -> Tensor:
+    """(N, 18) IQ4_NL blocks -> (N, 34) Q8_0 blocks of exactly the same 32 values: value j of
+    d * kvalues_iq4nl[nibble] (low nibbles first, ggml's dequantize_row_iq4_nl) is Q8_0's d *
+    int8 with the same d and int8 = the table's entry."""
+    codes = torch.cat([b[:, 2:18] & 0x0F, b[:, 2:18] >> 4], dim=1).long()
+    return torch.cat([b[:, 0:2], _IQ4NL_VALUES[codes].view(torch.uint8)], dim=1)
+
+
+# ggml type id -> (the ggml type its blocks become, values per block, bytes per block, converter over
+# (N, bytes) uint8 blocks): types headwise computes as a kernel format that holds exactly their values
+AS_FORMAT = {
+    11: (14, QK_K, 110, _q3_k_as_q6_k),  # Q3_K -> Q6_K (llama.cpp's Q3_K_S / _M / _L files, Q2_K's mixes)
+    20: (8, 32, 18, _iq4_nl_as_q8_0),  # IQ4_NL -> Q8_0
+}
+
+
 class UnsupportedQuantType(ValueError):
     """A tensor is stored in a ggml type this module cannot turn into floats."""
 
@@ -130,7 +191,7 @@ def type_name(ggml_type: int) -> str:
 
 
 def supported_types() -> list[str]:
-    return sorted(type_name(t) for t in (*_FLOATS, *KERNELS))
+    return sorted(type_name(t) for t in (*_FLOATS, *KERNELS, *AS_FORMAT))
 
 
 def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> Tensor:
@@ -158,11 +219,19 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> Tenso
                 f"{numel // block * nbytes} bytes in whole {block}-value blocks, got {data.numel()}"
             )
         return kernel(data.view(-1, nbytes)).reshape(shape)
+    if ggml_type in AS_FORMAT:  # as the kernel format that holds its values: the same floats, faster
+        target, block, nbytes, convert = AS_FORMAT[ggml_type]
+        if numel % block or data.numel() != numel // block * nbytes:
+            raise ValueError(
+                f"{type_name(ggml_type)} tensor of shape {shape} needs "
+                f"{numel // block * nbytes} bytes in whole {block}-value blocks, got {data.numel()}"
+            )
+        return KERNELS[target][2](convert(data.view(-1, nbytes))).reshape(shape)
     return _gguf_fallback(raw, ggml_type, shape)
 
 
 def _gguf_fallback(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> Tensor:
-    """Types we have no kernel for (Q2_K, Q3_K, IQ*, ...): the gguf package's numpy code, if it has one."""
+    """Types we have no kernel for (Q2_K, IQ4_XS, IQ2_*, ...): the gguf package's numpy code, if it has one."""
     import gguf
 
     name = type_name(ggml_type)

@@ -73,12 +73,14 @@ def _f16_bits(values):
 
 
 def random_kquant_blocks(name, n, rng):
-    """n random super-blocks of a K-quant with finite, modest f16 scales (random bytes would give NaN/inf)."""
+    """n random blocks of a K-quant (or IQ4_NL) with finite, modest f16 scales (random bytes would give NaN/inf)."""
     size = gguf.GGML_QUANT_SIZES[Q[name]][1]
     b = rng.integers(0, 256, (n, size), dtype=np.uint8)
-    scales = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[name]
+    scales = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "IQ4_NL": (0,)}[name]
+    # weights of ~0.05: Q3_K's d multiplies 6-bit scales and values to 4, IQ4_NL's its table's to 127
+    bound = {"Q3_K": 0.002, "IQ4_NL": 0.001}.get(name, 0.05)
     for off in scales:
-        b[:, off : off + 2] = _f16_bits(rng.uniform(-0.05, 0.05, n))
+        b[:, off : off + 2] = _f16_bits(rng.uniform(-bound, bound, n))
     return b
 
 
@@ -152,7 +154,9 @@ def test_k_quants_match_ggml_scalar_code(name, ref):
 
 
 @pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "IQ4_NL"])
-def test_types_without_a_kernel_use_gguf(name):
+def test_types_without_a_kernel_of_their_own_match_gguf(name):
+    """Q2_K through the gguf package's numpy code; Q3_K and IQ4_NL as the Q6_K / Q8_0 blocks that hold
+    their values (quants.AS_FORMAT): every value the gguf package's, NaN and inf scales included."""
     rng = np.random.default_rng(2)
     size = gguf.GGML_QUANT_SIZES[Q[name]]
     blocks = rng.integers(0, 256, (8, size[1]), dtype=np.uint8)
@@ -219,8 +223,8 @@ def _pack(w, name, rng, kquants="random"):
         return quant.quantize(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)), name.lower()).numpy(), Q[
             name
         ]
-    if name in ("Q4_K", "Q5_K", "Q6_K"):  # gguf cannot quantize these: random blocks
-        rows = random_kquant_blocks(name, w.size // 256, rng)
+    if name in ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_NL"):  # gguf cannot quantize these: random blocks
+        rows = random_kquant_blocks(name, w.size // gguf.GGML_QUANT_SIZES[Q[name]][0], rng)
         return rows.reshape(w.shape[0], -1), Q[name]
     packed = gguf.quants.quantize(w.astype(np.float32), Q[name])
     return packed, (None if name == "F16" else Q[name])
@@ -621,3 +625,39 @@ def test_builtin_missing_package_says_how_to_install(monkeypatch):
 def test_builtin_unknown_name_lists_names():
     with pytest.raises(KeyError, match="smollm2-135m-instruct"):
         resolve("gpt-5")
+
+
+@pytest.mark.parametrize("kind,held", [("Q3_K", "q6_k"), ("IQ4_NL", "q8_0")])
+def test_q3_k_and_iq4_nl_compute_as_blocks_of_exactly_their_values(tmp_path, kind, held):
+    """A file with Q3_K (llama.cpp's Q3_K_S / _M / _L) or IQ4_NL linears: weights="auto" holds each as
+    Q6_K / Q8_0 blocks of exactly its values (no fp32 copy), each weight equal to the gguf package's
+    own dequantization of the stored tensor; the logits follow the fp32 path's to the int8 rounding of
+    activations."""
+    import headwise
+
+    types = [
+        {"attn_q": kind, "attn_k": kind, "attn_v": "Q8_0" if kind == "IQ4_NL" else "Q6_K"}
+        | {"attn_output": kind, "ffn_gate": kind, "ffn_up": kind, "ffn_down": kind}
+        for _ in range(L)
+    ]
+    path = tmp_path / f"{kind}.gguf"
+    write_tiny_llama(path, types=types)
+    q = headwise.load(path)
+    linears = {
+        n: m for n, m in q.named_modules() if n.rsplit(".", 1)[-1] in ("qkv_proj", "out_proj", "gate_up", "down")
+    }
+    assert {type(m).__name__ for m in linears.values()} == {"QuantizedLinear"}
+    assert {m.fmt for m in linears.values()} == {held}
+    stored = {t.name: t for t in hw_gguf.open_gguf(path).tensors}
+    for i, layer in enumerate(q.layers):
+        for gname, module in (("attn_output", layer.attn.out_proj), ("ffn_down", layer.mlp.down)):
+            t = stored[f"blk.{i}.{gname}.weight"]
+            want = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(module.weight.shape)
+            np.testing.assert_array_equal(module.weight.numpy(), want)
+    f = headwise.load(path, weights="fp32")
+    for n, m in linears.items():
+        assert torch.equal(m.weight, f.get_submodule(n).weight), n
+    ids = torch.randint(0, q.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        lq, lf = q(ids), f(ids)
+    assert (lq - lf).abs().max() < 0.05 * lf.abs().max()
