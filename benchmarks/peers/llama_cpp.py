@@ -59,6 +59,8 @@ QUANT_TYPES = (
     "Q3_K_M",
     "Q3_K_L",
     "IQ4_NL",
+    "IQ4_XS",
+    "Q2_K",
     "Q4_K_S",
     "Q4_K_M",
     "Q5_K_S",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ from torch import Tensor
 
 from . import gguf_cache
 from .gguf_cache import cache_entry, default_cache_dir  # noqa: F401 -- part of this module's API
-from .linear import FORMAT_OF_GGML, row_bytes
+from .linear import FORMAT_OF_GGML, quantize, row_bytes
 from .quantized_load import flatten, unflatten
 from .quants import AS_FORMAT, UnsupportedQuantType, dequantize, supported_types, type_name
 from .gguf_meta import GGUFError, gguf_tokenizer, read_metadata
@@ -30,7 +31,9 @@ from .tokenizer import Tokenizer
 
 # The formats a weights="auto" load keeps as blocks, in its cache entry's name: an entry written
 # when fewer were kept (their tensors converted to fp32) would hold fp32 where blocks now stay.
-_KEPT = "".join(f"{ggml:x}" for ggml in sorted({*FORMAT_OF_GGML, *AS_FORMAT}))
+# "r8": other quantized types held as Q8_0 requantized from their values (an older entry held fp32).
+_KEPT = "".join(f"{ggml:x}" for ggml in sorted({*FORMAT_OF_GGML, *AS_FORMAT})) + "r8"
+_FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: "as stored" keeps them float
 
 
 def read_gguf(
@@ -77,6 +80,15 @@ def read_gguf(
         else:
             config, tensors, tokenizer = convert_gguf(path)
             gguf_cache.write(entry, config, tensors, tokenizer)
+    held = config.get("gguf", {}).get("held_as_q8_0")
+    if keep_quantized and held:
+        warnings.warn(
+            f"{path.name}: {sum(held.values())} tensors stored as {', '.join(sorted(held))} have no kernel in "
+            "headwise; they are held as Q8_0 blocks requantized from their exact values (8.5 bits a weight, an "
+            "error ~1/250 of each 32 values' largest, far under their own rounding) instead of fp32. "
+            "weights='fp32' keeps their exact values",
+            stacklevel=4,  # headwise.load's caller
+        )
     if dtype is not None:
         tensors = {name: t.to(dtype) if isinstance(t, Tensor) else t for name, t in tensors.items()}
     return config, tensors, tokenizer
@@ -291,7 +303,8 @@ def llama_tensors(reader, cfg: dict, path: Path, *, keep_quantized: bool = False
             want = _expected_shape(hf, cfg)
             if shape != want:
                 raise GGUFError(f"{path}: tensor {t.name} has shape {shape}, but the config implies {want} for {hf}")
-            kept = int(t.tensor_type) in FORMAT_OF_GGML or int(t.tensor_type) in AS_FORMAT
+            ggml = int(t.tensor_type)
+            kept = ggml in FORMAT_OF_GGML or ggml in AS_FORMAT
             if keep_quantized and kept and len(shape) == 2:
                 w = _stored_blocks(t, shape)
                 if ".attn_q." in t.name:  # a row permutation: it applies to rows of blocks alike
@@ -312,7 +325,15 @@ def llama_tensors(reader, cfg: dict, path: Path, *, keep_quantized: bool = False
                 w = unpermute_qk(w, cfg["num_attention_heads"])
             elif ".attn_k." in t.name:
                 w = unpermute_qk(w, cfg["num_key_value_heads"])
-            out[hf] = w.contiguous()
+            w = w.contiguous()
+            if keep_quantized and ggml not in _FLOAT_TYPES and len(shape) == 2 and shape[1] % 32 == 0:
+                # a type with no kernel (Q2_K, IQ4_XS, ...): Q8_0 blocks of its exact values, not fp32
+                from .quantized_load import QuantTensor
+
+                w = QuantTensor(quantize(w, "q8_0"), "q8_0", shape)
+                held = cfg.setdefault("gguf_held_as_q8_0", {})
+                held[type_name(ggml)] = held.get(type_name(ggml), 0) + 1
+            out[hf] = w
     if cfg["tie_word_embeddings"]:
         out.pop("lm_head.weight", None)
     return out
@@ -360,7 +381,11 @@ def convert_gguf(path: str | os.PathLike, *, keep_quantized: bool = False) -> tu
     names = {t.name for t in reader.tensors}
     config = llama_config(meta, names, tokenizer, path)
     config["gguf"] = {"file": path.name, "tensor_types": _type_counts(reader)}
-    return config, llama_tensors(reader, config, path, keep_quantized=keep_quantized), tokenizer
+    tensors = llama_tensors(reader, config, path, keep_quantized=keep_quantized)
+    held = config.pop("gguf_held_as_q8_0", None)
+    if held:
+        config["gguf"]["held_as_q8_0"] = held
+    return config, tensors, tokenizer
 
 
 def _type_counts(reader) -> dict[str, int]:

@@ -1,7 +1,9 @@
 """`headwise.load(..., weights=...)`: which weights stay or become GGML blocks, and the saved form.
 
     weights="auto"   a GGUF's tensors as stored where a quantized kernel format exists
-                     (q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k); other types and safetensors stay float
+                     (q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k), Q3_K / IQ4_NL as the Q6_K / Q8_0
+                     blocks of exactly their values, other quantized types (Q2_K, IQ4_XS, ...) as Q8_0
+                     requantized from their values (models/gguf.py); float tensors and safetensors stay float
     weights="fp32"   everything dequantized to fp32 (the loader as it was before issue 14)
     weights="bf16"   everything dequantized, then cast to bf16
     weights="q8_0" | "q4_0" | "q4_1" | "q5_0" | "q5_1" | "q4_k" | "q5_k" | "q6_k" (aliases "int8" =

@@ -76,10 +76,11 @@ def random_kquant_blocks(name, n, rng):
     """n random blocks of a K-quant (or IQ4_NL) with finite, modest f16 scales (random bytes would give NaN/inf)."""
     size = gguf.GGML_QUANT_SIZES[Q[name]][1]
     b = rng.integers(0, 256, (n, size), dtype=np.uint8)
-    scales = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "IQ4_NL": (0,)}[name]
-    # weights of ~0.05: Q3_K's d multiplies 6-bit scales and values to 4, IQ4_NL's its table's to 127
-    bound = {"Q3_K": 0.002, "IQ4_NL": 0.001}.get(name, 0.05)
-    for off in scales:
+    scales = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "IQ4_NL": (0,), "Q2_K": (80, 82)}
+    scales = scales | {"IQ4_XS": (0,)}
+    # weights of ~0.05: Q3_K's d multiplies 6-bit scales and values to 4, IQ4_NL's its table's to 127, ...
+    bound = {"Q3_K": 0.002, "IQ4_NL": 0.001, "Q2_K": 0.002, "IQ4_XS": 0.0001}.get(name, 0.05)
+    for off in scales[name]:
         b[:, off : off + 2] = _f16_bits(rng.uniform(-bound, bound, n))
     return b
 
@@ -223,7 +224,7 @@ def _pack(w, name, rng, kquants="random"):
         return quant.quantize(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)), name.lower()).numpy(), Q[
             name
         ]
-    if name in ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_NL"):  # gguf cannot quantize these: random blocks
+    if name in ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_NL", "Q2_K", "IQ4_XS"):  # gguf cannot quantize these: random
         rows = random_kquant_blocks(name, w.size // gguf.GGML_QUANT_SIZES[Q[name]][0], rng)
         return rows.reshape(w.shape[0], -1), Q[name]
     packed = gguf.quants.quantize(w.astype(np.float32), Q[name])
@@ -657,6 +658,40 @@ def test_q3_k_and_iq4_nl_compute_as_blocks_of_exactly_their_values(tmp_path, kin
     f = headwise.load(path, weights="fp32")
     for n, m in linears.items():
         assert torch.equal(m.weight, f.get_submodule(n).weight), n
+    ids = torch.randint(0, q.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        lq, lf = q(ids), f(ids)
+    assert (lq - lf).abs().max() < 0.05 * lf.abs().max()
+
+
+def test_types_without_a_kernel_are_held_as_q8_0_not_fp32(tmp_path):
+    """Q2_K and IQ4_XS linears (no kernel, no exact kernel format): weights="auto" holds them as Q8_0
+    blocks of their exact values, each the q8_0 quantizer's blocks of the fp32 path's weight (the gguf
+    package's dequantization; the quantizer is tested bit for bit against gguf's), with one warning
+    naming the types; the logits follow the fp32 path's."""
+    import headwise
+    from headwise.kernels import quant
+
+    types = [
+        {"attn_q": kind, "attn_k": kind, "attn_v": kind, "attn_output": kind, "ffn_gate": kind, "ffn_up": kind}
+        | {"ffn_down": kind}
+        for kind in ("Q2_K", "IQ4_XS")
+    ]
+    path = tmp_path / "no_kernel.gguf"
+    write_tiny_llama(path, types=types)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        q = headwise.load(path)
+    said = [str(w.message) for w in caught if "have no kernel in headwise" in str(w.message)]
+    assert len(said) == 1 and "14 tensors stored as IQ4_XS, Q2_K" in said[0], [str(w.message) for w in caught]
+    f = headwise.load(path, weights="fp32")
+    names = ("qkv_proj", "out_proj", "gate_up", "down")
+    linears = {n: m for n, m in q.named_modules() if n.rsplit(".", 1)[-1] in names}
+    assert len(linears) == 4 * L and {(type(m).__name__, m.fmt) for m in linears.values()} == {
+        ("QuantizedLinear", "q8_0")
+    }
+    for n, m in linears.items():
+        assert torch.equal(m.file_blocks(), quant.quantize(f.get_submodule(n).weight.contiguous(), "q8_0")), n
     ids = torch.randint(0, q.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         lq, lf = q(ids), f(ids)
