@@ -306,6 +306,19 @@ def write_tiny_llama(path, *, arch="llama", types=TYPES, tied=False, seed=0, ext
     return hf
 
 
+def write_wide_q4_k_m(path):
+    """llama.cpp's Q4_K_M on a model whose width is a multiple of 256, in 2 layers: Q4_K Q and K with a
+    Q6_K V and down projection in layer 0 (a layer it gives more bits), Q4_K everywhere in layer 1;
+    blocks quantized from the weights by headwise's quantizer. -> path"""
+    types = [
+        {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": v, "attn_output": "Q4_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K"}
+        | {"ffn_down": v}
+        for v in ("Q6_K", "Q4_K")
+    ]
+    write_tiny_llama(path, types=types, kquants="headwise")
+    return path
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"

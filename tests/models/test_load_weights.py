@@ -27,7 +27,7 @@ from headwise.models.quantized_load import save
 
 from ..helpers import save_hf
 from .conftest import decoder_configs
-from .test_gguf import write_tiny_llama
+from .test_gguf import write_tiny_llama, write_wide_q4_k_m
 
 
 @pytest.fixture(scope="module")
@@ -381,13 +381,7 @@ def test_a_wide_q4_k_m_file_keeps_q_k_v_in_their_formats(tmp_path):
     layer fuses them. Decode steps over a cache (both layers in the one-call decoder stack, the
     split one's q, k, v as three kernel calls) give the logits of full forwards, and the weights
     survive save / load."""
-    types = [
-        {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": v, "attn_output": "Q4_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K"}
-        | {"ffn_down": v}
-        for v in ("Q6_K", "Q4_K")
-    ]
-    path = tmp_path / "q4_k_m_wide.gguf"
-    write_tiny_llama(path, types=types, kquants="headwise")
+    path = write_wide_q4_k_m(tmp_path / "q4_k_m_wide.gguf")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         q = headwise.load(path)

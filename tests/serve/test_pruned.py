@@ -143,15 +143,9 @@ def test_split_q_k_v_keep_their_blocks_through_prune_save_load(tmp_path):
     padded to one KV-head count (as served) k and v get zero blocks and the logits do not move."""
     from headwise.models.linear import QuantizedLinear
 
-    from ..models.test_gguf import write_tiny_llama
+    from ..models.test_gguf import write_wide_q4_k_m
 
-    types = [
-        {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": v, "attn_output": "Q4_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K"}
-        | {"ffn_down": v}
-        for v in ("Q6_K", "Q4_K")
-    ]
-    path = tmp_path / "q4_k_m_wide.gguf"
-    write_tiny_llama(path, types=types, kquants="headwise")
+    path = write_wide_q4_k_m(tmp_path / "q4_k_m_wide.gguf")
     model, f = headwise.load(path), headwise.load(path, weights="fp32")
     assert not model.layers[0].attn.fused
     D = model.config.head_dim
