@@ -334,6 +334,7 @@ def _finish(model: nn.Module, state: dict, *, weights: str, pack: bool, what: st
             f"wrong shape {wrong}"
         )
     model.load_state_dict(state, assign=True, strict=False)
+    state.clear()  # the model holds every tensor now: packing below frees each old copy as it goes
     model.tie_weights()
     model.init_buffers()
     still_meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
