@@ -138,24 +138,37 @@ def main() -> None:
         metavar="TYPE",
         help="run on llama-quantize's TYPE of the builtin file (Q4_K_M, Q8_0, ...: peers/llama_cpp.py QUANT_TYPES)",
     )
+    ap.add_argument(
+        "--gguf",
+        type=Path,
+        metavar="PATH",
+        help="run on this GGUF file instead of the builtin one (e.g. benchmarks/synthetic_gguf.py's 7B-shaped file)",
+    )
+    ap.add_argument(
+        "--no-fp32", action="store_true", help="skip headwise's fp32 contender and memory figure (a large model's fp32)"
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "quantized")
     args = ap.parse_args()
+    if args.no_fp32:
+        args.no_hf = True  # transformers runs the dequantized fp32 tensors too
     if args.quick:
         args.rounds, args.new_tokens, args.prefill = 1, 16, 64
     torch.set_num_threads(args.threads)
     log = Log()
     env = environment()
-    path = resolve(MODEL)
+    path = args.gguf or resolve(MODEL)
     if args.requantize:
         from peers import llama_cpp
 
         path = llama_cpp.quantize(path, args.requantize)
-    model = str(path) if args.requantize else MODEL
+    model = str(path) if args.requantize or args.gguf else MODEL
     log(f"headwise quantized-decode benchmark  {env['date']}")
     log(f"torch {torch.__version__}  cpu {env['cpu_model']}  threads {args.threads}  kernels {headwise.kernels.isa()}")
     log(f"file {path.name}: {gguf_weight_bytes(path) / 2**20:.1f} MiB of tensors")
 
-    models = {"hw_q": headwise.load(model), "hw_fp32": headwise.load(model, weights="fp32")}
+    models = {"hw_q": headwise.load(model)}
+    if not args.no_fp32:
+        models["hw_fp32"] = headwise.load(model, weights="fp32")
     formats = sorted({getattr(m, "fmt", None) for m in models["hw_q"].modules()} - {None})
     log(f"hw_q computes from {', '.join(formats)} blocks")
     V = models["hw_q"].config.vocab_size
@@ -169,10 +182,11 @@ def main() -> None:
         log(f"llama.cpp: {json.dumps(info)[:300]}")
 
     # agreement: greedy tokens of the quantized model vs fp32 (quality, not speed)
-    _, ids_q = decode_rate(models["hw_q"], 32, V)
-    _, ids_f = decode_rate(models["hw_fp32"], 32, V)
-    same = next((i for i, (a, b) in enumerate(zip(ids_q, ids_f)) if a != b), None)
-    log(f"greedy, 32 tokens: hw_q vs hw_fp32 {'identical' if same is None else f'first differ at token {same}'}")
+    if "hw_fp32" in models:
+        _, ids_q = decode_rate(models["hw_q"], 32, V)
+        _, ids_f = decode_rate(models["hw_fp32"], 32, V)
+        same = next((i for i, (a, b) in enumerate(zip(ids_q, ids_f)) if a != b), None)
+        log(f"greedy, 32 tokens: hw_q vs hw_fp32 {'identical' if same is None else f'first differ at token {same}'}")
 
     dec: dict[str, list[float]] = {
         n: [] for n in [*models, *(["hf_fp32"] if hf else []), *(["llama.cpp"] if llama else [])]
@@ -200,7 +214,7 @@ def main() -> None:
     l1, stat = loadavg(), busy_and_steal(t0, cpu_ticks())
     log(f"load {l0[0]:.2f} -> {l1[0]:.2f}, cpu busy {stat['busy_pct']:.1f}% steal {stat['steal_pct']:.1f}%")
 
-    ref_d = "llama.cpp" if llama else "hw_fp32"
+    ref_d = "llama.cpp" if llama else "hw_fp32" if "hw_fp32" in dec else "hw_q"
     rows = []
     for n, v in dec.items():
         s = summarize(v)
@@ -234,7 +248,7 @@ def main() -> None:
     log(f"\nPrefill {args.prefill} tokens, tok/s")
     log(table(["contender", "min", "median", "max", f"vs {ref_d}"], rows))
 
-    mem = {w: resident(model, w) for w in ("auto", "fp32")}
+    mem = {w: resident(model, w) for w in ("auto", *(() if args.no_fp32 else ("fp32",)))}
     wb = gguf_weight_bytes(path)
     log("\nResident memory after load + 16 tokens (fresh process)")
     log(
