@@ -144,6 +144,18 @@ def test_packed_rows_equal_float64_reference(fmt, O, I, M):
 
 
 @pytest.mark.parametrize("fmt", quant.PACKABLE)
+def test_packed_rows_at_once_equal_each_row_alone(fmt):
+    """Many rows of x take other tiles than one (the avx512 build's two-group zmm tiles from 4 rows,
+    every format, K-quants included): the same integers and the same float epilogue per output, so
+    13 rows at once give each row's one-row result bit for bit (a prefill's logits are a decode
+    step's, and tests elsewhere rely on it)."""
+    I = 2 * quant.FORMATS[fmt][1] * (2 if fmt.endswith("_k") else 8)
+    blocks, x = random_blocks(fmt, 40, I, seed=5), torch.randn(13, I)
+    many = run(blocks, fmt, x, packed=True)
+    assert torch.equal(many, torch.cat([run(blocks, fmt, x[i : i + 1], packed=True) for i in range(13)]))
+
+
+@pytest.mark.parametrize("fmt", quant.PACKABLE)
 @pytest.mark.parametrize("M", [1, 16])
 def test_prefetch_distance_changes_no_bit(fmt, M):
     """The distance set per CPU at load (kernels.quant_prefetch_ahead_for) only moves loads earlier:
