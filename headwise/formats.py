@@ -42,6 +42,21 @@ def target_format(fmt: str, in_features: int) -> str | None:
     return None
 
 
+# Formats whose blocks hold exactly what a Q8_0 block can (w = d (q - offset): one f16 d per 32
+# values, q - offset within int8). A fused q|k|v whose parts mix them is held as Q8_0 blocks of the
+# same values (llama.cpp's Q4_K_M on narrow models: Q5_0 Q and K beside a Q8_0 V).
+AS_Q8_0 = ("q4_0", "q5_0", "q8_0")
+
+
+def fused_format(fmts) -> str | None:
+    """The format parts in `fmts` share once fused: their one format, Q8_0 where they differ but all
+    fit it, else None (held apart, or fp32 where they cannot be: models/quantized_load.py)."""
+    fmts = set(fmts)
+    if len(fmts) == 1:
+        return next(iter(fmts))
+    return "q8_0" if fmts <= set(AS_Q8_0) else None
+
+
 # llama-quantize's K-quant mixes (its ftypes Q4_K_S, Q4_K_M, Q5_K_S, Q5_K_M): a base format and a
 # few weights given more bits. name -> base format.
 MIXES = {"q4_k_s": "q4_k", "q4_k_m": "q4_k", "q5_k_s": "q5_k", "q5_k_m": "q5_k"}

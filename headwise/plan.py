@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from headwise.config import AttentionConfig, ModelConfig
-from headwise.formats import MIXES, QUANT_FORMATS, mix_format, target_format
+from headwise.formats import MIXES, QUANT_FORMATS, fused_format, mix_format, target_format
 
 DTYPE_BYTES = {
     "fp32": 4, "float32": 4,
@@ -36,11 +36,17 @@ def weight_bytes(cfg: ModelConfig, params: dict[str, int], dtype: str, weights: 
         raise ValueError(f"unknown weights {weights!r}; valid: {valid}")
     out: dict[str, int] = {}
     floats = params["total"]
-    for role, layer, width, count in _matrices(cfg, params):
-        if fmt in MIXES:  # the format llama-quantize's mix gives this matrix, as at load
-            f = mix_format(fmt, role, layer, cfg.num_layers, width, big_gqa=_big_gqa(cfg))
-        else:
-            f = target_format(fmt, width)  # a K-quant's fallback where rows are not whole blocks, as at load
+    matrices = _matrices(cfg, params)
+    formats = [
+        mix_format(fmt, role, layer, cfg.num_layers, width, big_gqa=_big_gqa(cfg))
+        if fmt in MIXES  # the format llama-quantize's mix gives this matrix, as at load
+        else target_format(fmt, width)  # a K-quant's fallback where rows are not whole blocks, as at load
+        for role, layer, width, _ in matrices
+    ]
+    for i in range(0, len(matrices) - 2):  # a layer's q|k|v, fused at load where their formats can meet
+        if [m[0] for m in matrices[i : i + 3]] == ["attn_q", "attn_k", "attn_v"] and None not in formats[i : i + 3]:
+            formats[i : i + 3] = [fused_format(formats[i : i + 3]) or f for f in formats[i : i + 3]]
+    for (role, layer, width, count), f in zip(matrices, formats):
         if f is None or not count:
             continue
         _, values, nbytes = QUANT_FORMATS[f]

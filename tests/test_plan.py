@@ -354,6 +354,25 @@ def test_quantized_weights_match_the_gguf_file():
         plan(cfg, weights="q3_xs")
 
 
+@pytest.mark.parametrize("weights", ["q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s", "q4_k", "q6_k", "q4_0"])
+def test_plan_prices_weights_as_headwise_load_holds_them(weights):
+    """SmolLM2 loaded with weights= (the shipped file dequantized, then quantized as asked): the bytes
+    of its blocks per format, read off the loaded model, are what plan prices for its config, mixes
+    and fallbacks included (576-wide rows take Q5_0 / Q5_1 / Q8_0 for the K-quants; a q|k|v of Q5_0
+    Q and K beside a Q8_0 V is held as Q8_0)."""
+    import warnings
+
+    import headwise
+    from headwise.models.linear import weight_bytes
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = headwise.load("smollm2", weights=weights)
+    held = {k: v for k, v in weight_bytes(model).items() if k != "float32"}
+    priced = plan(get_preset("smollm2-135m"), dtype="fp32", weights=weights).weight_formats
+    assert held == {k: v for k, v in priced.items() if k != "fp32"}
+
+
 @pytest.mark.parametrize(
     "weights,gb",
     [("q4_k_s", 3.86), ("q4_k_m", 4.08), ("q5_k_s", 4.65), ("q5_k_m", 4.78), ("q6_k", 5.53), ("q8_0", 7.16)],

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from ..formats import MIXES, mix_format, target_format
+from ..formats import fused_format as formats_fused_format
 from .linear import FORMATS, QUANTIZED, QuantizedEmbedding, QuantizedLinear, dequantize, kernel_unavailable, quantize
 
 ALIASES = {"int8": "q8_0", "int4": "q4_1"}
@@ -91,10 +92,7 @@ def fused_format(parts: list) -> str | None:
     of 256); None when some part is float or the formats cannot meet (then fp32)."""
     if not all(isinstance(p, QuantTensor) for p in parts):
         return None
-    fmts = {p.fmt for p in parts}
-    if len(fmts) == 1:
-        return parts[0].fmt
-    return "q8_0" if fmts <= set(_AS_Q8_0) else None
+    return formats_fused_format(p.fmt for p in parts)
 
 
 def fuse_rows(parts: list) -> Tensor | QuantTensor:
