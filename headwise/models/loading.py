@@ -318,7 +318,8 @@ def _build(
 
 
 def _finish(model: nn.Module, state: dict, *, weights: str, pack: bool, what: str) -> nn.Module:
-    """A meta-built model + its headwise state dict (QuantTensors where quantized) -> the model."""
+    """A meta-built model + its headwise state dict (QuantTensors where quantized) -> the model.
+    `state` is consumed: emptied once the model holds its tensors, so packing frees each old copy."""
     unfuse_attentions(model, state)
     requantize(state, model, weights)
     _split_qkv_biases(state)  # a mix may have put q, k and v apart (formats that cannot share a matrix)
