@@ -41,13 +41,11 @@ import headwise  # noqa: E402
 from headwise import kernels  # noqa: E402
 from headwise.analysis.corpus import pydoc_corpus  # noqa: E402
 from headwise.cache import ContiguousKVCache  # noqa: E402
-from headwise.formats import QUANT_FORMATS  # noqa: E402
+from headwise.formats import MIXES, QUANT_FORMATS  # noqa: E402  (MIXES: mix -> its base, the pure format)
 from headwise.models.builtin import resolve  # noqa: E402
 from headwise.models.linear import QuantizedEmbedding, QuantizedLinear  # noqa: E402
 from peers import llama_cpp  # noqa: E402
 
-MIXES = ("q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m")
-PURE = {"q4_k_s": "q4_k", "q4_k_m": "q4_k", "q5_k_s": "q5_k", "q5_k_m": "q5_k"}
 QUANTIZED = (QuantizedLinear, QuantizedEmbedding)
 
 
@@ -131,7 +129,7 @@ def main(argv=None) -> int:
         ppl[f"{mix} (llama-quantize's file)"] = perplexity(theirs, texts)
         mib = weight_mib(ours)
         del theirs, ours
-        pure = PURE[mix]
+        pure = MIXES[mix]
         if pure not in ppl:
             ppl[pure] = perplexity(load(src, pure), texts)
         times: dict[str, list[float]] = {"llama-quantize": [], "headwise": []}

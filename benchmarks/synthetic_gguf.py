@@ -27,33 +27,28 @@ import headwise  # noqa: E402,F401  (before torch: its OpenMP settings)
 import gguf  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from tokenizers import pre_tokenizers  # noqa: E402
 from headwise.formats import MIXES, QUANT_FORMATS, mix_format, target_format  # noqa: E402
 from headwise.kernels import quant  # noqa: E402
 from headwise.paths import default_cache_dir  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-ROLES = {  # GGUF tensor -> (llama.cpp role, rows, cols) in terms of C, F, H*D, Hkv*D
-    "attn_q": ("attn_q", "HD", "C"),
-    "attn_k": ("attn_k", "KD", "C"),
-    "attn_v": ("attn_v", "KD", "C"),
-    "attn_output": ("attn_output", "C", "HD"),
-    "ffn_gate": ("ffn_gate", "F", "C"),
-    "ffn_up": ("ffn_up", "F", "C"),
-    "ffn_down": ("ffn_down", "C", "F"),
+SHAPES = {  # GGUF tensor (its llama.cpp role too) -> (rows, cols) in terms of C, F, H*D, Hkv*D
+    "attn_q": ("HD", "C"),
+    "attn_k": ("KD", "C"),
+    "attn_v": ("KD", "C"),
+    "attn_output": ("C", "HD"),
+    "ffn_gate": ("F", "C"),
+    "ffn_up": ("F", "C"),
+    "ffn_down": ("C", "F"),
 }
-
-
-def fmt_for(mix: str, role: str, layer: int, layers: int, width: int) -> str | None:
-    if mix in MIXES:
-        return mix_format(mix, role, layer, layers, width)
-    return target_format(mix, width)
 
 
 def write(path: Path, *, C: int, layers: int, heads: int, kv_heads: int, ffn: int, mix: str, seed: int = 0) -> Path:
     gen = torch.Generator().manual_seed(seed)
     D = C // heads
     dims = {"C": C, "F": ffn, "HD": heads * D, "KD": kv_heads * D}
-    alphabet = sorted(gguf_pretokenizer_alphabet())
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     merges = ["Ġ t", "h e"]  # llama.cpp wants some merges
     tokens = SPECIALS + alphabet + [m.replace(" ", "") for m in merges]
     V = len(tokens)
@@ -82,7 +77,7 @@ def write(path: Path, *, C: int, layers: int, heads: int, kv_heads: int, ffn: in
 
     def add(name: str, rows: int, cols: int, role: str, layer: int) -> None:
         x = torch.randn(rows, cols, generator=gen) * 0.02
-        fmt = fmt_for(mix, role, layer, layers, cols)
+        fmt = mix_format(mix, role, layer, layers, cols) if mix in MIXES else target_format(mix, cols)
         if fmt is None:
             w.add_tensor(name, x.numpy())
             return
@@ -94,8 +89,8 @@ def write(path: Path, *, C: int, layers: int, heads: int, kv_heads: int, ffn: in
     for i in range(layers):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(C, np.float32))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(C, np.float32))
-        for gname, (role, rows, cols) in ROLES.items():
-            add(f"blk.{i}.{gname}.weight", dims[rows], dims[cols], role, i)
+        for role, (rows, cols) in SHAPES.items():
+            add(f"blk.{i}.{role}.weight", dims[rows], dims[cols], role, i)
         print(f"  layer {i + 1}/{layers}", end="\r", file=sys.stderr, flush=True)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -103,12 +98,6 @@ def write(path: Path, *, C: int, layers: int, heads: int, kv_heads: int, ffn: in
     w.close()
     tmp.rename(path)
     return path
-
-
-def gguf_pretokenizer_alphabet() -> set[str]:
-    from tokenizers import pre_tokenizers
-
-    return pre_tokenizers.ByteLevel.alphabet()
 
 
 def main(argv=None) -> int:

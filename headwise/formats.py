@@ -71,6 +71,12 @@ def use_more_bits(layer: int, num_layers: int) -> bool:
     return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
 
 
+def big_gqa(arch: str, num_layers: int, num_heads: int, num_kv_heads: int) -> bool:
+    """llama.cpp's LLM_TYPE_70B for a Llama-family model (80 layers, grouped K/V), whose V a mix gives
+    Q5_K where it would be Q4_K (mix_format's big_gqa)."""
+    return arch == "llama" and num_layers == 80 and num_kv_heads < num_heads
+
+
 def mix_format(
     mix: str, role: str, layer: int, num_layers: int, in_features: int, *, big_gqa: bool = False
 ) -> str | None:

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from headwise.config import AttentionConfig, ModelConfig
-from headwise.formats import MIXES, QUANT_FORMATS, fused_format, mix_format, target_format
+from headwise.formats import MIXES, QUANT_FORMATS, big_gqa, fused_format, mix_format, target_format
 
 DTYPE_BYTES = {
     "fp32": 4, "float32": 4,
@@ -37,8 +37,9 @@ def weight_bytes(cfg: ModelConfig, params: dict[str, int], dtype: str, weights: 
     out: dict[str, int] = {}
     floats = params["total"]
     matrices = _matrices(cfg, params)
+    big = big_gqa(cfg.arch, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads)
     formats = [
-        mix_format(fmt, role, layer, cfg.num_layers, width, big_gqa=_big_gqa(cfg))
+        mix_format(fmt, role, layer, cfg.num_layers, width, big_gqa=big)
         if fmt in MIXES  # the format llama-quantize's mix gives this matrix, as at load
         else target_format(fmt, width)  # a K-quant's fallback where rows are not whole blocks, as at load
         for role, layer, width, _ in matrices
@@ -54,11 +55,6 @@ def weight_bytes(cfg: ModelConfig, params: dict[str, int], dtype: str, weights: 
         floats -= count
     out[dtype] = out.get(dtype, 0) + floats * dtype_bytes(dtype)
     return out
-
-
-def _big_gqa(cfg: ModelConfig) -> bool:
-    """llama.cpp's LLM_TYPE_70B for a Llama-family model (80 layers, grouped K/V): V gets Q5_K over Q4_K."""
-    return cfg.arch == "llama" and cfg.num_layers == 80 and cfg.num_kv_heads < cfg.num_heads
 
 
 def _matrices(cfg: ModelConfig, params: dict[str, int]) -> list[tuple[str, int, int, int]]:

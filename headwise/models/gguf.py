@@ -25,7 +25,7 @@ from . import gguf_cache
 from .gguf_cache import cache_entry, default_cache_dir  # noqa: F401 -- part of this module's API
 from .linear import FORMAT_OF_GGML, quantize, row_bytes
 from .quantized_load import flatten, unflatten
-from .quants import AS_FORMAT, UnsupportedQuantType, dequantize, supported_types, type_name
+from .quants import AS_FORMAT, FLOATS, UnsupportedQuantType, dequantize, supported_types, type_name
 from .gguf_meta import GGUFError, gguf_tokenizer, read_metadata
 from .tokenizer import Tokenizer
 
@@ -33,7 +33,6 @@ from .tokenizer import Tokenizer
 # when fewer were kept (their tensors converted to fp32) would hold fp32 where blocks now stay.
 # "r8": other quantized types held as Q8_0 requantized from their values (an older entry held fp32).
 _KEPT = "".join(f"{ggml:x}" for ggml in sorted({*FORMAT_OF_GGML, *AS_FORMAT})) + "r8"
-_FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: "as stored" keeps them float
 
 
 def read_gguf(
@@ -326,12 +325,12 @@ def llama_tensors(reader, cfg: dict, path: Path, *, keep_quantized: bool = False
             elif ".attn_k." in t.name:
                 w = unpermute_qk(w, cfg["num_key_value_heads"])
             w = w.contiguous()
-            if keep_quantized and ggml not in _FLOAT_TYPES and len(shape) == 2 and shape[1] % 32 == 0:
+            if keep_quantized and ggml not in FLOATS and len(shape) == 2 and shape[1] % 32 == 0:
                 # a type with no kernel (Q2_K, IQ4_XS, ...): Q8_0 blocks of its exact values, not fp32
                 from .quantized_load import QuantTensor
 
                 w = QuantTensor(quantize(w, "q8_0"), "q8_0", shape)
-                held = cfg.setdefault("gguf_held_as_q8_0", {})
+                held = cfg.setdefault("gguf", {}).setdefault("held_as_q8_0", {})  # read_gguf warns of them
                 held[type_name(ggml)] = held.get(type_name(ggml), 0) + 1
             out[hf] = w
     if cfg["tie_word_embeddings"]:
@@ -381,11 +380,7 @@ def convert_gguf(path: str | os.PathLike, *, keep_quantized: bool = False) -> tu
     names = {t.name for t in reader.tensors}
     config = llama_config(meta, names, tokenizer, path)
     config["gguf"] = {"file": path.name, "tensor_types": _type_counts(reader)}
-    tensors = llama_tensors(reader, config, path, keep_quantized=keep_quantized)
-    held = config.pop("gguf_held_as_q8_0", None)
-    if held:
-        config["gguf"]["held_as_q8_0"] = held
-    return config, tensors, tokenizer
+    return config, llama_tensors(reader, config, path, keep_quantized=keep_quantized), tokenizer
 
 
 def _type_counts(reader) -> dict[str, int]:

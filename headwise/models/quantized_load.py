@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ..formats import MIXES, mix_format, target_format
+from ..formats import MIXES, big_gqa, mix_format, target_format
 from ..formats import fused_format as formats_fused_format
 from .linear import FORMATS, QUANTIZED, QuantizedEmbedding, QuantizedLinear, dequantize, kernel_unavailable, quantize
 
@@ -236,9 +236,9 @@ def _mix_formats(model: nn.Module, name: str, module: nn.Module, mix: str, in_fe
     cfg = model.config
     match = _LAYER.search(name)
     layer = int(match.group(1)) if match else 0
-    big_gqa = cfg.arch == "llama" and cfg.num_layers == 80 and cfg.num_kv_heads < cfg.num_heads  # LLM_TYPE_70B
+    big = big_gqa(cfg.arch, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads)
     fmt = functools.partial(
-        mix_format, mix, layer=layer, num_layers=cfg.num_layers, in_features=in_features, big_gqa=big_gqa
+        mix_format, mix, layer=layer, num_layers=cfg.num_layers, in_features=in_features, big_gqa=big
     )
     if isinstance(module, nn.Embedding):  # the token table: the head's rule where it is the head too
         head_apart = getattr(cfg, "lm_head", False) and not getattr(cfg, "tie_embeddings", False)

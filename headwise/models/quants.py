@@ -113,7 +113,7 @@ KERNELS = {
     13: (QK_K, 176, _q5_k),  # Q5_K
     14: (QK_K, 210, _q6_k),  # Q6_K
 }
-_FLOATS = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # F32, F16, BF16
+FLOATS = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # F32, F16, BF16
 
 
 # ---- formats held in another: the same values, a kernel format's blocks ----
@@ -191,7 +191,7 @@ def type_name(ggml_type: int) -> str:
 
 
 def supported_types() -> list[str]:
-    return sorted(type_name(t) for t in (*_FLOATS, *KERNELS, *AS_FORMAT))
+    return sorted(type_name(t) for t in (*FLOATS, *KERNELS, *AS_FORMAT))
 
 
 def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> Tensor:
@@ -203,8 +203,8 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> Tenso
     ggml_type = int(ggml_type)
     numel = int(np.prod(shape))
     data = torch.from_numpy(np.array(raw, copy=True).reshape(-1).view(np.uint8))
-    if ggml_type in _FLOATS:
-        dtype = _FLOATS[ggml_type]
+    if ggml_type in FLOATS:
+        dtype = FLOATS[ggml_type]
         if data.numel() != numel * dtype.itemsize:
             raise ValueError(
                 f"{type_name(ggml_type)} tensor of shape {shape} needs {numel * dtype.itemsize} "
@@ -213,21 +213,17 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> Tenso
         return data.view(dtype).float().reshape(shape)
     if ggml_type in KERNELS:
         block, nbytes, kernel = KERNELS[ggml_type]
-        if numel % block or data.numel() != numel // block * nbytes:
-            raise ValueError(
-                f"{type_name(ggml_type)} tensor of shape {shape} needs "
-                f"{numel // block * nbytes} bytes in whole {block}-value blocks, got {data.numel()}"
-            )
-        return kernel(data.view(-1, nbytes)).reshape(shape)
-    if ggml_type in AS_FORMAT:  # as the kernel format that holds its values: the same floats, faster
+    elif ggml_type in AS_FORMAT:  # as the kernel format that holds its values: the same floats, faster
         target, block, nbytes, convert = AS_FORMAT[ggml_type]
-        if numel % block or data.numel() != numel // block * nbytes:
-            raise ValueError(
-                f"{type_name(ggml_type)} tensor of shape {shape} needs "
-                f"{numel // block * nbytes} bytes in whole {block}-value blocks, got {data.numel()}"
-            )
-        return KERNELS[target][2](convert(data.view(-1, nbytes))).reshape(shape)
-    return _gguf_fallback(raw, ggml_type, shape)
+        kernel = lambda b: KERNELS[target][2](convert(b))  # noqa: E731
+    else:
+        return _gguf_fallback(raw, ggml_type, shape)
+    if numel % block or data.numel() != numel // block * nbytes:
+        raise ValueError(
+            f"{type_name(ggml_type)} tensor of shape {shape} needs "
+            f"{numel // block * nbytes} bytes in whole {block}-value blocks, got {data.numel()}"
+        )
+    return kernel(data.view(-1, nbytes)).reshape(shape)
 
 
 def _gguf_fallback(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> Tensor:
