@@ -452,6 +452,8 @@ def main(argv=None) -> int:
                     llama_cpp_gguf(), args.threads, parallel=max(args.concurrency), ctx=budget, timeout_s=300
                 )
             )
+            env["llama_repack"] = servers["llama.cpp"].repack
+            log(f"llama-server's repacked weights: {servers['llama.cpp'].repack}")
         try:
             for s in servers.values():  # warm-up: one short request each
                 asyncio.run(run_level(s.url, prompts(1), 4, 1))

@@ -10,6 +10,7 @@ under the headwise cache dir: <cache>/llama.cpp/<version>/bin. A second call ret
     python benchmarks/peers/llama_cpp.py path       # the bin folder (exit 1 if not built)
     python benchmarks/peers/llama_cpp.py version    # what the binaries report
     HEADWISE_LLAMA_ISA=avx2 python benchmarks/peers/llama_cpp.py build   # AVX2 only (GGML_NATIVE=OFF)
+    HEADWISE_LLAMA_ISA=noamx python benchmarks/peers/llama_cpp.py build  # AVX-512 VNNI, no AMX/bf16
 
 The functions below are what other benchmarks call (none of them builds anything implicitly:
 a benchmark that finds no build says how to make one):
@@ -73,13 +74,23 @@ QUANT_TYPES = (
 # HEADWISE_LLAMA_ISA=avx2: a second build, cached beside the native one, with GGML_NATIVE=OFF, which
 # leaves ggml's x86 defaults (SSE4.2, AVX, AVX2, BMI2, FMA, F16C; no AVX-512): the peer of headwise's
 # avx2 kernels (HEADWISE_ISA=avx2) on a CPU that has more, where no AVX2-only machine is at hand.
-ISAS = {"native": "-DGGML_NATIVE=ON", "avx2": "-DGGML_NATIVE=OFF"}
+# HEADWISE_LLAMA_ISA=noamx: those defaults plus AVX-512 F/VNNI/VBMI, without AVX512-BF16 and AMX: the
+# llama.cpp a native build gives on an AVX-512 VNNI Xeon without AMX or bf16 instructions (issue
+# 14's machine), run on one that has them.
+ISAS = {
+    "native": ("-DGGML_NATIVE=ON",),
+    "avx2": ("-DGGML_NATIVE=OFF",),
+    "noamx": (
+        "-DGGML_NATIVE=OFF", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_VBMI=ON",
+        "-DGGML_AVX512_BF16=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+    ),
+}  # fmt: skip
 ISA = os.environ.get("HEADWISE_LLAMA_ISA", "native").strip().lower() or "native"
 if ISA not in ISAS:
     raise SystemExit(f"HEADWISE_LLAMA_ISA={ISA!r}: one of {', '.join(ISAS)}")
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
-    ISAS[ISA],  # native: -march=native, AVX2/FMA/F16C here, AVX-512/VNNI where the CPU has it
+    *ISAS[ISA],  # native: -march=native, AVX2/FMA/F16C here, AVX-512/VNNI where the CPU has it
     "-DBUILD_SHARED_LIBS=OFF",  # self-contained binaries: the cache folder can move
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
@@ -332,15 +343,22 @@ def quantize(gguf: str | Path, type: str, out: str | Path | None = None, version
 
 
 def server_argv(
-    gguf: str | Path, threads: int, port: int, parallel: int = 1, ctx: int = 4096, version: str = VERSION
+    gguf: str | Path,
+    threads: int,
+    port: int,
+    parallel: int = 1,
+    ctx: int = 4096,
+    version: str = VERSION,
+    repack: bool = REPACK,
 ) -> list[str]:
     """llama-server's command line: `ctx` is the whole KV budget (-c), which the `parallel` slots
-    share (each slot gets ctx / parallel tokens); threads for both decode and prompt batches."""
+    share (each slot gets ctx / parallel tokens); threads for both decode and prompt batches;
+    `repack=False` adds --no-repack (ggml's unrepacked weights)."""
     exe = tool("llama-server", version)
     return [
         str(exe), "-m", str(_existing(gguf)), "-t", str(threads), "-tb", str(threads),
         "-np", str(parallel), "-c", str(ctx), "--host", "127.0.0.1", "--port", str(port), "--no-webui",
-    ] + ([] if REPACK else ["--no-repack"])  # fmt: skip
+    ] + ([] if repack else ["--no-repack"])  # fmt: skip
 
 
 @dataclass
@@ -351,6 +369,7 @@ class Server:
     url: str
     proc: subprocess.Popen
     log: Path
+    repack: str = "on"  # "on", "off", or "off (repack on was killed by signal N)"
 
     def rss_bytes(self) -> int:
         """Resident memory now (VmRSS of the server's pid; includes the mmap-ed model pages it touched)."""
@@ -372,17 +391,25 @@ def start_server(
     version: str = VERSION,
 ) -> Iterator[Server]:
     """Start llama-server on a free 127.0.0.1 port, wait until /health answers 200, yield a Server;
-    stopped (SIGTERM, then SIGKILL after 10 s) when the block ends."""
-    port = _free_port()
-    argv = server_argv(gguf, threads, port, parallel, ctx, version) + list(extra)
-    log = Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1])
-    with log.open("w") as f:
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=child_env())
-    server = Server(f"http://127.0.0.1:{port}", proc, log)
+    stopped (SIGTERM, then SIGKILL after 10 s) when the block ends. As in `llama_bench`, a server
+    that ggml's repacked path kills while loading (its warm-up batch, on some CPUs: module
+    docstring) starts again unrepacked, and `Server.repack` says so."""
+    server = _launch(gguf, threads, parallel, ctx, extra, version, REPACK)
     try:
-        _wait_healthy(server, timeout_s)
+        try:
+            _wait_healthy(server, timeout_s)
+        except _Killed as e:
+            if not REPACK:
+                raise
+            _log(
+                f"llama-server with repacked weights was killed by signal {e.signal} while loading: starting it unrepacked"
+            )
+            server = _launch(gguf, threads, parallel, ctx, extra, version, False)
+            server.repack = f"off (repack on was killed by signal {e.signal})"
+            _wait_healthy(server, timeout_s)
         yield server
     finally:
+        proc = server.proc
         if proc.poll() is None:
             proc.terminate()
             try:
@@ -392,11 +419,30 @@ def start_server(
                 proc.wait()
 
 
+def _launch(gguf, threads: int, parallel: int, ctx: int, extra: tuple[str, ...], version: str, repack: bool) -> Server:
+    port = _free_port()
+    argv = server_argv(gguf, threads, port, parallel, ctx, version, repack) + list(extra)
+    log = Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1])
+    with log.open("w") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=child_env())
+    return Server(f"http://127.0.0.1:{port}", proc, log, "on" if repack else "off")
+
+
+class _Killed(RuntimeError):
+    """llama-server died from a signal before it was healthy."""
+
+    def __init__(self, message: str, signal: int):
+        super().__init__(message)
+        self.signal = signal
+
+
 def _wait_healthy(server: Server, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {server.proc.returncode} while loading: {_tail(server.log)}")
+            code = server.proc.returncode
+            message = f"llama-server exited with {code} while loading: {_tail(server.log)}"
+            raise _Killed(message, -code) if code < 0 else RuntimeError(message)
         try:
             with urllib.request.urlopen(server.url + "/health", timeout=2) as r:
                 if r.status == 200:
