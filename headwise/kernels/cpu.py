@@ -46,11 +46,17 @@ def cpu_flags() -> set[str]:
 #   8192 on Zen 5: results/zen5/prefetch_quant.txt, the Q4_1 layers 1.11x at 1 row and 1.14-1.20x
 #   at 4-16 rows, the Q8_0 lm_head 1.36x at 1 row, 1.27-1.51x at 4-16 (an earlier run: 1.05x and
 #   1.08-1.29x, 1.09x and 1.17-1.37x; 12288 the same within noise, 16384 less at 1 row); generate()
-#   B=1 decodes 1.10x faster with it, 16 requests through the engine 1.05x (in-process, paired).
+#   B=1 decodes 1.10x faster with it, 16 requests through the engine 1.05x (in-process, paired);
+#   8192 on Intel (family 6, measured on a Xeon model 167 with AVX-512 + AMX, 2026-12-04):
+#   results/intel-f6-m167-avx512-amx/prefetch_quant.txt, geometric mean 1.146x of 2048 (the Q4_1
+#   layers 1.04x at 1 row, 1.10-1.11x at 4-16; the Q8_0 lm_head 1.07x, 1.20-1.34x; 12288 the same
+#   within noise, 1024 worse), generate() B=1 1.14x (paired over 6 interleaved runs: 344 vs 301
+#   tok/s). There the fp32 kernel's 64 was 1.03x of 128 (results/.../prefetch.txt), within what
+#   the 128 tuned on another Intel Xeon (model 143) gave it, so Intel keeps 128.
 PREFETCH_AHEAD_DEFAULT = 128
 PREFETCH_AHEAD_BY_CPU = {("AuthenticAMD", "26"): 64}  # (vendor_id, cpu family) -> inputs ahead
 QUANT_PREFETCH_AHEAD_DEFAULT = 2048
-QUANT_PREFETCH_AHEAD_BY_CPU = {("AuthenticAMD", "26"): 8192}  # -> bytes ahead
+QUANT_PREFETCH_AHEAD_BY_CPU = {("AuthenticAMD", "26"): 8192, ("GenuineIntel", "6"): 8192}  # -> bytes ahead
 
 
 def _by_cpu(table: dict, default: int, env: str, limit: int, vendor: str | None, family: str | None) -> int:

@@ -116,6 +116,8 @@ def test_prefetch_distance_by_cpu_and_environment(monkeypatch):
     zen5 = kernels.cpu.QUANT_PREFETCH_AHEAD_BY_CPU["AuthenticAMD", "26"]
     assert kernels.quant_prefetch_ahead_for("AuthenticAMD", "26") == zen5
     assert kernels.quant_prefetch_ahead_for("AuthenticAMD", "25") == kernels.cpu.QUANT_PREFETCH_AHEAD_DEFAULT
+    intel = kernels.cpu.QUANT_PREFETCH_AHEAD_BY_CPU["GenuineIntel", "6"]
+    assert kernels.quant_prefetch_ahead_for("GenuineIntel", "6") == intel
     monkeypatch.setenv("HEADWISE_QUANT_PREFETCH_AHEAD", "4096")
     assert kernels.quant_prefetch_ahead_for("AuthenticAMD", "26") == 4096
     monkeypatch.setenv("HEADWISE_QUANT_PREFETCH_AHEAD", "99999")
