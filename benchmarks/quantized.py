@@ -164,6 +164,8 @@ def main() -> None:
     model = str(path) if args.requantize or args.gguf else MODEL
     log(f"headwise quantized-decode benchmark  {env['date']}")
     log(f"torch {torch.__version__}  cpu {env['cpu_model']}  threads {args.threads}  kernels {headwise.kernels.isa()}")
+    env["quant_prefetch_ahead"] = headwise.kernels.quant_prefetch_ahead_for()
+    log(f"quantized kernels prefetch {env['quant_prefetch_ahead']} bytes ahead (kernels/cpu.py)")
     log(f"file {path.name}: {gguf_weight_bytes(path) / 2**20:.1f} MiB of tensors")
 
     models = {"hw_q": headwise.load(model)}

@@ -47,16 +47,19 @@ def cpu_flags() -> set[str]:
 #   at 4-16 rows, the Q8_0 lm_head 1.36x at 1 row, 1.27-1.51x at 4-16 (an earlier run: 1.05x and
 #   1.08-1.29x, 1.09x and 1.17-1.37x; 12288 the same within noise, 16384 less at 1 row); generate()
 #   B=1 decodes 1.10x faster with it, 16 requests through the engine 1.05x (in-process, paired);
-#   8192 on Intel (family 6, measured on a Xeon model 167 with AVX-512 + AMX, 2026-12-04):
-#   results/intel-f6-m167-avx512-amx/prefetch_quant.txt, geometric mean 1.146x of 2048 (the Q4_1
-#   layers 1.04x at 1 row, 1.10-1.11x at 4-16; the Q8_0 lm_head 1.07x, 1.20-1.34x; 12288 the same
-#   within noise, 1024 worse), generate() B=1 1.14x (paired over 6 interleaved runs: 344 vs 301
-#   tok/s). There the fp32 kernel's 64 was 1.03x of 128 (results/.../prefetch.txt), within what
+#   16384 on Intel (family 6, measured on a Xeon model 167 with AVX-512 + AMX, 2026-12-04): on
+#   SmolLM2 (in that CPU's L3) results/intel-f6-m167-avx512-amx/prefetch_quant.txt, geometric mean
+#   1.146x of 2048 at 8192 (the Q4_1 layers 1.04x at 1 row, 1.10-1.11x at 4-16; the Q8_0 lm_head
+#   1.07x, 1.20-1.34x), 16384 and 8192 alike in a second run (1.179x, 1.188x) and in generate() B=1
+#   (325 vs 326 tok/s, 2048: 277); on benchmarks/synthetic_gguf.py's 7B-shaped Q4_K_M (3.7 GB from
+#   DRAM per token) generate() B=1 at 2048 / 4096 / 8192 / 12288 / 16384 / 24576 / 32768 / 65536:
+#   4.58 / 4.04 / 3.96 / 4.05 / 4.79-4.83 / 4.72 / 4.67 / 4.65 tok/s: 8192 loses 14% there, 16384
+#   wins both. There the fp32 kernel's 64 was 1.03x of 128 (results/.../prefetch.txt), within what
 #   the 128 tuned on another Intel Xeon (model 143) gave it, so Intel keeps 128.
 PREFETCH_AHEAD_DEFAULT = 128
 PREFETCH_AHEAD_BY_CPU = {("AuthenticAMD", "26"): 64}  # (vendor_id, cpu family) -> inputs ahead
 QUANT_PREFETCH_AHEAD_DEFAULT = 2048
-QUANT_PREFETCH_AHEAD_BY_CPU = {("AuthenticAMD", "26"): 8192, ("GenuineIntel", "6"): 8192}  # -> bytes ahead
+QUANT_PREFETCH_AHEAD_BY_CPU = {("AuthenticAMD", "26"): 8192, ("GenuineIntel", "6"): 16384}  # -> bytes ahead
 
 
 def _by_cpu(table: dict, default: int, env: str, limit: int, vendor: str | None, family: str | None) -> int:
