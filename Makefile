@@ -42,8 +42,9 @@ bench: $(STAMP)
 
 # Issue 14's figures on the CPU at hand, in one go, for a kind of CPU not measured yet (an Intel
 # Xeon without AMX, an AVX2-only one): llama.cpp built first (~7 min, cached), then decode and
-# prefill against llama-bench, serving against llama-server, and the prefetch distances to add to
-# headwise/kernels/cpu.py's tables; ~50 min on 2 cores, run alone. Results under
+# prefill against llama-bench, serving against llama-server, decode of a 7B-shaped Q4_K_M from DRAM
+# (benchmarks/synthetic_gguf.py, 3.6 GiB, made once), and the prefetch distances to add to
+# headwise/kernels/cpu.py's tables; ~65 min on 2 cores, run alone. Results under
 # benchmarks/results/<cpu tag>/ (`python benchmarks/_common.py --cpu-tag`).
 CPU_RESULTS = benchmarks/results/$(shell $(PY) benchmarks/_common.py --cpu-tag)
 bench-cpu: $(STAMP)
@@ -51,8 +52,10 @@ bench-cpu: $(STAMP)
 	$(PY) benchmarks/quantized.py --rounds 3 --out $(CPU_RESULTS)/quantized
 	$(PY) benchmarks/serving.py --llama --no-baseline --concurrency 1,16 --baseline-concurrency 1 --rounds 3 \
 		--out $(CPU_RESULTS)/serving_llama
+	$(PY) benchmarks/quantized.py --gguf $$($(PY) benchmarks/synthetic_gguf.py) --no-fp32 --rounds 3 \
+		--new-tokens 64 --prefill 128 --out $(CPU_RESULTS)/quantized_llama2_7b_shape
 	$(PY) benchmarks/prefetch.py --out $(CPU_RESULTS)/prefetch
-	$(PY) benchmarks/prefetch.py --quant --distances 2048,1024,4096,8192,12288 --out $(CPU_RESULTS)/prefetch_quant
+	$(PY) benchmarks/prefetch.py --quant --distances 2048,1024,4096,8192,16384,32768 --out $(CPU_RESULTS)/prefetch_quant
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

@@ -15,10 +15,16 @@ time and its paired ratio to 128 (the median over rounds of that round's 128 tim
 The outputs are checked bit-identical across distances (a prefetch changes no arithmetic).
 
 With --quant, the same for kernels/quant_linear.c's packed groups (SmolLM2's GGUF: Q4_1 layers,
-a Q8_0 lm_head), which prefetch a distance in bytes (`kernels.cpu.QUANT_PREFETCH_AHEAD_BY_CPU`) at
-every row count, paired against 2048.
+a Q8_0 lm_head; and one Llama-2-7B layer in Q4_K, whose long rows make long groups), which prefetch
+a distance in bytes (`kernels.cpu.QUANT_PREFETCH_AHEAD_BY_CPU`) at every row count, paired against
+2048.
 
-    .venv/bin/python benchmarks/prefetch.py                     # ~3 min; results/prefetch.{txt,json}
+Each group's weights are held in as many copies as make twice the CPU's L3 (--in-cache: once), so
+that a pass streams them from DRAM as a decode step of a model larger than the cache does: on an
+Intel Xeon with a 480 MiB L3 (2026-12-04) SmolLM2's weights alone stayed in cache, the distance
+they picked (8 KiB) lost 14% on a 7B-shaped model, and 16 KiB won both.
+
+    .venv/bin/python benchmarks/prefetch.py                     # ~5 min; results/prefetch.{txt,json}
     .venv/bin/python benchmarks/prefetch.py --rows 16 --distances 128,64,48 --rounds 5 --out /tmp/pf
     .venv/bin/python benchmarks/prefetch.py --quant             # results/prefetch_quant.{txt,json}
 """
@@ -42,6 +48,10 @@ from headwise.kernels import quant  # noqa: E402
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M: qkv, o, gate_up, down
 LAYERS = 30
 HEAD = (49152, 576)  # SmolLM2's tied lm_head
+# one Llama-2-7B layer (q, k, v, o, gate, up, down): --quant's "llama7b" group, in Q4_K, where rows of
+# 4096 inputs make each packed group 18 KiB long (SmolLM2's Q4_1 rows: 2.5 KiB)
+SHAPES_7B = [(4096, 4096)] * 4 + [(11008, 4096)] * 2 + [(4096, 11008)]
+QUANT_FORMAT = {"layers": "q4_1", "lm_head": "q8_0", "llama7b": "q4_k"}
 BASE = 128  # the distance tuned first (AMD EPYC Zen 4), which the others are paired against
 QUANT_BASE = 2048  # quant_linear.c's, in bytes (tuned on AMD EPYC Zen 3 / 4)
 
@@ -58,19 +68,38 @@ class Kind:
     def setter(self, mod):
         return mod.quant_prefetch_ahead if self.quant else mod.prefetch_ahead
 
-    def plans(self, weights, group):
-        if not self.quant:
-            return [kernels.plan_linear(kernels.block_weight(w), w.shape[0]) for w in weights]
-        fmt = "q8_0" if group == "lm_head" else "q4_1"
-        out = []
-        for w in weights:
-            O, I = w.shape
-            blocks = quant.pack_rows(quant.quantize(w, fmt), fmt, O, I)
-            out.append(quant.plan_quant(blocks, fmt, O, I, packed=True))
-        return out
+    def plans(self, weights, group, min_bytes: int):
+        """Plans of the group's weights in the kernel's layout, the whole set repeated (copies in
+        memory, not the same bytes) until it holds `min_bytes`: a pass then streams its weights
+        from DRAM as a decode step does, however large the L3. -> (plans, copies, bytes of one set)."""
+        if self.quant:
+            fmt = QUANT_FORMAT[group]
+            held = [quant.pack_rows(quant.quantize(w, fmt), fmt, *w.shape) for w in weights]
+            size = sum(b.numel() for b in held)
+
+            def make(i, c):
+                return quant.plan_quant(held[i] if c == 0 else held[i].clone(), fmt, *weights[i].shape, packed=True)
+        else:
+            size = sum(4 * w.numel() for w in weights)
+
+            def make(i, c):
+                return kernels.plan_linear(kernels.block_weight(weights[i]), weights[i].shape[0])
+
+        copies = max(1, -(-min_bytes // size))
+        return [make(i, c) for c in range(copies) for i in range(len(weights))], copies, size
 
     def run(self, plan, x):
         return quant.run_quant(plan, x) if self.quant else kernels.run_linear(plan, x)
+
+
+def l3_bytes() -> int:
+    """This CPU's L3 size (cpu0's, from sysfs); 32 MiB where Linux does not say."""
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+    except OSError:
+        return 32 << 20
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
 
 
 def main(argv=None) -> int:
@@ -79,16 +108,19 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default=None, help="row counts (default 8,16,32 fp32, 5 to 64: the tiles that "
                     "prefetch; 1,4,8,16 --quant)")  # fmt: skip
     ap.add_argument("--distances", default=None, help="distances to try (default 128,96,64,48,32 inputs; "
-                    "--quant: 2048,1024,1536,3072,4096 bytes)")  # fmt: skip
+                    "--quant: 2048,4096,8192,16384,32768 bytes)")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--in-cache", action="store_true", help="one copy of each group's weights, which a large "
+                    "L3 may hold (default: copies up to 2x the L3, so that they stream from DRAM)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="default results/prefetch[_quant]")
     args = ap.parse_args(argv)
     kind = Kind(args.quant)
     ref = kind.base
     rows = [int(r) for r in (args.rows or ("1,4,8,16" if args.quant else "8,16,32")).split(",")]
     distances = [
-        int(d) for d in (args.distances or ("2048,1024,1536,3072,4096" if args.quant else "128,96,64,48,32")).split(",")
+        int(d)
+        for d in (args.distances or ("2048,4096,8192,16384,32768" if args.quant else "128,96,64,48,32")).split(",")
     ]
     if args.out is None:
         args.out = ROOT / "benchmarks" / "results" / ("prefetch_quant" if args.quant else "prefetch")
@@ -120,18 +152,29 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
     groups = {
         "layers": [torch.randn(O, I, generator=g) * 0.02 for _ in range(LAYERS) for O, I in SHAPES],
-        # Q8_0's head is 30 MB, which an L3 of 32 MB holds: three copies, so it streams from memory as
-        # in a decode step (the layers' 66 MB before it evict it there)
-        "lm_head": [torch.randn(*HEAD, generator=g) * 0.02 for _ in range(3 if args.quant else 1)],
+        "lm_head": [torch.randn(*HEAD, generator=g) * 0.02],
     }
+    if args.quant:
+        groups["llama7b"] = [torch.randn(O, I, generator=g) * 0.02 for O, I in SHAPES_7B]
+    # SmolLM2's Q4_1 layers (62 MB) fit in some CPUs' L3 (480 MiB on an Intel Xeon, 2026-12-04), where
+    # the pick they gave (8 KiB) lost 14% on a 7B model read from DRAM: copies up to twice the L3
+    l3 = l3_bytes()
+    min_bytes = 0 if args.in_cache else 2 * l3
+    log(
+        f"L3 {l3 / 2**20:.0f} MiB; each group's weights "
+        + ("once" if args.in_cache else f"copied to >= {min_bytes / 2**20:.0f} MiB")
+    )
     results, lines = {}, []
     load0, ticks0 = loadavg(), cpu_ticks()
     try:
         with torch.inference_mode():
             for group, weights in groups.items():
-                plans = kind.plans(weights, group)
+                plans, copies, size = kind.plans(weights, group, min_bytes)
+                log(
+                    f"  {group}: {len(weights)} matrices, {size / 2**20:.0f} MiB, x{copies} = {copies * size / 2**20:.0f} MiB"
+                )
                 for M in rows:
-                    xs = [torch.randn(M, w.shape[1], generator=g) for w in weights]
+                    xs = [torch.randn(M, w.shape[1], generator=g) for w in weights] * copies
 
                     def run(d, plans=plans, xs=xs):
                         set_ahead(d)
