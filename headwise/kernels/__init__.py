@@ -14,7 +14,7 @@ kernels.prefill, _module.c: the Python
 entry points) are a C extension that `pip install` builds (setup.py) in two variants,
 `_cpu_avx2` and `_cpu_avx512`; `_ext()` imports the one this CPU runs, chosen at run time from
 its flags (HEADWISE_ISA=avx2 / avx512 forces one), with the prefetch distances of its kernels set for
-this core (prefetch_ahead_for, quant_prefetch_ahead_for; environment variables override them). Where none can run (not built at install, no
+this core (prefetch_ahead_for, quant_prefetch_ahead_for, zmm_min_rows_for; environment variables override them). Where none can run (not built at install, no
 AVX2, torch not on OpenMP, or HEADWISE_KERNELS=0), `kernels_unavailable()` says why and callers
 keep PyTorch's ops.
 """
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .cpu import cpu_flags, prefetch_ahead_for, quant_prefetch_ahead_for
+from .cpu import cpu_flags, prefetch_ahead_for, quant_prefetch_ahead_for, zmm_min_rows_for
 
 PRO_NONE, PRO_RMSNORM, PRO_SWIGLU = 0, 1, 2
 KERNEL_ROWS = 64  # the most rows one call takes (small_linear.c's MAX_PANEL_ROWS: its accumulators)
@@ -111,6 +111,7 @@ def _ext() -> tuple[ModuleType | None, str | None]:
         return None, f"the kernels loaded a second OpenMP runtime ({sorted(_omp_libraries())})"
     mod.prefetch_ahead(prefetch_ahead_for())
     mod.quant_prefetch_ahead(quant_prefetch_ahead_for())
+    mod.zmm_min_rows(zmm_min_rows_for())
     return mod, _self_check(mod)
 
 

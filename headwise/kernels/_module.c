@@ -200,6 +200,22 @@ static PyObject *py_prefetch_ahead(PyObject *self, PyObject *const *args, Py_ssi
 static PyObject *py_quant_prefetch_ahead(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return set_distance("quant_prefetch_ahead", &hw_qpf_ahead, 65536, "bytes", args, nargs);
 }
+/* zmm_min_rows(n) -> the count before: from how many rows of x quant_group.c's avx512 build reads
+ * two packed groups at once in zmm tiles (fewer: one group in ymm; the same bits either way); n < 0
+ * only reads it, 65 keeps every step on the ymm tiles. No effect in the avx2 build. As above: set
+ * at load or between timed runs. */
+extern int hw_zmm_min_rows;
+static PyObject *py_zmm_min_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    long n;
+    if (!(hw_nargs("zmm_min_rows", nargs, 1) && HW_L(0, n))) return NULL;
+    if (n == 0 || n > 65) {
+        PyErr_Format(PyExc_ValueError, "zmm_min_rows: %ld rows; give 1 to 65 (65: never), or < 0 to read it", n);
+        return NULL;
+    }
+    const long before = hw_zmm_min_rows;
+    if (n > 0) hw_zmm_min_rows = (int)n;
+    return PyLong_FromLong(before);
+}
 
 /* prefill_query_block(n) -> the count before: query tokens per block of prefill_attention.c (its
  * G x n rows meet each key block once); n < 0 only reads it. Set as the distances above. */
@@ -231,6 +247,7 @@ static PyMethodDef methods[] = {
     {"rope_rows", (PyCFunction)(void (*)(void))py_rope_rows, METH_FASTCALL, "rows.c"},
     {"prefetch_ahead", (PyCFunction)(void (*)(void))py_prefetch_ahead, METH_FASTCALL, "small_linear.c"},
     {"quant_prefetch_ahead", (PyCFunction)(void (*)(void))py_quant_prefetch_ahead, METH_FASTCALL, "quant_linear.c"},
+    {"zmm_min_rows", (PyCFunction)(void (*)(void))py_zmm_min_rows, METH_FASTCALL, "quant_group.c"},
     {"prefill_query_block", (PyCFunction)(void (*)(void))py_prefill_query_block, METH_FASTCALL,
      "prefill_attention.c"},
     {"argmax_rows", (PyCFunction)(void (*)(void))py_argmax_rows, METH_FASTCALL, "argmax.c"},

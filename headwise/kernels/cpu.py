@@ -12,9 +12,12 @@ __all__ = [
     "PREFETCH_AHEAD_DEFAULT",
     "QUANT_PREFETCH_AHEAD_BY_CPU",
     "QUANT_PREFETCH_AHEAD_DEFAULT",
+    "ZMM_MIN_ROWS_BY_CPU",
+    "ZMM_MIN_ROWS_DEFAULT",
     "cpu_flags",
     "prefetch_ahead_for",
     "quant_prefetch_ahead_for",
+    "zmm_min_rows_for",
 ]
 
 
@@ -90,3 +93,23 @@ def quant_prefetch_ahead_for(vendor: str | None = None, family: str | None = Non
         vendor,
         family,
     )
+
+
+# From how many rows of x the avx512 build's quantized kernel reads two packed groups at once in zmm
+# tiles (kernels/quant_group.c's hw_zmm_min_rows; the same bits either way): 4 as tuned on AMD EPYC
+# Zen 4 / 5; 1 on Intel (family 6, measured on a Xeon model 167 with AVX-512 + AMX, 2026-12-04, the
+# prefetch at 16 KiB, each a fresh process, 3 interleaved rounds): the 7B-shaped Q4_K_M file of
+# benchmarks/synthetic_gguf.py, generate() B=1 from DRAM, 4.40 / 4.40 / 4.45 -> 4.84 / 4.90 / 4.79
+# tok/s; SmolLM2's Q4_1, 206 / 249 / 185 -> 258 / 263 / 241 (a noisy hour; a quiet one the day before,
+# in L3: 344-353 -> 340-348, even).
+ZMM_MIN_ROWS_DEFAULT = 4
+ZMM_MIN_ROWS_BY_CPU = {("GenuineIntel", "6"): 1}
+
+
+def zmm_min_rows_for(vendor: str | None = None, family: str | None = None) -> int:
+    """quant_group.c's zmm tiles from this many rows of x, as prefetch_ahead_for;
+    HEADWISE_ZMM_MIN_ROWS=<rows> (1 to 65; 65: never) overrides it."""
+    rows = _by_cpu(ZMM_MIN_ROWS_BY_CPU, ZMM_MIN_ROWS_DEFAULT, "HEADWISE_ZMM_MIN_ROWS", 65, vendor, family)
+    if rows < 1:
+        raise ValueError("HEADWISE_ZMM_MIN_ROWS=0: give a whole number from 1 to 65")
+    return rows

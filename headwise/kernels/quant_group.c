@@ -19,6 +19,12 @@
  * (1280 and 2560 bytes ahead alike; 640: less). Past the end of the weight it is a no-op. */
 int hw_qpf_ahead = 2048;  /* bytes; set at load per core by kernels/__init__.py (quant_prefetch_ahead_for:
                            * 8192 on AMD Zen 5, benchmarks/prefetch.py --quant) */
+/* From how many rows of x the avx512 build reads two packed groups at once in zmm tiles (group2_out,
+ * below; unused in the avx2 build): set at load per core by kernels/__init__.py
+ * (kernels.cpu.zmm_min_rows_for). 4 where tuned (Zen 4 / 5); 1 on Intel, where a 7B-shaped model's
+ * batch-1 decode from DRAM went 4.42 -> 4.84 tok/s (its weights stream faster through two groups'
+ * 16-lane tiles than one's 8) and SmolLM2's lost nothing. */
+int hw_zmm_min_rows = 4;
 /* Rows of x per pass over a packed group: the avx512 build's 32 vector registers hold 8 int sums +
  * 8 accumulators (each group's nibbles unpacked half as often: SmolLM2's 30 Q4_1 layers + the Q8_0
  * head at 16 rows, 2 threads, AMD EPYC Zen 4: 16.8 -> 15.7 ms, 8 rows 10.0 -> 9.0, the same bits);
@@ -351,14 +357,13 @@ static void group_out(int fmt, const uint8_t *w, const int8_t *qx, const float *
     }
 }
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-/* Two packed groups (16 outputs) at once in 16-wide vectors, from ZMIN rows of x: per chunk the two
+/* Two packed groups (16 outputs) at once in 16-wide vectors, from hw_zmm_min_rows rows of x: per chunk the two
  * groups' 32 bytes joined into one zmm, so each broadcast of x feeds one dpbusd for 16 rows where
  * group_tile's ymm gives 8. Where the core has full-width 512-bit units (AMD Zen 5, Xeon
  * Gold/Platinum) that is twice the work per instruction; a batch-1 step stays on group_tile
  * (memory-bound there). Same integers, the same float epilogue per block, per output lane. The
  * K-quants too (group2_tile_k4, group2_tile_q6k): on Zen 5, a Llama-7B-shaped matrix at 128-512 rows
  * of x, Q4_K 277-410 -> 559-738 GFLOP/s, Q6_K 177-205 -> 281-325. */
-enum { ZMIN = 4 };
 static inline __m512i join_si(const uint8_t *a, const uint8_t *b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
                               _mm256_loadu_si256((const __m256i *)b), 1);
@@ -629,7 +634,7 @@ void hw_quant_groups(int fmt, const uint8_t *w, const int8_t *qx, const float *d
                      const float *r, float *y, long M, long O, long I, int par) {
     const long ng = (O + 7) / 8;
 #ifdef HAVE_GROUP2
-    if (M >= ZMIN) {
+    if (M >= hw_zmm_min_rows) {
         #pragma omp parallel for schedule(static) if (par)
         for (long q = 0; q < (ng + 1) / 2; q++) {
             if (2 * q + 1 < ng) group2_out(fmt, w, qx, dx, sx, b, r, y, M, O, I, 2 * q);

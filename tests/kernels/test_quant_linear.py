@@ -180,6 +180,32 @@ def test_prefetch_distance_changes_no_bit(fmt, M):
 
 
 @pytest.mark.parametrize("fmt", quant.PACKABLE)
+@pytest.mark.parametrize("M", [1, 3, 9])
+def test_zmm_min_rows_changes_no_bit(fmt, M):
+    """Whether a step reads two packed groups at once in zmm tiles or one in ymm (the row count
+    from which it does is set per CPU at load: kernels.zmm_min_rows_for) gives the same bits, which
+    the reference checks; odd output counts leave a last group alone."""
+    from headwise import kernels
+
+    mod, _ = kernels._ext()
+    blocks, x = random_blocks(fmt, 300, 1024, seed=M), torch.randn(M, 1024)
+    picked = mod.zmm_min_rows(-1)
+    assert picked == kernels.zmm_min_rows_for()
+    try:
+        outs = []
+        for rows in (1, 4, 65):
+            mod.zmm_min_rows(rows)
+            outs.append(run(blocks, fmt, x, packed=True))
+    finally:
+        mod.zmm_min_rows(picked)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert_close(outs[0], quantized_x(x), blocks, fmt)
+    for bad in (0, 66):
+        with pytest.raises(ValueError, match="1 to 65"):
+            mod.zmm_min_rows(bad)
+
+
+@pytest.mark.parametrize("fmt", quant.PACKABLE)
 def test_packed_rows_with_bias_residual_rope_and_threads(fmt):
     blocks, x, b, r = random_blocks(fmt, 21, 512), torch.randn(5, 512), torch.randn(21), torch.randn(5, 21)
     angles = torch.rand(5, 4) * 6

@@ -118,6 +118,16 @@ def test_prefetch_distance_by_cpu_and_environment(monkeypatch):
     assert kernels.quant_prefetch_ahead_for("AuthenticAMD", "25") == kernels.cpu.QUANT_PREFETCH_AHEAD_DEFAULT
     intel = kernels.cpu.QUANT_PREFETCH_AHEAD_BY_CPU["GenuineIntel", "6"]
     assert kernels.quant_prefetch_ahead_for("GenuineIntel", "6") == intel
+    monkeypatch.delenv("HEADWISE_ZMM_MIN_ROWS", raising=False)
+    assert kernels.zmm_min_rows_for("GenuineIntel", "6") == kernels.cpu.ZMM_MIN_ROWS_BY_CPU["GenuineIntel", "6"]
+    assert kernels.zmm_min_rows_for("AuthenticAMD", "26") == kernels.cpu.ZMM_MIN_ROWS_DEFAULT
+    monkeypatch.setenv("HEADWISE_ZMM_MIN_ROWS", "65")
+    assert kernels.zmm_min_rows_for("GenuineIntel", "6") == 65
+    for bad in ("0", "66", "few"):
+        monkeypatch.setenv("HEADWISE_ZMM_MIN_ROWS", bad)
+        with pytest.raises(ValueError, match="HEADWISE_ZMM_MIN_ROWS"):
+            kernels.zmm_min_rows_for()
+    monkeypatch.delenv("HEADWISE_ZMM_MIN_ROWS")
     monkeypatch.setenv("HEADWISE_QUANT_PREFETCH_AHEAD", "4096")
     assert kernels.quant_prefetch_ahead_for("AuthenticAMD", "26") == 4096
     monkeypatch.setenv("HEADWISE_QUANT_PREFETCH_AHEAD", "99999")
