@@ -165,7 +165,11 @@ def main() -> None:
     log(f"headwise quantized-decode benchmark  {env['date']}")
     log(f"torch {torch.__version__}  cpu {env['cpu_model']}  threads {args.threads}  kernels {headwise.kernels.isa()}")
     env["quant_prefetch_ahead"] = headwise.kernels.quant_prefetch_ahead_for()
-    log(f"quantized kernels prefetch {env['quant_prefetch_ahead']} bytes ahead (kernels/cpu.py)")
+    env["zmm_min_rows"] = headwise.kernels.zmm_min_rows_for()
+    log(
+        f"quantized kernels prefetch {env['quant_prefetch_ahead']} bytes ahead, zmm tiles from "
+        f"{env['zmm_min_rows']} rows (kernels/cpu.py)"
+    )
     log(f"file {path.name}: {gguf_weight_bytes(path) / 2**20:.1f} MiB of tensors")
 
     models = {"hw_q": headwise.load(model)}
