@@ -200,36 +200,30 @@ static PyObject *py_prefetch_ahead(PyObject *self, PyObject *const *args, Py_ssi
 static PyObject *py_quant_prefetch_ahead(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return set_distance("quant_prefetch_ahead", &hw_qpf_ahead, 65536, "bytes", args, nargs);
 }
-/* zmm_min_rows(n) -> the count before: from how many rows of x quant_group.c's avx512 build reads
- * two packed groups at once in zmm tiles (fewer: one group in ymm; the same bits either way); n < 0
- * only reads it, 65 keeps every step on the ymm tiles. No effect in the avx2 build. As above: set
- * at load or between timed runs. */
-extern int hw_zmm_min_rows;
-static PyObject *py_zmm_min_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+/* Counts set as the distances above, from 1 to `most` (n < 0 only reads them):
+ * zmm_min_rows(n): from how many rows of x quant_group.c's avx512 build reads two packed groups at
+ * once in zmm tiles (fewer: one group in ymm; the same bits either way), 65 keeping every step on
+ * the ymm tiles; no effect in the avx2 build.
+ * prefill_query_block(n): query tokens per block of prefill_attention.c (its G x n rows meet each
+ * key block once). */
+extern int hw_zmm_min_rows, hw_pa_queries;
+static PyObject *set_count(const char *name, int *var, long most, const char *unit, PyObject *const *args,
+                           Py_ssize_t nargs) {
     long n;
-    if (!(hw_nargs("zmm_min_rows", nargs, 1) && HW_L(0, n))) return NULL;
-    if (n == 0 || n > 65) {
-        PyErr_Format(PyExc_ValueError, "zmm_min_rows: %ld rows; give 1 to 65 (65: never), or < 0 to read it", n);
+    if (!(hw_nargs(name, nargs, 1) && HW_L(0, n))) return NULL;
+    if (n == 0 || n > most) {
+        PyErr_Format(PyExc_ValueError, "%s: %ld %s; give 1 to %ld, or < 0 to read it", name, n, unit, most);
         return NULL;
     }
-    const long before = hw_zmm_min_rows;
-    if (n > 0) hw_zmm_min_rows = (int)n;
+    const long before = *var;
+    if (n > 0) *var = (int)n;
     return PyLong_FromLong(before);
 }
-
-/* prefill_query_block(n) -> the count before: query tokens per block of prefill_attention.c (its
- * G x n rows meet each key block once); n < 0 only reads it. Set as the distances above. */
-extern int hw_pa_queries;
+static PyObject *py_zmm_min_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return set_count("zmm_min_rows", &hw_zmm_min_rows, 65, "rows", args, nargs);
+}
 static PyObject *py_prefill_query_block(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    long n;
-    if (!(hw_nargs("prefill_query_block", nargs, 1) && HW_L(0, n))) return NULL;
-    if (n == 0 || n > 256) {
-        PyErr_Format(PyExc_ValueError, "prefill_query_block: %ld query tokens; give 1 to 256", n);
-        return NULL;
-    }
-    const long before = hw_pa_queries;
-    if (n > 0) hw_pa_queries = (int)n;
-    return PyLong_FromLong(before);
+    return set_count("prefill_query_block", &hw_pa_queries, 256, "query tokens", args, nargs);
 }
 
 /* quant_linear.c's wrappers (their arguments: the comments above each there) */

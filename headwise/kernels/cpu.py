@@ -65,11 +65,13 @@ QUANT_PREFETCH_AHEAD_DEFAULT = 2048
 QUANT_PREFETCH_AHEAD_BY_CPU = {("AuthenticAMD", "26"): 8192, ("GenuineIntel", "6"): 16384}  # -> bytes ahead
 
 
-def _by_cpu(table: dict, default: int, env: str, limit: int, vendor: str | None, family: str | None) -> int:
+def _by_cpu(
+    table: dict, default: int, env: str, limit: int, vendor: str | None, family: str | None, least: int = 0
+) -> int:
     value = os.environ.get(env, "").strip()
     if value:
-        if not value.isdigit() or int(value) > limit:
-            raise ValueError(f"{env}={value!r}: give a whole number from 0 to {limit}")
+        if not value.isdigit() or not least <= int(value) <= limit:
+            raise ValueError(f"{env}={value!r}: give a whole number from {least} to {limit}")
         return int(value)
     vendor = _cpuinfo("vendor_id") if vendor is None else vendor
     family = _cpuinfo("cpu family") if family is None else family
@@ -109,7 +111,4 @@ ZMM_MIN_ROWS_BY_CPU = {("GenuineIntel", "6"): 1}
 def zmm_min_rows_for(vendor: str | None = None, family: str | None = None) -> int:
     """quant_group.c's zmm tiles from this many rows of x, as prefetch_ahead_for;
     HEADWISE_ZMM_MIN_ROWS=<rows> (1 to 65; 65: never) overrides it."""
-    rows = _by_cpu(ZMM_MIN_ROWS_BY_CPU, ZMM_MIN_ROWS_DEFAULT, "HEADWISE_ZMM_MIN_ROWS", 65, vendor, family)
-    if rows < 1:
-        raise ValueError("HEADWISE_ZMM_MIN_ROWS=0: give a whole number from 1 to 65")
-    return rows
+    return _by_cpu(ZMM_MIN_ROWS_BY_CPU, ZMM_MIN_ROWS_DEFAULT, "HEADWISE_ZMM_MIN_ROWS", 65, vendor, family, least=1)

@@ -361,7 +361,7 @@ static void group_out(int fmt, const uint8_t *w, const int8_t *qx, const float *
  * groups' 32 bytes joined into one zmm, so each broadcast of x feeds one dpbusd for 16 rows where
  * group_tile's ymm gives 8. Where the core has full-width 512-bit units (AMD Zen 5, Xeon
  * Gold/Platinum) that is twice the work per instruction; a batch-1 step stays on group_tile
- * (memory-bound there). Same integers, the same float epilogue per block, per output lane. The
+ * (memory-bound there) except where hw_zmm_min_rows is 1 (Intel: these tiles stream faster). Same integers, the same float epilogue per block, per output lane. The
  * K-quants too (group2_tile_k4, group2_tile_q6k): on Zen 5, a Llama-7B-shaped matrix at 128-512 rows
  * of x, Q4_K 277-410 -> 559-738 GFLOP/s, Q6_K 177-205 -> 281-325. */
 static inline __m512i join_si(const uint8_t *a, const uint8_t *b) {
