@@ -44,7 +44,7 @@ from _worker import Worker  # noqa: E402
 BASE_REV = "86b5466"  # the commit before issue 13's work
 WORKTREES = Path("/tmp/headwise-compare")
 SEED = 4321
-WORKER_ENV = {"GOMP_SPINCOUNT": "2000"}  # headwise.threads.DEFAULT_ENV (what import headwise sets), both sides
+WORKER_ENV = {"GOMP_SPINCOUNT": "2000"}  # headwise.core.threads.DEFAULT_ENV (what import headwise sets), both sides
 
 
 # ------------------------------------------------------------------ checkouts

@@ -41,7 +41,7 @@ import headwise  # noqa: E402
 from headwise import kernels  # noqa: E402
 from headwise.analysis.corpus import pydoc_corpus  # noqa: E402
 from headwise.cache import ContiguousKVCache  # noqa: E402
-from headwise.formats import MIXES, QUANT_FORMATS  # noqa: E402  (MIXES: mix -> its base, the pure format)
+from headwise.core.formats import MIXES, QUANT_FORMATS  # noqa: E402  (MIXES: mix -> its base, the pure format)
 from headwise.models.builtin import resolve  # noqa: E402
 from headwise.models.linear import QuantizedEmbedding, QuantizedLinear  # noqa: E402
 from peers import llama_cpp  # noqa: E402

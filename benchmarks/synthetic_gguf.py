@@ -2,7 +2,7 @@
 (no model hub here, so no real 7B checkpoint): Llama-2-7B's shape by default (C 4096, 32 layers,
 32 heads, FFN 11008) with a byte-level vocabulary of 261 tokens (so the embedding and head are
 small: 0.03% of the weights instead of 3.9%), the linears in llama-quantize's mix of a given type
-(headwise.formats.mix_format: Q4_K_M puts V and the down projections in Q6_K in 16 of 32 layers),
+(headwise.core.formats.mix_format: Q4_K_M puts V and the down projections in Q6_K in 16 of 32 layers),
 quantized from N(0, 0.02) weights by headwise's quantizers (blocks bit for bit ggml's reference).
 llama.cpp and headwise load the same file; speed depends on the bytes and the shapes, not on what
 the weights say.
@@ -28,9 +28,9 @@ import gguf  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tokenizers import pre_tokenizers  # noqa: E402
-from headwise.formats import MIXES, QUANT_FORMATS, mix_format, target_format  # noqa: E402
+from headwise.core.formats import MIXES, QUANT_FORMATS, mix_format, target_format  # noqa: E402
 from headwise.kernels import quant  # noqa: E402
-from headwise.paths import default_cache_dir  # noqa: E402
+from headwise.core.paths import default_cache_dir  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 SHAPES = {  # GGUF tensor (its llama.cpp role too) -> (rows, cols) in terms of C, F, H*D, Hkv*D

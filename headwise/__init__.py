@@ -1,14 +1,14 @@
 """headwise: multi-head attention from the layer to the API.
 
 Torch-backed names load on first use, so `headwise plan` starts without torch, and so that
-OpenMP's threads are set to wait passively before torch loads them (headwise/threads.py).
+OpenMP's threads are set to wait passively before torch loads them (headwise/core/threads.py).
 """
 
 from __future__ import annotations
 
 import importlib
 
-from .threads import configure_wait_policy
+from .core.threads import configure_wait_policy
 
 configure_wait_policy()
 
@@ -19,14 +19,14 @@ _LAZY = {
     "explain": "headwise.attention",
     "MultiHeadAttention": "headwise.attention",
     "RotaryEmbedding": "headwise.attention",
-    "AttentionConfig": "headwise.config",
-    "ModelConfig": "headwise.config",
-    "get_preset": "headwise.config",
+    "AttentionConfig": "headwise.core.config",
+    "ModelConfig": "headwise.core.config",
+    "get_preset": "headwise.core.config",
     "load": "headwise.models.from_path",
     "generate": "headwise.generation",
     "SamplingParams": "headwise.generation",
     "GenerationResult": "headwise.generation",
-    "embed": "headwise.embeddings",
+    "embed": "headwise.models.embeddings",
     "Engine": "headwise.engine",
     "EngineConfig": "headwise.engine",
     "QueueFull": "headwise.engine",

@@ -105,7 +105,7 @@ _CHILD_ENV_DROP = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "OMP_
 
 
 def cache_root() -> Path:
-    """<headwise cache>/llama.cpp: headwise.paths.default_cache_dir() without importing torch."""
+    """<headwise cache>/llama.cpp: headwise.core.paths.default_cache_dir() without importing torch."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(

@@ -6,7 +6,7 @@
 hooks.py (capture points, interventions) -> capture.py (patterns for texts) ->
 roles.py, attribution.py, importance.py, ablation.py, prune.py, patching.py + dla.py
 (cause: activation patching, direct logit attribution) -> analyze.py (the
-whole study) -> report.py (figures, HTML, JSON) -> cli.py (`headwise analyze`).
+whole study) -> report.py (figures, HTML, JSON) -> headwise/cli/analyze.py (`headwise analyze`).
 """
 
 from .ablation import ablation_curves, mean_outputs

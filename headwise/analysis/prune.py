@@ -36,7 +36,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from ..config import ModelConfig, RopeScaling
+from ..core.config import ModelConfig, RopeScaling
 from ..models.linear import QuantizedEmbedding, QuantizedLinear
 from . import prune_quant
 from .hooks import attention_layers

@@ -108,12 +108,12 @@ class Int8CacheRead:
 def kv_bytes_per_token(config, dtype: str | torch.dtype = "bf16") -> int:
     """Bytes of K and V that one token takes in every layer of `config` (a ModelConfig).
 
-    Float dtypes: exactly `headwise.plan.kv_bytes_per_token`, 2 * L * Hkv * D * bytes.
+    Float dtypes: exactly `headwise.core.plan.kv_bytes_per_token`, 2 * L * Hkv * D * bytes.
     "int8": the planner's 1 byte per element plus one fp32 scale per (token, head) for
     K and for V, 2 * L * Hkv * (D + 4), which is what the int8 caches allocate.
     `dtype` may be a name ("bf16", "fp32", "int8") or a torch.dtype.
     """
-    from ..plan import kv_bytes_per_token as planned
+    from ..core.plan import kv_bytes_per_token as planned
 
     name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
     payload = planned(config, name)

@@ -6,7 +6,7 @@
 
 The fields that depend on a model (num_blocks from a memory budget, max_waiting_tokens from
 the pool, max_model_len) are derived by `resolve` / `max_model_len`; the pool is sized by the
-planner's formula (`headwise.plan.kv_pool_blocks`), so `headwise plan` and the engine agree.
+planner's formula (`headwise.core.plan.kv_pool_blocks`), so `headwise plan` and the engine agree.
 No torch here: the server's config and the planner import this without loading it.
 """
 
@@ -16,7 +16,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from ..plan import kv_pool_blocks, kv_pool_bytes_per_token
+from ..core.plan import kv_pool_blocks, kv_pool_bytes_per_token
 
 # The KV pool when neither num_blocks nor memory_budget_bytes is given: 1 GiB holds ~23k
 # tokens of SmolLM2-135M in fp32 (46 KiB per token), 64 sequences of ~360 tokens; at most

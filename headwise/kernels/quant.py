@@ -20,12 +20,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..formats import PACKABLE, QUANT_FORMATS
+from ..core.formats import PACKABLE, QUANT_FORMATS
 from . import PRO_NONE, _ext, check_call
 
-FORMATS = QUANT_FORMATS  # name -> (GGML type id, values per block, bytes per block): headwise/formats.py
+FORMATS = QUANT_FORMATS  # name -> (GGML type id, values per block, bytes per block): headwise/core/formats.py
 QUANTIZE_FORMATS = tuple(FORMATS)  # what `quantize` makes: every format
-# PACKABLE (headwise/formats.py): the formats `pack_rows` stores in groups of 8 rows, the layout the
+# PACKABLE (headwise/core/formats.py): the formats `pack_rows` stores in groups of 8 rows, the layout the
 # kernel reads fastest (benchmarks/packed_formats.py: 1.4-7.7x at 1 row of x, AMD EPYC Zen 5).
 _X8 = 0x100  # quant_linear.c's X8: a format id | _X8 is that format packed
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import ModelConfig
+from ..core.config import ModelConfig
 from ..attention.step import padding_mask
 from .blocks import check_input_ids, check_length, make_attention, make_mlp
 from .linear import Embedding

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from .. import kernels
 from ..attention import MultiHeadAttention
 from ..attention.step import PlainStep, Step
-from ..config import ModelConfig
+from ..core.config import ModelConfig
 from .linear import QuantizedLinear
 from ..kernels import layer as kernel_layer
 from .layer_step import claim_step

@@ -70,12 +70,18 @@ def aliases(name: str) -> list[str]:
 
 
 def is_builtin(name: str) -> bool:
-    return _canonical(name) in BUILTIN
+    return canonical(name) in BUILTIN
 
 
-def _canonical(name: str) -> str:
+def canonical(name: str) -> str:
+    """The builtin name `name` spells ("SmolLM2" -> "smollm2-135m-instruct"); other names as they are, lowercased."""
     key = str(name).strip().lower().replace("_", "-")
     return _ALIASES.get(key, key)
+
+
+def find_builtin(name: str) -> BuiltinModel | None:
+    """The builtin model `name` (or an alias) means, None if none."""
+    return BUILTIN.get(canonical(name))
 
 
 def resolve(name: str) -> Path:
@@ -84,7 +90,7 @@ def resolve(name: str) -> Path:
     Raises KeyError (listing the names) for an unknown name, BuiltinNotInstalled
     with the pip command when its package is missing or incomplete.
     """
-    key = _canonical(name)
+    key = canonical(name)
     if key not in BUILTIN:
         raise KeyError(f"unknown builtin model {name!r}; builtin models: {', '.join(BUILTIN)}")
     model = BUILTIN[key]

@@ -1,6 +1,6 @@
 """`headwise.load`: a checkpoint directory, a .gguf file or a builtin model name -> a model.
 
-It finds the files (checkpoint_files.py, gguf.py, builtin.py), then hands the HF-named dict to
+It finds the files (sources.py, checkpoint_files.py, gguf.py), then hands the HF-named dict to
 loading.py's build, the path every checkpoint ends in.
 """
 
@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from .loading import _build, _finish, _weights_dtype, family_of
 from .quantized_load import SAVED_FILE
+from .sources import find
 
 
 def _return_freed_memory() -> None:
@@ -52,21 +53,11 @@ def load(
 
 def _load(path_or_name, *, weights: str, dtype, backend: str, pack: bool) -> nn.Module:
     dtype, weights = _weights_dtype(weights, dtype)
-    path, name = Path(path_or_name), str(path_or_name)
-    if not path.exists():
-        try:
-            from .builtin import resolve
-        except ImportError:
-            raise FileNotFoundError(f"{name!r}: no such checkpoint directory or .gguf file") from None
-        try:
-            path = resolve(name)
-        except (LookupError, ValueError) as e:
-            raise FileNotFoundError(
-                f"{name!r} is neither a checkpoint directory, a .gguf file nor a builtin model name: {e}"
-            ) from None
+    source = find(path_or_name)  # FileNotFoundError / ValueError naming the fix; BuiltinNotInstalled
+    path, name = source.path, source.name
     # config.name (what errors and reports say) is the name as typed, not the GGUF's general.name
     # ("SmolLM2 135M Instruct") or the config.json's _name_or_path
-    if path.is_file() and path.suffix == ".gguf":
+    if source.is_gguf:
         from .gguf import read_gguf
 
         hf_config, tensors, tokenizer = read_gguf(path, keep_quantized=weights == "auto")
@@ -81,8 +72,6 @@ def _load(path_or_name, *, weights: str, dtype, backend: str, pack: bool) -> nn.
         )
         model.tokenizer = tokenizer
         return model
-    if not path.is_dir():
-        raise ValueError(f"{path} is a file; pass its checkpoint directory (config.json + weights) or a .gguf file")
     from .checkpoint_files import read_checkpoint, tokenizer_for
 
     if (path / SAVED_FILE).is_file():

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from ..paths import default_cache_dir
+from ..core.paths import default_cache_dir
 from .tokenizer import Tokenizer
 
 CACHE_VERSION = 1  # bump when the conversion changes, so old entries are not reused

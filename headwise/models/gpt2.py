@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from ..config import ModelConfig
+from ..core.config import ModelConfig
 from ..attention.step import Step, make_step
 from .blocks import DecoderBlock, check_input_ids, check_length, logits_rows, route_allowed
 from .linear import Embedding

@@ -33,10 +33,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import kernels
-from ..formats import PACKABLE, QUANT_FORMATS
+from ..core.formats import PACKABLE, QUANT_FORMATS
 from . import quants
 
-FORMATS = QUANT_FORMATS  # name -> (ggml type id, values per block, bytes per block): headwise/formats.py
+FORMATS = QUANT_FORMATS  # name -> (ggml type id, values per block, bytes per block): headwise/core/formats.py
 FORMAT_OF_GGML = {ggml: name for name, (ggml, _, _) in FORMATS.items()}
 
 

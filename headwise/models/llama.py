@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from ..attention import RotaryEmbedding
 from ..attention.step import Step, make_step
-from ..config import ModelConfig, RopeScaling
+from ..core.config import ModelConfig, RopeScaling
 from .linear import Embedding, QuantizedEmbedding, QuantizedLinear
 from .blocks import DecoderBlock, RMSNorm, check_input_ids, fused_linear, logits_rows, route_allowed
 from .layer_step import stack_step

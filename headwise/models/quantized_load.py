@@ -39,8 +39,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ..formats import MIXES, big_gqa, mix_format, target_format
-from ..formats import fused_format as formats_fused_format
+from ..core.formats import MIXES, big_gqa, mix_format, target_format
+from ..core.formats import fused_format as formats_fused_format
 from .linear import FORMATS, QUANTIZED, QuantizedEmbedding, QuantizedLinear, dequantize, kernel_unavailable, quantize
 
 ALIASES = {"int8": "q8_0", "int4": "q4_1"}
@@ -323,7 +323,7 @@ def save(model: nn.Module, path) -> Path:
     """Write a headwise model (quantized or not) to a directory `headwise.load` reads back."""
     from safetensors.torch import save_file
 
-    from ..config import ModelConfig
+    from ..core.config import ModelConfig
 
     cfg = getattr(model, "config", None)
     if not isinstance(cfg, ModelConfig):
@@ -357,7 +357,7 @@ def read_saved(path: Path) -> tuple:
     """A directory written by `save` -> (ModelConfig, state with QuantTensors, meta dict)."""
     from safetensors.torch import load_file
 
-    from ..config import ModelConfig, RopeScaling
+    from ..core.config import ModelConfig, RopeScaling
 
     meta = json.loads((path / SAVED_FILE).read_text())
     if meta.get("format") != SAVED_FORMAT:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..attention import MultiHeadAttention
-from ..config import ModelConfig
+from ..core.config import ModelConfig
 from ..models.blocks import MLP, GatedMLP
 from ..models.linear import FORMATS, QuantizedLinear
 from .comm import Comm

@@ -314,15 +314,15 @@ def models_config(
     """`headwise serve MODEL...`: each builtin name, .gguf file or checkpoint directory served under
     its own name (the builtin's name, else the file or folder name; a repeat gets -2, -3, ...).
     tensor_parallel: `--tensor-parallel N`, for the one MODEL it may be given with."""
-    from ..models.builtin import BUILTIN, _canonical
+    from ..models.builtin import canonical, is_builtin
 
     server = ServerSettings(**{k: v for k, v in (("host", host), ("port", port)) if v is not None})
     models: dict[str, LocalModel] = {}
     for source in sources:
         path = Path(source).expanduser()
         base = (
-            _canonical(source)
-            if _canonical(source) in BUILTIN and not path.exists()
+            canonical(source)
+            if is_builtin(source) and not path.exists()
             else (path.stem if path.suffix == ".gguf" else path.resolve().name)
         )
         name, n = base, 1

@@ -234,7 +234,7 @@ class LocalRuntime:
         minutes while a one-line request waited; now the short one waits for one batch."""
         import torch
 
-        from ..embeddings import embed
+        from ..models.embeddings import embed
 
         def run(chunk):
             with self._embed_lock:  # a cancelled request's batch may still be running

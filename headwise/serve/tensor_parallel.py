@@ -26,7 +26,6 @@ import logging
 import pickle
 import threading
 import time
-from pathlib import Path
 from typing import Callable
 
 from .config import ConfigError, LocalModel
@@ -45,7 +44,7 @@ def check(spec: LocalModel) -> None:
     N = spec.tensor_parallel
     if N == 1:
         return
-    from ..argtypes import model_task
+    from ..models.sources import model_task
     from ..parallel.shard import check_kv_heads
 
     where = f"model {spec.name!r} (tensor_parallel = {N})"
@@ -64,13 +63,11 @@ def check(spec: LocalModel) -> None:
 
 def kv_heads(source: str) -> list[int] | None:
     """The KV-head counts of a model, read without loading it; None when the files don't say."""
-    path = Path(source).expanduser()
-    try:
-        if not path.exists():
-            from ..models.builtin import resolve
+    from ..models.sources import find
 
-            path = Path(resolve(source))
-        if path.is_file() and path.suffix == ".gguf":
+    try:
+        path = find(source).path
+        if path.is_file():
             from ..models.gguf import open_gguf
             from ..models.gguf_meta import read_metadata
 

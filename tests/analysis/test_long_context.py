@@ -20,7 +20,7 @@ from headwise.analysis.roles import head_roles
 from headwise.attention import attend
 from headwise.attention.backends.head_stats import attention_stats
 from headwise.cli import main
-from headwise.config import ModelConfig
+from headwise.core.config import ModelConfig
 from headwise.models.llama import Llama
 
 STATS = (

@@ -14,7 +14,7 @@ from headwise.analysis import attached, pairs, patching
 from headwise.analysis.dla import direct_logit_attribution, pair_attribution
 from headwise.analysis.hooks import Capture
 from headwise.analysis.pairs import Pair, encode_pair, load_pairs
-from headwise.config import ModelConfig
+from headwise.core.config import ModelConfig
 from headwise.models.gpt2 import GPT2
 
 import transformers as tf

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from headwise import MultiHeadAttention
 from headwise.cache import CacheRead, ContiguousKVCache, kv_bytes_per_token
-from headwise.config import ModelConfig
-from headwise.plan import kv_bytes_per_token as planned_bytes
+from headwise.core.config import ModelConfig
+from headwise.core.plan import kv_bytes_per_token as planned_bytes
 
 C, T_FULL = 32, 12
 HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA

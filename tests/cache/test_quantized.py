@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from headwise import MultiHeadAttention
 from headwise.cache import ContiguousKVCache, Int8CacheRead, dequantize_int8, kv_bytes_per_token, quantize_int8
-from headwise.config import ModelConfig, get_preset
-from headwise.plan import kv_bytes_per_token as planned_bytes
+from headwise.core.config import ModelConfig, get_preset
+from headwise.core.plan import kv_bytes_per_token as planned_bytes
 
 C = 32
 REL_BOUND = 2e-2

@@ -7,7 +7,7 @@ import pytest
 
 from headwise import Engine, SamplingParams
 from headwise.engine import EngineConfig
-from headwise.plan import kv_pool_blocks, plan
+from headwise.core.plan import kv_pool_blocks, plan
 from headwise.serve.config import ConfigError, parse_config
 
 from .conftest import ragged_prompts

@@ -486,7 +486,7 @@ def test_stored_blocks_cache_gives_back_what_the_file_gives(tmp_path, monkeypatc
 def llama_quantize_type(mix, role, layer, num_layers):
     """The type llama.cpp's llama-quantize (src/llama-quant.cpp, llama_tensor_get_type_impl, b11434)
     gives a dense Llama's weight under the K-quant mixes, for widths that are whole 256-value
-    super-blocks: restated here from its source, independently of headwise.formats."""
+    super-blocks: restated here from its source, independently of headwise.core.formats."""
     more = layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
     base = {"q4_k_s": "q4_k", "q4_k_m": "q4_k", "q5_k_s": "q5_k", "q5_k_m": "q5_k"}[mix]
     if role == "output":  # or token_embd where it is tied to the output

@@ -16,7 +16,7 @@ import time
 import headwise  # noqa: F401 - imported before torch: OpenMP's wait policy (headwise/threads.py)
 import torch
 
-from headwise.config import ModelConfig
+from headwise.core.config import ModelConfig
 
 V = 128
 

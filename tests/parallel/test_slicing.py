@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from headwise.config import ModelConfig
+from headwise.core.config import ModelConfig
 from headwise.models import GPT2, Llama
 from headwise.models.linear import FORMATS, QuantizedLinear
 from headwise.models.packing import PackedLinear

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from headwise.serve import create_app, parse_config
-from headwise.serve.cli import _self_check
+from headwise.cli.serve import _self_check
 from headwise.serve.config import load_config
 from headwise.serve.local import default_loader, weights_key
 

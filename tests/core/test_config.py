@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from headwise.config import ALIASES, PRESETS, AttentionConfig, ModelConfig, get_preset, parse_overrides
+from headwise.core.config import ALIASES, PRESETS, AttentionConfig, ModelConfig, get_preset, parse_overrides
 
 
 def tiny(**changes) -> ModelConfig:
@@ -174,7 +174,7 @@ def test_presets_module_is_plain_data():
     import ast
     import pathlib
 
-    from headwise import presets
+    from headwise.core import presets
 
     tree = ast.parse(pathlib.Path(presets.__file__).read_text())
     assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]

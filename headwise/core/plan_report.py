@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from headwise.config import PRESETS, get_preset, parse_overrides
-from headwise.formats import MIXES, QUANT_FORMATS
-from headwise.plan import Plan, dtype_bytes, fmt_bytes, fmt_count, fmt_flops, plan
+from .config import PRESETS, get_preset, parse_overrides
+from .formats import MIXES, QUANT_FORMATS
+from .plan import Plan, dtype_bytes, fmt_bytes, fmt_count, fmt_flops, plan
 
 
 def _table(rows: list[list[str]], right: set[int]) -> str:

@@ -7,9 +7,7 @@ p.add_argument("model", type=model_for("chat"))          # unknown name / missin
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 
 class Parser(argparse.ArgumentParser):
@@ -56,7 +54,7 @@ unit_interval = _number(float, lambda x: 0 <= x <= 1, "in [0, 1]")
 
 def backend_name(text: str) -> str:
     """An attention backend from the registry, or "auto"."""
-    from .attention import backends
+    from ..attention import backends
 
     names = list(backends())
     if text != "auto" and text not in names:
@@ -68,7 +66,7 @@ def backend_name(text: str) -> str:
 
 def weights_name(text: str) -> str:
     """A headwise.load weights= value: auto, fp32, bf16, or a quantized format (int8, q4_1, ...)."""
-    from .models.quantized_load import check_weights
+    from ..models.quantized_load import check_weights
 
     try:
         return check_weights(text)
@@ -76,53 +74,22 @@ def weights_name(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def model_task(source: str) -> str | None:
-    """ "chat" (a decoder), "embed" (an encoder), or None when it cannot be told without loading."""
-    from .models.builtin import BUILTIN, _canonical
-
-    path = Path(source).expanduser()
-    if path.exists():
-        if path.is_file():
-            return "chat" if path.suffix == ".gguf" else None  # headwise reads decoder GGUFs only
-        try:
-            kind = json.loads((path / "config.json").read_text()).get("model_type")
-        except (OSError, ValueError, AttributeError):
-            return None
-        return "embed" if kind == "bert" else "chat" if kind else None
-    model = BUILTIN.get(_canonical(source))
-    return model.task if model else None
-
-
 def check_model(source: str, task: str | None = None) -> str:
     """Raise ValueError naming the problem and the fix unless `source` is something `headwise.load` can read
     (for `task`, when it can be told without loading it). Cheap: nothing is loaded."""
-    from .models.builtin import BUILTIN, BuiltinNotInstalled, is_builtin, resolve
+    from ..models.builtin import BuiltinNotInstalled
+    from ..models.sources import find
 
-    path = Path(source).expanduser()
-    builtin = ", ".join(BUILTIN)
-    if path.is_file() and path.suffix != ".gguf":
-        raise ValueError(
-            f"{source} is a file but not a .gguf; pass a .gguf file, a checkpoint directory "
-            f"(config.json + weights) or a builtin name ({builtin})"
-        )
-    if path.is_dir() and not (path / "config.json").is_file():
+    try:
+        found = find(source)
+    except (OSError, ValueError, BuiltinNotInstalled) as e:
+        raise ValueError(str(e)) from None
+    if found.builtin is None and found.path.is_dir() and not (found.path / "config.json").is_file():
         raise ValueError(
             f"{source} is a directory without config.json; a checkpoint directory needs the "
             "Hugging Face config.json next to its weights"
         )
-    if not path.exists():
-        if not is_builtin(source):
-            if source.endswith(".gguf") or "/" in source or source.startswith(("~", ".")):
-                raise ValueError(f"no such file or directory: {source}")
-            raise ValueError(
-                f"unknown model {source!r}: no such file or directory, and not a builtin name "
-                f"({builtin}; see `headwise models`)"
-            )
-        try:
-            resolve(source)
-        except BuiltinNotInstalled as e:
-            raise ValueError(str(e)) from None
-    kind = model_task(source)
+    kind = found.task
     if task and kind and kind != task:
         other = {"chat": "an embedding model (an encoder)", "embed": "a chat model (a decoder)"}[task]
         example = {"chat": "smollm2-135m-instruct", "embed": "all-minilm-l6-v2"}[task]

@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 
-from ..argtypes import (
+from .argtypes import (
     Formatter,
     backend_name,
     fail,
@@ -61,7 +61,7 @@ def _load(args, task: str):
 
 
 def _sampling(args):
-    from .sampling import SamplingParams
+    from ..generation.sampling import SamplingParams
 
     return SamplingParams(
         max_new_tokens=args.max_new_tokens,
@@ -85,7 +85,7 @@ def _prompt_ids(model, prompt) -> list[int]:
 
 def _stream_reply(model, prompt, params, kv_dtype: str | None = None) -> tuple[str, str]:
     """Stream one reply to stdout -> (its text, finish reason). Ctrl-C ends it early ("interrupted")."""
-    from .generate import generate
+    from ..generation.generate import generate
 
     ids = _prompt_ids(model, prompt)
     t0 = time.perf_counter()
@@ -163,7 +163,7 @@ def run_chat(args) -> int:
 
 
 def run_embed(args) -> int:
-    from ..embeddings import embed
+    from ..models.embeddings import embed
 
     model = _load(args, "embed")
     if model is None:

@@ -6,8 +6,8 @@ import argparse
 import sys
 import time
 
-from ..argtypes import check_model, positive_int
-from .analyze import DEFAULT_TEXT, Settings
+from .argtypes import check_model, positive_int
+from ..analysis.analyze import DEFAULT_TEXT, Settings
 
 
 def _fractions(text: str) -> list[float]:
@@ -70,10 +70,10 @@ def run(args) -> int:
     import torch
 
     import headwise
-    from .analyze import analyze
-    from .corpus import load_corpus
-    from .pairs import load_pairs
-    from .report import write
+    from ..analysis.analyze import analyze
+    from ..analysis.corpus import load_corpus
+    from ..analysis.pairs import load_pairs
+    from ..analysis.report import write
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -90,7 +90,7 @@ def run(args) -> int:
         # and left direct logit attribution's terms 0.09 short of the logit
         model = headwise.load(args.model, weights="fp32")
         if args.context:  # before the other steps run for minutes
-            from .long_context import check_context
+            from ..analysis.long_context import check_context
 
             check_context(model, args.context)
     except (ValueError, FileNotFoundError, KeyError) as e:
@@ -157,7 +157,7 @@ def summary_text(result: dict) -> str:
         best = ", ".join(f"L{t['layer']}H{t['head']} {t['value']:.2f}" for t in pt["top"][:3])
         lines.append(f"patching ({pt['metric']}, {len(pt['pairs'])} pairs): heads that recover most: {best}")
     if result.get("long_context"):
-        from .long_context import summary_lines
+        from ..analysis.long_context import summary_lines
 
         lines += summary_lines(result["long_context"])
     hints = result.get("hints")

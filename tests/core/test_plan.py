@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from headwise.config import PRESETS, AttentionConfig, ModelConfig, get_preset
-from headwise.plan import (
+from headwise.core.config import PRESETS, AttentionConfig, ModelConfig, get_preset
+from headwise.core.plan import (
     attention_params,
     count_params,
     dtype_bytes,
@@ -25,7 +25,7 @@ from headwise.plan import (
     parse_size,
     plan,
 )
-from headwise.plan_report import add_cli
+from headwise.core.plan_report import add_cli
 
 GiB = 2**30
 META = torch.device("meta")  # shapes without storage: a 70B layer costs nothing
@@ -305,7 +305,7 @@ def test_cli_errors(capsys, argv, message):
 
 def test_cli_in_a_subprocess():
     script = (
-        "import argparse, sys; from headwise.plan_report import add_cli; p = argparse.ArgumentParser(prog='headwise'); "
+        "import argparse, sys; from headwise.core.plan_report import add_cli; p = argparse.ArgumentParser(prog='headwise'); "
         "add_cli(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))"
     )
     run = subprocess.run([sys.executable, "-c", script, "plan", "gpt2-small"], capture_output=True, text=True)
@@ -317,7 +317,7 @@ def test_cli_in_a_subprocess():
 @pytest.mark.parametrize("module", ["config.py", "plan.py"])
 def test_no_torch_import(module):
     """`headwise plan` must start fast: neither module imports torch."""
-    tree = ast.parse((pathlib.Path(__file__).parents[1] / "headwise" / module).read_text())
+    tree = ast.parse((pathlib.Path(__file__).parents[2] / "headwise" / "core" / module).read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not any(name.split(".")[0] == "torch" for name in imported), imported

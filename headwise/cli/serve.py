@@ -24,7 +24,7 @@ def add_cli(sub) -> None:
     import uvicorn  # noqa: F401  (fail here, so `headwise serve` says to install the extra)
     import argparse
 
-    from ..argtypes import model_for, positive_int
+    from .argtypes import model_for, positive_int
 
     p = sub.add_parser(
         "serve",
@@ -97,8 +97,8 @@ def run(args) -> int:
 
     import uvicorn
 
-    from .app import create_app
-    from .config import ConfigError, default_config, load_config, models_config
+    from ..serve.app import create_app
+    from ..serve.config import ConfigError, default_config, load_config, models_config
 
     if args.config and args.models:
         print(
@@ -128,7 +128,7 @@ def run(args) -> int:
         print(f"headwise serve: {e}", file=sys.stderr)
         return 2
     s = config.server
-    from .timeouts import timed_h11
+    from ..serve.timeouts import timed_h11
 
     uv = uvicorn.Config(
         app,
@@ -249,7 +249,7 @@ def _wait_loaded(state) -> None:
 
 def _task(config, name: str) -> str | None:
     """ "chat" or "embed" for a local model whose kind shows without loading it; None otherwise."""
-    from ..argtypes import model_task
+    from ..models.sources import model_task
 
     model = config.models.get(name)
     return model_task(model.source) if model else None
