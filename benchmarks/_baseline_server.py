@@ -36,7 +36,7 @@ def baseline_app():
 
     from headwise.models.builtin import resolve
     from headwise.models.gguf import read_gguf
-    from headwise.models.tokenizer import StreamDecoder
+    from headwise.models.stream_decode import StreamDecoder
 
     transformers.logging.set_verbosity_error()
     hf_config, tensors, tok = read_gguf(resolve(MODEL))

@@ -14,19 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .report import ROLE_COLORS, SHORT, _plt, _strongest
-
-
-def _grid(rows: list[list[float]]) -> np.ndarray:
-    """Layers x heads, NaN where a (pruned) layer has fewer heads."""
-    img = np.full((len(rows), max(len(r) for r in rows)), np.nan)
-    for l, r in enumerate(rows):
-        img[l, : len(r)] = r
-    return img
+from .report_style import ROLE_COLORS, SHORT, heads_grid, pyplot, strongest_role
 
 
 def fig_long_context(result: dict, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     from matplotlib.colors import LogNorm, to_rgb
 
     lc = result["long_context"]
@@ -37,7 +29,7 @@ def fig_long_context(result: dict, path: Path) -> None:
     ax = axes[0]
     for l, row in enumerate(heads):
         for h, info in enumerate(row):
-            best = _strongest(info, lc["roles"]["thresholds"])
+            best = strongest_role(info, lc["roles"]["thresholds"])
             if best:
                 role = "offset" if best.startswith("offset") else best
                 img[l, h] = to_rgb(ROLE_COLORS[role])
@@ -50,11 +42,11 @@ def fig_long_context(result: dict, path: Path) -> None:
         [n / max(w, 1e-9) for n, w in zip(nr, wr)] for nr, wr in zip(st["top_norm_share"], st["max_weight"])
     ]  # < 1: the top token's vector is small (Kobayashi et al. 2020)
     panels = [
-        (_grid(st["sink_mass"]), f"mass on the first {lc['sinks']} tokens", "viridis", (0, 1)),
-        (_grid(st["local_mass"]), f"mass within {lc['local']} tokens", "viridis", (0, 1)),
-        (_grid(st["distance"]), "mean attended distance (tokens)", "magma", "log"),
-        (_grid(broad), "entropy / log(visible keys)", "viridis", (0, 1)),
-        (_grid(ratio), "top token: norm share / weight", "RdBu", (0, 2)),
+        (heads_grid(st["sink_mass"]), f"mass on the first {lc['sinks']} tokens", "viridis", (0, 1)),
+        (heads_grid(st["local_mass"]), f"mass within {lc['local']} tokens", "viridis", (0, 1)),
+        (heads_grid(st["distance"]), "mean attended distance (tokens)", "magma", "log"),
+        (heads_grid(broad), "entropy / log(visible keys)", "viridis", (0, 1)),
+        (heads_grid(ratio), "top token: norm share / weight", "RdBu", (0, 2)),
     ]
     for ax, (m, title, cmap, scale) in zip(axes[1:], panels):
         if scale == "log":

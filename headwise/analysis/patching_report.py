@@ -15,15 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .report import _plt
-
-
-def _grid(rows: list[list[float]]) -> np.ndarray:
-    """Layers x heads, NaN where a (pruned) layer has fewer heads."""
-    img = np.full((len(rows), max(len(r) for r in rows)), np.nan)
-    for l, r in enumerate(rows):
-        img[l, : len(r)] = r
-    return img
+from .report_style import heads_grid, pyplot
 
 
 def _heat(ax, img: np.ndarray, title: str, limit: float):
@@ -38,13 +30,13 @@ def _heat(ax, img: np.ndarray, title: str, limit: float):
 
 
 def fig_patching(result: dict, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     pt = result["patching"]
     pairs = pt["pairs"]
-    grids = [(_grid(pt["mean_recovered"]), f"mean over {len(pairs)} pairs")]
+    grids = [(heads_grid(pt["mean_recovered"]), f"mean over {len(pairs)} pairs")]
     for p in pairs:
         what = f"{p['answer']!r} vs {p['wrong']!r}" if p.get("answer") is not None else "cosine"
-        grids.append((_grid(p["patching"]["recovered"]), f"{_short(p['clean'])}\n({what})"))
+        grids.append((heads_grid(p["patching"]["recovered"]), f"{_short(p['clean'])}\n({what})"))
     L, H = grids[0][0].shape
     size = (0.6 + (0.9 + 0.32 * H) * len(grids), 2.2 + 0.17 * L)
     fig, axes = plt.subplots(1, len(grids), figsize=size, dpi=80, layout="constrained")  # room for the titles
@@ -66,9 +58,9 @@ def fig_patching(result: dict, path: Path) -> None:
 
 
 def fig_dla(result: dict, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     pt = result["patching"]
-    img = _grid(pt["mean_dla"])
+    img = heads_grid(pt["mean_dla"])
     fig, axes = plt.subplots(1, 2, figsize=(6.0 + 0.35 * img.shape[1], 1.8 + 0.17 * img.shape[0]), dpi=80)
     im = _heat(axes[0], img, "each head's direct share (mean over pairs)", max(1e-6, float(np.nanmax(np.abs(img)))))
     fig.colorbar(im, ax=axes[0], fraction=0.04, label="logit difference")

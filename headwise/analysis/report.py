@@ -25,34 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROLE_COLORS = {
-    "previous": "#1f77b4",
-    "next": "#17becf",
-    "offset": "#9467bd",
-    "local": "#2ca02c",
-    "long_range": "#ff7f0e",
-    "broad": "#bcbd22",
-    "sink": "#7f7f7f",
-    "induction": "#d62728",
-}
-SHORT = {
-    "previous": "prev",
-    "next": "next",
-    "local": "local",
-    "long_range": "long",
-    "broad": "broad",
-    "sink": "sink",
-    "induction": "ind",
-}
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+from .report_style import ROLE_COLORS, SHORT, pyplot, strongest_role
 
 
 def _mosaic(tiles: list[list[np.ndarray]], gap: int = 1) -> np.ndarray:
@@ -67,7 +40,7 @@ def _mosaic(tiles: list[list[np.ndarray]], gap: int = 1) -> np.ndarray:
 
 
 def fig_patterns(view: dict, path: Path, title: str) -> None:
-    plt = _plt()
+    plt = pyplot()
     pat = view["pattern"]
     L, H, T = len(pat), max(len(p) for p in pat), len(view["tokens"])
     fig, ax = plt.subplots(figsize=(1.2 + 0.8 * H, 1.0 + 0.8 * L), dpi=80)
@@ -85,7 +58,7 @@ def fig_patterns(view: dict, path: Path, title: str) -> None:
 
 
 def fig_roles(result: dict, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     from matplotlib.colors import to_rgb
 
     heads = result["roles"]["heads"]
@@ -94,7 +67,7 @@ def fig_roles(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(1.5 + 0.75 * H, 1.2 + 0.34 * L), dpi=80)
     for l, row in enumerate(heads):
         for h, info in enumerate(row):
-            best = _strongest(info, result["roles"]["thresholds"])
+            best = strongest_role(info, result["roles"]["thresholds"])
             if best:
                 role = "offset" if best.startswith("offset") else best
                 img[l, h] = to_rgb(ROLE_COLORS[role])
@@ -116,18 +89,8 @@ def fig_roles(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _strongest(info: dict, thresholds: dict) -> str:
-    best, margin = "", 0.0
-    for lab in info["labels"]:
-        role = "offset" if lab.startswith("offset") else lab
-        m = info["scores"][role] / thresholds[role]
-        if m > margin:
-            best, margin = lab, m
-    return best
-
-
 def fig_ablation(result: dict, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     ab = result["ablation"]
     keys = [k for k in ab["removable"]]
     fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4.2), dpi=90, squeeze=False)
@@ -170,7 +133,7 @@ def _drop_label(result: dict, key: str) -> str:
 
 
 def fig_weights_vs_norms(result: dict, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     hints, view = result["hints"], result["view"]
     tw = np.concatenate([np.asarray(x) for x in hints["top_weight"]])
     ns = np.concatenate([np.asarray(x) for x in hints["top_norm_share"]])
@@ -209,7 +172,7 @@ def fig_weights_vs_norms(result: dict, path: Path) -> None:
 
 
 def fig_importance(result: dict, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     norm = result["importance"]["normalized"]
     L, H = len(norm), max(len(r) for r in norm)
     img = np.full((L, H), np.nan)

@@ -6,19 +6,17 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 import torch
 from torch import Tensor, nn
 
-if TYPE_CHECKING:
-    from .layer import MultiHeadAttention
+# `layer` is a MultiHeadAttention (layer.py), typed as the nn.Module it is: layer.py imports this
+# file, so this one names it without importing it (no cycle, not even a type-checking one).
 
 
 @torch.no_grad()
-def load_projections(
-    layer: MultiHeadAttention, w_q, w_k, w_v, w_o, b_q=None, b_k=None, b_v=None, b_o=None
-) -> MultiHeadAttention:
+def load_projections(layer: nn.Module, w_q, w_k, w_v, w_o, b_q=None, b_k=None, b_v=None, b_o=None) -> nn.Module:
     """Copy four textbook projections (tensors in nn.Linear's (out, in) layout, or
     nn.Linear modules, whose biases are taken too) into this layer."""
     ws, bs = [], [b_q, b_k, b_v, b_o]
@@ -48,7 +46,7 @@ def load_projections(
     return layer
 
 
-def from_torch(cls: type[MultiHeadAttention], mha: nn.MultiheadAttention, backend: str = "auto") -> MultiHeadAttention:
+def from_torch(cls: type[nn.Module], mha: nn.MultiheadAttention, backend: str = "auto") -> nn.Module:
     """Exact copy of an `nn.MultiheadAttention`'s weights. The new layer is batch-first
     and uses headwise mask conventions (bool attn_mask True = may attend)."""
     if mha.bias_k is not None or mha.add_zero_attn:
@@ -74,7 +72,7 @@ def from_torch(cls: type[MultiHeadAttention], mha: nn.MultiheadAttention, backen
 
 
 @torch.no_grad()
-def to_torch(layer: MultiHeadAttention) -> nn.MultiheadAttention:
+def to_torch(layer: nn.Module) -> nn.MultiheadAttention:
     """An `nn.MultiheadAttention(batch_first=True)` with these exact weights (MHA only)."""
     why = []
     if layer.num_kv_heads != layer.num_heads or layer.kv_map is not None:
@@ -112,7 +110,7 @@ def to_torch(layer: MultiHeadAttention) -> nn.MultiheadAttention:
 
 
 @torch.no_grad()
-def prune_heads(layer: MultiHeadAttention, heads: Iterable[int]) -> MultiHeadAttention:
+def prune_heads(layer: nn.Module, heads: Iterable[int]) -> nn.Module:
     """Remove query heads for real: Q rows and O columns go; a KV head goes when its
     whole group does. `heads` are original head indices (see `head_ids`); ones
     already pruned are ignored. Groups left uneven are served through `kv_map`."""

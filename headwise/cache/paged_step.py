@@ -30,8 +30,8 @@ from ..attention.functional import attend_kv
 from ..attention.kv import BlockReads, LayerKV, Tile, TileGroup
 from ..attention.step import Step
 
-if TYPE_CHECKING:
-    from .paged import PagedKVCache
+if TYPE_CHECKING:  # the storage PagedKVCache (paged.py, which imports this file) is built on
+    from .paged_store import PagedStorage
 
 # A run of at least this many consecutive blocks is read as a view rather than gathered.
 MIN_VIEW_BLOCKS = 8
@@ -52,7 +52,7 @@ class PagedStep(BlockReads, Step):
 
     def __init__(
         self,
-        cache: "PagedKVCache",
+        cache: "PagedStorage",  # a PagedKVCache
         seq_ids,
         tables,
         starts,

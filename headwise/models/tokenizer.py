@@ -8,7 +8,7 @@ One `Tokenizer` wraps a `tokenizers.Tokenizer` built from any of:
 `save(dir)` writes the first form, so a GGUF's tokenizer can be cached and read
 back in milliseconds. The engine never sees text (DESIGN: the engine speaks ids).
 Chat templates render in chat_template.py, streaming detokenization is stream_decode.py
-(`StreamDecoder` is importable from here too); byte_level.py holds the
+(`StreamDecoder`); byte_level.py holds the
 GGUF pre-tokenizer splits and the GPT-2 byte alphabet.
 """
 
@@ -24,7 +24,6 @@ from tokenizers import Tokenizer as Backend
 
 from .byte_level import byte_level_pre_tokenizer, gpt2_bytes_to_chars
 from .chat_template import render_chat_template
-from .stream_decode import StreamDecoder  # noqa: F401  (imported from here by benchmarks/_baseline_server.py)
 
 # Token texts that end a turn in common chat formats; llama.cpp treats these as
 # end-of-generation too (llama-vocab.cpp, "eog" tokens).
