@@ -1,5 +1,6 @@
 """The package's shape, checked on its import graph (DESIGN.md: "arrows point down only; no cycles,
-even inside a room").
+even inside a room; no room imports another room's private names"). A room is a direct
+subpackage of headwise (core, attention, cache, models, ..., cli).
 
 The graph is grimp's (import-linter's engine): every `import` / `from ... import` statement in
 every module, at any depth -- inside functions and under `if TYPE_CHECKING:` too -- is an edge
@@ -9,9 +10,14 @@ loop counts as a cycle here, as does an import made only for a type annotation.
 
 from __future__ import annotations
 
+import ast
+import pkgutil
 import sys
+from pathlib import Path
 
 import pytest
+
+import headwise
 
 grimp = pytest.importorskip("grimp")
 
@@ -22,7 +28,7 @@ KNOWN_CYCLES: dict[frozenset[str], str] = {
     # executors: the blocks call layer_step's claim_step; layer_step reaches back for blocks.claim_step
     frozenset({"headwise.models.blocks", "headwise.models.layer_step"}): "executors",
     # runtime: the Engine and its front ends (threads, streams) import each other
-    frozenset({"headwise.engine.engine", "headwise.engine.frontends"}): "runtime"
+    frozenset({"headwise.engine.engine", "headwise.engine.frontends"}): "runtime",
 }
 
 
@@ -104,3 +110,102 @@ def test_the_checker_finds_a_cycle():
     g.add_import(importer="p.b", imported="p.a")
     g.add_import(importer="p.b", imported="p.c")
     assert strongly_connected(g) == [frozenset({"p.a", "p.b"})]
+
+
+ROOT = Path(headwise.__file__).parent
+
+
+def rooms() -> set[str]:
+    """headwise's direct subpackages and modules (headwise/__init__.py aside)."""
+    return {m.name for m in pkgutil.iter_modules([str(ROOT)])}
+
+
+def layers_contract() -> dict:
+    tomllib = pytest.importorskip("tomllib")
+    config = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())
+    contracts = config["tool"]["importlinter"]["contracts"]
+    (layers,) = [c for c in contracts if c["type"] == "layers" and c.get("containers") == ["headwise"]]
+    return layers
+
+
+def test_every_room_is_in_the_layers_contract():
+    contract = layers_contract()
+    named = set()
+    for layer in contract["layers"]:  # "a | b" independent siblings, "a : b" siblings, "(a)" optional
+        named |= {n.strip().strip("()") for n in layer.replace(":", "|").split("|")}
+    missing = rooms() - named
+    assert not missing, f"rooms left out of pyproject.toml's layers contract: {sorted(missing)}"
+    assert contract.get("exhaustive") is True  # and import-linter checks it too
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def private_imports(path: Path) -> list[str]:
+    """`from <other room> import _name`, imports of another room's _private module, and
+    `module._name` read off a module imported from another room, as "file:line: what"."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    found, modules = [], {}  # modules: local name -> the other room's module it is bound to
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            if not target.startswith("headwise"):
+                continue
+            for alias in node.names:
+                full = f"{target}.{alias.name}"
+                if (_room(target) or _room(full)) == _room(module):
+                    continue
+                if _private(alias.name) or any(_private(p) for p in target.split(".")):
+                    found.append(f"{path}:{node.lineno}: from {target} import {alias.name}")
+                modules[alias.asname or alias.name] = full
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("headwise") and _room(alias.name) != _room(module):
+                    if any(_private(p) for p in alias.name.split(".")):
+                        found.append(f"{path}:{node.lineno}: import {alias.name}")
+                    modules[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else "headwise"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            chain, base = [], node.value
+            while isinstance(base, ast.Attribute):
+                chain.insert(0, base.attr)
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in modules:
+                full = ".".join([modules[base.id], *chain])
+                if _room(full) not in (None, _room(module)):
+                    found.append(f"{path}:{node.lineno}: {full}.{node.attr}")
+    return found
+
+
+def test_no_room_imports_another_rooms_private_names():
+    found = [hit for path in sorted(ROOT.rglob("*.py")) for hit in private_imports(path)]
+    assert not found, "another room's private names (give them a public name in their room):\n" + "\n".join(found)
+
+
+def test_the_private_name_check_finds_one(tmp_path, monkeypatch):
+    room = tmp_path / "headwise" / "serve"
+    room.mkdir(parents=True)
+    (room / "config.py").write_text(
+        "from ..models.builtin import BUILTIN, _canonical\nfrom ..models import gguf\nfrom .app import _mine\n"
+        "def f():\n    return gguf._plain\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path / "headwise")
+    hits = private_imports(room / "config.py")
+    assert [h.split(": ", 1)[1] for h in hits] == [
+        "from headwise.models.builtin import _canonical",
+        "headwise.models.gguf._plain",
+    ]
