@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from .. import kernels
 from ..core.formats import PACKABLE, QUANT_FORMATS
 from . import quants
+from .fused_ops import composed, kernel_args
 
 FORMATS = QUANT_FORMATS  # name -> (ggml type id, values per block, bytes per block): headwise/core/formats.py
 FORMAT_OF_GGML = {ggml: name for name, (ggml, _, _) in FORMATS.items()}
@@ -154,6 +155,7 @@ class QuantizedLinear(nn.Module):
 
     _plan = None
     _plan_key: tuple | None = None
+    copies_weight = False  # stack_plan's kernel reads `blocks` through its pointer: edits reach it as they are
 
     def __init__(
         self,
@@ -221,6 +223,16 @@ class QuantizedLinear(nn.Module):
             return self.kernel_plan()
         return None
 
+    def stack_plan(self):
+        """kernel_plan() for the C layer stack (models/layer_step.py), None where its kernel cannot run."""
+        ok = self.blocks.is_cpu and (self.bias is None or self.bias.dtype is torch.float32)
+        return self.kernel_plan() if ok and kernel_unavailable(self.fmt) is None else None
+
+    @staticmethod
+    def kernel_rows() -> int:
+        """The most rows stack_plan's kernel takes in one call."""
+        return kernels.KERNEL_ROWS
+
     def _kernel_takes(self, x: Tensor) -> bool:
         return (
             x.is_cpu
@@ -234,8 +246,17 @@ class QuantizedLinear(nn.Module):
 
     @staticmethod
     def run(plan, x: Tensor, **epilogue) -> Tensor:
-        """kernels.quant.run_quant: what fused_linear calls with route_plan's plan."""
+        """kernels.quant.run_quant with route_plan's plan."""
         return _quant_module().run_quant(plan, x, **epilogue)
+
+    def fused_forward(self, x: Tensor, *, residual=None, norm=None, swiglu=False, rope=None) -> Tensor:
+        """fused_ops.fused_linear for this kind: one quantized kernel call with the prologue and
+        epilogue folded in where route_plan allows, else composed around this module's forward."""
+        plan = self.route_plan(x)
+        if plan is None:
+            return composed(self, x, residual=residual, norm=norm, swiglu=swiglu, rope=rope)
+        x, epilogue = kernel_args(x, norm, swiglu, rope)
+        return self.run(plan, x, residual=residual, **epilogue)
 
     def forward(self, x: Tensor) -> Tensor:
         if (

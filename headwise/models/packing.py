@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import kernels
+from .fused_ops import composed, kernel_args
 
 PACKED_DTYPES = (torch.float32,)  # bf16 without native bf16 units is slower than fp32 here anyway
 # oneDNN's batch-size hint when packing: any number of rows works, but a hint of 16 made the
@@ -57,6 +58,7 @@ class PackedLinear(nn.Linear):
     _blocked_key: tuple | None = None
     _plan: kernels.LinearPlan | None = None
     _plan_key: tuple | None = None
+    copies_weight = True  # stack_plan's kernel reads a blocked copy: in-place edits show in weight._version
 
     def _key(self) -> tuple:
         w = self._parameters["weight"]
@@ -92,6 +94,27 @@ class PackedLinear(nn.Linear):
         is paid ~120 times a decode step."""
         ok = x.is_cpu and self._parameters["weight"].dtype is torch.float32 and self._few_rows(x)
         return self.kernel_plan() if ok else None
+
+    def fused_forward(self, x: Tensor, *, residual=None, norm=None, swiglu=False, rope=None) -> Tensor:
+        """fused_ops.fused_linear for this kind: one small-row kernel call with the prologue and
+        epilogue folded in where route_plan allows, else composed around oneDNN's matmul."""
+        plan = self.route_plan(x)
+        if plan is None:
+            return composed(self, x, residual=residual, norm=norm, swiglu=swiglu, rope=rope, add=self.forward_add)
+        x, epilogue = kernel_args(x, norm, swiglu, rope)
+        return kernels.run_linear(plan, x, residual=residual, **epilogue)
+
+    def stack_plan(self) -> kernels.LinearPlan | None:
+        """kernel_plan() for the C layer stack (models/layer_step.py), None where its kernel cannot run."""
+        w = self._parameters["weight"]
+        if w.dtype is torch.float32 and w.is_cpu and kernels.kernels_unavailable() is None:
+            return self.kernel_plan()
+        return None
+
+    @staticmethod
+    def kernel_rows() -> int:
+        """The most rows stack_plan's kernel takes in one call."""
+        return kernels.MAX_ROWS
 
     def kernel_plan(self) -> kernels.LinearPlan:
         """The blocked weight and bias checked for kernels.run_linear, remade after any change."""
@@ -144,16 +167,12 @@ class PackedLinear(nn.Linear):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Turn every plain nn.Linear in `model` into a PackedLinear, in place (no weight is
-    copied until its first forward). Returns how many; 0 where packing is unavailable."""
+    """Replace every plain nn.Linear in `model` by a PackedLinear over the same parameters (ties
+    kept; no weight is copied until its first forward). Returns how many; 0 where packing is
+    unavailable."""
     if packing_available() is not None:
         return 0
-    n = 0
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            module.__class__ = PackedLinear
-            n += 1
-    return n
+    return _replace_linears(model, nn.Linear, PackedLinear)
 
 
 def prepack(model: nn.Module) -> int:
@@ -171,12 +190,32 @@ def prepack(model: nn.Module) -> int:
 
 
 def unpack_linears(model: nn.Module) -> int:
-    """Undo `pack_linears`: plain nn.Linear again, the packed copies freed."""
+    """Undo `pack_linears`: plain nn.Linear again over the same parameters, the packed copies freed."""
+    return _replace_linears(model, PackedLinear, nn.Linear)
+
+
+def _replace_linears(model: nn.Module, old: type, new: type) -> int:
+    """Put a `new` linear over the same parameters (and hooks) in place of each `old` one (exactly
+    that class) in its parent: a module never changes its class. -> how many."""
     n = 0
-    for module in model.modules():
-        if type(module) is PackedLinear:
-            for name in ("_packed", "_packed_key", "_blocked", "_blocked_key"):
-                module.__dict__.pop(name, None)
-            module.__class__ = nn.Linear
-            n += 1
+    for parent in list(model.modules()):
+        for name, child in list(parent._modules.items()):
+            if type(child) is old:
+                setattr(parent, name, _linear_as(new, child))
+                n += 1
     return n
+
+
+def _linear_as(cls: type, linear: nn.Linear) -> nn.Linear:
+    """A `cls` (nn.Linear or PackedLinear) sharing `linear`'s parameters and hooks, built without
+    nn.Linear's random init (the parameters are linear's)."""
+    new = cls.__new__(cls)
+    nn.Module.__init__(new)
+    new.in_features, new.out_features = linear.in_features, linear.out_features
+    new.register_parameter("weight", linear.weight)
+    new.register_parameter("bias", linear.bias)
+    new.train(linear.training)
+    for name, value in linear.__dict__.items():  # the hook dicts themselves: handles keep working
+        if "hook" in name and isinstance(value, dict):
+            new.__dict__[name] = value
+    return new

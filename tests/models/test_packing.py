@@ -13,11 +13,15 @@ def test_onednn_packing_runs_here():
 
 
 def _pair(bias: bool, seed: int = 0):
+    """(nn.Linear, the PackedLinear pack_linears put in its place in a copy's parent)."""
     torch.manual_seed(seed)
     ref = nn.Linear(96, 200, bias=bias)
-    packed = nn.Linear(96, 200, bias=bias)
-    packed.load_state_dict(ref.state_dict())
-    assert pack_linears(packed) == 1
+    model = nn.Sequential(nn.Linear(96, 200, bias=bias))
+    model.load_state_dict({f"0.{k}": v for k, v in ref.state_dict().items()})
+    plain = model[0]
+    assert pack_linears(model) == 1
+    packed = model[0]
+    assert packed is not plain and packed.weight is plain.weight  # replaced, over the same parameters
     return ref, packed
 
 
@@ -75,9 +79,29 @@ def test_state_dict_and_unpack():
     with torch.inference_mode():
         packed(torch.randn(2, 96))
     assert set(packed.state_dict()) == {"weight", "bias"}
-    assert unpack_linears(packed) == 1
-    assert type(packed) is nn.Linear and "_packed" not in packed.__dict__
-    torch.testing.assert_close(packed(torch.ones(1, 96)), ref(torch.ones(1, 96)))
+    model = nn.Sequential(packed)
+    assert unpack_linears(model) == 1
+    plain = model[0]
+    assert type(plain) is nn.Linear and plain.weight is packed.weight
+    torch.testing.assert_close(plain(torch.ones(1, 96)), ref(torch.ones(1, 96)))
+
+
+def test_packing_keeps_ties_and_hooks():
+    """The replacement shares the parameters (a tied head stays tied) and the hooks stay registered."""
+    emb = nn.Embedding(200, 96)
+    model = nn.ModuleDict({"embed": emb, "head": nn.Linear(96, 200, bias=False)})
+    model["head"].weight = emb.weight
+    seen = []
+    handle = model["head"].register_forward_hook(lambda m, a, out: seen.append(out.shape))
+    assert pack_linears(model) == 1
+    assert type(model["head"]) is PackedLinear and model["head"].weight is emb.weight
+    with torch.inference_mode():
+        model["head"](torch.randn(2, 96))
+    assert seen == [(2, 200)]
+    handle.remove()
+    with torch.inference_mode():
+        model["head"](torch.randn(2, 96))
+    assert len(seen) == 1
 
 
 def test_prepack_makes_the_copies_up_front():
