@@ -36,11 +36,11 @@ class Cpu:
 
 # In the order the machines were first lent. The first machine's results sit at the top level.
 CPUS = [
-    Cpu("zen3", "AMD EPYC Zen 3 [AVX2+FMA]", None),
-    Cpu("intel", "Intel Xeon [AVX-512+VNNI+AMX]", "intel"),
-    Cpu("zen4", "AMD EPYC Zen 4 [AVX-512+VNNI]", "zen4"),
-    Cpu("zen5", "AMD EPYC Zen 5 [AVX-512+VNNI]", "zen5"),
-    Cpu("intel-m167", "Intel Xeon model 167 [AVX-512+AMX], 480 MiB L3", "intel-f6-m167-avx512-amx"),
+    Cpu("zen3", "AMD EPYC Zen 3, AVX2+FMA", None),
+    Cpu("intel", "Intel Xeon, AVX-512+VNNI+AMX", "intel"),
+    Cpu("zen4", "AMD EPYC Zen 4, AVX-512+VNNI", "zen4"),
+    Cpu("zen5", "AMD EPYC Zen 5, AVX-512+VNNI", "zen5"),
+    Cpu("intel-m167", "Intel Xeon model 167, AVX-512+AMX, 480 MiB L3", "intel-f6-m167-avx512-amx"),
 ]
 BY_FOLDER = {c.folder: c for c in CPUS if c.folder}
 BY_SUFFIX = {"_intel": "intel", "_zen4": "zen4", "_zen5": "zen5"}
