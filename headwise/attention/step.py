@@ -43,11 +43,8 @@ class Step:
     key_padding_mask: Tensor | None = None
     logits_indices: Tensor | None = None
     claim_stack = None  # a cache's claim_decode_stack (CacheStep)
-    # The caller's word that nothing changes the model (a module, weight, hook or attention
-    # setting) during its run: an object naming the run, set on each of its steps. generate()
-    # gives it when it does not stream (no code of the user's runs between its steps), a
-    # server's engine always (the model is the server's own). The decode stack checks the
-    # model's modules at the run's first step only (models/layer_step.py). None: every step.
+    # Unused, kept until its callers go (generation, engine): the model's executors are chosen
+    # per step from facts whose changes invalidate the fused plan explicitly (models/executors.py).
     model_vouch: object | None = None
     # Where the step knows its positions on the host, for RoPE rows from a table: every row's T
     # positions from one start, (L, B, T); or the largest position of any row.

@@ -11,7 +11,8 @@ from torch import Tensor, nn
 
 from ..core.config import ModelConfig
 from ..attention.step import Step, make_step
-from .blocks import DecoderBlock, check_input_ids, check_length, logits_rows, route_allowed
+from .blocks import DecoderBlock, check_input_ids, check_length, logits_rows
+from .executors import choose
 from .linear import Embedding
 from .loading import CheckpointError, To, hf_activation, hf_eos, need
 
@@ -92,10 +93,8 @@ class GPT2(nn.Module):
                     f"{self.config.max_positions} learned positions; build the cache with "
                     f"max_seq_len <= {self.config.max_positions}"
                 )
-        few = route_allowed(self, B * T)
         x = self.embed(input_ids) + self.pos_embed(step.input_positions)  # (B, T, C)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, step, i, few)
+        x = choose(self, x, step).layers(self.layers, x, step)  # the modules, or headwise's kernels (executors.py)
         return self.lm_head(self.norm(logits_rows(x, step))).float()  # (B, T, V) or (R, V)
 
 

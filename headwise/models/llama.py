@@ -17,8 +17,8 @@ from ..attention import RotaryEmbedding
 from ..attention.step import Step, make_step
 from ..core.config import ModelConfig, RopeScaling
 from .linear import Embedding, QuantizedEmbedding, QuantizedLinear
-from .blocks import DecoderBlock, RMSNorm, check_input_ids, fused_linear, logits_rows, route_allowed
-from .layer_step import stack_step
+from .blocks import DecoderBlock, RMSNorm, check_input_ids, logits_rows
+from .executors import choose
 from .loading import CheckpointError, To, hf_activation, hf_eos, need
 
 # ---------------------------------------------------------------------------- RoPE
@@ -201,24 +201,10 @@ class Llama(nn.Module):
         """
         B, T = check_input_ids(input_ids)
         step = make_step(step, cache, attention_mask, B, T, input_ids.device)
-        few = route_allowed(self, B * T)
         x = self.embed(input_ids)  # (B, T, C)
-        done = 0
-        if few:  # a decode step: its layers in one kernel call where each one's single call applies
-            x, done = stack_step(self.layers, x, step)
-        for i in range(done, len(self.layers)):
-            x = self.layers[i](x, step, i, few)
-        x = logits_rows(x, step)  # (B, T, C) or (R, C)
-        if few and not (
-            self.norm._forward_hooks
-            or self.lm_head._forward_hooks
-            or self.lm_head._forward_pre_hooks
-            or self.norm._forward_pre_hooks
-        ):
-            return (
-                fused_linear(self.lm_head, x.reshape(-1, x.shape[-1]), norm=self.norm).view(*x.shape[:-1], -1).float()
-            )
-        return self.lm_head(self.norm(x)).float()  # (B, T, V) or (R, V)
+        executor = choose(self, x, step)  # the modules as written, or headwise's kernels (executors.py)
+        x = logits_rows(executor.layers(self.layers, x, step), step)  # (B, T, C) or (R, C)
+        return executor.head(self.norm, self.lm_head, x).float()  # (B, T, V) or (R, V)
 
 
 # ---------------------------------------------------------------------------- HF weights

@@ -98,28 +98,22 @@ def decoder(tmp_path_factory):
 
 @pytest.fixture
 def few_rows(monkeypatch):
-    """Counts the block steps that took the few-rows route: `DecoderBlock._few_rows` calls and the
-    layers a decode step ran as one stack (`kernels.layer.run_stack`: their one calls chained)."""
+    """Counts the layers the fused executor ran (models/executors.py): `blocks.fused_layer` calls and
+    the layers a decode step ran in the C stack (`kernels.layer.run_stack`, one entry per layer)."""
     calls = []
     from headwise.kernels import layer as kernel_layer
-    from headwise.models import blocks
+    from headwise.models import executors
 
-    real, real_stack = blocks.DecoderBlock._few_rows, kernel_layer.run_stack
-    inside = []  # a _few_rows call runs its one layer as a stack of one: counted once, as the call
+    real, real_stack = executors.fused_layer, kernel_layer.run_stack
 
-    def spy(self, *args, **kwargs):
+    def spy(*args, **kwargs):
         calls.append(1)
-        inside.append(1)
-        try:
-            return real(self, *args, **kwargs)
-        finally:
-            inside.pop()
+        return real(*args, **kwargs)
 
     def spy_stack(steps, x):
-        if not inside:
-            calls.extend([1] * len(steps))
+        calls.extend([1] * len(steps))
         return real_stack(steps, x)
 
-    monkeypatch.setattr(blocks.DecoderBlock, "_few_rows", spy)
+    monkeypatch.setattr(executors, "fused_layer", spy)
     monkeypatch.setattr(kernel_layer, "run_stack", spy_stack)
     return calls

@@ -11,7 +11,7 @@ import headwise
 from headwise.cache import ContiguousKVCache, PagedKVCache
 from headwise.cache.packed import PackedStep
 from headwise.kernels import layer as kernel_layer
-from headwise.models import blocks, llama
+from headwise.models import executors
 
 from .conftest import hf_checkpoints
 from .stepping import assert_scattered, close, scattered
@@ -40,8 +40,9 @@ def one_calls(monkeypatch):
 
 
 def _without_one_call(fn, *args):
+    """The same steps with the fused executor's C stack off: blocks.fused_layer, the kernels one by one."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(blocks, "claim_step", lambda *a: None)
+        mp.setattr(executors, "STACK", False)
         return fn(*args)
 
 
@@ -155,36 +156,29 @@ def stacks(monkeypatch):
     return calls
 
 
-def _layer_by_layer(fn, *args):
-    """The same step with the stack off: each layer's one call from its own forward."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(llama, "stack_step", lambda layers, x, step: (x, 0))
-        return fn(*args)
-
-
 @pytest.mark.parametrize("weights", [None, "q4_1", "q8_0"])
 @torch.inference_mode()
 def test_a_decode_step_runs_its_layers_in_one_stack_call_with_the_same_bits(saved, stacks, weights):
-    """The stack is the layers' one calls chained in C: every decode step one call over all the
-    layers, the logits bit for bit those of the layers called one by one from Python, and (fp32)
-    equal to Hugging Face transformers."""
+    """The stack is the layers' kernels chained in C: every decode step one call over all the
+    layers, the logits bit for bit those of the same kernels called one by one from Python
+    (blocks.fused_layer), and (fp32) equal to Hugging Face transformers."""
     hf, path = saved("llama-gqa")
     model = headwise.load(path, **({} if weights is None else {"weights": weights}))
     ids = _ids(2, 16, seed=13)
     got = _decode(model, ids, prefill=6)
     assert stacks == [model.config.num_layers] * 10  # 10 decode steps; the prefill is not one
     stacks.clear()
-    want = _layer_by_layer(_decode, model, ids, 6)
-    assert stacks == [1] * (model.config.num_layers * 10)  # each layer its own call: a stack of one
+    want = _without_one_call(_decode, model, ids, 6)
+    assert stacks == []
     assert torch.equal(got, want)
     if weights is None:
         assert (got - hf(ids).logits[:, 6:]).abs().max() <= TOL
 
 
 @torch.inference_mode()
-def test_a_hooked_layer_leaves_the_stack_and_its_hook_runs(saved, stacks, one_calls):
-    """A forward hook on a block (head analysis captures this way): the layers before it run as a
-    stack, the hooked one and the rest through their own forward, so the hook sees every step."""
+def test_a_hooked_layer_sends_the_step_to_the_reference_and_its_hook_runs(saved, stacks, one_calls):
+    """A forward hook on a block (head analysis captures this way): every step runs the modules as
+    written (executors.REFERENCE), so the hook sees every step, and the logits equal HF's."""
     hf, path = saved("llama-gqa")
     model = headwise.load(path)
     seen = []
@@ -194,12 +188,11 @@ def test_a_hooked_layer_leaves_the_stack_and_its_hook_runs(saved, stacks, one_ca
         got = _decode(model, ids, prefill=5)
     finally:
         handle.remove()
-    # each of 7 decode steps: layer 0 in the step's stack, then layer 1 from its own forward (the
-    # hook runs), still one call of its own (a stack of one)
-    assert stacks == [1, 1] * 7
+    assert stacks == [] and one_calls == []
     assert len(seen) == 1 + 7  # the prefill and every decode step
-    assert one_calls == [1] * (2 * 7)
     assert (got - hf(ids).logits[:, 5:]).abs().max() <= TOL
+    _decode(model, ids, prefill=5)  # the hook removed: the C stack again
+    assert stacks == [model.config.num_layers] * 7
 
 
 _LONG = {  # 2 KV heads x 4 query rows x 64 channels: past 1,024 keys a row's attention splits its heads over threads
@@ -268,10 +261,10 @@ def test_weights_edited_in_place_or_replaced_reach_the_one_call(saved, one_calls
 
 @torch.inference_mode()
 def test_hooks_and_settings_changed_between_steps_reach_the_next_step(saved, stacks):
-    """The stack remembers why each layer took its one call (layer_step._StackMemo) and checks it
-    again each step: a hook added to a projection after the stack was remembered makes that layer
-    run its own forward at the next step (the hook sees it), removing it puts the layer back; an
-    attention backend set by hand takes its layer out the same way; every step equals HF."""
+    """The fused plan (executors.FusedPlan) is checked each step against what may change: a hook
+    added to a projection after the plan was made sends the next step to the reference executor
+    (the hook sees it), removing it brings the C stack back; an attention backend set by hand takes
+    its layer out of the stack (blocks.fused_layer honours it); every step equals HF."""
     hf, path = saved("llama-gqa")
     model = headwise.load(path)
     L, ids = model.config.num_layers, _ids(1, 12, seed=21)
@@ -285,20 +278,20 @@ def test_hooks_and_settings_changed_between_steps_reach_the_next_step(saved, sta
         t = next(steps)
         logits.append(model(ids[:, t : t + 1], cache.step(1)))
 
-    step(), step()  # the first remembers the stack, the second runs from the memo
+    step(), step()  # the first makes the fused plan, the second runs from it
     assert stacks == [L, L]
     handle = model.layers[1].attn.qkv_proj.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
     step()
-    assert stacks[2:] == [1] and len(seen) == 1  # layer 0 stacked alone; layer 1's own forward ran the hook
+    assert stacks[2:] == [] and len(seen) == 1  # the reference executor: the modules ran the hook
     handle.remove()
     step()
-    assert stacks[3:] == [L] and len(seen) == 1
+    assert stacks == [L, L, L] and len(seen) == 1  # fused again
     model.layers[0].attn.backend = "math"
     step()
-    assert stacks[4:] == [1]  # layer 0 through the math backend, layer 1 its one call alone
+    assert stacks == [L, L, L, 1]  # layer 0 through the math backend (fused_layer), layer 1 stacked alone
     model.layers[0].attn.backend = "auto"
     step(), step()
-    assert stacks[5:] == [L, L]
+    assert stacks == [L, L, L, 1, L, L]
     got = torch.cat(logits, dim=1)
     assert (got - hf(ids[:, :11]).logits[:, 4:]).abs().max() <= TOL
 
@@ -369,7 +362,7 @@ def test_quantized_blocks_and_norms_edited_in_place_reach_the_stack(saved, stack
 @pytest.mark.parametrize("weights", [None, "q4_1"])
 @torch.inference_mode()
 def test_a_contiguous_cache_books_the_whole_stack_at_once(saved, monkeypatch, weights):
-    """From the second decode step on, a contiguous cache books every layer's key at once
+    """At every decode step a contiguous cache books every layer's key at once
     (claim_decode_stack) and the stack's descriptors are reused (kernel_layer.BoundStack): the
     logits are bit for bit those of each layer claiming its own key, and after the steps each
     layer's lengths are its own again: appending to one layer leaves the others where they were
@@ -383,7 +376,7 @@ def test_a_contiguous_cache_books_the_whole_stack_at_once(saved, monkeypatch, we
     cache = ContiguousKVCache(cfg.num_layers, 2, cfg.num_kv_heads, 20, cfg.head_dim)
     model(ids[:, :5], cache.step(5))
     got = torch.cat([model(ids[:, t : t + 1], cache.step(1)) for t in range(5, 14)], dim=1)
-    assert kinds == [list] + [kernel_layer.BoundStack] * 8  # the first step remembers the stack
+    assert kinds == [kernel_layer.BoundStack] * 9  # the fused plan was made at the prefill
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kernel_layer.StackCall, "at", lambda *a: pytest.fail("the stack claim was not switched off"))
         mp.setattr(ContiguousKVCache, "claim_decode_stack", lambda *a: None)
@@ -410,7 +403,7 @@ def test_a_contiguous_cache_books_the_whole_stack_at_once(saved, monkeypatch, we
 @torch.inference_mode()
 def test_a_packed_step_books_the_whole_stack_at_once(saved, monkeypatch, fragmented):
     """The engine's packed decode steps, over sequences whose blocks are one run each or
-    scattered through the pool (block tables): from the second step on the step books every
+    scattered through the pool (block tables): at every step the step books every
     layer at once (PackedStep.claim_stack) and the stack's descriptors are reused; the logits are
     bit for bit those of each layer claiming on its own, and the same rows as HF's."""
     hf, path = saved("llama-gqa")
@@ -438,7 +431,7 @@ def test_a_packed_step_books_the_whole_stack_at_once(saved, monkeypatch, fragmen
         return torch.stack(out)  # (12, 2, V)
 
     got = run()
-    assert kinds == [list] + [kernel_layer.BoundStack] * 11
+    assert kinds == [kernel_layer.BoundStack] * 12
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(PackedStep, "claim_stack", lambda *a: None)
         want = run()
@@ -484,12 +477,11 @@ def test_two_threads_decode_one_model_over_their_own_caches(saved, weights):
 
 
 def _by_the_route(model, fn, backend=None):
-    """The same steps through the block's route (no one call): its kernels one by one writing the
+    """The same steps through blocks.fused_layer (no C stack): its kernels one by one writing the
     int8 cache through cache/quantized.py; with backend="math", PyTorch's math attention over the
-    cache as quantized.py dequantizes it (a backend chosen by name also leaves the one call)."""
+    cache as quantized.py dequantizes it (a backend chosen by name also leaves the stack)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(blocks, "claim_step", lambda *a: None)
-        mp.setattr(llama, "stack_step", lambda layers, x, step: (x, 0))
+        mp.setattr(executors, "STACK", False)
         for layer in model.layers if backend else ():
             mp.setattr(layer.attn, "backend", backend)
         return fn()

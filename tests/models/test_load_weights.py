@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import headwise
 from headwise.analysis.corpus import pydoc_corpus
 from headwise.cache import ContiguousKVCache
+from headwise.models import executors
 from headwise.models.builtin import resolve
 from headwise.models.gguf import open_gguf
 from headwise.models.linear import QuantizedEmbedding, QuantizedLinear, weight_bytes
@@ -406,8 +407,9 @@ def test_a_wide_q4_k_m_file_keeps_q_k_v_in_their_formats(tmp_path):
     # the same kernels on the same rows: a step's logits are the full forward's at its position
     # (to the int8 rounding of activations, which sees each row alone in both)
     torch.testing.assert_close(torch.stack(steps, 1)[0], full[0, 11:], atol=1e-3, rtol=1e-3)
-    memo = q.layers.__dict__.get("_stack_memo")  # both layers took the one-call stack, the split one too
-    assert memo is not None and len(memo.plans) == 2 and memo.plans[0][0].split[0] != -2
+    with torch.inference_mode():  # both layers in the C stack, the split one too
+        plan = executors.choose(q, torch.zeros(1, 1, cfg.d_model), None)
+    assert plan is not executors.REFERENCE and plan.whole is not None and plan.steps[0].plan.split[0] != -2
     # the engine's paged steps take the same stack: its greedy tokens are generate()'s
     prompt = ids[0].tolist()
     greedy = headwise.SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
