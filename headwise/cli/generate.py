@@ -61,7 +61,7 @@ def _load(args, task: str):
 
 
 def _sampling(args):
-    from ..generation.sampling import SamplingParams
+    from ..runtime.sampling import SamplingParams
 
     return SamplingParams(
         max_new_tokens=args.max_new_tokens,

@@ -1,20 +1,18 @@
 """Continuous batching: many requests share each forward pass over a paged KV cache.
 
-config.py      EngineConfig: the limits, validated once (the server and the planner use it too)
-request.py     Request (one completion: token ids, num_computed_tokens), StreamPiece, RequestOutput
-scheduler.py   token budget, chunked prefill, prefix hits, preemption; QueueFull
-runner.py      ModelRunner: a batch -> input_ids (1, N), the packed step, logits of the sampled rows
-sampler.py     per-request sampling of a step's rows
-core.py        EngineCore.step(): schedule -> run -> sample -> update; token ids only
 engine.py      Engine: the front end: a background thread, generate / stream / abort, text, stats
+frontends.py   generate(), stream() and the stepping thread of an Engine
 stats.py       EngineStats
+
+The loop it steps (scheduler -> runner -> sampler -> output) is the runtime's (headwise.runtime),
+the same one generate() runs; its parts are re-exported here.
 """
 
-from .config import EngineConfig
-from .core import EngineCore
+from ..runtime.config import EngineConfig
+from ..runtime.paged import EngineCore
+from ..runtime.request import CompletionOutput, Request, RequestOutput, StreamPiece
+from ..runtime.scheduler import QueueFull, Scheduler
 from .engine import Engine
-from .request import CompletionOutput, Request, RequestOutput, StreamPiece
-from .scheduler import QueueFull, Scheduler
 from .stats import EngineStats
 
 __all__ = [

@@ -4,13 +4,12 @@
     outs = engine.generate(["Hi!", "Tell me a joke"], headwise.SamplingParams(temperature=0))
     async for piece in engine.stream(prompt, params): ...      # many streams share each step
 
-Three parts, as vLLM v1: this front end (requests, threads, async streams, queue limits,
-abort, stats), the core (core.py: schedule -> run -> sample -> update, token ids only) and
-the model runner (runner.py: input_ids, the packed step, logits of the sampled rows).
-This file holds the requests, their delivery and step(); generate(), stream() and the
-background thread are in frontends.py (`Frontends`, a base of `Engine`).
-Text stays here: prompts (text, chat, ids) become token ids and sampled ids become text
-and stop strings through the output processor (generation/output.py), as in generate().
+Two parts, as vLLM v1: this front end (requests, threads, async streams, queue limits,
+abort, stats) and the runtime's core (runtime/paged.py: the one loop of schedule -> run ->
+sample -> update over the paged pool, with the one finish rule; generate() runs the same
+loop). This file holds the requests, their delivery and step(); generate(), stream() and
+the background thread are in frontends.py (`Frontends`, a base of `Engine`). Prompts
+(text, chat, ids) become token ids through the runtime's output processor.
 
 Threads: the core's lock guards the scheduler, the cache's bookkeeping, the requests and
 the counters; the forward runs outside it. So `add_request` and `abort` never wait for a
@@ -25,14 +24,15 @@ import time
 import uuid
 from typing import Callable
 
-from ..generation.output import OutputProcessor, Resume
 from ..models.linear import weight_bytes
-from ..generation.sampling import SamplingParams, skip_draws
-from .config import EngineConfig
-from .core import EngineCore, TokenOutput
+from ..runtime.config import EngineConfig
+from ..runtime.core import TokenOutput
+from ..runtime.output import Resume
+from ..runtime.paged import EngineCore
+from ..runtime.request import RequestGroup, RequestOutput, Status, StreamPiece
+from ..runtime.sampling import SamplingParams, skip_draws
+from ..runtime.scheduler import QueueFull
 from .frontends import Frontends
-from .request import RequestGroup, RequestOutput, Status, StreamPiece
-from .scheduler import QueueFull
 from .stats import SAMPLES, EngineStats, Samples
 
 KEEP_OUTPUTS = 1024  # finished outputs kept for `result()` (streams keep none)
@@ -65,7 +65,7 @@ class Engine(Frontends):
             model, config.replace(**limits) if limits else config, lock=self._lock, model_fixed=model_fixed
         )
         self.model, self.tokenizer = model, getattr(model, "tokenizer", None)
-        self.output = OutputProcessor(self.tokenizer)
+        self.output = self.core.output
         self._wake = threading.Condition(self._lock)
         self._step_mutex = threading.Lock()  # one step at a time (thread or generate())
         self._groups: dict[str, RequestGroup] = {}  # unfinished requests
@@ -137,7 +137,6 @@ class Engine(Frontends):
         stops = self.output.stop_ids(params)
         for i in range(params.n):
             r = self.core.request(group, i, stops)
-            r.text = self.output.sequence(ids, params, stops)
             if resume is not None:
                 r.text.resume(resume)
                 if r.generator is not None and not params.greedy:
@@ -274,7 +273,7 @@ class Engine(Frontends):
 
     def _process(self, outputs: list[TokenOutput]):
         """The step's tokens -> text and stream pieces for the outbox (under the lock, before the
-        next step); -> the requests that finished. A stop string finishes the request in the core."""
+        next step); -> the requests that finished (the core's finish rule has run)."""
         finished, now = [], time.perf_counter()
         for r, token, lp in outputs:
             if r.first_token_at is None:
@@ -283,13 +282,8 @@ class Engine(Frontends):
             else:
                 self._itl.append(now - r.last_token_at)
             r.last_token_at = now
-            text = r.text
-            text.push(token)
-            if text.finish_reason is not None:  # the text knows more: a stop string ends it even on
-                self.core.finish(r, text.finish_reason)  # its last allowed token ("stop", not "length")
-                r.finish_reason = text.finish_reason
             piece = StreamPiece(
-                text.new_text(),
+                r.text.new_text(),
                 [token],
                 r.index,
                 [lp] if lp is not None else None,

@@ -12,13 +12,10 @@ import asyncio
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, AsyncIterator, Callable
+from typing import AsyncIterator, Callable
 
-from ..generation.sampling import SamplingParams
-from .request import RequestOutput, Status, StreamPiece
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from ..runtime.request import RequestOutput, Status, StreamPiece
+from ..runtime.sampling import SamplingParams
 
 # After a step that handed pieces to async streams, the stepping thread waits up to this long for
 # their event loop to take them before it starts the next step. The loop's work per piece (its
@@ -97,7 +94,7 @@ class Frontends:
         """Stream one request's pieces (async generator). Validates and queues at the first
         __anext__ (QueueFull / ValueError raise there) and starts the engine thread if needed.
         Closing the generator early (a client that went away) aborts the request and frees
-        its blocks at once. resume (generation.output.Resume): continue a completion that
+        its blocks at once. resume (runtime.output.Resume): continue a completion that
         another server began (the gateway's failover); max_new_tokens counts the new tokens.
 
         direct(piece) -> bool: a consumer that can take a piece in the stepping thread itself
@@ -149,7 +146,7 @@ class Frontends:
                 self.abort(group.request_id)
 
     # ------------------------------------------------------------------ the thread
-    def start(self) -> "Engine":
+    def start(self) -> "Frontends":
         """Start the background thread that steps while there is work (idempotent)."""
         with self._lock:
             self._check_alive()
@@ -210,7 +207,7 @@ class Frontends:
             self._thread.join(timeout)
         self.abort_all()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> "Frontends":
         return self.start()
 
     def __exit__(self, *exc) -> None:

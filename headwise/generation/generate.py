@@ -1,10 +1,10 @@
 """`generate()`: batched, streaming text generation on one process, with the contiguous cache.
 
-Prompts of different lengths are prefilled together (right-padded; the cache
-keeps per-sequence lengths), then every step feeds one token per sequence. The
-prefill asks for the logits of each prompt's last real token only (the output
-layer is ~20% of SmolLM2's weights per row). Prompts, text and stop strings go
-through the output processor (output.py), as in the engine and the server.
+One run of the runtime's loop (runtime/core.py), the same the engine steps: a fixed batch
+over one contiguous cache (runtime/batch.py). Prompts of different lengths are prefilled
+together (right-padded; the cache keeps per-sequence lengths), then every step feeds one
+token per sequence. Sampling, the finish rule (stop ids, stop strings, length) and the
+text are the runtime's (sampler.py, output.py), as in the engine and the server.
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..cache.quantized import is_int8
-from .output import OutputProcessor
-from .sampling import SamplingParams, TokenLogprobs, sample, token_logprobs
+from ..runtime.batch import ContiguousRunner, StaticBatch
+from ..runtime.core import Core
+from ..runtime.output import OutputProcessor, check_context
+from ..runtime.request import RequestGroup
+from ..runtime.sampling import SamplingParams, TokenLogprobs
 
 
 @dataclass
@@ -71,10 +73,6 @@ def generate(
         if unknown:
             raise TypeError(f"unknown sampling field(s): {', '.join(unknown)}")
         params = dataclasses.replace(params, **fields)
-    if is_int8(kv_dtype) and compile:
-        raise ValueError(
-            "kv_dtype='int8' does not combine with compile=True (its static cache holds the model's dtype)"
-        )
     prompts, single = OutputProcessor(getattr(model, "tokenizer", None)).prompts(prompt)
     if stream:
         if not single or params.n != 1:
@@ -107,108 +105,45 @@ def _run(
     compile: bool = False,
     kv_dtype: str | None = None,
 ):
-    from ..cache import ContiguousKVCache
-
-    cfg = model.config
-    B = len(prompts)
-    lengths = [len(p) for p in prompts]
-    limit = cfg.max_positions
-    for i, n in enumerate(lengths):
-        if n + params.max_new_tokens > limit:
-            raise ValueError(
-                f"prompt {i} has {n} tokens; with max_new_tokens={params.max_new_tokens} that "
-                f"exceeds the model's context of {limit} tokens"
-            )
-    param = next(model.parameters())
-    device, dtype = param.device, param.dtype
+    """The batch as one run of the runtime's loop (runtime/core.py) over a contiguous cache."""
+    limit = model.config.max_positions
     out = OutputProcessor(getattr(model, "tokenizer", None))
+    for i, p in enumerate(prompts):
+        check_context(len(p), params.max_new_tokens, limit, f"the model's context of {limit} tokens", f"prompt {i}")
+    B = len(prompts)
+    runner = ContiguousRunner(
+        model, B, max(map(len, prompts)) + params.max_new_tokens, kv_dtype=kv_dtype, compile=compile
+    )
+    core = Core(model, StaticBatch(), runner, max_model_len=limit)
     stops = out.stop_ids(params)
-    seqs = [out.sequence(p, params, stops) for p in prompts]
-    gens = [None] * B
-    if params.seed is not None:
-        gens = [torch.Generator(device=device).manual_seed(params.seed + i) for i in range(B)]
-
-    T0 = max(lengths)
-    if compile:
-        from .compiled import compiled_decode_step, static_cache, static_cache_size
-
-        step_fn = compiled_decode_step(model)
-        cache = static_cache(model, B, static_cache_size(T0 + params.max_new_tokens, limit), dtype=dtype, device=device)
-    else:
-        step_fn = None
-        cache = ContiguousKVCache(
-            cfg.num_layers,
-            B,
-            cfg.num_kv_heads,
-            T0 + params.max_new_tokens,
-            cfg.head_dim,
-            dtype=dtype,
-            device=device,
-            kv_dtype=kv_dtype,
-        )
-    ids = torch.zeros(B, T0, dtype=torch.long, device=device)  # (B, T0), right-padded
-    for b, p in enumerate(prompts):
-        ids[b, : len(p)] = torch.tensor(p, device=device)
-    seen = None
-    if params.repetition_penalty != 1.0:
-        seen = torch.zeros(B, cfg.vocab_size, dtype=torch.bool, device=device)  # (B, V): ids seen so far
-        for b, p in enumerate(prompts):
-            seen[b, torch.tensor(p, device=device)] = True
-
+    # completion i of a prompt draws from seed + i, as in the engine
+    reqs = [core.request(RequestGroup(str(b), p, params, None), b % params.n, stops) for b, p in enumerate(prompts)]
+    for r in reqs:
+        core.add(r)
+    # between the decode steps of a whole generate() no code of the user's runs (a stream
+    # yields to it): the model is as the run's first step found it (Step.model_vouch)
+    vouch = None if streaming else object()
     t0 = time.perf_counter()
+    core.step(vouch=vouch)
+    t_prefill = time.perf_counter() - t0
+    t1 = time.perf_counter()
     with torch.inference_mode():
-        lens = torch.tensor(lengths, device=device)  # (B,)
-        rows = torch.arange(B, device=device) * T0 + lens - 1  # each prompt's last real token, b*T0 + t
-        step = cache.step(T0, num_new=None if min(lengths) == T0 else lens, logits_indices=rows)
-        last = model(ids, step)  # (B, V)
-        t_prefill = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        # between the decode steps of a whole generate() no code of the user's runs (a stream
-        # yields to it): the model is as the run's first step found it (Step.model_vouch)
-        vouch = None if streaming else object()
-        for step in range(params.max_new_tokens):
-            if gens[0] is None:
-                nxt = sample(last, params, seen=seen)  # (B,)
-            else:
-                nxt = torch.cat(
-                    [
-                        sample(
-                            last[b : b + 1], params, seen=None if seen is None else seen[b : b + 1], generator=gens[b]
-                        )
-                        for b in range(B)
-                    ]
-                )
-            if params.logprobs is not None:
-                for s, lp in zip(seqs, token_logprobs(last, nxt, params.logprobs)):
-                    if s.finish_reason is None:
-                        s.logprobs.append(lp)
-            if seen is not None:
-                seen[torch.arange(B), nxt] = True
-            for s, t in zip(seqs, nxt.tolist()):
-                if s.finish_reason is None:
-                    s.push(t)
+        while True:
             if streaming:
-                yield seqs[0].new_text()
-            if all(s.finish_reason for s in seqs):
+                yield reqs[0].text.new_text()
+            if not core.scheduler.has_work():
                 break
-            if step_fn is None:
-                decode = cache.step(1)
-                decode.model_vouch = vouch
-                last = model(nxt[:, None], decode)[:, -1]  # (B, V)
-            else:
-                cache.book(1)  # host bookkeeping, outside the graph
-                last = step_fn(nxt[:, None], cache)
-        t_decode = time.perf_counter() - t1
+            core.step(vouch=vouch)
+    t_decode = time.perf_counter() - t1
     if streaming:
-        yield seqs[0].new_text()
-        return seqs[0].finish_reason or "length"
-    for s in seqs:
+        return reqs[0].finish_reason
+    for r in reqs:
         yield GenerationResult(
-            s.text,
-            s.token_ids,
-            s.finish_reason or "length",
-            s.prompt,
-            s.logprobs if params.logprobs is not None else None,
+            r.text.text,
+            r.output_token_ids,
+            r.finish_reason,
+            r.group.prompt_token_ids,
+            r.logprobs if params.logprobs is not None else None,
             t_prefill,
             t_decode,
         )

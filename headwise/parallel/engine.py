@@ -27,9 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..cache.paged import PagedKVCache
 from ..engine import Engine, EngineConfig
-from ..engine.core import EngineCore
+from ..runtime.paged import EngineCore
 from .comm import Comm, ParallelError
 
 IDLE_TIMEOUT = datetime.timedelta(days=7)  # the control group's: followers wait this long for a step
@@ -37,11 +36,9 @@ IDLE_TIMEOUT = datetime.timedelta(days=7)  # the control group's: followers wait
 
 def _control(comm: Comm):
     """A second gloo group for the step broadcasts (made once, in the same order on every rank)."""
-    group = getattr(comm, "_control_group", None)
-    if group is None:
-        group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-        comm._control_group = group
-    return group
+    if comm.control_group is None:
+        comm.control_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    return comm.control_group
 
 
 def _broadcast(comm: Comm, message=None):
@@ -57,49 +54,32 @@ def _broadcast(comm: Comm, message=None):
     return box[0]
 
 
-class _RecordingCache(PagedKVCache):
-    """Rank 0's pool (its class swapped in after the engine builds it): the same pool, which
-    also logs each call that changes block ownership, for the followers to replay."""
+class _PoolLog:
+    """Rank 0's pool's journal (PagedKVCache.journal): each call that changed block ownership,
+    its arguments as plain ints, for the followers to replay; and the last packed step, the one
+    the next forward must run."""
 
-    def _start_log(self) -> None:
-        self._log, self._log_lock, self.last_step = [], threading.Lock(), None
+    def __init__(self):
+        self._ops: list = []
+        self._lock = threading.Lock()  # the engine's thread appends while the forward takes
+        self.last_step = None
 
-    def _record(self, op: str, *args, **kwargs) -> None:
-        with self._log_lock:
-            self._log.append((op, args, kwargs))
+    def __call__(self, op: str, *args, **kwargs) -> None:
+        if op == "add_sequence":
+            seq_id, token_ids = args
+            args = (seq_id, None if token_ids is None else [int(t) for t in token_ids])
+        elif op == "packed":
+            step, seq_ids, num_new, token_ids = args
+            news = None if token_ids is None else [None if t is None else [int(x) for x in t] for t in token_ids]
+            args = (list(seq_ids), num_new if isinstance(num_new, int) else list(num_new), news)
+            self.last_step = step
+        with self._lock:
+            self._ops.append((op, args, kwargs))
 
-    def take_log(self) -> list:
-        with self._log_lock:
-            log, self._log = self._log, []
-        return log
-
-    def add_sequence(self, seq_id, token_ids=None):
-        n = super().add_sequence(seq_id, token_ids)
-        self._record("add_sequence", seq_id, None if token_ids is None else [int(t) for t in token_ids])
-        return n
-
-    def fork(self, seq_id, new_seq_id):
-        super().fork(seq_id, new_seq_id)
-        self._record("fork", seq_id, new_seq_id)
-
-    def free(self, seq_id):
-        super().free(seq_id)
-        self._record("free", seq_id)
-
-    def packed(self, seq_ids, num_new, token_ids=None, *, defer_prefix=False, logits_indices=None):
-        step = super().packed(seq_ids, num_new, token_ids, defer_prefix=defer_prefix, logits_indices=logits_indices)
-        news = None if token_ids is None else [None if t is None else [int(x) for x in t] for t in token_ids]
-        counts = num_new if isinstance(num_new, int) else list(num_new)
-        self._record("packed", list(seq_ids), counts, news, defer_prefix=defer_prefix, logits_indices=logits_indices)
-        commit = step.commit
-
-        def recorded_commit():
-            self._record("commit")
-            return commit()
-
-        step.commit = recorded_commit
-        self.last_step = step
-        return step
+    def take(self) -> list:
+        with self._lock:
+            ops, self._ops = self._ops, []
+        return ops
 
 
 class _Leader(nn.Module):
@@ -109,12 +89,12 @@ class _Leader(nn.Module):
         super().__init__()
         self.inner, self.comm = model, comm
         self.config, self.tokenizer = model.config, getattr(model, "tokenizer", None)
-        self.cache: _RecordingCache | None = None
+        self.log: _PoolLog | None = None  # set by lead() once the engine has made its pool
 
     def forward(self, input_ids, step=None, **kwargs):
-        if self.cache is None or step is not self.cache.last_step or kwargs:
+        if self.log is None or step is not self.log.last_step or kwargs:
             raise ValueError("a sharded engine's model runs only the engine's packed steps")
-        _broadcast(self.comm, ("step", self.cache.take_log(), input_ids.cpu()))  # the control group is gloo
+        _broadcast(self.comm, ("step", self.log.take(), input_ids.cpu()))  # the control group is gloo
         return self.inner(input_ids, step)
 
 
@@ -131,9 +111,7 @@ def lead(model: nn.Module, comm: Comm, config: EngineConfig | None = None, **lim
     leader = _Leader(model, comm)
     engine = Engine(leader, _config(config, limits))
     cache = engine.core.cache
-    cache.__class__ = _RecordingCache
-    cache._start_log()
-    leader.cache = cache
+    leader.log = cache.journal = _PoolLog()
     _broadcast(comm, ("hello", cache.num_blocks, cache.block_size))
     return engine
 

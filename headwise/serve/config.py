@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from ..engine.config import EngineConfig
+from ..runtime.config import EngineConfig
 
 CACHE_KINDS = ("paged", "int8")  # the engine's block pool, fp32/model dtype or int8 K/V
 METRICS_AUTH = ("auto", "always", "never")

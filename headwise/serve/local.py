@@ -163,7 +163,7 @@ class LocalRuntime:
     async def stream(self, prompt: list[int], sampling, request_id: str, resume=None, direct=None) -> AsyncIterator:
         """The engine's stream, QueueFull -> 429 + Retry-After, ValueError -> 400, a failed
         engine -> 500 (and a fresh engine for the requests that follow). resume: continue a
-        completion another server began (generation.output.Resume); direct: see Engine.stream."""
+        completion another server began (runtime.output.Resume); direct: see Engine.stream."""
         from ..engine import QueueFull
 
         engine = self.engine

@@ -17,7 +17,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..generation.sampling import MAX_STOP_CHARS, MAX_STOPS
+from ..runtime.sampling import MAX_STOP_CHARS, MAX_STOPS
 
 NonEmpty = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]

@@ -6,7 +6,7 @@ import torch
 
 from headwise import Engine, SamplingParams
 from headwise.engine import EngineConfig, EngineCore
-from headwise.engine.request import RequestGroup, Status
+from headwise.runtime.request import RequestGroup, Status
 
 from .conftest import all_blocks_free, ragged_prompts, reference
 
@@ -29,7 +29,7 @@ def test_core_runs_token_ids_in_and_out(tiny_gpt2):
             seen[id(out.request)].append(out.token)
     for p, sp, r in zip(prompts, params, requests):
         ref = reference(tiny_gpt2, p, sp)[0]
-        assert r.status is Status.FINISHED and r.text is None  # the core made no text
+        assert r.status is Status.FINISHED and r.text.text == ""  # no tokenizer: no text
         assert r.output_token_ids == seen[id(r)] == ref.token_ids
         assert r.finish_reason == ref.finish_reason == "length"
     assert not core.cache.seq_ids()

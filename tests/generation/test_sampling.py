@@ -6,7 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from headwise import SamplingParams
-from headwise.generation.sampling import apply_repetition_penalty, filter_logits, sample
+from headwise.runtime.sampling import apply_repetition_penalty, filter_logits
+from headwise.runtime.sampler import sample
 
 from transformers.generation.logits_process import (  # noqa: E402  (the independent reference)
     MinPLogitsWarper,

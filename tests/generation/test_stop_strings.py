@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from headwise.generation.output import TextSequence
-from headwise.generation.sampling import MAX_STOP_CHARS, MAX_STOPS, SamplingParams
+from headwise.runtime.output import TextSequence
+from headwise.runtime.sampling import MAX_STOP_CHARS, MAX_STOPS, SamplingParams
 
 
 class TableDecoder:

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from headwise.generation.sampling import MAX_STOP_CHARS, MAX_STOPS
+from headwise.runtime.sampling import MAX_STOP_CHARS, MAX_STOPS
 
 from .conftest import ServeProcess
 

@@ -26,7 +26,7 @@ from .streams import Streams, Usage, collect, sse_events, until_disconnect
 
 
 def render_prompt(tok, req: ChatCompletionRequest) -> list[int]:
-    from ...generation.output import OutputProcessor
+    from ...runtime.output import OutputProcessor
     from ...models.chat_template import ChatTemplateError
 
     messages = []

@@ -78,7 +78,7 @@ def reject_unsupported(req: SamplingFields, extra: dict | None = None) -> None:
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None):
-    from ...generation.sampling import SamplingParams
+    from ...runtime.sampling import SamplingParams
 
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     temperature = 1.0 if req.temperature is None else req.temperature  # OpenAI's default
@@ -131,12 +131,12 @@ def check_context(prompt_lens: list[int], max_tokens: int | None, limit: int, wh
 
 
 def resume_of(req: SamplingFields, prompts: list[list[int]], vocab: int, requested: int | None):
-    """-> (generation.output.Resume or None, max_tokens left for this run) from the request's
+    """-> (runtime.output.Resume or None, max_tokens left for this run) from the request's
     headwise.resume: a completion another replica began, continued here (serve/failover.py)."""
     hw = req.headwise
     if hw is None or hw.resume is None:
         return None, requested
-    from ...generation.output import Resume
+    from ...runtime.output import Resume
 
     ids = hw.resume.token_ids
     if len(prompts) != 1 or (req.n or 1) != 1:

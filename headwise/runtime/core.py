@@ -1,17 +1,19 @@
-"""`EngineCore`: one step of continuous batching, token ids in and token ids out.
+"""The one loop: schedule -> run -> sample -> update, token ids in and token ids out.
 
-    core = EngineCore(model, EngineConfig(num_blocks=128, block_size=4))
+    core = Core(model, scheduler, runner)         # or EngineCore(model, EngineConfig(...)): the paged pool
     core.add(core.request(RequestGroup("r0", [1, 2, 3], SamplingParams(temperature=0), None), 0))
     while core.scheduler.has_work():
-        for out in core.step():                 # TokenOutput(request, token, logprobs)
+        for out in core.step():                   # TokenOutput(request, token, logprobs)
             ...
 
-A step: the scheduler picks tokens under a budget (scheduler.py), the runner packs them
-and runs one forward (runner.py), each sampled row is drawn with its request's own
-parameters (sampler.py), and the requests advance: the token is appended, and a request
-that sampled a stop id or reached max_new_tokens finishes and frees its blocks. No
-tokenizer and no text here: stop strings and detokenizing are the front end's (engine.py,
-through generation/output.py), which finishes a request early with `finish`.
+Every way of running a model goes through `Core.step` (vLLM v1's EngineCore, small):
+`headwise.generate()` steps a `StaticBatch` over one contiguous cache (batch.py), the
+`Engine` and the server step the continuous-batching `Scheduler` over the paged pool
+(scheduler.py, runner.py). A step: the scheduler picks the tokens to compute, the runner
+packs them and runs one forward, the sampler draws each sampled row with its request's own
+parameters (sampler.py), and each request takes its token through the one finish rule
+(`TextSequence.push`, output.py: stop ids, stop strings, max_new_tokens); `finish` ends a
+request early ("abort"), freeing what it holds.
 
 Threads: scheduling and cache bookkeeping run under `lock`, the forward outside it, so a
 caller holding the lock (add, abort) never waits for a forward. An abort frees blocks at
@@ -29,13 +31,10 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..cache.paged import PagedKVCache
-from ..generation.sampling import SamplingParams, TokenLogprobs
-from .config import EngineConfig
+from .output import OutputProcessor, check_context
 from .request import Request, RequestGroup, Status
-from .runner import ModelRunner
-from .sampler import sample_rows
-from .scheduler import Scheduler
+from .sampler import Sampler
+from .sampling import SamplingParams, TokenLogprobs
 
 
 class TokenOutput(NamedTuple):
@@ -46,46 +45,28 @@ class TokenOutput(NamedTuple):
     logprobs: TokenLogprobs | None
 
 
-class EngineCore:
-    def __init__(
-        self,
-        model,
-        config: EngineConfig | None = None,
-        *,
-        lock: threading.RLock | None = None,
-        model_fixed: bool = False,
-    ):
-        cfg = getattr(model, "config", None)
-        if cfg is None or not getattr(cfg, "causal", False) or not getattr(cfg, "lm_head", False):
-            kind = getattr(cfg, "arch", type(model).__name__)
-            raise ValueError(
-                f"the engine serves decoder language models (llama, gpt2 families); got {kind!r}, "
-                f"which has no causal LM head (use headwise.embed for encoders)"
-            )
-        param = next(model.parameters())
-        self.model, self.device, self.dtype = model, param.device, param.dtype
-        self.config = (config or EngineConfig()).resolve(cfg, self.dtype)  # every size known from here
-        self.max_model_len: int = self.config.max_model_len(cfg)
-        c = self.config
-        # Sequences start at fixed-stride regions of the pool while there is room (decodes of all of
-        # them read as one strided view), else mid-way into the largest free stretch (each stays one
-        # consecutive run, read in place); see cache/packed.py.
-        self.cache = PagedKVCache(
-            cfg.num_layers,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            c.num_blocks,
-            c.block_size,
-            dtype=self.dtype,
-            device=self.device,
-            kv_dtype=c.kv_dtype,
-            spread=True,
-            region_blocks=max(1, c.num_blocks // c.max_num_seqs),
+def check_decoder(model) -> None:
+    cfg = getattr(model, "config", None)
+    if cfg is None or not getattr(cfg, "causal", False) or not getattr(cfg, "lm_head", False):
+        kind = getattr(cfg, "arch", type(model).__name__)
+        raise ValueError(
+            f"generation runs decoder language models (llama, gpt2 families); got {kind!r}, "
+            f"which has no causal LM head (use headwise.embed for encoders)"
         )
-        self.scheduler = Scheduler(
-            self.cache, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens
-        )
-        self.runner = ModelRunner(model, self.cache, model_fixed=model_fixed)
+
+
+class Core:
+    """A model, a scheduler (what to compute), a runner (how) and the sampler, stepped as one.
+    max_model_len: the longest prompt + output a request may take (the model's context, or
+    less where the cache holds less)."""
+
+    def __init__(self, model, scheduler, runner, *, max_model_len: int, lock: threading.RLock | None = None):
+        check_decoder(model)
+        self.model, self.scheduler, self.runner = model, scheduler, runner
+        self.device = next(model.parameters()).device
+        self.max_model_len = max_model_len
+        self.output = OutputProcessor(getattr(model, "tokenizer", None))
+        self.sampler = Sampler()
         self.lock = lock if lock is not None else threading.RLock()
         self.counts = collections.Counter()  # steps, prefill_tokens, output_tokens
         self.seconds = {"schedule": 0.0, "forward": 0.0, "output": 0.0}
@@ -98,34 +79,32 @@ class EngineCore:
         bad = [t for t in ids if not 0 <= t < V]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are out of range for this model's vocabulary of {V}")
-        if len(ids) + params.max_new_tokens > self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens; with max_new_tokens={params.max_new_tokens} that "
-                f"exceeds max_model_len={self.max_model_len} (the model's context of "
-                f"{self.model.config.max_positions} tokens, or the KV pool's {self.cache.num_blocks} "
-                f"blocks x {self.config.block_size} tokens)"
-            )
+        check_context(len(ids), params.max_new_tokens, self.max_model_len, self.limit_source())
 
-    def request(self, group: RequestGroup, index: int, stop_ids: frozenset = frozenset()) -> Request:
-        """Completion `index` of a group, with its sampling state (seeded generator, seen ids)."""
+    def limit_source(self) -> str:
+        """What max_model_len comes from, for the context error."""
+        return f"the model's context of {self.model.config.max_positions} tokens"
+
+    def request(self, group: RequestGroup, index: int, stop_ids: frozenset | None = None) -> Request:
+        """Completion `index` of a group, with its sampling state (seeded generator, seen ids)
+        and its text state (detokenizer, stop strings: the finish rule)."""
         params, ids = group.params, group.prompt_token_ids
         gen = None
-        if params.seed is not None:  # as generate(): completion i draws from seed + i
+        if params.seed is not None:  # completion i draws from seed + i
             gen = torch.Generator(device=self.device).manual_seed(params.seed + index)
         seen = None
         if params.repetition_penalty != 1.0:
             seen = torch.zeros(self.model.config.vocab_size, dtype=torch.bool, device=self.device)
             seen[torch.tensor(ids, device=self.device)] = True
-        return Request(
-            group, index, frozenset(stop_ids) | frozenset(params.stop_token_ids), gen, seen, token_ids=list(ids)
-        )
+        text = self.output.sequence(ids, params, stop_ids)
+        return Request(group, index, text.stop_ids, gen, seen, token_ids=list(ids), text=text)
 
     def add(self, request: Request) -> None:
         with self.lock:
             self.scheduler.add(request)
 
     def finish(self, request: Request, reason: str) -> None:
-        """End a request now ("stop", "length", "abort"), freeing its blocks at once."""
+        """End a request now ("stop", "length", "abort"), freeing what it holds at once."""
         with self.lock:
             if request.status is not Status.FINISHED:
                 self.scheduler.finish(request)
@@ -136,25 +115,17 @@ class EngineCore:
         """Schedule -> run -> sample -> update. -> the step's TokenOutputs, or process(outputs):
         run under the lock, before anything else can touch the requests (the front end's text).
         vouch: the caller's word that nothing changed the model since the step it last passed
-        the same object to (Step.model_vouch; ignored when the engine's model is fixed)."""
+        the same object to (Step.model_vouch; ignored when the runner's model is fixed)."""
         t0 = time.perf_counter()
         with self.lock:
             plan = self.scheduler.schedule()
             if not plan.chunks:
-                sched = self.scheduler
-                if sched.waiting and not sched.running and not plan.preempted:  # would loop forever
-                    r = sched.waiting[0]
-                    raise RuntimeError(
-                        f"cannot schedule request {r.group.request_id!r} ({r.num_tokens} tokens) "
-                        f"with every block free ({self.cache.num_free_blocks} of "
-                        f"{self.cache.num_blocks}); this is a bug"
-                    )
                 return process([]) if process is not None else []
             batch = self.runner.prepare(plan.chunks, vouch)
         t1 = time.perf_counter()
         logits = self.runner.run(batch)  # (R, V) or None
         with self.lock:
-            batch.step.commit()
+            self.runner.commit(batch)
             t2 = time.perf_counter()
             dt = t2 - t1
             self.rate = 0.8 * self.rate + 0.2 * (batch.num_tokens / dt) if self.rate else batch.num_tokens / dt
@@ -174,7 +145,7 @@ class EngineCore:
             if picked:
                 with torch.inference_mode():
                     sel = logits if len(picked) == logits.shape[0] else logits[[i for i, _ in picked]]
-                    tokens, logprobs = sample_rows(sel, [r for _, r in picked])
+                    tokens, logprobs = self.sampler.sample(sel, [r for _, r in picked])
                 outputs = [self._append(r, tok, lp) for (_, r), tok, lp in zip(picked, tokens, logprobs)]
             result = process(outputs) if process is not None else outputs
             self.seconds["schedule"] += t1 - t0
@@ -183,7 +154,7 @@ class EngineCore:
         return result
 
     def _append(self, r: Request, token: int, lp) -> TokenOutput:
-        """Record a sampled token; finish the request (freeing its blocks) if it ends here."""
+        """Record a sampled token; finish the request (freeing what it holds) if it ends here."""
         r.token_ids.append(token)
         r.output_token_ids.append(token)
         if r.seen is not None:
@@ -191,8 +162,7 @@ class EngineCore:
         if lp is not None:
             r.logprobs.append(lp)
         self.counts["output_tokens"] += 1
-        if token in r.stop_ids:
-            self.finish(r, "stop")
-        elif r.num_output_tokens >= r.params.max_new_tokens:
-            self.finish(r, "length")
+        r.text.push(token)  # the one finish rule
+        if r.text.finish_reason is not None:
+            self.finish(r, r.text.finish_reason)
         return TokenOutput(r, token, lp)

@@ -17,11 +17,14 @@ its compiled step does not see it (call `reset_compiled(model)`). Prefill stays 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 SLOTS_QUANTUM = 256
-_ATTR = "_headwise_compiled_decode"
-_CACHES = "_headwise_static_caches"
+# model -> (its compiled decode step, its static caches by (batch, slots, dtype, device)); forgotten
+# with the model, or by reset_compiled
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def static_cache_size(needed: int, max_positions: int) -> int:
@@ -31,15 +34,18 @@ def static_cache_size(needed: int, max_positions: int) -> int:
 def compiled_decode_step(model):
     """model -> step(ids (B, 1), cache) -> (B, V) logits of the last position, compiled once
     per model (dynamo guards recompile it for a new batch size or cache size)."""
-    step = model.__dict__.get(_ATTR)
-    if step is None:
+    entry = _COMPILED.get(model)
+    if entry is None:
+        ref = weakref.ref(model)  # the step must not keep its model alive
 
         def decode(ids, cache):
-            return model(ids, cache=cache)[:, -1]
+            return ref()(ids, cache=cache)[:, -1]
 
-        step = torch.compile(decode, dynamic=False, fullgraph=True, options={"freezing": True})
-        model.__dict__[_ATTR] = step
-    return step
+        entry = _COMPILED[model] = (
+            torch.compile(decode, dynamic=False, fullgraph=True, options={"freezing": True}),
+            {},
+        )
+    return entry[0]
 
 
 def static_cache(model, batch_size: int, slots: int, *, dtype, device):
@@ -48,7 +54,8 @@ def static_cache(model, batch_size: int, slots: int, *, dtype, device):
     fresh cache per call would recompile the step every call."""
     from ..cache import ContiguousKVCache
 
-    caches = model.__dict__.setdefault(_CACHES, {})
+    compiled_decode_step(model)
+    caches = _COMPILED[model][1]
     key = (batch_size, slots, dtype, str(device))
     cache = caches.get(key)
     if cache is None:
@@ -62,5 +69,4 @@ def static_cache(model, batch_size: int, slots: int, *, dtype, device):
 
 def reset_compiled(model) -> None:
     """Forget the compiled step and its caches (after editing weights, which freezing baked in)."""
-    model.__dict__.pop(_ATTR, None)
-    model.__dict__.pop(_CACHES, None)
+    _COMPILED.pop(model, None)

@@ -1,4 +1,4 @@
-"""`ModelRunner`: a scheduled batch -> input_ids, a packed step, logits of the sampled rows.
+"""`PagedRunner`: a scheduled batch -> input_ids, a packed paged step, logits of the sampled rows.
 
 The step's tokens are packed on one axis, input_ids (1, N), N = the sum of the chunks'
 lengths, sequence by sequence with no padding, and run through the model in ONE forward
@@ -7,8 +7,11 @@ all requests at once. `logits_indices` names the rows that get a token (the last
 each chunk that reaches its request's end), so the model runs its output layer (~20% of
 SmolLM2's weights per row) on those R rows only and returns logits (R, V).
 
-    batch = runner.prepare(chunks)      # under the engine's lock: reserves slots in the pool
+    batch = runner.prepare(chunks)      # under the core's lock: reserves slots in the pool
     logits = runner.run(batch)          # (R, V) fp32; outside the lock
+    runner.commit(batch)                # under the lock again: the pool's deferred bookkeeping
+
+Every runner (this one, and batch.py's `ContiguousRunner` for generate()) has these three.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ class Batch:
         return self.input_ids.shape[1]
 
 
-class ModelRunner:
+class PagedRunner:
     def __init__(self, model, cache: PagedKVCache, *, model_fixed: bool = False):
         self.model, self.cache = model, cache
         self.device = next(model.parameters()).device
@@ -68,3 +71,6 @@ class ModelRunner:
         with torch.inference_mode():
             logits = self.model(batch.input_ids, batch.step)  # (R, V)
         return logits if batch.rows else None
+
+    def commit(self, batch: Batch) -> None:
+        batch.step.commit()

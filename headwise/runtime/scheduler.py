@@ -131,6 +131,12 @@ class Scheduler:
             reserved += need
         if not preempted:
             budget, reserved = self._admit(budget, reserved, prefills)
+        if not decodes and not prefills and self.waiting and not self.running and not preempted:
+            r = self.waiting[0]  # would loop forever
+            raise RuntimeError(
+                f"cannot schedule request {r.group.request_id!r} ({r.num_tokens} tokens) with every block "
+                f"free ({cache.num_free_blocks} of {cache.num_blocks}); this is a bug"
+            )
         return SchedulerOutput(decodes + prefills, preempted)
 
     def _admit(self, budget: int, reserved: int, chunks: list[Chunk]) -> tuple[int, int]:

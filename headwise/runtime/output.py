@@ -1,11 +1,14 @@
-"""Text at the edge: prompts in, text out. The one output processor of generate(), the engine and the server.
+"""Text at the edge and the one finish rule: prompts in, text out, for generate(), the engine and the server.
 
     out = OutputProcessor(model.tokenizer)             # None for a model without a tokenizer
     prompts, single = out.prompts(["Hi!", [{"role": "user", "content": "Hi"}], [1, 2, 3]])
     seq = out.sequence(prompts[0], params)             # per-sequence text state
     seq.push(token_id); piece = seq.new_text()         # streamed text; stop strings held back
 
-Models and the engine core only ever see token ids. Chat messages go through the model's
+`TextSequence.push` is the one finish rule: a stop id (EOS, end of turn, stop_token_ids),
+a stop string (the text is cut before it; it wins over the length limit on the same token),
+max_new_tokens ("length"); `check_context` is the one context-limit check, made before a
+request runs; an abort is the scheduler's (`Core.finish`). Models only ever see token ids. Chat messages go through the model's
 chat template; generated ids are detokenized incrementally (a piece never splits a UTF-8
 character); stop strings are found as the text grows, even when they straddle tokens, and
 while streaming, text that could still become a stop string is held back.
@@ -140,6 +143,16 @@ class TextSequence:
         piece = self.text[self.emitted : end]
         self.emitted = max(self.emitted, end)
         return piece
+
+
+def check_context(prompt_len: int, max_new_tokens: int, max_model_len: int, source: str, what: str = "the prompt"):
+    """ValueError when a prompt of prompt_len tokens plus max_new_tokens does not fit in max_model_len
+    (source: where the limit comes from, for the message)."""
+    if prompt_len + max_new_tokens > max_model_len:
+        raise ValueError(
+            f"{what} has {prompt_len} tokens; with max_new_tokens={max_new_tokens} that exceeds "
+            f"max_model_len={max_model_len} ({source})"
+        )
 
 
 def is_chat(x) -> bool:

@@ -1,5 +1,5 @@
 """Sampling: one description of how to pick tokens (`SamplingParams`), and the
-logits processors that implement it.
+operations the sampler's chain (sampler.py) is made of.
 
 The order follows Hugging Face transformers and vLLM: repetition penalty, then
 temperature, then top-k, top-p and min-p filters, then a draw from the softmax.
@@ -13,8 +13,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-
-from ..kernels import argmax_rows
 
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
@@ -38,12 +36,16 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1  # completions per prompt
     logprobs: int | None = None  # return the chosen token's logprob and this many alternatives
+    # per-request links of the sampler's chain, applied first (sampler.LogitsProcessor: a grammar
+    # mask, logit_bias); each sees the request's tokens so far, batched across the requests carrying it
+    logits_processors: tuple = ()
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
         checks = [
             (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
@@ -54,6 +56,7 @@ class SamplingParams:
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
             (all(s for s in self.stop), "stop strings must be non-empty"),
+            (all(callable(p) for p in self.logits_processors), "logits_processors must be callables"),
             (len(self.stop) <= MAX_STOPS, f"at most {MAX_STOPS} stop strings are allowed, got {len(self.stop)}"),
             (
                 all(len(s) <= MAX_STOP_CHARS for s in self.stop),
@@ -96,24 +99,6 @@ def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: flo
         probs = logits.softmax(dim=-1)
         logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), neg_inf)
     return logits
-
-
-def sample(
-    logits: Tensor, params: SamplingParams, *, seen: Tensor | None = None, generator: torch.Generator | None = None
-) -> Tensor:
-    """Pick one token per row of logits (B, V) -> (B,) long."""
-    logits = logits.float()
-    if seen is not None:  # an extreme penalty can overflow: keep every logit finite
-        big = torch.finfo(torch.float32).max
-        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty).clamp(-big, big)
-    if params.greedy:
-        return argmax_rows(logits)  # torch's argmax where the kernel does not take logits
-    # Shift the row max to 0 before dividing: a tiny temperature then sends the rest to -inf
-    # (sampling becomes argmax, ties split) instead of overflowing to inf - inf = NaN.
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
-    logits = filter_logits(logits, params.top_k, params.top_p, params.min_p)
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def skip_draws(generator: torch.Generator, n: int, vocab: int) -> None:

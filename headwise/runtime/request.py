@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from ..generation.sampling import SamplingParams, TokenLogprobs
+from .sampling import SamplingParams, TokenLogprobs
 
 
 class Status(enum.Enum):
@@ -129,8 +129,7 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     first_token_at: float | None = None
     last_token_at: float | None = None
-    text: object | None = None  # the front end's TextSequence (detokenizer, stop strings);
-    # the core never reads it
+    text: object | None = None  # its TextSequence (output.py): detokenizer, stop strings, the finish rule
 
     @property
     def seq_id(self) -> tuple[str, int]:
