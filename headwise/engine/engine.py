@@ -46,12 +46,11 @@ class Engine(Frontends):
     its fields as keywords (`Engine(model, max_num_seqs=8)`), which change `config`'s.
     add_request/stream beyond the waiting queue's bounds raise QueueFull.
     generate(), stream() and the background thread (start/shutdown) are in frontends.py.
-    model_fixed=True: nothing changes the model while the engine lives (`headwise serve`'s own
-    models), so its decode steps check the model's modules once, not at every step; leave it
-    False to add hooks or edit weights between requests.
+    The model is taken as it is at each step: hooks added or weights edited between two steps
+    are seen by the next (models/executors.py decides which executor runs).
     """
 
-    def __init__(self, model, config: EngineConfig | None = None, *, model_fixed: bool = False, **limits):
+    def __init__(self, model, config: EngineConfig | None = None, **limits):
         config = config if config is not None else EngineConfig()
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be a headwise.engine.EngineConfig, got {type(config).__name__}")
@@ -61,9 +60,7 @@ class Engine(Frontends):
                 f"unknown engine setting(s) {', '.join(unknown)}; known: {', '.join(EngineConfig.fields())}"
             )
         self._lock = threading.RLock()  # scheduler, cache bookkeeping, requests, counters
-        self.core = EngineCore(
-            model, config.replace(**limits) if limits else config, lock=self._lock, model_fixed=model_fixed
-        )
+        self.core = EngineCore(model, config.replace(**limits) if limits else config, lock=self._lock)
         self.model, self.tokenizer = model, getattr(model, "tokenizer", None)
         self.output = self.core.output
         self._wake = threading.Condition(self._lock)
@@ -80,7 +77,6 @@ class Engine(Frontends):
         self._itl = collections.deque(maxlen=SAMPLES)
         self._counts = collections.Counter()  # prompt_tokens, finished, aborted, decode_tokens
         self._decode_seconds = 0.0  # first token to last, summed over finished requests
-        self._sink_calls = 0  # pieces handed to sinks (user code: on_piece callbacks), see generate()
 
     config = property(lambda self: self.core.config)  # resolved: every None sized for the model
     cache = property(lambda self: self.core.cache)
@@ -247,7 +243,6 @@ class Engine(Frontends):
                 for group, piece in items:
                     if group.sink is None or group.request_id in dead:
                         continue
-                    self._sink_calls += 1
                     try:
                         handed = group.sink(piece)
                     except Exception:
@@ -261,13 +256,8 @@ class Engine(Frontends):
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step and one forward; returns the requests that finished in it."""
-        return self._step(None)
-
-    def _step(self, vouch: object | None) -> list[RequestOutput]:
-        """step(); vouch: the caller's word that no code of the user's ran since the last step it
-        vouched for with the same object (Step.model_vouch; generate() stepping in its thread)."""
         with self._step_mutex:
-            finished = self.core.step(self._process, vouch=vouch)
+            finished = self.core.step(self._process)
         self._flush()
         return finished
 

@@ -51,19 +51,13 @@ class Frontends:
             for p, s in zip(ids, params):
                 groups.append(self._add(p, s, None, None, limits=False))
             t0, shown = time.perf_counter(), 0.0
-            # Stepping in this thread, no code of the user's runs between two steps unless a sink
-            # (another request's on_piece) was handed a piece: the steps vouch for the model as
-            # generate() of the one-at-a-time API does (Step.model_vouch), renewed after a sink ran.
-            vouch, sinks = None, -1
             for g in groups:
                 while not g.done.is_set():
                     if self._thread is not None and self._thread.is_alive():
                         g.done.wait(0.5)
                     else:
                         self._check_alive()
-                        if sinks != self._sink_calls:
-                            vouch, sinks = object(), self._sink_calls
-                        self._step(vouch)
+                        self.step()
                     if g.error is not None:
                         raise RuntimeError("the engine failed during generate()") from g.error
                     if progress and time.perf_counter() - shown > 1.0:

@@ -120,11 +120,8 @@ def _run(
     reqs = [core.request(RequestGroup(str(b), p, params, None), b % params.n, stops) for b, p in enumerate(prompts)]
     for r in reqs:
         core.add(r)
-    # between the decode steps of a whole generate() no code of the user's runs (a stream
-    # yields to it): the model is as the run's first step found it (Step.model_vouch)
-    vouch = None if streaming else object()
     t0 = time.perf_counter()
-    core.step(vouch=vouch)
+    core.step()
     t_prefill = time.perf_counter() - t0
     t1 = time.perf_counter()
     with torch.inference_mode():
@@ -133,7 +130,7 @@ def _run(
                 yield reqs[0].text.new_text()
             if not core.scheduler.has_work():
                 break
-            core.step(vouch=vouch)
+            core.step()
     t_decode = time.perf_counter() - t1
     if streaming:
         return reqs[0].finish_reason

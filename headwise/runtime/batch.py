@@ -93,7 +93,7 @@ class ContiguousRunner:
         self.row: dict[tuple, int] = {}  # seq_id -> cache row, in the order of the first step's chunks
         self.last = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)  # (B, 1) each row's newest id
 
-    def prepare(self, chunks: list[Chunk], vouch: object | None = None) -> Batch:
+    def prepare(self, chunks: list[Chunk]) -> Batch:
         if not self.row:  # the first step: every prompt, right-padded to the longest
             if len(chunks) != self.B or any(c.start for c in chunks):
                 raise RuntimeError(f"the first step of a batch of {self.B} must prefill all of it")
@@ -113,9 +113,7 @@ class ContiguousRunner:
         if self.compiled is not None:
             self.cache.book(1)  # host bookkeeping, outside the graph
             return Batch(chunks, self.last, None, rows)
-        step = self.cache.step(1)
-        step.model_vouch = vouch
-        return Batch(chunks, self.last, step, rows)
+        return Batch(chunks, self.last, self.cache.step(1), rows)
 
     def run(self, batch: Batch) -> Tensor:
         """-> logits (R, V) of the chunks' rows, in chunk order."""

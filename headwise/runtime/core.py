@@ -111,17 +111,17 @@ class Core:
                 request.finish_reason = reason
 
     # ------------------------------------------------------------------ a step
-    def step(self, process: Callable[[list[TokenOutput]], object] | None = None, *, vouch: object | None = None):
+    def step(self, process: Callable[[list[TokenOutput]], object] | None = None):
         """Schedule -> run -> sample -> update. -> the step's TokenOutputs, or process(outputs):
         run under the lock, before anything else can touch the requests (the front end's text).
-        vouch: the caller's word that nothing changed the model since the step it last passed
-        the same object to (Step.model_vouch; ignored when the runner's model is fixed)."""
+        Which executor runs the forward (the modules, or the fused C stack) the model decides
+        from what it declares (models/executors.py): a hook added between two steps is seen."""
         t0 = time.perf_counter()
         with self.lock:
             plan = self.scheduler.schedule()
             if not plan.chunks:
                 return process([]) if process is not None else []
-            batch = self.runner.prepare(plan.chunks, vouch)
+            batch = self.runner.prepare(plan.chunks)
         t1 = time.perf_counter()
         logits = self.runner.run(batch)  # (R, V) or None
         with self.lock:

@@ -18,16 +18,7 @@ from .scheduler import Scheduler
 
 
 class EngineCore(Core):
-    """model_fixed: nothing changes the model while the core runs (a server's own model)."""
-
-    def __init__(
-        self,
-        model,
-        config: EngineConfig | None = None,
-        *,
-        lock: threading.RLock | None = None,
-        model_fixed: bool = False,
-    ):
+    def __init__(self, model, config: EngineConfig | None = None, *, lock: threading.RLock | None = None):
         check_decoder(model)
         cfg = model.config
         param = next(model.parameters())
@@ -49,7 +40,7 @@ class EngineCore(Core):
             region_blocks=max(1, c.num_blocks // c.max_num_seqs),
         )
         scheduler = Scheduler(self.cache, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens)
-        runner = PagedRunner(model, self.cache, model_fixed=model_fixed)
+        runner = PagedRunner(model, self.cache)
         super().__init__(model, scheduler, runner, max_model_len=c.max_model_len(cfg), lock=lock)
         self.dtype = param.dtype
 

@@ -40,16 +40,12 @@ class Batch:
 
 
 class PagedRunner:
-    def __init__(self, model, cache: PagedKVCache, *, model_fixed: bool = False):
+    def __init__(self, model, cache: PagedKVCache):
         self.model, self.cache = model, cache
         self.device = next(model.parameters()).device
-        # model_fixed: nothing changes the model while the engine runs (a server's own model):
-        # its decode steps check the model's modules once (Step.model_vouch), not every step
-        self.vouch = object() if model_fixed else None
 
-    def prepare(self, chunks: list[Chunk], vouch: object | None = None) -> Batch:
-        """Reserve the chunks' slots in the cache and build the step (call under the engine's lock).
-        vouch: the caller's Step.model_vouch for this step where the model is not fixed."""
+    def prepare(self, chunks: list[Chunk]) -> Batch:
+        """Reserve the chunks' slots in the cache and build the step (call under the engine's lock)."""
         news = [c.request.token_ids[c.start : c.start + c.num_tokens] for c in chunks]
         rows, off = [], 0
         for c in chunks:
@@ -62,7 +58,6 @@ class PagedRunner:
         # writes: ask for one row (the last) rather than all N, and drop it. (A list: the model
         # checks it in Python, where a tensor would cost reductions and syncs every step.)
         step = self.cache.packed(seq_ids, counts, news, defer_prefix=True, logits_indices=rows or [off - 1])
-        step.model_vouch = self.vouch if self.vouch is not None else vouch
         return Batch(chunks, input_ids, step, rows)
 
     def run(self, batch: Batch) -> Tensor | None:

@@ -126,7 +126,7 @@ class LocalRuntime:
             return self.tp.lead(model)  # rank 0's engine: each step goes to the followers too
         from ..engine import Engine
 
-        return Engine(model, config=self.spec.engine, model_fixed=True)  # the server's own: nothing edits it
+        return Engine(model, config=self.spec.engine)
 
     def _group_failed(self, why: str) -> None:
         """A tensor-parallel rank is gone: this model stops serving (503, /health degraded), the others go on."""

@@ -43,8 +43,8 @@ def test_runner_computes_logits_for_sampled_rows_only(tiny_llama):
     batches, rows_seen = [], []
     prepare = runner.prepare
 
-    def spy(chunks, vouch=None):
-        batch = prepare(chunks, vouch)
+    def spy(chunks):
+        batch = prepare(chunks)
         batches.append((batch.num_tokens, len(batch.rows)))
         return batch
 
@@ -80,30 +80,16 @@ def test_one_and_sixteen_requests_equal_generate(tiny):
     assert engine.stats().steps < 16 * 10  # the 16 shared their steps
 
 
-def test_an_engine_checks_the_model_each_step_unless_it_is_fixed(tiny_llama):
-    """Engine's default takes the model as it is at every step: a hook added between two decode
-    steps of a request runs at each later step (the decode stack looked at the modules again).
-    model_fixed=True (headwise serve's own models) vouches for the model on each step
-    (Step.model_vouch: the modules checked once per run) and gives what generate() gives.
-    generate() stepping in its own thread vouches for its own steps, with a new object each call
-    (the user's code runs between two calls)."""
+def test_an_engine_sees_a_hook_added_between_two_steps(tiny_llama):
+    """The engine takes the model as it is at every step: a hook added between two decode steps
+    of a request runs at each later step (the executor is chosen again once the hook is there),
+    and a second generate() of the same engine gives the same tokens."""
     prompt = ragged_prompts(tiny_llama.config.vocab_size, seed=9)[2]
     greedy = SamplingParams(max_new_tokens=10, temperature=0)
     plain = reference(tiny_llama, prompt, greedy)[0].token_ids
-    for fixed in (False, True):
-        engine = Engine(tiny_llama, num_blocks=64, block_size=4, max_num_seqs=2, model_fixed=fixed)
-        runner, vouches = engine.core.runner, []
-        prepare = runner.prepare
-        runner.prepare = lambda chunks, vouch=None: (lambda b: vouches.append(b.step.model_vouch) or b)(
-            prepare(chunks, vouch)
-        )
-        assert engine.generate([prompt], greedy)[0].token_ids == plain
-        first, vouches[:] = list(vouches), []
-        assert engine.generate([prompt], greedy)[0].token_ids == plain
-        assert first and first[0] is not None and all(v is first[0] for v in first)  # one word for a whole call
-        assert vouches and all(v is vouches[0] for v in vouches)
-        assert (vouches[0] is first[0] is runner.vouch) if fixed else (vouches[0] is not first[0])
-        assert (runner.vouch is not None) == fixed
+    engine = Engine(tiny_llama, num_blocks=64, block_size=4, max_num_seqs=2)
+    assert engine.generate([prompt], greedy)[0].token_ids == plain
+    assert engine.generate([prompt], greedy)[0].token_ids == plain
     engine, calls = Engine(tiny_llama, num_blocks=64, block_size=4, max_num_seqs=2), []
     rid = engine.add_request(prompt, greedy)
     for _ in range(4):  # the prefill, then decode steps from the stack's memo
@@ -118,9 +104,8 @@ def test_an_engine_checks_the_model_each_step_unless_it_is_fixed(tiny_llama):
 
 
 def test_generate_looks_again_after_another_requests_callback_ran(tiny_llama):
-    """generate()'s word for its steps holds only while no code of the user's runs between them:
-    another request's on_piece callback that adds a hook mid-run is followed by a step that looks
-    at the modules again, and the hook runs at every later step."""
+    """Another request's on_piece callback that adds a hook in the middle of generate() is
+    followed by a step that sees it, and the hook runs at every later step."""
     other, prompt = ragged_prompts(tiny_llama.config.vocab_size, seed=9)[1:3]
     greedy = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
     engine, calls, added = Engine(tiny_llama, num_blocks=64, block_size=4, max_num_seqs=2), [], []

@@ -121,10 +121,8 @@ def test_streaming_pieces_join_to_the_text_and_never_split_utf8(smol):
 
 
 def test_a_stream_sees_the_model_changed_between_its_pieces(smol):
-    """generate() vouches that the model is unchanged between its own decode steps
-    (Step.model_vouch: the decode stack checks its modules at the first only), but not while it
-    streams: a hook added between two pieces runs at every later step and changes the text from
-    there on, as it changes a whole generate()."""
+    """A stream takes the model as it is at each step: a hook added between two pieces runs at
+    every later step and changes the text from there on, as it changes a whole generate()."""
     model, _ = smol
     prompt = [{"role": "user", "content": "Name three rivers of Europe."}]
     calls = []
