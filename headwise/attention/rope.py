@@ -23,6 +23,9 @@ class RotaryEmbedding(nn.Module):
         if inv_freq is None:
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))  # (dim/2,)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # table()'s (inv_freq, its version, P, cos, sin): remade when inv_freq is replaced or
+        # edited in place, or a longer table is asked for
+        self._table: tuple[Tensor, int | None, int, Tensor, Tensor] | None = None
 
     def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and sin of the angles, each (B|1, 1, T, dim/2) fp32, for positions (T,) or (B, T).
@@ -43,12 +46,12 @@ class RotaryEmbedding(nn.Module):
         Decode steps take their rows from it (Step.rope_rows) instead of eight ops each."""
         inv = self._buffers["inv_freq"]
         version = None if inv.is_inference() else inv._version
-        t = self.__dict__.get("_table")
+        t = self._table
         if t is None or t[0] is not inv or t[1] != version or t[2] < n:
             P = max(n, 256 if t is None else 2 * t[2] if t[2] < n else t[2])
             with torch.inference_mode(False), torch.no_grad():  # plain tensors: usable in any mode
                 cos, sin = self.cos_sin(torch.arange(P, device=inv.device))
-            t = self.__dict__["_table"] = (inv, version, P, cos.view(P, -1), sin.view(P, -1))
+            t = self._table = (inv, version, P, cos.view(P, -1), sin.view(P, -1))
         return t[3], t[4]
 
     def forward(

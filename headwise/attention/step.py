@@ -50,6 +50,11 @@ class Step:
     # positions from one start, (L, B, T); or the largest position of any row.
     positions_run: tuple[int, int, int] | None = None
     max_position: int | None = None
+    # `memo`'s dict, made on first use; a step lives one forward, so nothing invalidates it.
+    # (Declared here with a default: subclasses set their fields without calling an __init__.)
+    _memo: dict | None = None
+    # Whether logits_indices has been checked against this step's (B, T) (make_step, once).
+    _indices_checked: bool = False
 
     def layer(self, i: int):
         """Layer i's cache (a `LayerKVCache`), or None for a step without a cache."""
@@ -58,9 +63,9 @@ class Step:
     @property
     def memo(self) -> dict:
         """Tensors derived from the step and shared by its layers (cos/sin, rotations)."""
-        m = self.__dict__.get("_memo")
+        m = self._memo
         if m is None:
-            m = self.__dict__["_memo"] = {}
+            m = self._memo = {}
         return m
 
     def rope_cos_sin(self, rope) -> tuple[Tensor, Tensor]:
@@ -226,7 +231,7 @@ def make_step(step: Step | None, cache, attention_mask: Tensor | None, B: int, T
         B_s, T_s = step.input_positions.shape
         if (B_s, T_s) != (B, T):
             raise ValueError(f"input_ids is (B, T) = ({B}, {T}) but the step is for ({B_s}, {T_s}) tokens")
-        if step.logits_indices is not None and not getattr(step, "_indices_checked", False):
+        if step.logits_indices is not None and not step._indices_checked:
             step.logits_indices = check_logits_indices(step.logits_indices, B, T, device)
             step._indices_checked = True
         return step

@@ -64,6 +64,9 @@ class ContiguousLayerCache(LayerCacheBase):
             static=static,
         )
         self.max_seq_len = max_seq_len
+        # claim_decode's (rows, batch stride, key offsets of each sequence): the same every step,
+        # remade when the rows or the buffers' batch stride change
+        self._decode_base: tuple[int, int, Tensor] | None = None
         if static:  # made here, not at import: torch.compiler.disable imports dynamo (~1 s)
             self._book_outside_graph = torch.compiler.disable(self._book)
 
@@ -106,9 +109,9 @@ class ContiguousLayerCache(LayerCacheBase):
         self._len = pos + 1  # one op where clone() + `+= 1` took two (x 30 layers a step)
         k, v = self.store.planes()
         sb, sh, st = self.store.k[0].stride()[:3]
-        memo = self.__dict__.get("_base")  # (rows, stride, offsets): the same every step
+        memo = self._decode_base
         if memo is None or memo[:2] != (rows, sb):
-            memo = self.__dict__["_base"] = (rows, sb, torch.arange(rows, dtype=torch.int64) * sb)
+            memo = self._decode_base = (rows, sb, torch.arange(rows, dtype=torch.int64) * sb)
         return k, v, (memo[2], pos, sh, st)
 
     def _check_fits(self, n: list[int]) -> None:
@@ -199,6 +202,9 @@ class ContiguousKVCache(LayeredCache):
             for _ in range(num_layers)
         ]
         self.kv_dtype = self.layers[0].kv_dtype
+        # claim_decode_stack's parts (_stack_parts builds them): the same object step after step,
+        # remade when the rows or the list of layers change
+        self._stack_memo: StackParts | None = None
 
     def claim_decode_stack(self, rows: int, num_layers: int) -> tuple[StackParts, tuple] | None:
         """claim_decode for every layer at once, where the stack holds exactly num_layers layers
@@ -211,7 +217,7 @@ class ContiguousKVCache(LayeredCache):
         where that does not hold or any layer's claim_decode would refuse."""
         layers = self.layers
         first = layers[0]
-        parts = self.__dict__.get("_stack_parts")
+        parts = self._stack_memo
         if parts is None or parts.rows != rows or parts.cache_layers != layers:
             parts = self._stack_parts(rows, num_layers)
             if parts is None:
@@ -243,7 +249,7 @@ class ContiguousKVCache(LayeredCache):
         if len(strides) != 1:
             return None
         base = torch.arange(rows, dtype=torch.int64) * strides.pop()
-        parts = self.__dict__["_stack_parts"] = StackParts(rows, list(layers), entries, base)
+        parts = self._stack_memo = StackParts(rows, list(layers), entries, base)
         return parts
 
     def book(self, num_new: int) -> None:

@@ -81,6 +81,7 @@ class PackedStep(PackedReads, Step):
         self.parts = self._plan(self._tables)
         self._views: dict[int, list[tuple[Tensor, Tensor]]] = {}
         self.mask_memo: dict[tuple, Tensor] = {}
+        self._decode_rows: tuple | None = None  # decode_rows()'s claim, built once per step
         self.logits_indices = logits_indices  # (R,) pack rows or None: see Step
 
     @property
@@ -233,12 +234,12 @@ class PackedStep(PackedReads, Step):
         claim = self.decode_rows(rows)
         if claim is None or num_layers != cache.num_layers:
             return None
-        parts = cache.__dict__.get("_stack_parts")
+        parts = cache.stack_memo
         if parts is None or parts.cache_layers is not cache._layer_kv:
             entries = [
                 (*planes, k.stride(0), k.stride(2)) for planes, (k, _) in zip(cache._layer_planes, cache._layer_kv)
             ]
-            parts = cache.__dict__["_stack_parts"] = StackParts(None, cache._layer_kv, entries)
+            parts = cache.stack_memo = StackParts(None, cache._layer_kv, entries)
         self._written.update(range(num_layers))
         if not self.defer_prefix:
             self.commit()
@@ -252,7 +253,7 @@ class PackedStep(PackedReads, Step):
         cache = self.cache
         if rows != self.N or self.N != self.B or cache.dtype is not torch.float32:
             return None
-        claim = self.__dict__.get("_decode_rows")
+        claim = self._decode_rows
         if claim is None:
             bs, pos = cache.block_size, torch.tensor(self.starts, dtype=torch.int64)
             used, table = self._block_tables(list(range(self.B)))
@@ -272,6 +273,8 @@ class PackedStep(PackedReads, Step):
         """Make the full blocks this step wrote findable by prefix, once every layer has written
         (a step abandoned half way registers nothing). Blocks freed meanwhile (an aborted
         sequence) are skipped. Returns how many blocks were registered."""
+        if self.cache.journal is not None:
+            self.cache.journal("commit")
         if len(self._written) < self.cache.num_layers or not self._pending:
             return 0
         pool, done = self.cache.pool, 0

@@ -21,7 +21,7 @@ How steps read the blocks, with measurements: paged_step.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 
@@ -110,6 +110,11 @@ class PagedKVCache(PagedStorage):
         self.pool = BlockPool(num_blocks, block_size)
         self._allocate_storage(num_blocks)  # self._k, self._v, self._scratch (paged_store.py)
         self._seqs: dict[Hashable, _Seq] = {}
+        # Who hears of each change of which block holds what, once it is made: None, or a callable
+        # taking (op, *args, **kwargs) as the call was made -- add_sequence, fork, free, packed
+        # (with the step it returned before its arguments) and "commit" (a packed step's). Tensor
+        # parallelism's rank 0 sets it, so its followers replay the pool's calls in order.
+        self.journal: Callable[..., None] | None = None
 
     # ------------------------------------------------------------------ sequences
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int] | None = None) -> int:
@@ -135,6 +140,8 @@ class PagedKVCache(PagedStorage):
                 seq.hashes.append(parent)
             seq.length = len(seq.blocks) * bs
         self._seqs[seq_id] = seq
+        if self.journal is not None:
+            self.journal("add_sequence", seq_id, token_ids)
         return seq.length
 
     def fork(self, seq_id: Hashable, new_seq_id: Hashable) -> None:
@@ -146,6 +153,8 @@ class PagedKVCache(PagedStorage):
         for b in src.blocks:
             self.pool.share(b)
         self._seqs[new_seq_id] = src.copy()
+        if self.journal is not None:
+            self.journal("fork", seq_id, new_seq_id)
 
     def free(self, seq_id: Hashable) -> None:
         """Drop a sequence. Its blocks return to the pool; full blocks with a known prefix stay
@@ -155,6 +164,8 @@ class PagedKVCache(PagedStorage):
         for b in reversed(seq.blocks):
             self.pool.release(b)
         del self._seqs[seq_id]
+        if self.journal is not None:
+            self.journal("free", seq_id)
 
     def blocks_needed(self, seq_id: Hashable, num_new: int) -> int:
         """Free blocks that appending `num_new` tokens to `seq_id` takes (copy-on-write included)."""
@@ -261,10 +272,15 @@ class PagedKVCache(PagedStorage):
         logits_indices: pack rows whose logits the model should return (the engine: the last
         row of each sequence that samples a token), a `Step` field.
         """
-        seq_ids, tables, starts, counts, pending = self._reserve(seq_ids, num_new, token_ids, "packed")
-        return PackedStep(
-            self, seq_ids, tables, starts, counts, pending, defer_prefix=defer_prefix, logits_indices=logits_indices
+        ids, tables, starts, counts, pending = self._reserve(seq_ids, num_new, token_ids, "packed")
+        step = PackedStep(
+            self, ids, tables, starts, counts, pending, defer_prefix=defer_prefix, logits_indices=logits_indices
         )
+        if self.journal is not None:
+            self.journal(
+                "packed", step, ids, num_new, token_ids, defer_prefix=defer_prefix, logits_indices=logits_indices
+            )
+        return step
 
     def _reserve(self, seq_ids, num_new, token_ids, what: str):
         """Check a step, then reserve its slots (all or nothing) and advance the lengths.

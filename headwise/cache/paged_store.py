@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ..attention.kv import Tile
+from .base import StackParts
 from .quantized import SCALE_DTYPE, dequantize_int8, quantize_int8
 
 # Keys per gathered tile. A K tile is Hkv * TILE_TOKENS * D * 4 bytes: 3 MiB at Hkv=12,
@@ -66,6 +67,9 @@ class PagedStorage:
             else self._layer_kv
         )
         self._scratch: dict[tuple[int, int], Tensor] = {}  # gather buffers, reused tile to tile
+        # PackedStep.claim_stack's parts over these planes (packed.py): the same object step after
+        # step, remade when the planes are (its cache_layers is this _layer_kv)
+        self.stack_memo: StackParts | None = None
 
     def memory_bytes(self) -> int:
         """Bytes of K/V storage for all layers (int8: values + scales), allocated up front."""

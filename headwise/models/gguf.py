@@ -107,10 +107,14 @@ def _reader_class():
         this vocabulary (2.0 s -> 0.8 s). The bytes are the same mapped pages.
         """
 
+        # self.data as a plain ndarray, made at the first read: GGUFReader.__init__ sets data and
+        # parses in one call, so this cannot be made before; the file's bytes never change after.
+        _plain: np.ndarray | None = None
+
         def _get(self, offset, dtype, count=1, override_order=None):
-            raw = self.__dict__.get("_plain")
+            raw = self._plain
             if raw is None:
-                raw = self.__dict__["_plain"] = self.data.view(np.ndarray)
+                raw = self._plain = self.data.view(np.ndarray)
             dtype = np.dtype(dtype)
             count = int(count)
             arr = raw[offset : offset + dtype.itemsize * count].view(dtype)[:count]

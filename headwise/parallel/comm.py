@@ -41,6 +41,9 @@ class Comm:
         self.seconds = 0.0  # wall time inside collectives, summed over calls
         self.calls = 0
         self.bytes = 0  # payload bytes handed to collectives (per rank, not on the wire)
+        # engine.py's second (gloo) group for the step broadcasts, made on first use, in the same
+        # order on every rank
+        self.control_group = None
 
     def reset_stats(self) -> None:
         self.seconds, self.calls, self.bytes = 0.0, 0, 0

@@ -39,7 +39,7 @@ def take_rows(lin: nn.Module, rows: Tensor) -> nn.Module:
     _check_dense(lin)
     rows = rows.to(lin.weight.device)
     b = lin.bias
-    return _dense_like(lin, lin.weight.detach()[rows], None if b is None else b.detach()[rows])
+    return _dense_like(type(lin), lin.weight.detach()[rows], None if b is None else b.detach()[rows])
 
 
 @torch.no_grad()
@@ -57,10 +57,9 @@ def take_columns(lin: nn.Module, lo: int, hi: int) -> tuple[nn.Module, bool]:
                 new.pack()
             return new, False
         w = lin.weight[:, lo:hi]  # (O, hi - lo) fp32: the slice cuts through blocks
-        kind = nn.Linear(1, 1) if packing_available() else PackedLinear(1, 1)  # only its class is used
-        return _dense_like(kind, w, None), True
+        return _dense_like(nn.Linear if packing_available() else PackedLinear, w, None), True
     _check_dense(lin)
-    return _dense_like(lin, lin.weight.detach()[:, lo:hi], None), False
+    return _dense_like(type(lin), lin.weight.detach()[:, lo:hi], None), False
 
 
 def _check_dense(lin: nn.Module) -> None:
@@ -71,13 +70,13 @@ def _check_dense(lin: nn.Module) -> None:
         )
 
 
-def _dense_like(lin: nn.Module, weight: Tensor, bias: Tensor | None) -> nn.Module:
-    """A linear of lin's class (nn.Linear or PackedLinear: the same parameters) over copies."""
-    new = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+def _dense_like(cls: type[nn.Linear], weight: Tensor, bias: Tensor | None) -> nn.Linear:
+    """A `cls` (nn.Linear or PackedLinear: nn.Linear's constructor and parameters) over copies,
+    built on meta so that nothing is allocated before the copies are assigned."""
+    new = cls(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     new.weight = nn.Parameter(weight.contiguous().clone(), requires_grad=False)
     if bias is not None:
         new.bias = nn.Parameter(bias.clone(), requires_grad=False)
-    new.__class__ = type(lin)
     return new
 
 

@@ -49,18 +49,19 @@ def timed_h11(header_timeout: float, body_timeout: float, direct: bool = True) -
 
     class TimedH11Protocol(H11Protocol):
         _header_clock = _body_clock = None
+        _scope = None  # the request's scope, behind the `scope` property
 
         # Each request's scope carries the connection's transport (direct.py writes a stream's
         # chunks to it from the engine's thread): uvicorn assigns self.scope per request.
         @property
         def scope(self):
-            return self.__dict__.get("_scope")
+            return self._scope
 
         @scope.setter
         def scope(self, scope) -> None:
             if scope is not None and direct:
                 scope.setdefault("extensions", {})[SCOPE_KEY] = self.transport
-            self.__dict__["_scope"] = scope
+            self._scope = scope
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
