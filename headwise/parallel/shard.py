@@ -30,6 +30,7 @@ from torch import nn
 from ..attention import MultiHeadAttention
 from ..core.config import ModelConfig
 from ..models.blocks import MLP, GatedMLP
+from ..models.executors import invalidate
 from ..models.linear import FORMATS, QuantizedLinear
 from .comm import Comm
 from .layers import RowParallelLinear, VocabParallelHead, take_columns, take_rows
@@ -116,8 +117,7 @@ def shard(model: nn.Module, comm: Comm | None = None, *, lm_head: str = "replica
     for i, block in enumerate(blocks_of(model)):
         _shard_attention(block.attn, comm, f"layer {i} attention", dequantized)
         local_ff = _shard_mlp(block.mlp, comm, f"layer {i} MLP", dequantized)
-        for memo in ("_route_parts", "_step_memo", "_step_plan"):  # blocks.py / layer_step.py caches
-            block.__dict__.pop(memo, None)
+    invalidate(model)  # the attentions' head counts changed too, which torch's counters do not see
     if lm_head == "vocab":
         head = getattr(model, "lm_head", None)
         if head is None:
