@@ -106,3 +106,43 @@ def test_the_context_limit(tiny_llama):
         headwise.generate(tiny_llama, prompt, over)
     with pytest.raises(ValueError, match=want):
         Engine(tiny_llama, num_blocks=64, block_size=16).generate([prompt], over)
+
+
+class BanRepeats:
+    """A per-request processor: never the same token twice in a row. Records the rows it saw."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, logits, requests):
+        self.calls.append([list(r.output_token_ids) for r in requests])
+        for i, r in enumerate(requests):
+            if r.output_token_ids:
+                logits[i, r.output_token_ids[-1]] = float("-inf")
+        return logits
+
+
+def test_a_request_s_own_processor_sees_its_tokens_batched_across_requests(tiny_llama):
+    """SamplingParams.logits_processors: called once per step over every row that carries it
+    (here two requests of three), seeing each request's tokens so far; its mask holds, and the
+    request without it draws as it would alone. generate() runs the same chain."""
+    V = tiny_llama.config.vocab_size
+    prompts = ragged_prompts(V, seed=3)[6:9]
+    ban = BanRepeats()
+    with_ban = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, logits_processors=(ban,))
+    plain = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    engine = Engine(tiny_llama, max_num_seqs=4, num_blocks=64, block_size=4)
+    outs = engine.generate(prompts, [with_ban, plain, with_ban])
+    assert max(len(rows) for rows in ban.calls) == 2  # both carriers in one call
+    for rows in ban.calls:
+        assert all(len(r) == len(rows[0]) for r in rows)  # the rows' tokens so far, step by step
+    for i in (0, 2):
+        ids, free = outs[i].token_ids, headwise.generate(tiny_llama, prompts[i], plain).token_ids
+        assert any(a == b for a, b in zip(free, free[1:]))  # without it, this prompt repeats
+        assert all(a != b for a, b in zip(ids, ids[1:]))
+    assert outs[1].token_ids == headwise.generate(tiny_llama, prompts[1], plain).token_ids
+    for i in (0, 2):
+        alone = headwise.generate(
+            tiny_llama, prompts[i], SamplingParams(**{**vars(with_ban), "logits_processors": (BanRepeats(),)})
+        )
+        assert alone.token_ids == outs[i].token_ids
