@@ -9,7 +9,7 @@ import pytest
 import headwise
 from headwise import Engine, SamplingParams
 
-from .conftest import ragged_prompts
+from ..engine.conftest import ragged_prompts
 
 CHAT = [{"role": "user", "content": "Write a short story about a fox and a crow."}]
 
