@@ -1,6 +1,8 @@
 """Shared by the model tests: tiny Hugging Face checkpoints made offline, saved once per module,
 and the tiny decoder configs they are made from."""
 
+import contextlib
+import os
 import warnings
 
 import pytest
@@ -117,3 +119,36 @@ def few_rows(monkeypatch):
     monkeypatch.setattr(executors, "fused_layer", spy)
     monkeypatch.setattr(kernel_layer, "run_stack", spy_stack)
     return calls
+
+
+_READERS: dict = {}  # (path, size, mtime, mode) -> gguf.GGUFReader, for the whole session
+_NAME_MAPS: dict = {}  # (arch, n_blocks) -> gguf.TensorNameMap
+
+
+@contextlib.contextmanager
+def transformers_gguf_memo():
+    """transformers' GGUF loading (the reference of test_gguf.py and test_tokenizer.py), with two
+    pure steps it repeats done once: gguf.GGUFReader of a file (its fields parsed in Python, ~5 s for
+    SmolLM2's 49k-token vocabulary, read again by AutoConfig, the tokenizer and the tensor load) and
+    gguf.get_tensor_name_map (built anew for each of the ~400 modules it walks: ~12 s). transformers
+    only reads both; what it computes from them is unchanged."""
+    import gguf
+
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def reader(path, mode="r"):
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, mode)
+        if key not in _READERS:
+            _READERS[key] = real_reader(path, mode)
+        return _READERS[key]
+
+    def name_map(arch, n_blocks):
+        if (arch, n_blocks) not in _NAME_MAPS:
+            _NAME_MAPS[arch, n_blocks] = real_map(arch, n_blocks)
+        return _NAME_MAPS[arch, n_blocks]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        mp.setattr(gguf, "get_tensor_name_map", name_map)
+        yield

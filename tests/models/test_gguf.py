@@ -21,6 +21,8 @@ from headwise.models.builtin import BUILTIN, BuiltinModel, BuiltinNotInstalled, 
 from headwise.models.gguf import GGUFError, cache_entry, read_gguf
 from headwise.models.quants import dequantize
 
+from .conftest import transformers_gguf_memo
+
 Q = gguf.GGMLQuantizationType
 
 
@@ -338,10 +340,11 @@ def transformers_gguf_load(path):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    with torch.device("meta"):  # only its parameter names are used
-        model = AutoModelForCausalLM.from_config(config)
-    loaded = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32)
+    with transformers_gguf_memo():  # its file parse and name map once, not three and ~400 times
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        with torch.device("meta"):  # only its parameter names are used
+            model = AutoModelForCausalLM.from_config(config)
+        loaded = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32)
     return config, loaded["tensors"]
 
 

@@ -99,7 +99,23 @@ def perplexity(logits, ids):
     return math.exp(-lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].mean().item())
 
 
-def test_quantized_compute_keeps_perplexity_and_top_tokens(smol, monkeypatch):
+@pytest.fixture(scope="module")
+def fp32_nll(smol):
+    """nll(part) -> log perplexity of the fp32 model on held-out text `part`: the reference of the
+    three perplexity tests, the same numbers each time, so computed once (logits= when a test has them)."""
+    _, f = smol
+    memo = {}
+
+    def nll(part, logits=None):
+        if part not in memo:
+            ids = heldout_ids(f.tokenizer, part=part)
+            memo[part] = math.log(perplexity(teacher_forced_logits(f, ids) if logits is None else logits, ids))
+        return memo[part]
+
+    return nll
+
+
+def test_quantized_compute_keeps_perplexity_and_top_tokens(smol, fp32_nll, monkeypatch):
     q, f = smol
     calls = []
     run = QuantizedLinear.run
@@ -114,7 +130,7 @@ def test_quantized_compute_keeps_perplexity_and_top_tokens(smol, monkeypatch):
     for part in range(3):
         ids = heldout_ids(q.tokenizer, part=part)
         lq, lf = teacher_forced_logits(q, ids), teacher_forced_logits(f, ids)
-        nll_q, nll_f = nll_q + math.log(perplexity(lq, ids)), nll_f + math.log(perplexity(lf, ids))
+        nll_q, nll_f = nll_q + math.log(perplexity(lq, ids)), nll_f + fp32_nll(part, lf)
         agree.append(lq.argmax(-1) == lf.argmax(-1))
         gap.append(torch.diff(lf.topk(2, dim=-1).values, dim=-1)[:, 0].neg())
     assert len(calls) == 3 * len(range(0, len(ids), 64)) * (4 * q.config.num_layers + 1)  # every linear: the kernel
@@ -304,12 +320,11 @@ def test_k_quant_targets_take_llama_quantizes_fallback_on_narrow_rows(tmp_path_f
         assert torch.equal(back(ids), lq)
 
 
-def test_smollm2_requantized_to_q6_k_keeps_its_perplexity(smol):
+def test_smollm2_requantized_to_q6_k_keeps_its_perplexity(fp32_nll):
     """SmolLM2 requantized from the shipped file (dequantized) to q6_k: its 1536-wide down
     projections in Q6_K, the 576-wide rest in Q8_0 (llama-quantize's fallback): perplexity on
     held-out text within 1% of the dequantized fp32 model (measured +0.58%: Q8_0's and Q6_K's
     rounding on top of the int8 activations; the shipped Q4_1 file +0.36%)."""
-    _, f = smol
     q = headwise.load("smollm2", weights="q6_k")
     formats = {m.fmt for m in q.modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))}
     assert formats == {"q6_k", "q8_0"} and q.layers[0].mlp.down.fmt == "q6_k"
@@ -317,7 +332,7 @@ def test_smollm2_requantized_to_q6_k_keeps_its_perplexity(smol):
     for part in range(3):
         ids = heldout_ids(q.tokenizer, part=part)
         nll_q += math.log(perplexity(teacher_forced_logits(q, ids), ids))
-        nll_f += math.log(perplexity(teacher_forced_logits(f, ids), ids))
+        nll_f += fp32_nll(part)
     assert abs(math.exp(nll_q / 3) / math.exp(nll_f / 3) - 1) < 0.01
 
 
@@ -569,7 +584,7 @@ def test_llama_quantize_mixes_give_each_weight_its_type(tmp_path_factory, mix):
         assert torch.equal(back(ids), full)
 
 
-def test_smollm2_q4_k_m_is_llama_quantizes_mix_and_beats_pure_q4_k(smol):
+def test_smollm2_q4_k_m_is_llama_quantizes_mix_and_beats_pure_q4_k(fp32_nll):
     """SmolLM2 (576-wide: Q and K, O, gate and up take Q4_K's fallback Q5_0) requantized with the
     q4_k_m mix: the tied embedding / head in Q8_0 (576 is not whole super-blocks), V in Q8_0 and the
     1536-wide down projections in Q6_K in the 14 layers of 30 that llama-quantize gives more bits, Q4_K
@@ -577,7 +592,6 @@ def test_smollm2_q4_k_m_is_llama_quantizes_mix_and_beats_pure_q4_k(smol):
     Q5_0, the tied head included) and within 7% of fp32 (measured +5.1%, pure q4_k +7.7%: 4 and 5 bits
     on top of the file's own Q4_1 rounding). benchmarks/quant_mixes.py shows the blocks are
     llama-quantize's own, every one."""
-    _, f = smol
     q = headwise.load("smollm2", weights="q4_k_m")
     L = q.config.num_layers
     more = [llama_quantize_type("q4_k_m", "ffn_down", i, L) == "q6_k" for i in range(L)]
@@ -590,8 +604,9 @@ def test_smollm2_q4_k_m_is_llama_quantizes_mix_and_beats_pure_q4_k(smol):
     nll = {"mix": 0.0, "pure": 0.0, "fp32": 0.0}
     for part in range(3):
         ids = heldout_ids(q.tokenizer, part=part)
-        for key, model in (("mix", q), ("pure", pure), ("fp32", f)):
+        for key, model in (("mix", q), ("pure", pure)):
             nll[key] += math.log(perplexity(teacher_forced_logits(model, ids), ids))
+        nll["fp32"] += fp32_nll(part)
     ppl = {k: math.exp(v / 3) for k, v in nll.items()}
     assert ppl["mix"] < 1.07 * ppl["fp32"] and ppl["mix"] < ppl["pure"], ppl
 

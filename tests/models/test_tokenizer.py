@@ -15,6 +15,8 @@ from headwise.models.chat_template import ChatTemplateError
 from headwise.models.stream_decode import StreamDecoder
 from headwise.models.tokenizer import Tokenizer
 
+from .conftest import transformers_gguf_memo
+
 TEXTS = [
     "Hello world",
     "The quick brown fox jumps over the lazy dog.",
@@ -72,7 +74,8 @@ def smol(smol_path):
 def smol_hf(smol_path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(smol_path.parent, gguf_file=smol_path.name)
+    with transformers_gguf_memo():  # the file parsed once (test_gguf.py's reference reads it too)
+        return AutoTokenizer.from_pretrained(smol_path.parent, gguf_file=smol_path.name)
 
 
 @pytest.mark.parametrize("text", TEXTS)
