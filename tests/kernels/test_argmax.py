@@ -1,4 +1,4 @@
-"""kernels.argmax_rows (argmax.c) against torch.argmax: the first index of each row's maximum."""
+"""kernels.argmax_rows (csrc/x86/avx2/rows.c) against torch.argmax: the first index of each row's maximum."""
 
 import importlib
 

@@ -1,4 +1,4 @@
-"""headwise's Q4_K / Q5_K / Q6_K quantizers (kernels/quant_convert.c) against ggml's reference
+"""headwise's Q4_K / Q5_K / Q6_K quantizers (kernels/csrc/x86/avx2/quantize_k.c) against ggml's reference
 quantizers (ggml-quants.c: quantize_row_q4_K_ref and quantize_row_q5_K_ref with make_qkx2_quants,
 quantize_row_q6_K_ref with make_qx_quants), ported below to numpy, float32 in ggml's order of operations and without FMA.
 The gguf package has no K-quant quantizer; its dequantizers decode what ours writes."""

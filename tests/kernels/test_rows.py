@@ -1,4 +1,4 @@
-"""kernels.rms_norm / swiglu / rope_ (rows.c), the prefill's RMSNorm, SwiGLU and RoPE, against PyTorch's ops
+"""kernels.rms_norm / swiglu / rope_ (csrc/generic/rows.c), the prefill's RMSNorm, SwiGLU and RoPE, against PyTorch's ops
 and the RotaryEmbedding module; PackedLinear.forward_add against F.linear + residual."""
 
 import pytest

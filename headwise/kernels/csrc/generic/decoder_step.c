@@ -15,43 +15,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <float.h>
-#include <immintrin.h>
 
-#include "common.h"
-
-int hw_small_linear_f32(const float *Wb, const float *x, const float *b, const float *r, float *y, long M, long O,
-                        long I, int kind, const float *norm_w, float eps, const float *cos, const float *sin,
-                        long rot_cols, long head_dim);
-int hw_quant_linear(int fmt, const uint8_t *w, const float *x, const float *b, const float *r, float *y, long M,
-                    long O, long I, int kind, const float *norm_w, float eps, const float *cos, const float *sin,
-                    long rot_cols, long head_dim);
-
-int hw_decode_attention_seq(const float *q, const void *k, const void *v, const float *ks, const float *vs,
-                            float *out, long Hkv, long G, long D, long sk_h, long sk_t, long n, float scale,
-                            const int64_t *tab, long bs);
-
-/* x (D floats, D % 8 == 0) -> q (D int8) and *scale as cache/quantized.py's quantize_int8 makes them,
- * bit for bit: scale = amax|x| / 127, q = round-half-even(x / max(scale, FLT_MIN)) (a true division). */
-static void quantize_row_i8(const float *x, long D, int8_t *q, float *scale) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 amax = _mm256_setzero_ps();
-    for (long d = 0; d < D; d += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + d)));
-    float lanes[8];
-    _mm256_storeu_ps(lanes, amax);
-    float a = lanes[0];
-    for (int i = 1; i < 8; i++) a = a > lanes[i] ? a : lanes[i];
-    const float sc = a / 127.0f;
-    const __m256 div = _mm256_set1_ps(sc > FLT_MIN ? sc : FLT_MIN);
-    for (long d = 0; d < D; d += 8) {
-        const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + d), div),
-                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m256i i = _mm256_cvtps_epi32(r);  /* |r| <= 127: exact */
-        const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
-        _mm_storel_epi64((__m128i *)(q + d), _mm_packs_epi16(w, w));
-    }
-    *scale = sc;
-}
+#include "kernels.h"
 
 static int linear(const int64_t *lin, const float *x, const float *r, float *y, long M, long O, long I, int kind,
                   const float *norm_w, float eps, const float *cos, const float *sin, long rot_cols, long head_dim) {
@@ -106,10 +71,10 @@ static int split_qkv(const int64_t *lin, const int64_t *split, const float *attn
 /* split: NULL, or the k and v projections' (fmt, weight, bias) when the layer holds q, k and v
  * apart (lin's first triple is then q's): split_qkv. */
 static int hw_decoder_step(const int64_t *lin, const int64_t *split, const float *attn_norm, const float *mlp_norm,
-                    float eps, const float *x, float *y, long M, long C, long H, long Hkv, long D, long F,
-                    const float *cos, const float *sin, float *kc, float *vc, float *ks, float *vs,
-                    const int64_t *base, long s_h, long s_t, const int64_t *pos, float scale, const int64_t *table,
-                    long tw, long bs) {
+                           float eps, const float *x, float *y, long M, long C, long H, long Hkv, long D, long F,
+                           const float *cos, const float *sin, float *kc, float *vc, float *ks, float *vs,
+                           const int64_t *base, long s_h, long s_t, const int64_t *pos, float scale,
+                           const int64_t *table, long tw, long bs) {
     if (table && bs < 1) return -3;
     const long QKV = (H + 2 * Hkv) * D, HD = H * D;
     float *buf = malloc(sizeof(float) * (size_t)(M * (QKV + 2 * HD + C + 2 * F) + (split ? M * QKV : 0)));
@@ -129,8 +94,8 @@ static int hw_decoder_step(const int64_t *lin, const int64_t *split, const float
         for (long j = 0; j < Hkv; j++) {
             const long at = key + j * s_h;
             if (ks) {
-                quantize_row_i8(row + HD + j * D, D, (int8_t *)kc + at, ks + at / D);
-                quantize_row_i8(row + HD + (Hkv + j) * D, D, (int8_t *)vc + at, vs + at / D);
+                hw_quantize_row_i8(row + HD + j * D, D, (int8_t *)kc + at, ks + at / D);
+                hw_quantize_row_i8(row + HD + (Hkv + j) * D, D, (int8_t *)vc + at, vs + at / D);
             } else {
                 memcpy(kc + at, row + HD + j * D, sizeof(float) * (size_t)D);
                 memcpy(vc + at, row + HD + (Hkv + j) * D, sizeof(float) * (size_t)D);

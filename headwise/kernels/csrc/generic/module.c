@@ -1,26 +1,14 @@
 /* The CPython module of headwise's CPU kernels: one per ISA variant, built by `pip install`
- * (setup.py: headwise.kernels._cpu_avx2, _cpu_avx512, the same sources with different -m flags)
- * and picked at run time by kernels/__init__.py from the CPU's flags. HW_MODULE names the
+ * (setup.py: headwise.kernels._cpu_avx2, _cpu_avx512: this file and the rest of generic/ with
+ * each ISA's files, kernels.h) and picked at run time by kernels/__init__.py from the CPU's flags. HW_MODULE names the
  * variant (a -D flag). Each function takes data_ptr() ints / None, ints and floats, in the
  * order of the C kernel it calls (small_linear.c, decode_attention.c); the Python callers in
  * kernels/ check shapes, dtypes and contiguity first. */
-#include "pyargs.h"
+#include "pyargs.h" /* Python.h before any system header, as CPython asks */
 #include <stdint.h>
 
-int hw_small_linear_f32(const float *Wb, const float *x, const float *b, const float *r, float *y, long M, long O,
-                        long I, int kind, const float *norm_w, float eps, const float *cos, const float *sin,
-                        long rot_cols, long head_dim);
-int hw_decode_attention_f32(const float *q, const float *k, const float *v, float *out, float *lse, long C, long Hkv,
-                            long G, long D, long sk_c, long sk_h, long sk_t, long sv_c, long sv_h, long sv_t,
-                            const long *lengths, float scale, long all_keys, const int64_t *tables, long tw,
-                            long bs);
-
-void hw_rows_prologue(int kind, const float *x, const float *norm_w, float eps, float *out, long M, long I);
-void hw_rope_rows(float *y, long M, long O, const float *cos, const float *sin, long rot_cols, long head_dim);
-long hw_argmax_rows(const float *x, long R, long n, long stride, int64_t *out);
-int hw_decoder_stack(long n, const int64_t *layers, const float *fl, const float *x, float *y, long M, long C,
-                     long *failed);
-long hw_stack_fields(void);
+#include "kernels.h"
+#include "quant_formats.h"
 
 /* decoder_stack(layers, fl, x, y, M, C) -> (rc, failed layer) (decoder_step.c): layers a list of
  * n * hw_stack_fields() ints, fl a list of 2 n floats (eps, scale per layer). Lists, not tensors:
@@ -109,11 +97,6 @@ static PyObject *py_decode_attention(PyObject *self, PyObject *const *args, Py_s
     return PyLong_FromLong(rc);
 }
 
-int hw_prefill_attention_f32(const float *q, const float *k, const float *v, float *out, float *lse, long B, long H,
-                             long Hkv, long T, long S, long D, long sq_b, long sq_h, long sq_t, long sk_b, long sk_h,
-                             long sk_t, long sv_b, long sv_h, long sv_t, long so_b, long so_h, long so_t, float scale,
-                             int causal);
-
 /* prefill_attention(q, k, v, out, lse, B, H, Hkv, T, S, D, 12 strides (q, k, v, out: b, h, t), scale,
  * causal) -> rc (prefill_attention.c) */
 static PyObject *py_prefill_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -133,7 +116,7 @@ static PyObject *py_prefill_attention(PyObject *self, PyObject *const *args, Py_
     return PyLong_FromLong(rc);
 }
 
-/* argmax_rows(x, R, n, stride, out) -> rows with a NaN (argmax.c) */
+/* argmax_rows(x, R, n, stride, out) -> rows with a NaN (x86/avx2/rows.c) */
 static PyObject *py_argmax_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     const float *x;
     int64_t *out;
@@ -181,7 +164,6 @@ static PyObject *py_rope_rows(PyObject *self, PyObject *const *args, Py_ssize_t 
  * tiles (inputs, hw_pf_ahead) and quant_group.c's packed groups (bytes, hw_qpf_ahead) prefetch
  * weights; n < 0 only reads it. Not thread-safe against running kernels: set once, at load
  * (kernels/__init__.py) or between timed runs (benchmarks/prefetch.py). */
-extern int hw_pf_ahead, hw_qpf_ahead;
 static PyObject *set_distance(const char *name, int *var, long most, const char *unit, PyObject *const *args,
                               Py_ssize_t nargs) {
     long n;
@@ -206,7 +188,6 @@ static PyObject *py_quant_prefetch_ahead(PyObject *self, PyObject *const *args, 
  * the ymm tiles; no effect in the avx2 build.
  * prefill_query_block(n): query tokens per block of prefill_attention.c (its G x n rows meet each
  * key block once). */
-extern int hw_zmm_min_rows, hw_pa_queries;
 static PyObject *set_count(const char *name, int *var, long most, const char *unit, PyObject *const *args,
                            Py_ssize_t nargs) {
     long n;
@@ -226,11 +207,77 @@ static PyObject *py_prefill_query_block(PyObject *self, PyObject *const *args, P
     return set_count("prefill_query_block", &hw_pa_queries, 256, "query tokens", args, nargs);
 }
 
-/* quant_linear.c's wrappers (their arguments: the comments above each there) */
-PyObject *hwpy_quant_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
-PyObject *hwpy_dequantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
-PyObject *hwpy_quantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
-PyObject *hwpy_repack8(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+/* quant_linear.c's and convert.c's entry points: None, or the error their code names */
+static PyObject *hw_result(const char *name, int rc) {
+    if (rc == 0) Py_RETURN_NONE;
+    if (rc == ERR_ALLOC) return PyErr_Format(PyExc_MemoryError, "%s: could not allocate its buffers", name);
+    if (rc == ERR_FORMAT)
+        return PyErr_Format(PyExc_ValueError, "%s: unknown format (GGML ids: Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q4_K=12, "
+                                              "Q5_K=13, Q6_K=14; quantize: 2, 3, 6, 8, 12, 14)", name);
+    return PyErr_Format(PyExc_ValueError, "%s: sizes must be positive, inputs a multiple of the block", name);
+}
+
+/* quant_linear(fmt, w, x, b, r, y, M, O, I, prologue, norm_w, eps, cos, sin, rot_cols, head_dim) -> None */
+static PyObject *py_quant_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    const uint8_t *w;
+    const float *x, *b, *r, *norm_w, *cos, *sin;
+    float *y, eps;
+    long fmt, M, O, I, kind, rot_cols, head_dim;
+    if (!(hw_nargs("quant_linear", nargs, 16) && HW_L(0, fmt) && HW_P(1, w) && HW_P(2, x) && HW_P(3, b) &&
+          HW_P(4, r) && HW_P(5, y) && HW_L(6, M) && HW_L(7, O) && HW_L(8, I) && HW_L(9, kind) && HW_P(10, norm_w) &&
+          HW_F(11, eps) && HW_P(12, cos) && HW_P(13, sin) && HW_L(14, rot_cols) && HW_L(15, head_dim)))
+        return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = hw_quant_linear((int)fmt, w, x, b, r, y, M, O, I, (int)kind, norm_w, eps, cos, sin, rot_cols, head_dim);
+    Py_END_ALLOW_THREADS
+    return hw_result("quant_linear", rc);
+}
+
+/* dequantize(fmt, w, out, O, I) -> None */
+static PyObject *py_dequantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    const uint8_t *w;
+    float *out;
+    long fmt, O, I;
+    if (!(hw_nargs("dequantize", nargs, 5) && HW_L(0, fmt) && HW_P(1, w) && HW_P(2, out) && HW_L(3, O) &&
+          HW_L(4, I)))
+        return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = hw_dequantize((int)fmt, w, out, O, I);
+    Py_END_ALLOW_THREADS
+    return hw_result("dequantize", rc);
+}
+
+/* repack8(fmt, src, dst, O, I, pack) -> None: Q4_0 / Q4_1 / Q8_0 rows to groups of 8 (pack = 1) or back */
+static PyObject *py_repack8(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    const uint8_t *src;
+    uint8_t *dst;
+    long fmt, O, I, pack;
+    if (!(hw_nargs("repack8", nargs, 6) && HW_L(0, fmt) && HW_P(1, src) && HW_P(2, dst) && HW_L(3, O) &&
+          HW_L(4, I) && HW_L(5, pack)))
+        return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = hw_repack8((int)fmt, src, dst, O, I, (int)pack);
+    Py_END_ALLOW_THREADS
+    return hw_result("repack8", rc);
+}
+
+/* quantize(fmt, w, out, O, I) -> None */
+static PyObject *py_quantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    const float *w;
+    uint8_t *out;
+    long fmt, O, I;
+    if (!(hw_nargs("quantize", nargs, 5) && HW_L(0, fmt) && HW_P(1, w) && HW_P(2, out) && HW_L(3, O) &&
+          HW_L(4, I)))
+        return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = hw_quantize((int)fmt, w, out, O, I);
+    Py_END_ALLOW_THREADS
+    return hw_result("quantize", rc);
+}
 
 static PyMethodDef methods[] = {
     {"small_linear", (PyCFunction)(void (*)(void))py_small_linear, METH_FASTCALL, "small_linear.c"},
@@ -241,14 +288,14 @@ static PyMethodDef methods[] = {
     {"rope_rows", (PyCFunction)(void (*)(void))py_rope_rows, METH_FASTCALL, "rows.c"},
     {"prefetch_ahead", (PyCFunction)(void (*)(void))py_prefetch_ahead, METH_FASTCALL, "small_linear.c"},
     {"quant_prefetch_ahead", (PyCFunction)(void (*)(void))py_quant_prefetch_ahead, METH_FASTCALL, "quant_linear.c"},
-    {"zmm_min_rows", (PyCFunction)(void (*)(void))py_zmm_min_rows, METH_FASTCALL, "quant_group.c"},
+    {"zmm_min_rows", (PyCFunction)(void (*)(void))py_zmm_min_rows, METH_FASTCALL, "x86/avx512/quant_group.c"},
     {"prefill_query_block", (PyCFunction)(void (*)(void))py_prefill_query_block, METH_FASTCALL,
      "prefill_attention.c"},
-    {"argmax_rows", (PyCFunction)(void (*)(void))py_argmax_rows, METH_FASTCALL, "argmax.c"},
-    {"quant_linear", (PyCFunction)(void (*)(void))hwpy_quant_linear, METH_FASTCALL, "quant_linear.c"},
-    {"dequantize", (PyCFunction)(void (*)(void))hwpy_dequantize, METH_FASTCALL, "quant_linear.c"},
-    {"quantize", (PyCFunction)(void (*)(void))hwpy_quantize, METH_FASTCALL, "quant_linear.c"},
-    {"repack8", (PyCFunction)(void (*)(void))hwpy_repack8, METH_FASTCALL, "quant_linear.c"},
+    {"argmax_rows", (PyCFunction)(void (*)(void))py_argmax_rows, METH_FASTCALL, "x86/avx2/rows.c"},
+    {"quant_linear", (PyCFunction)(void (*)(void))py_quant_linear, METH_FASTCALL, "quant_linear.c"},
+    {"dequantize", (PyCFunction)(void (*)(void))py_dequantize, METH_FASTCALL, "convert.c"},
+    {"quantize", (PyCFunction)(void (*)(void))py_quantize, METH_FASTCALL, "convert.c"},
+    {"repack8", (PyCFunction)(void (*)(void))py_repack8, METH_FASTCALL, "convert.c"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,4 +1,4 @@
-/* Argument readers for the METH_FASTCALL wrappers of headwise's kernels (_module.c and the
+/* Argument readers for the METH_FASTCALL wrappers of headwise's kernels (module.c and the
  * kernel files' own hwpy_* wrappers). A kernel call from Python passes tensors as data_ptr()
  * ints (or None for an absent one), sizes as ints and scalars as floats: parsing them here
  * costs well under a microsecond, where ctypes' conversion of the same 15 arguments cost ~3 us

@@ -1,0 +1,6 @@
+/* Decode attention's pair kernel in AVX2: decode_pair.h's ymm loops with no wider heads. */
+#include "decode_pair.h"
+
+static inline long widen_row_head(const int8_t *row, float c, long D, float *dst) { return 0; }
+static inline long dot_keys_head(const float *qg, const float *const kr[TK], long D, __m256 d8[TK]) { return 0; }
+static inline long pv_head(const float *pg, float alpha, float *ag, const float *const vr[TK], long D) { return 0; }

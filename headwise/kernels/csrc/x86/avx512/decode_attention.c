@@ -1,0 +1,41 @@
+/* Decode attention's pair kernel in the avx512 variant: x86/avx2/decode_pair.h's loops with every 16
+ * channels in zmm first (then the ymm loops: D % 16). */
+#include "../avx2/decode_pair.h"
+
+/* int8 -> fp32 16 at a time: half the instructions of this (compute-bound) widening */
+static inline long widen_row_head(const int8_t *row, float c, long D, float *dst) {
+    long d = 0;
+    const __m512 f16 = _mm512_set1_ps(c);
+    for (; d + 16 <= D; d += 16) {
+        const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + d)));
+        _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_cvtepi32_ps(w), f16));
+    }
+    return d;
+}
+
+/* 16 channels an instruction where the core has them */
+static inline long dot_keys_head(const float *qg, const float *const kr[TK], long D, __m256 d8[TK]) {
+    long d = 0;
+    if (D >= 16) {
+        __m512 z[TK];
+        for (long j = 0; j < TK; j++) z[j] = _mm512_setzero_ps();
+        for (; d + 16 <= D; d += 16) {
+            const __m512 qv = _mm512_loadu_ps(qg + d);
+            for (long j = 0; j < TK; j++) z[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kr[j] + d), z[j]);
+        }
+        for (long j = 0; j < TK; j++)
+            d8[j] = _mm256_add_ps(_mm512_castps512_ps256(z[j]), _mm512_extractf32x8_ps(z[j], 1));
+    }
+    return d;
+}
+
+static inline long pv_head(const float *pg, float alpha, float *ag, const float *const vr[TK], long D) {
+    long d = 0;
+    if (D >= 16) {
+        __m512 pz[TK];
+        for (long j = 0; j < TK; j++) pz[j] = _mm512_set1_ps(pg[j]);
+        const __m512 alz = _mm512_set1_ps(alpha);
+        for (; d + 16 <= D; d += 16) PV_CHUNK(512, __m512, pz, alz);
+    }
+    return d;
+}
