@@ -185,7 +185,9 @@ def test_kept_alive_connection_still_served_after_an_answer(srv):
 
 # ---------------------------------------------------------------- 4. embeddings take turns
 def test_small_embedding_finishes_before_an_earlier_large_one(srv):
-    large = {"model": "minilm", "input": [f"{i} " + "multi-head attention layers " * 40 for i in range(512)]}
+    # 160 texts of ~240 tokens: 10 micro-batches of EMBED_BATCH (~1 s each on a core), long enough to
+    # be running when the small one comes and to show a wait for it (512 took a minute and a half here)
+    large = {"model": "minilm", "input": [f"{i} " + "multi-head attention layers " * 40 for i in range(160)]}
     done = {}
 
     def run(name, body):
