@@ -1,8 +1,11 @@
 /* What the files of the kernels call across each other, ggml-cpu's way: generic/ has the
  * CPython module, the drivers (argument checks, buffers, the OpenMP splits) and the scalar
  * reference code; x86/avx2/ and x86/avx512/ the vector code of each ISA, one file per kernel
- * family, their inner tiles named format, rows x outputs, register: tile_q4_k_8x16_q8_zmm is
- * Q4_K weights, up to 8 rows of x (quantized to q8) against 16 outputs, in zmm registers.
+ * family. Their names say format, tile and register, as ggml-cpu's do: tile_<weights>_<R>x<N>[_q8]_<reg>
+ * is a register tile of up to R rows of x (quantized to q8 blocks where _q8) against N outputs, e.g.
+ * tile_q4q5_k_8x16_q8_zmm (Q4_K / Q5_K weights), tile_f32_4x8_ymm; out_<weights>_<R>x<N>..._<reg>
+ * runs such tiles over all rows of x for a run of outputs (out_x8_8x16_q8_zmm: packed groups of 8
+ * rows, fmt | X8); hw_* are the entry points and what the files call across each other.
  *
  * setup.py builds each variant from generic/ plus one ISA's files: the avx2 variant x86/avx2/,
  * the avx512 variant x86/avx512/ and the x86/avx2/ files it has no wider version of. Each

@@ -1,6 +1,6 @@
 /* The quantized linear's weights packed in groups of 8 rows (fmt | X8, generic/quant_formats.h: every
  * format it computes) in AVX2: each group's blocks interleaved so that one 32-byte chunk holds the
- * same block of 8 rows, met by every row of quantized x before the next (group_out_8_ymm), 4 rows
+ * same block of 8 rows, met by every row of quantized x before the next (out_x8_4x8_q8_ymm), 4 rows
  * of x a pass, products summed by maddubs in int16 pairs. generic/quant_linear.c quantizes x and
  * calls hw_quant_groups; the arithmetic is the rows path's (same integers, same float epilogue). */
 #include <immintrin.h>
@@ -247,8 +247,8 @@ static inline __attribute__((always_inline)) void tile_q6_k_4x8_q8_ymm(int MC, c
 }
 
 /* Outputs [8 g, 8 g + 8) (those below O) of packed group g for all M rows, plus bias and residual. */
-static void group_out_8_ymm(int fmt, const uint8_t *w, const int8_t *qx, const float *dx, const float *sx,
-                            const float *b, const float *r, float *y, long M, long O, long I, long g) {
+static void out_x8_4x8_q8_ymm(int fmt, const uint8_t *w, const int8_t *qx, const float *dx, const float *sx,
+                              const float *b, const float *r, float *y, long M, long O, long I, long g) {
     const long nb = I / QK, o = 8 * g, n = O - o < 8 ? O - o : 8;
     const uint8_t *grp = w + g * (I / block_values(fmt)) * 8 * block_bytes(fmt);
     for (long m0 = 0; m0 < M; m0 += GMC) {
@@ -277,5 +277,5 @@ void hw_quant_groups(int fmt, const uint8_t *w, const int8_t *qx, const float *d
                      const float *r, float *y, long M, long O, long I, int par) {
     const long ng = (O + 7) / 8;
     #pragma omp parallel for schedule(static) if (par)
-    for (long g = 0; g < ng; g++) group_out_8_ymm(fmt, w, qx, dx, sx, b, r, y, M, O, I, g);
+    for (long g = 0; g < ng; g++) out_x8_4x8_q8_ymm(fmt, w, qx, dx, sx, b, r, y, M, O, I, g);
 }

@@ -57,10 +57,11 @@ static inline __attribute__((always_inline)) void tile_rows_4x2_q8_ymm(int fmt, 
     }
 
 /* Outputs [o, o + nr) (nr = 1, 2) for all M rows of x, plus bias and residual. */
-static inline __attribute__((always_inline)) void rows_out(int fmt, const uint8_t *w, long row_bytes, const int8_t *qx,
-                                                           const float *dx, const float *sx, const float *b,
-                                                           const float *r, float *y, long M, long O, long I, long o,
-                                                           long nr) {
+static inline __attribute__((always_inline)) void out_rows_4x2_q8_ymm(int fmt, const uint8_t *w, long row_bytes,
+                                                                      const int8_t *qx, const float *dx,
+                                                                      const float *sx, const float *b, const float *r,
+                                                                      float *y, long M, long O, long I, long o,
+                                                                      long nr) {
     const uint8_t *w0 = w + o * row_bytes;
     const long nb = I / QK;
     for (long m0 = 0; m0 < M; m0 += 4) {
@@ -86,7 +87,7 @@ static inline __attribute__((always_inline)) void rows_out(int fmt, const uint8_
 
 #define PARALLEL_ROWS(F)                                                                        \
     _Pragma("omp parallel for schedule(static) if (par)") for (long p = 0; p < npair; p++)      \
-        rows_out(F, w, row_bytes, qx, dx, sx, b, r, y, M, O, I, 2 * p, O - 2 * p < 2 ? 1 : 2);
+        out_rows_4x2_q8_ymm(F, w, row_bytes, qx, dx, sx, b, r, y, M, O, I, 2 * p, O - 2 * p < 2 ? 1 : 2);
 
 void hw_quant_rows(int fmt, const uint8_t *w, const int8_t *qx, const float *dx, const float *sx, const float *b,
                    const float *r, float *y, long M, long O, long I, int par) {

@@ -1,5 +1,5 @@
 /* The quantized linear's packed groups of 8 rows in the avx512 variant: from hw_zmm_min_rows rows of x
- * two groups at once in zmm (group_out_16_zmm), below that one group in ymm with VNNI
+ * two groups at once in zmm (out_x8_8x16_q8_zmm), below that one group in ymm with VNNI
  * (quant_tiles_ymm.h). generic/quant_linear.c quantizes x and calls hw_quant_groups. */
 #include <immintrin.h>
 #include <stdint.h>
@@ -33,8 +33,8 @@
 #define TILE_Q5_K(MC, ...) tile_q4q5_k_8x8_q8_ymm(1, MC, __VA_ARGS__)
 
 /* Outputs [8 g, 8 g + 8) (those below O) of packed group g for all M rows, plus bias and residual. */
-static void group_out_8_ymm(int fmt, const uint8_t *w, const int8_t *qx, const float *dx, const float *sx,
-                            const float *b, const float *r, float *y, long M, long O, long I, long g) {
+static void out_x8_8x8_q8_ymm(int fmt, const uint8_t *w, const int8_t *qx, const float *dx, const float *sx,
+                              const float *b, const float *r, float *y, long M, long O, long I, long g) {
     const long nb = I / QK, o = 8 * g, n = O - o < 8 ? O - o : 8;
     const uint8_t *grp = w + g * (I / block_values(fmt)) * 8 * block_bytes(fmt);
     for (long m0 = 0; m0 < M; m0 += GMC) {
@@ -287,8 +287,8 @@ static inline __attribute__((always_inline)) void tile_q6_k_8x16_q8_zmm(int MC, 
     }
 
 /* Outputs [8 g, 8 g + 16) (those below O) of packed groups g and g + 1 for all M rows, plus bias and residual. */
-static void group_out_16_zmm(int fmt, const uint8_t *w, const int8_t *qx, const float *dx, const float *sx,
-                             const float *b, const float *r, float *y, long M, long O, long I, long g) {
+static void out_x8_8x16_q8_zmm(int fmt, const uint8_t *w, const int8_t *qx, const float *dx, const float *sx,
+                               const float *b, const float *r, float *y, long M, long O, long I, long g) {
     const long nb = I / QK, o = 8 * g, n = O - o < 16 ? O - o : 16, nblk = I / block_values(fmt);
     const uint8_t *g0 = w + g * nblk * 8 * block_bytes(fmt), *g1 = g0 + nblk * 8 * block_bytes(fmt);
     for (long m0 = 0; m0 < M; m0 += GMC) {
@@ -325,11 +325,11 @@ void hw_quant_groups(int fmt, const uint8_t *w, const int8_t *qx, const float *d
     if (M >= hw_zmm_min_rows) {
         #pragma omp parallel for schedule(static) if (par)
         for (long q = 0; q < (ng + 1) / 2; q++) {
-            if (2 * q + 1 < ng) group_out_16_zmm(fmt, w, qx, dx, sx, b, r, y, M, O, I, 2 * q);
-            else group_out_8_ymm(fmt, w, qx, dx, sx, b, r, y, M, O, I, 2 * q);
+            if (2 * q + 1 < ng) out_x8_8x16_q8_zmm(fmt, w, qx, dx, sx, b, r, y, M, O, I, 2 * q);
+            else out_x8_8x8_q8_ymm(fmt, w, qx, dx, sx, b, r, y, M, O, I, 2 * q);
         }
         return;
     }
     #pragma omp parallel for schedule(static) if (par)
-    for (long g = 0; g < ng; g++) group_out_8_ymm(fmt, w, qx, dx, sx, b, r, y, M, O, I, g);
+    for (long g = 0; g < ng; g++) out_x8_8x8_q8_ymm(fmt, w, qx, dx, sx, b, r, y, M, O, I, g);
 }
