@@ -106,6 +106,28 @@ class MultiHeadAttention(nn.Module):
         # it): sees q, k, v, the LSE and the per-head outputs, may replace the latter. None = no cost.
         self.hook = None
 
+    # Counts every setting of any attention's `hook` slot or `backend`: a model's fused executor,
+    # planned from them, looks at them again only when it moved (models/executors.py), not per step.
+    settings_changes = 0
+
+    @property
+    def hook(self):
+        return self.__dict__["_hook"]
+
+    @hook.setter
+    def hook(self, value) -> None:
+        self.__dict__["_hook"] = value
+        MultiHeadAttention.settings_changes += 1
+
+    @property
+    def backend(self) -> str:
+        return self.__dict__["_backend"]
+
+    @backend.setter
+    def backend(self, value: str) -> None:
+        self.__dict__["_backend"] = value
+        MultiHeadAttention.settings_changes += 1
+
     # ------------------------------------------------------------------ forward
     def forward(
         self,

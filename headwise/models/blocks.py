@@ -36,9 +36,7 @@ from torch import Tensor, nn
 from ..attention import MultiHeadAttention
 from ..attention.step import PlainStep, Step
 from ..core.config import ModelConfig
-from .fused_ops import fused_linear
-
-__all__ = ["fused_linear"]  # the fused executor's linear call (fused_ops.py), also imported from here
+from .fused_ops import fused_linear  # the fused executor's linear call, also imported from here
 
 # Steps of at most this many rows (B*T) may take the fused executor; None: every step, 0 turns it off.
 ROUTE_ROWS: int | None = None

@@ -18,23 +18,25 @@
 the step's rows (blocks.ROUTE_ROWS), no hook registered on any module of the model nor set in an
 attention's analysis slot, and whether the model's FusedPlan still describes the model. The plan
 (the modules each layer's fused step calls, the C layers' plans) is made once and kept in one place,
-`_PLANS`, next to what invalidates it:
-  - `invalidate(model)`, for a change torch does not see;
+`_PLANS`, next to what invalidates it, all counters read in O(1) per step (a decode step streams
+every weight through the caches; reading ~150 module attributes after it cost ~0.1 ms of a 4 ms
+SmolLM2 token):
   - `_CHANGES`: torch's registration hooks count every module, parameter or buffer assigned to any
     module (a projection pruned or replaced, unfuse, tensor-parallel sharding, kv_map, a weight
-    replaced by another tensor), so none of them is looked for per step;
+    replaced by another tensor);
   - torch's hook handle counter (RemovableHandle.next_id) moves on every hook registration: then,
     and only then, the model's hook dicts are looked at (a hook sends the step to REFERENCE; once
     removed, the next step is fused again);
-  - the attention settings a caller may set by hand (the analysis hook slot, the backend) and the
-    version counters of the fp32 weights the plan holds blocked copies of (in-place edits bump
-    them), read each step in one C-level pass: ~30 + ~120 reads for SmolLM2;
-  - the kernels' switches (kernels_unavailable, MAX_ROWS, KERNEL_ROWS).
+  - MultiHeadAttention.settings_changes: every setting of an attention's analysis hook slot or
+    backend (headwise.analysis.hooks fills and empties the slots for one run);
+  - the kernels' switches (kernels_unavailable, MAX_ROWS, KERNEL_ROWS);
+  - `invalidate(model)`, for what no counter sees: an fp32 weight edited in place (`weight.mul_()`)
+    after the plan was made, whose blocked copy (PackedLinear) the C stack reads. Quantized blocks
+    and norm weights are read through their own pointers, so their in-place edits need nothing.
 """
 
 from __future__ import annotations
 
-import operator
 import weakref
 from typing import NamedTuple
 
@@ -44,6 +46,7 @@ from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
 from .. import kernels
+from ..attention import MultiHeadAttention
 from ..kernels import layer as kernel_layer
 from .blocks import Parts, fused_layer, fused_linear, parts_of, route_allowed
 from .layer_step import WholeStack, claim, layer_plan
@@ -62,11 +65,6 @@ def _count_change(module, name, value) -> None:
 torch_module.register_module_module_registration_hook(_count_change)
 torch_module.register_module_parameter_registration_hook(_count_change)
 torch_module.register_module_buffer_registration_hook(_count_change)
-
-# What a caller may set on an attention by hand (plain attributes, read from its __dict__: C-level
-# lookups, half the time of getattr through nn.Module's class chain)
-_ATTN_SETTINGS = operator.itemgetter("hook", "backend")
-_VERSION = operator.attrgetter("_version")
 
 
 class _Reference:
@@ -100,7 +98,7 @@ class FusedPlan:
     name = "fused"
 
     def __init__(self, model: nn.Module, layers: nn.ModuleList):
-        self.changes = _CHANGES[0]
+        self.changes, self.settings = _CHANGES[0], MultiHeadAttention.settings_changes
         self.kernels = _kernel_state()
         self.hook_dicts = [d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
         self.handles = RemovableHandle.next_id
@@ -109,12 +107,7 @@ class FusedPlan:
         for block in layers:
             p = parts_of(block)
             self.steps.append(_Layer(p, None if p is None else layer_plan(p)))
-        self.attn_dicts = [s.parts.attn.__dict__ for s in self.steps if s.parts is not None]
-        self.settings = list(map(_ATTN_SETTINGS, self.attn_dicts))
-        self.slot_hooked = any(hook is not None for hook, _ in self.settings)  # an analysis run's hook slot
-        copied = [m.weight for s in self.steps if s.plan is not None for m in s.parts.linears if m.copies_weight]
-        self.versioned = [w for w in copied if not w.is_inference()]  # an inference tensor has no version
-        self.versions = list(map(_VERSION, self.versioned))
+        self.slot_hooked = any(s.parts.attn.hook is not None for s in self.steps if s.parts is not None)
         stacked = [s for s in self.steps if s.plan is not None]
         linears = [m for s in stacked for m in s.parts.linears]
         self.rows = min([kernels.KERNEL_ROWS, *(m.kernel_rows() for m in linears)])  # the C stack's row limit
@@ -126,9 +119,8 @@ class FusedPlan:
         """Whether the plan still describes the model (the module docstring's list)."""
         return (
             self.changes == _CHANGES[0]
+            and self.settings == MultiHeadAttention.settings_changes
             and self.kernels == _kernel_state()
-            and list(map(_ATTN_SETTINGS, self.attn_dicts)) == self.settings
-            and list(map(_VERSION, self.versioned)) == self.versions
         )
 
     def has_hooks(self) -> bool:
@@ -187,8 +179,8 @@ _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def invalidate(model: nn.Module) -> None:
-    """Drop the model's fused plan: its next fused step makes a new one. For changes torch's counters
-    do not see (settings of the model's modules written into their __dict__ by hand)."""
+    """Drop the model's fused plan: its next fused step makes a new one. For a change no counter sees
+    (the module docstring): an fp32 weight edited in place after the plan was made."""
     _PLANS.pop(model, None)
 
 

@@ -155,7 +155,6 @@ class QuantizedLinear(nn.Module):
 
     _plan = None
     _plan_key: tuple | None = None
-    copies_weight = False  # stack_plan's kernel reads `blocks` through its pointer: edits reach it as they are
 
     def __init__(
         self,

@@ -58,7 +58,6 @@ class PackedLinear(nn.Linear):
     _blocked_key: tuple | None = None
     _plan: kernels.LinearPlan | None = None
     _plan_key: tuple | None = None
-    copies_weight = True  # stack_plan's kernel reads a blocked copy: in-place edits show in weight._version
 
     def _key(self) -> tuple:
         w = self._parameters["weight"]
@@ -105,7 +104,9 @@ class PackedLinear(nn.Linear):
         return kernels.run_linear(plan, x, residual=residual, **epilogue)
 
     def stack_plan(self) -> kernels.LinearPlan | None:
-        """kernel_plan() for the C layer stack (models/layer_step.py), None where its kernel cannot run."""
+        """kernel_plan() for the C layer stack (models/layer_step.py), None where its kernel cannot run.
+        The stack keeps this plan, the blocked copy, until models.executors.invalidate(model): after an
+        in-place edit of the weight (no counter sees it), call that."""
         w = self._parameters["weight"]
         if w.dtype is torch.float32 and w.is_cpu and kernels.kernels_unavailable() is None:
             return self.kernel_plan()

@@ -92,14 +92,14 @@ def test_an_analysis_hook_point_is_seen_by_the_reference_executor(saved):
     close(torch.cat(out, dim=1), want)
 
 
-@torch.no_grad()  # not inference mode: its tensors keep no version to see an in-place edit by
+@torch.no_grad()
 def test_the_plan_is_made_once_and_again_only_after_a_change(saved):
     """Decode steps register nothing: the model's FusedPlan stays the same object from step to step.
-    A module replaced (pruning does this), a buffer set (kv_map), a weight edited in place or a
-    kernel switch changes it; invalidate() drops it."""
+    A module replaced (pruning does this), a buffer set (kv_map), an attention setting or a kernel
+    switch changes it; invalidate() drops it (an in-place weight edit needs it: no counter sees one)."""
     _, path = saved("llama-gqa")
     model = headwise.load(path)
-    ids = _ids(1, 12, seed=5)
+    ids = _ids(1, 16, seed=5)
     steps = _Steps(model, ids)
     steps()
     plan = executors._PLANS[model]
@@ -116,9 +116,10 @@ def test_the_plan_is_made_once_and_again_only_after_a_change(saved):
 
     last = model.layers[-1]
     assert remade(lambda: setattr(last.mlp, "down", copy.deepcopy(last.mlp.down)))
-    assert remade(lambda: last.mlp.down.weight.mul_(1.0))  # in place: a new version
     assert remade(lambda: setattr(last.attn, "kv_map", None))  # a buffer set, even to what it was
-    assert remade(lambda: executors.invalidate(model))
+    assert remade(lambda: setattr(last.attn, "backend", "auto"))  # an attention setting, even to what it was
+    assert remade(lambda: executors.invalidate(model))  # what an in-place weight edit needs
+    assert not remade(lambda: last.mlp.down.weight.mul_(1.0))  # in place: no counter sees it
     assert not remade(lambda: None)
 
 

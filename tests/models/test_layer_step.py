@@ -240,8 +240,8 @@ def test_a_batch_1_step_cuts_its_keys_over_the_threads_and_matches_hf(saved, sta
 
 
 def test_weights_edited_in_place_or_replaced_reach_the_one_call(saved, one_calls):
-    """The layer's cached plan notices a weight edited in place (its version) and one replaced by
-    another tensor, as HF with the same edits does."""
+    """The fused plan is made again after a weight edited in place (the caller's invalidate) and
+    after one replaced by another tensor (torch's registration counter), as HF with the same edits does."""
     _, path = saved("llama-gqa")
     hf = tf.LlamaForCausalLM.from_pretrained(path).eval()  # its own weights: this test edits them
     model = headwise.load(path)
@@ -249,7 +249,8 @@ def test_weights_edited_in_place_or_replaced_reach_the_one_call(saved, one_calls
     with torch.no_grad():
         _decode(model, ids, prefill=1)  # plans made and cached (every step one row: one memo)
         for m in (model.layers[1].mlp.down, hf.model.layers[1].mlp.down_proj):
-            m.weight.mul_(-0.5)  # in place: same tensor, new version
+            m.weight.mul_(-0.5)  # in place: same tensor, which no counter sees...
+        executors.invalidate(model)  # ...so the caller says so
         new_norm = torch.nn.Parameter(torch.rand(model.config.d_model) + 0.5)
         model.layers[0].attn_norm.weight = new_norm  # a new tensor
         hf.model.layers[0].input_layernorm.weight = torch.nn.Parameter(new_norm.detach().clone())
@@ -318,7 +319,8 @@ def test_a_module_replaced_or_edited_between_decode_steps_takes_part_in_the_next
         swapped = torch.cat([model(ids[:, t : t + 1], cache.step(1)) for t in (6, 7)], dim=1)
         want_swapped = hf(ids).logits[:, 6:8]
         for w in (new.weight, hf.model.layers[last].mlp.down_proj.weight):
-            w.mul_(3.0)  # in place: the same tensor, a new version
+            w.mul_(3.0)  # in place: the same tensor, which no counter sees
+        executors.invalidate(model)
         edited = torch.cat([model(ids[:, t : t + 1], cache.step(1)) for t in (8, 9)], dim=1)
         want_edited = hf(ids).logits[:, 8:]
     assert stacks == [cfg.num_layers] * 6
@@ -330,8 +332,7 @@ def test_a_module_replaced_or_edited_between_decode_steps_takes_part_in_the_next
 @torch.inference_mode()
 def test_quantized_blocks_and_norms_edited_in_place_reach_the_stack(saved, stacks, weights):
     """A quantized linear's blocks and the norms' weights are read through their own pointers, so
-    the stack's memo does not watch their versions: edited in place after the stack was
-    remembered, the next steps run the new numbers. The last layer's MLP (its norm and down
+    edited in place after the fused plan was made (no invalidate), the next steps run the new numbers. The last layer's MLP (its norm and down
     projection) feeds no key or value, so a model loaded afresh, edited the same way, and run
     over the whole sequence at once is the reference; the edit moves the logits far more."""
     _, path = saved("llama-gqa")
