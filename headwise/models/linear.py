@@ -9,17 +9,16 @@ it, so a quantized file loads with one copy of each weight and no fp32 parameter
 independent: permuting rows (llama.cpp's Q/K order) or stacking them (fused QKV) works on the
 blocks directly.
 
-Forwards of up to kernels.KERNEL_ROWS rows (decode steps) go to headwise.kernels.quant's
-integer kernel (activations quantized per block on the fly, as llama.cpp's vec_dot does),
-where it runs; so do prefills of packed weights where our kernels beat oneDNN (every CPU
-measured: kernels.KERNELS_OVER_ONEDNN), KERNEL_ROWS rows at a time; other forwards (prefill, or no
-kernel) dequantize the weight into a temporary and call F.linear, so no fp32 copy outlives the
-call. The dequantization is the kernel's
-where it runs, else models/quants.py's torch decoders (bit-exact with the gguf package).
-That F.linear first rounds x the way the kernel does (`round_activations`), so both routes
-compute the same function up to fp32 summation order: a row's result does not depend on
-how many rows share its step (the engine's chunked prefill vs generate's whole prompt), and
-a machine without the kernel gets the same numbers.
+Forwards of up to kernels.KERNEL_ROWS rows (decode steps) go to headwise.kernels.quant's integer
+kernel (activations quantized per block on the fly, as llama.cpp's vec_dot does), where it runs; so
+do prefills of packed weights where our kernels beat oneDNN (every CPU measured:
+kernels.KERNELS_OVER_ONEDNN), KERNEL_ROWS rows at a time; other forwards (prefill, or no kernel)
+dequantize the weight into a temporary and call F.linear, so no fp32 copy outlives the call. The
+dequantization is the kernel's where it runs, else models/quants.py's torch decoders (bit-exact with
+the gguf package). That F.linear first rounds x the way the kernel does (`round_activations`), so
+both routes compute the same function up to fp32 summation order: a row's result does not depend on
+how many rows share its step (the engine's chunked prefill vs generate's whole prompt), and a
+machine without the kernel gets the same numbers.
 """
 
 from __future__ import annotations
@@ -227,10 +226,7 @@ class QuantizedLinear(nn.Module):
         ok = self.blocks.is_cpu and (self.bias is None or self.bias.dtype is torch.float32)
         return self.kernel_plan() if ok and kernel_unavailable(self.fmt) is None else None
 
-    @staticmethod
-    def kernel_rows() -> int:
-        """The most rows stack_plan's kernel takes in one call."""
-        return kernels.KERNEL_ROWS
+    kernel_rows = staticmethod(lambda: kernels.KERNEL_ROWS)  # the most rows stack_plan's kernel takes at once
 
     def _kernel_takes(self, x: Tensor) -> bool:
         return (
@@ -249,8 +245,7 @@ class QuantizedLinear(nn.Module):
         return _quant_module().run_quant(plan, x, **epilogue)
 
     def fused_forward(self, x: Tensor, *, residual=None, norm=None, swiglu=False, rope=None) -> Tensor:
-        """fused_ops.fused_linear for this kind: one quantized kernel call with the prologue and
-        epilogue folded in where route_plan allows, else composed around this module's forward."""
+        """fused_ops.fused_linear: one kernel call where route_plan allows, else composed."""
         plan = self.route_plan(x)
         if plan is None:
             return composed(self, x, residual=residual, norm=norm, swiglu=swiglu, rope=rope)
@@ -326,8 +321,7 @@ class Embedding(nn.Embedding):
 
 
 class QuantizedEmbedding(nn.Module):
-    """nn.Embedding over GGML blocks (`blocks` (V, row_bytes) uint8): a lookup dequantizes
-    only the rows it gathers."""
+    """nn.Embedding over GGML blocks (`blocks` (V, row_bytes) uint8): a lookup dequantizes only the rows it gathers."""
 
     packed = False  # blocks in groups of 8 rows (QuantizedLinear.pack), for a tied head's kernel
 
