@@ -36,3 +36,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "headwise"))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32():
+    """SmolLM2-135M-Instruct, its GGUF dequantized to fp32, loaded once for the whole session: the
+    reference model of tests/generation, tests/engine, tests/serve and tests/models. Read-only: a
+    test that changes it (a hook) puts it back in a finally; one that prunes or edits weights loads
+    its own."""
+    return headwise.load("smollm2-135m-instruct", weights="fp32")

@@ -34,13 +34,13 @@ def chat(q):
 
 
 @pytest.fixture(scope="module")
-def smol():
+def smol(smollm2_fp32):
     # fp32 (the file dequantized): the engine's chunked, batched and paged steps must give exactly
     # generate()'s tokens, which holds where each row's arithmetic is fp32 throughout. The default's
     # int8 activations turn fp32 rounding differences between those paths (~1e-6) into whole
     # rounding steps now and then, so greedy runs may fork where generate() itself has a near-tie
     # (tests/models/test_load_weights.py measures that default's quality against fp32).
-    return headwise.load("smollm2-135m-instruct", weights="fp32")
+    return smollm2_fp32  # the session's: headwise.load("smollm2-135m-instruct", weights="fp32")
 
 
 def test_greedy_equals_generate_then_prefix_hits(smol):

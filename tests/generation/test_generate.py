@@ -24,12 +24,12 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def smol():
+def smol(smollm2_fp32):
     """SmolLM2-135M-Instruct from the packaged GGUF: headwise's model, and transformers'
     LlamaForCausalLM holding the same dequantized tensors (tests/models checks those
     tensors equal what transformers reads from the file). weights="fp32": the file dequantized, as
     transformers runs it (the default computes from the blocks as stored: tests/models/test_load_weights.py)."""
-    model = headwise.load("smollm2-135m-instruct", weights="fp32")
+    model = smollm2_fp32  # the session's: headwise.load("smollm2-135m-instruct", weights="fp32")
     hf_config, tensors, _ = read_gguf(resolve("smollm2-135m-instruct"))
     config = tf.LlamaConfig(**{k: v for k, v in hf_config.items() if k not in ("gguf", "_name_or_path")})
     hf = tf.LlamaForCausalLM(config).eval()

@@ -33,10 +33,10 @@ from .test_gguf import write_tiny_llama, write_wide_q4_k_m
 
 
 @pytest.fixture(scope="module")
-def smol():
+def smol(smollm2_fp32):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the OpenMP import-order note, when torch came first
-        return headwise.load("smollm2"), headwise.load("smollm2", weights="fp32")
+        return headwise.load("smollm2"), smollm2_fp32  # the session's headwise.load("smollm2", weights="fp32")
 
 
 @functools.cache

@@ -61,10 +61,10 @@ def captured_logs():
 
 
 @pytest.fixture(scope="package")
-def smol():
+def smol(smollm2_fp32):
     # fp32 here and in the served config below: the tests hold the server's batched, paged steps to
     # generate()'s exact tokens, true where the arithmetic is fp32 throughout (tests/engine/test_smollm2.py)
-    return headwise.load("smollm2-135m-instruct", weights="fp32")
+    return smollm2_fp32  # the session's: headwise.load("smollm2-135m-instruct", weights="fp32")
 
 
 @pytest.fixture(scope="package")
