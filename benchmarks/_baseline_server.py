@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's headwise
-import headwise  # noqa: E402,F401  (before torch: it sets the OpenMP wait policy, headwise/threads.py)
+import headwise  # noqa: E402,F401  (before torch: it sets the OpenMP wait policy, headwise/core/threads.py)
 
 MODEL = "smollm2-135m-instruct"
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-# headwise before torch: `import headwise` sets the OpenMP wait policy users get (headwise/threads.py),
+# headwise before torch: `import headwise` sets the OpenMP wait policy users get (headwise/core/threads.py),
 # which libgomp reads once, when torch loads it. Scripts import torch only after _common.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import headwise  # noqa: E402,F401

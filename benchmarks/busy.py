@@ -1,6 +1,6 @@
 """One claim: a second busy process costs headwise.generate about its share of the cores, not 4-15x
 (issue 12), without giving up speed on a quiet machine: OpenMP threads spin briefly, then sleep
-(headwise/threads.py), instead of spinning ~3 ms (libgomp's default) or sleeping at once (PASSIVE).
+(headwise/core/threads.py), instead of spinning ~3 ms (libgomp's default) or sleeping at once (PASSIVE).
 
 Model: SmolLM2-135M-Instruct fp32 (`headwise.load("smollm2-135m-instruct")`), greedy, EOS ignored,
 a short chat prompt, --new-tokens decode tokens after a 4-token warm-up generate. Every measurement
@@ -40,7 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {
-    "default": {},  # headwise's choice: GOMP_SPINCOUNT=2000 (headwise/threads.py)
+    "default": {},  # headwise's choice: GOMP_SPINCOUNT=2000 (headwise/core/threads.py)
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
     "active": {"OMP_WAIT_POLICY": "ACTIVE"},
     "torch1st": {},

@@ -19,7 +19,7 @@ Decode rate at 1 client, like with like: the streamed client's 1 / TPOT (TPOT ex
 first token, so this is tokens after the first over the time they took) vs generate()'s
 GenerationResult.tokens_per_second (the same ratio, timed inside the process); both the
 median over the level's requests. Issue 13's target: headwise >= 0.9x hw_generate.
-All three run with GOMP_SPINCOUNT=2000 (the short spin `import headwise` sets, headwise/threads.py;
+All three run with GOMP_SPINCOUNT=2000 (the short spin `import headwise` sets, headwise/core/threads.py;
 libgomp's ~3 ms busy-wait starves the event loop thread of any server on 2 cores; results before
 2026-12-01 were measured with OMP_WAIT_POLICY=PASSIVE) and torch's default threads.
 
@@ -63,7 +63,7 @@ from _worker import Worker  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 SEED = 1234
-# what `headwise serve` sets (headwise/threads.py), for both servers
+# what `headwise serve` sets (headwise/core/threads.py), for both servers
 SERVER_ENV = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "2000"}
 BASELINE = Path(__file__).resolve().parent / "_baseline_server.py"
 

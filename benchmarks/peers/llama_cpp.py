@@ -98,7 +98,7 @@ CMAKE_FLAGS = (
     "-DLLAMA_USE_PREBUILT_UI=OFF",  # the prebuilt web UI comes from the network; the API does not need it
     "-DLLAMA_BUILD_UI=OFF",  # building it needs npm
 )
-# headwise sets how libgomp's threads wait (headwise/threads.py) and llama.cpp's ggml runs on
+# headwise sets how libgomp's threads wait (headwise/core/threads.py) and llama.cpp's ggml runs on
 # libgomp too; its children get llama.cpp's own defaults, as a user running it would.
 REPACK = os.environ.get("HEADWISE_LLAMA_REPACK", "1") != "0"
 _CHILD_ENV_DROP = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "OMP_PROC_BIND", "OMP_PLACES")

@@ -18,7 +18,7 @@ QUANT_FORMATS = {
     "q6_k": (14, 256, 210),  # 128 + 64 bytes of 6-bit q, 16 int8 scales, f16 d
 }
 
-# Formats with the 8-row packed layout (kernels/quant_blocks.h packable): every one headwise computes from.
+# Formats with the 8-row packed layout (kernels/csrc/generic/quant_formats.h packable): every one headwise computes from.
 PACKABLE = tuple(QUANT_FORMATS)
 
 

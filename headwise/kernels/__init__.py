@@ -9,9 +9,8 @@ time, each weight tile read from memory once for all rows. It folds in the op be
 or SwiGLU) and a residual add after it, which saves a PyTorch call each. Only fp32 on x86-64
 with AVX2 + FMA. PackedLinear keeps the blocked copy of its weight (models/packing.py).
 
-The C sources (small_linear.c, decode_attention.c for kernels.attention, prefill_attention.c for
-kernels.prefill, _module.c: the Python
-entry points) are a C extension that `pip install` builds (setup.py) in two variants,
+The C sources (csrc/generic: the drivers and module.c, the Python entry points; csrc/x86/avx2 and
+csrc/x86/avx512: the vector code of each ISA, one file per kernel family) are a C extension that `pip install` builds (setup.py) in two variants,
 `_cpu_avx2` and `_cpu_avx512`; `_ext()` imports the one this CPU runs, chosen at run time from
 its flags (HEADWISE_ISA=avx2 / avx512 forces one), with the prefetch distances of its kernels set for
 this core (prefetch_ahead_for, quant_prefetch_ahead_for, zmm_min_rows_for; environment variables override them). Where none can run (not built at install, no

@@ -98,7 +98,7 @@ def quant_prefetch_ahead_for(vendor: str | None = None, family: str | None = Non
 
 
 # From how many rows of x the avx512 build's quantized kernel reads two packed groups at once in zmm
-# tiles (kernels/quant_group.c's hw_zmm_min_rows; the same bits either way): 4 as tuned on AMD EPYC
+# tiles (csrc/x86/avx512/quant_group.c's hw_zmm_min_rows; the same bits either way): 4 as tuned on AMD EPYC
 # Zen 4 / 5; 1 on Intel (family 6, measured on a Xeon model 167 with AVX-512 + AMX, 2026-12-04, the
 # prefetch at 16 KiB, each a fresh process, 3 interleaved rounds): the 7B-shaped Q4_K_M file of
 # benchmarks/synthetic_gguf.py, generate() B=1 from DRAM, 4.40 / 4.40 / 4.45 -> 4.84 / 4.90 / 4.79

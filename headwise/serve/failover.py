@@ -13,7 +13,7 @@ error event such as a drain's), the gateway sends the same request to another re
 `"headwise": {"resume": {"token_ids": <ids so far>, "text_chars": <characters sent>}}`: that
 replica reads prompt + ids as its prompt (for chat, the chat-templated messages + ids), counts
 max_tokens from the original, and its detokenizer and stop strings pick up at the seam
-(generation/output.py Resume). The client's stream goes on with the same id and `created`; no
+(runtime/output.py Resume). The client's stream goes on with the same id and `created`; no
 text is repeated or lost. Greedy decoding gives the text of an uninterrupted run; seeded sampling
 too (the resumed request skips the random draws already made); unseeded sampling continues
 from the same text but draws afresh. One completion per stream only: n > 1 and a batch of

@@ -7,7 +7,7 @@ say an fp32 and an int8 KV cache) share one loaded model: one set of weights, on
 each. A model that fails to load is marked failed with its reason; when every one fails,
 the server stops (`load_all`'s on_done). Requests reach the engine as token ids: the endpoints
 (serve/openai) render chat templates and tokenize off the event loop; the engine's output
-processor (generation/output.py) turns the ids it samples into text and stop strings.
+processor (runtime/output.py) turns the ids it samples into text and stop strings.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A decode step's attention is a few query rows per KV head against the whole cache: no mask,
 and the G query heads of a KV group are G*T rows against it (`fold_heads`). The kernel
-(headwise/kernels/decode_attention.c, through kernels/attention.py) reads K and V once in one
+(headwise/kernels/csrc/*/decode_attention.c, through kernels/attention.py) reads K and V once in one
 pass with an online softmax, straight from the cache's views; PyTorch's flash op gets there
 through its general tiling, allocations and a parallel region per call, which for so few rows
 is most of the time (SmolLM2's decode on AMD EPYC Zen 3: see benchmarks/decode.py).

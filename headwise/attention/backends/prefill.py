@@ -1,7 +1,7 @@
 """The `prefill` backend: headwise's CPU kernel for many queries, causal or unmasked (a prefill).
 
 A prefill's attention is arithmetic (T x S x D multiply-adds twice per head), not a memory
-stream: the kernel (headwise/kernels/prefill_attention.c, through kernels/prefill.py) tiles
+stream: the kernel (headwise/kernels/csrc/*/prefill_attention.c, through kernels/prefill.py) tiles
 each KV head's G query heads as one set of rows against each block of keys, with an online
 softmax, and skips the key blocks a causal block of queries cannot see. Against PyTorch's
 fused SDPA on SmolLM2's prefill (H 9, Hkv 3, D 64, AMD EPYC Zen 5): 2.5x at 512 tokens.
