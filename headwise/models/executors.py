@@ -30,9 +30,11 @@ SmolLM2 token):
   - MultiHeadAttention.settings_changes: every setting of an attention's analysis hook slot or
     backend (headwise.analysis.hooks fills and empties the slots for one run);
   - the kernels' switches (kernels_unavailable, MAX_ROWS, KERNEL_ROWS);
-  - `invalidate(model)`, for what no counter sees: an fp32 weight edited in place (`weight.mul_()`)
-    after the plan was made, whose blocked copy (PackedLinear) the C stack reads. Quantized blocks
-    and norm weights are read through their own pointers, so their in-place edits need nothing.
+  - an fp32 weight edited in place (`weight.mul_()`) after the plan was made, whose blocked copy
+    (PackedLinear) the C stack reads, is seen by `check_weights(model)` (O(weights): the runtime
+    calls it at every step that starts a request, so each generate() call and each new request
+    sees the weights as they are), or dropped at once by `invalidate(model)`. Quantized blocks and
+    norm weights are read through their own pointers, so their in-place edits need nothing.
 """
 
 from __future__ import annotations
@@ -111,6 +113,8 @@ class FusedPlan:
         stacked = [s for s in self.steps if s.plan is not None]
         linears = [m for s in stacked for m in s.parts.linears]
         self.rows = min([kernels.KERNEL_ROWS, *(m.kernel_rows() for m in linears)])  # the C stack's row limit
+        self.copied = [m for m in linears if hasattr(m, "_key")]  # PackedLinear: blocked copies of fp32 weights
+        self.weight_keys = [m._key() for m in self.copied]
         ropes = {id(s.parts.rope) for s in self.steps if s.parts is not None}
         whole = stacked and len(stacked) == len(self.steps) and len(ropes) == 1
         self.whole = WholeStack([s.plan for s in self.steps], self.steps[0].parts.rope) if whole else None
@@ -182,6 +186,14 @@ def invalidate(model: nn.Module) -> None:
     """Drop the model's fused plan: its next fused step makes a new one. For a change no counter sees
     (the module docstring): an fp32 weight edited in place after the plan was made."""
     _PLANS.pop(model, None)
+
+
+def check_weights(model: nn.Module) -> None:
+    """Drop the model's fused plan if an fp32 weight it holds a blocked copy of was edited in place
+    since (its tensor version moved): O(weights), once per request, not per step."""
+    plan = _PLANS.get(model)
+    if plan is not None and plan.weight_keys != [m._key() for m in plan.copied]:
+        _PLANS.pop(model, None)
 
 
 def choose(model: nn.Module, x: Tensor, step) -> _Reference | FusedPlan:

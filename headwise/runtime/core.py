@@ -31,6 +31,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from ..models.executors import check_weights
 from .output import OutputProcessor, check_context
 from .request import Request, RequestGroup, Status
 from .sampler import Sampler
@@ -121,6 +122,8 @@ class Core:
             plan = self.scheduler.schedule()
             if not plan.chunks:
                 return process([]) if process is not None else []
+            if any(c.start < c.request.num_prompt_tokens for c in plan.chunks):  # a prompt: weights edited since?
+                check_weights(self.model)
             batch = self.runner.prepare(plan.chunks)
         t1 = time.perf_counter()
         logits = self.runner.run(batch)  # (R, V) or None

@@ -146,3 +146,38 @@ def test_a_request_s_own_processor_sees_its_tokens_batched_across_requests(tiny_
             tiny_llama, prompts[i], SamplingParams(**{**vars(with_ban), "logits_processors": (BanRepeats(),)})
         )
         assert alone.token_ids == outs[i].token_ids
+
+
+def test_a_weight_edited_in_place_between_requests_is_seen(tmp_path_factory):
+    """An fp32 weight edited in place (no invalidate) after a run: the next generate() call and
+    the engine's next request (a new prompt) compute with the new numbers -- the same tokens as the reference
+    executor (the modules as written, which a no-op hook forces) -- not a stale fused copy."""
+    import torch
+    import transformers as tf
+
+    from ..helpers import save_hf, tiny_llama_config
+
+    torch.manual_seed(2)
+    model = headwise.load(save_hf(tmp_path_factory, "edit", tf.LlamaForCausalLM(tiny_llama_config()).eval()))
+    prompt = ragged_prompts(model.config.vocab_size, seed=5)[4]
+    greedy = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    engine = Engine(model, max_num_seqs=2, num_blocks=64, block_size=4)
+    before = headwise.generate(model, prompt, greedy).token_ids
+    assert engine.generate([prompt], greedy)[0].token_ids == before
+    with torch.no_grad():
+        model.layers[0].mlp.down.weight.mul_(-3.0)  # in place: the same tensor, a new version
+    after = headwise.generate(model, prompt, greedy).token_ids
+    handle = model.layers[1].register_forward_hook(lambda m, a, out: None)  # -> the reference executor
+    try:
+        reference = headwise.generate(model, prompt, greedy).token_ids
+    finally:
+        handle.remove()
+    assert after == reference != before
+    # the engine's next request (another prompt: the pool's prefix cache holds K/V of the old weights)
+    other = ragged_prompts(model.config.vocab_size, seed=5)[3]
+    handle = model.layers[1].register_forward_hook(lambda m, a, out: None)
+    try:
+        reference = headwise.generate(model, other, greedy).token_ids
+    finally:
+        handle.remove()
+    assert engine.generate([other], greedy)[0].token_ids == reference
