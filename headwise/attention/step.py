@@ -43,9 +43,6 @@ class Step:
     key_padding_mask: Tensor | None = None
     logits_indices: Tensor | None = None
     claim_stack = None  # a cache's claim_decode_stack (CacheStep)
-    # Unused, kept until its callers go (generation, engine): the model's executors are chosen
-    # per step from facts whose changes invalidate the fused plan explicitly (models/executors.py).
-    model_vouch: object | None = None
     # Where the step knows its positions on the host, for RoPE rows from a table: every row's T
     # positions from one start, (L, B, T); or the largest position of any row.
     positions_run: tuple[int, int, int] | None = None
