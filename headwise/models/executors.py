@@ -188,6 +188,16 @@ def invalidate(model: nn.Module) -> None:
     _PLANS.pop(model, None)
 
 
+def model_version(model: nn.Module) -> tuple:
+    """A value that moves whenever what the model computes may have: a module, parameter or buffer
+    assigned anywhere, a hook registered, an attention's hook slot or backend set, the hooks now on
+    its modules, a parameter edited in place. O(parameters + modules): for the moments K/V computed
+    earlier would be reused (a prefix cache's lookups), not for every step."""
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    versions = sum(p._version for p in model.parameters() if not p.is_inference())
+    return (_CHANGES[0], RemovableHandle.next_id, MultiHeadAttention.settings_changes, hooks, versions)
+
+
 def check_weights(model: nn.Module) -> None:
     """Drop the model's fused plan if an fp32 weight it holds a blocked copy of was edited in place
     since (its tensor version moved): O(weights), once per request, not per step."""

@@ -39,6 +39,9 @@ class StaticBatch:
     def has_work(self) -> bool:
         return bool(self.running)
 
+    def model_changed(self) -> None:
+        pass  # no K/V outlives the batch
+
     def finish(self, request: Request) -> None:
         if request.status is Status.RUNNING:
             self.running.remove(request)

@@ -31,7 +31,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..models.executors import check_weights
+from ..models.executors import check_weights, model_version
 from .output import OutputProcessor, check_context
 from .request import Request, RequestGroup, Status
 from .sampler import Sampler
@@ -72,6 +72,7 @@ class Core:
         self.counts = collections.Counter()  # steps, prefill_tokens, output_tokens
         self.seconds = {"schedule": 0.0, "forward": 0.0, "output": 0.0}
         self.rate = 0.0  # tokens computed per second, smoothed (a queue's retry hint)
+        self.model_version = None  # executors.model_version when requests were last admitted
 
     # ------------------------------------------------------------------ requests
     def check(self, ids: list[int], params: SamplingParams) -> None:
@@ -119,6 +120,12 @@ class Core:
         from what it declares (models/executors.py): a hook added between two steps is seen."""
         t0 = time.perf_counter()
         with self.lock:
+            if self.scheduler.waiting:  # admissions may reuse K/V by prefix: computed by this model?
+                version = model_version(self.model)
+                if version != self.model_version:
+                    if self.model_version is not None:
+                        self.scheduler.model_changed()
+                    self.model_version = version
             plan = self.scheduler.schedule()
             if not plan.chunks:
                 return process([]) if process is not None else []

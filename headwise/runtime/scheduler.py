@@ -75,6 +75,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def model_changed(self) -> None:
+        """The model computes differently now (weights edited, hooks, modules replaced): prefixes
+        cached before must not be found again (blocks of running requests stay findable)."""
+        self.cache.pool.clear_prefix_cache()
+
     def waiting_tokens(self) -> int:
         return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
 
