@@ -188,13 +188,23 @@ def invalidate(model: nn.Module) -> None:
     _PLANS.pop(model, None)
 
 
+# model -> (the registration count when listed, its modules, its parameters with a version): model_version's
+# lists, remade after any module, parameter or buffer assignment
+_MEMBERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def model_version(model: nn.Module) -> tuple:
     """A value that moves whenever what the model computes may have: a module, parameter or buffer
     assigned anywhere, a hook registered, an attention's hook slot or backend set, the hooks now on
-    its modules, a parameter edited in place. O(parameters + modules): for the moments K/V computed
+    its modules, a parameter edited in place. ~50 us on SmolLM2 (276 modules): for the moments K/V computed
     earlier would be reused (a prefix cache's lookups), not for every step."""
-    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-    versions = sum(p._version for p in model.parameters() if not p.is_inference())
+    held = _MEMBERS.get(model)
+    if held is None or held[0] != _CHANGES[0]:  # the lists change only with a registration
+        params = [p for p in model.parameters() if not p.is_inference()]
+        held = _MEMBERS[model] = (_CHANGES[0], list(model.modules()), params)
+    _, modules, params = held
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in modules)
+    versions = sum(p._version for p in params)
     return (_CHANGES[0], RemovableHandle.next_id, MultiHeadAttention.settings_changes, hooks, versions)
 
 
