@@ -130,9 +130,8 @@ class Engine(Frontends):
             )
         rid = uuid.uuid4().hex if request_id is None else str(request_id)
         group = RequestGroup(rid, ids, params, sink)
-        stops = self.output.stop_ids(params)
         for i in range(params.n):
-            r = self.core.request(group, i, stops)
+            r = self.core.request(group, i)
             if resume is not None:
                 r.text.resume(resume)
                 if r.generator is not None and not params.greedy:

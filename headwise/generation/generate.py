@@ -107,7 +107,6 @@ def _run(
 ):
     """The batch as one run of the runtime's loop (runtime/core.py) over a contiguous cache."""
     limit = model.config.max_positions
-    out = OutputProcessor(getattr(model, "tokenizer", None))
     for i, p in enumerate(prompts):
         check_context(len(p), params.max_new_tokens, limit, f"the model's context of {limit} tokens", f"prompt {i}")
     B = len(prompts)
@@ -115,9 +114,8 @@ def _run(
         model, B, max(map(len, prompts)) + params.max_new_tokens, kv_dtype=kv_dtype, compile=compile
     )
     core = Core(model, StaticBatch(), runner, max_model_len=limit)
-    stops = out.stop_ids(params)
     # completion i of a prompt draws from seed + i, as in the engine
-    reqs = [core.request(RequestGroup(str(b), p, params, None), b % params.n, stops) for b, p in enumerate(prompts)]
+    reqs = [core.request(RequestGroup(str(b), p, params, None), b % params.n) for b, p in enumerate(prompts)]
     for r in reqs:
         core.add(r)
     t0 = time.perf_counter()

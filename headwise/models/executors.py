@@ -31,9 +31,9 @@ SmolLM2 token):
     backend (headwise.analysis.hooks fills and empties the slots for one run);
   - the kernels' switches (kernels_unavailable, MAX_ROWS, KERNEL_ROWS);
   - an fp32 weight edited in place (`weight.mul_()`) after the plan was made, whose blocked copy
-    (PackedLinear) the C stack reads, is seen by `check_weights(model)` (O(weights): the runtime
-    calls it at every step that starts a request, so each generate() call and each new request
-    sees the weights as they are), or dropped at once by `invalidate(model)`. Quantized blocks and
+    (PackedLinear) the C stack reads, is seen by `check_weights(model)` (O(parameters): the runtime
+    calls it when requests start, so each generate() call and each new request sees the weights
+    as they are), or dropped at once by `invalidate(model)`. Quantized blocks and
     norm weights are read through their own pointers, so their in-place edits need nothing.
 """
 
@@ -113,8 +113,7 @@ class FusedPlan:
         stacked = [s for s in self.steps if s.plan is not None]
         linears = [m for s in stacked for m in s.parts.linears]
         self.rows = min([kernels.KERNEL_ROWS, *(m.kernel_rows() for m in linears)])  # the C stack's row limit
-        self.copied = [m for m in linears if hasattr(m, "_key")]  # PackedLinear: blocked copies of fp32 weights
-        self.weight_keys = [m._key() for m in self.copied]
+        self.versions = _param_versions(model)  # PackedLinear's blocked copies are of these weights
         ropes = {id(s.parts.rope) for s in self.steps if s.parts is not None}
         whole = stacked and len(stacked) == len(self.steps) and len(ropes) == 1
         self.whole = WholeStack([s.plan for s in self.steps], self.steps[0].parts.rope) if whole else None
@@ -193,26 +192,37 @@ def invalidate(model: nn.Module) -> None:
 _MEMBERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _members(model: nn.Module) -> tuple[list, list]:
+    """-> (the model's modules, its parameters that keep a version), listed again only after a registration."""
+    held = _MEMBERS.get(model)
+    if held is None or held[0] != _CHANGES[0]:
+        held = _MEMBERS[model] = (
+            _CHANGES[0],
+            list(model.modules()),
+            [p for p in model.parameters() if not p.is_inference()],
+        )
+    return held[1], held[2]
+
+
+def _param_versions(model: nn.Module) -> int:
+    """The sum of the parameters' tensor versions: moves with every in-place edit of one."""
+    return sum(p._version for p in _members(model)[1])
+
+
 def model_version(model: nn.Module) -> tuple:
     """A value that moves whenever what the model computes may have: a module, parameter or buffer
     assigned anywhere, a hook registered, an attention's hook slot or backend set, the hooks now on
     its modules, a parameter edited in place. ~50 us on SmolLM2 (276 modules): for the moments K/V computed
     earlier would be reused (a prefix cache's lookups), not for every step."""
-    held = _MEMBERS.get(model)
-    if held is None or held[0] != _CHANGES[0]:  # the lists change only with a registration
-        params = [p for p in model.parameters() if not p.is_inference()]
-        held = _MEMBERS[model] = (_CHANGES[0], list(model.modules()), params)
-    _, modules, params = held
-    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in modules)
-    versions = sum(p._version for p in params)
-    return (_CHANGES[0], RemovableHandle.next_id, MultiHeadAttention.settings_changes, hooks, versions)
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in _members(model)[0])
+    return (_CHANGES[0], RemovableHandle.next_id, MultiHeadAttention.settings_changes, hooks, _param_versions(model))
 
 
 def check_weights(model: nn.Module) -> None:
-    """Drop the model's fused plan if an fp32 weight it holds a blocked copy of was edited in place
-    since (its tensor version moved): O(weights), once per request, not per step."""
+    """Drop the model's fused plan if a parameter was edited in place since it was made (the blocked
+    fp32 copies it reads would be stale): O(parameters), when requests start, not per step."""
     plan = _PLANS.get(model)
-    if plan is not None and plan.weight_keys != [m._key() for m in plan.copied]:
+    if plan is not None and plan.versions != _param_versions(model):
         _PLANS.pop(model, None)
 
 

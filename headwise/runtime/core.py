@@ -72,7 +72,7 @@ class Core:
         self.counts = collections.Counter()  # steps, prefill_tokens, output_tokens
         self.seconds = {"schedule": 0.0, "forward": 0.0, "output": 0.0}
         self.rate = 0.0  # tokens computed per second, smoothed (a queue's retry hint)
-        self.model_version = None  # executors.model_version when requests were last admitted
+        self.model_version = None  # executors.model_version when requests were last admitted (_see_model)
 
     # ------------------------------------------------------------------ requests
     def check(self, ids: list[int], params: SamplingParams) -> None:
@@ -87,7 +87,7 @@ class Core:
         """What max_model_len comes from, for the context error."""
         return f"the model's context of {self.model.config.max_positions} tokens"
 
-    def request(self, group: RequestGroup, index: int, stop_ids: frozenset | None = None) -> Request:
+    def request(self, group: RequestGroup, index: int) -> Request:
         """Completion `index` of a group, with its sampling state (seeded generator, seen ids)
         and its text state (detokenizer, stop strings: the finish rule)."""
         params, ids = group.params, group.prompt_token_ids
@@ -98,8 +98,8 @@ class Core:
         if params.repetition_penalty != 1.0:
             seen = torch.zeros(self.model.config.vocab_size, dtype=torch.bool, device=self.device)
             seen[torch.tensor(ids, device=self.device)] = True
-        text = self.output.sequence(ids, params, stop_ids)
-        return Request(group, index, text.stop_ids, gen, seen, token_ids=list(ids), text=text)
+        text = self.output.sequence(ids, params)
+        return Request(group, index, gen, seen, token_ids=list(ids), text=text)
 
     def add(self, request: Request) -> None:
         with self.lock:
@@ -120,17 +120,11 @@ class Core:
         from what it declares (models/executors.py): a hook added between two steps is seen."""
         t0 = time.perf_counter()
         with self.lock:
-            if self.scheduler.waiting:  # admissions may reuse K/V by prefix: computed by this model?
-                version = model_version(self.model)
-                if version != self.model_version:
-                    if self.model_version is not None:
-                        self.scheduler.model_changed()
-                    self.model_version = version
+            if self.scheduler.waiting or not self.counts["steps"]:  # requests start: with the model as it is?
+                self._see_model()
             plan = self.scheduler.schedule()
             if not plan.chunks:
                 return process([]) if process is not None else []
-            if any(c.start < c.request.num_prompt_tokens for c in plan.chunks):  # a prompt: weights edited since?
-                check_weights(self.model)
             batch = self.runner.prepare(plan.chunks)
         t1 = time.perf_counter()
         logits = self.runner.run(batch)  # (R, V) or None
@@ -162,6 +156,17 @@ class Core:
             self.seconds["forward"] += dt
             self.seconds["output"] += time.perf_counter() - t2
         return result
+
+    def _see_model(self) -> None:
+        """Before requests are admitted: if the model changed since this core last looked (weights
+        edited in place, hooks, modules replaced), K/V cached by prefix is forgotten and a fused plan
+        of the old weights dropped."""
+        version = model_version(self.model)
+        if version != self.model_version:
+            if self.model_version is not None:
+                self.scheduler.model_changed()
+            self.model_version = version
+            check_weights(self.model)
 
     def _append(self, r: Request, token: int, lp) -> TokenOutput:
         """Record a sampled token; finish the request (freeing what it holds) if it ends here."""

@@ -116,7 +116,6 @@ class Request:
 
     group: RequestGroup
     index: int
-    stop_ids: frozenset = frozenset()  # sampled ids that end it: stop_token_ids, EOS
     generator: torch.Generator | None = None  # per-request seed: sampling.seed + index
     seen: torch.Tensor | None = None  # (V,) bool, for the repetition penalty: prompt + output ids
     token_ids: list[int] = field(default_factory=list)  # prompt + generated ids
