@@ -109,7 +109,7 @@ def cache_root() -> Path:
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "_hw_paths", Path(__file__).resolve().parents[2] / "headwise" / "paths.py"
+        "_hw_paths", Path(__file__).resolve().parents[2] / "headwise" / "core" / "paths.py"
     )
     paths = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(paths)
