@@ -148,6 +148,17 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None  # None = plain RoPE
     sliding_window: int | None = None  # Mistral v0.1: keys older than this many tokens are not seen
     eos_token_ids: tuple[int, ...] = ()  # generation stops at any of these
+    # --- the block as data: what today's families vary (models/families); defaults are Llama's ---
+    qk_norm: bool = False  # RMSNorm over each head's D on q and k, before RoPE (Qwen3, Gemma 3)
+    post_norms: bool = False  # also a norm on the attention's and the MLP's output before each add (Gemma 2/3)
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap), before the mask (Gemma 2: 50)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2: 30)
+    embed_scale: float | None = None  # token embeddings times this (Gemma: sqrt(C))
+    attn_scale: float | None = None  # the scores' scale; None = 1/sqrt(D) (Gemma: query_pre_attn_scalar**-0.5)
+    layer_windows: tuple[int | None, ...] | None = None  # per layer: W keys (sliding) or None (global);
+    # None = every layer `sliding_window` (Mistral). Gemma 3: five 512-key local layers to one global
+    rope_local_theta: float | None = None  # RoPE base of the windowed layers, unscaled (Gemma 3: 10000)
+    rotary_dim: int | None = None  # partial rotary: RoPE over the first rotary_dim of each head; None = D
 
     def __post_init__(self) -> None:
         _check_choice("arch", self.arch, ARCHES)
@@ -174,6 +185,39 @@ class ModelConfig:
         attn = AttentionConfig(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim)
         object.__setattr__(self, "num_kv_heads", attn.num_kv_heads)
         object.__setattr__(self, "head_dim", attn.head_dim)
+        self._check_block()
+
+    def _check_block(self) -> None:
+        for name in ("attn_softcap", "final_softcap", "embed_scale", "attn_scale", "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}={value} must be > 0 (or None)")
+        if self.layer_windows is not None:
+            windows = tuple(self.layer_windows)
+            object.__setattr__(self, "layer_windows", windows)
+            if len(windows) != self.num_layers:
+                raise ValueError(
+                    f"layer_windows has {len(windows)} entries but the model has num_layers={self.num_layers}; "
+                    "give one per layer (an int W for a sliding window of W keys, None for a global layer)"
+                )
+            for i, w in enumerate(windows):
+                if w is not None:
+                    _check_positive(**{f"layer_windows[{i}]": w})
+        if self.rotary_dim is not None:
+            _check_positive(rotary_dim=self.rotary_dim)
+            if self.rotary_dim > self.head_dim or self.rotary_dim % 2:
+                raise ValueError(f"rotary_dim={self.rotary_dim} must be even and <= head_dim={self.head_dim}")
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s attention window in keys (it sees the W keys ending at each query), None = global."""
+        if self.layer_windows is not None:
+            return self.layer_windows[layer]
+        return self.sliding_window
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Every layer's window (None = global), in layer order."""
+        return tuple(self.window(i) for i in range(self.num_layers))
 
     @property
     def attention(self) -> AttentionConfig:
