@@ -35,7 +35,8 @@ import torch
 from torch import Tensor
 
 from .base import LayerCacheBase, LayeredCache, StackParts
-from .store import _as_rows, causal_visibility, check_dims, check_new_kv
+from .sliding import SlidingWindowLayerCache, WindowedRead
+from .store import _as_rows, causal_visibility, check_dims, check_new_kv, check_windows
 
 
 class ContiguousLayerCache(LayerCacheBase):
@@ -52,6 +53,7 @@ class ContiguousLayerCache(LayerCacheBase):
         device=None,
         kv_dtype=None,
         static: bool = False,
+        window: int | None = None,
     ):
         super().__init__(
             batch_size,
@@ -64,6 +66,9 @@ class ContiguousLayerCache(LayerCacheBase):
             static=static,
         )
         self.max_seq_len = max_seq_len
+        # A sliding window of this many keys kept in the read's mask (a static cache's windowed
+        # layer, for torch.compile; a dynamic cache gives windowed layers a ring, sliding.py)
+        self.window = window
         # claim_decode's (rows, batch stride, key offsets of each sequence): the same every step,
         # remade when the rows or the buffers' batch stride change
         self._decode_base: tuple[int, int, Tensor] | None = None
@@ -82,6 +87,10 @@ class ContiguousLayerCache(LayerCacheBase):
                 self._book_outside_graph(T, num_new)
             n_t = None if num_new is None else torch.as_tensor(num_new, device=self.device).long()
             return self._write_masked(k, v, T, n_t)
+        if self.window is not None:
+            counts = self._book(T, num_new)
+            n_t = None if counts is None else torch.tensor(counts, dtype=torch.long, device=self.device)
+            return self._write_masked(k, v, T, n_t)
         L, uniform = self._host[0], self._uniform
         counts = self._book(T, num_new)
         if counts is None and uniform:  # the fast path: no mask, no scatter
@@ -99,7 +108,7 @@ class ContiguousLayerCache(LayerCacheBase):
         fp32 scales) pair, the scale of the row at element offset e at e / head_dim — or None where
         this cache cannot hand its buffers out (static for torch.compile, not fp32, or `rows` is
         not one per sequence)."""
-        if rows != self.batch_size or self.static or self.dtype is not torch.float32:
+        if rows != self.batch_size or self.static or self.window is not None or self.dtype is not torch.float32:
             return None
         host = self._host  # _book(1, None) for one token each, without its general checks
         if max(host) >= self.max_seq_len:
@@ -133,11 +142,14 @@ class ContiguousLayerCache(LayerCacheBase):
             end = self._len + n_t
         S = self.max_seq_len if self.static else max(1, max(self._host))  # S=1 keeps a 0-key read legal
         mask = causal_visibility(pos, end, S)  # (B, 1, T, S)
+        if self.window is not None:  # and no older than the window: slot = position
+            mask = mask & (pos[:, None, :, None] - torch.arange(S, device=self.device) < self.window)
         if self.static:
             self._len.copy_(end)  # the tensor a compiled step reads stays the same
         else:
             self._len = end  # a new tensor: claim_decode_stack shares one among layers
-        return self.store.read(S, attn_mask=mask)
+        read = self.store.read(S, attn_mask=mask)
+        return read if self.window is None else WindowedRead(read, self.window)
 
     def trim(self, lengths: int | Sequence[int] | Tensor) -> None:
         """Keep only the first `lengths` tokens of each sequence (int: the same for all)."""
@@ -159,6 +171,12 @@ class ContiguousKVCache(LayeredCache):
         kv_dtype: None (store `dtype`) or "int8" (int8 + fp32 scale per (token, head)).
         static: reads always cover all max_seq_len slots with a mask, so shapes never
             change between steps (for torch.compile / CUDA graphs).
+        windows: per layer, None (global: every key) or W (the layer sees the W keys ending
+            at each query; `ModelConfig.windows`). A windowed layer keeps a ring of its last W
+            tokens (sliding.py), (B, Hkv, W, D), so a long sequence of Gemma 3 (5 local
+            512-key layers to 1 global) holds ~0.27x the K/V of all-global layers at 4,096
+            tokens. A static cache keeps every slot and masks by the window instead (one
+            graph); W >= max_seq_len never bites and gets a plain layer.
     """
 
     def __init__(
@@ -173,6 +191,7 @@ class ContiguousKVCache(LayeredCache):
         device=None,
         kv_dtype=None,
         static: bool = False,
+        windows: Sequence[int | None] | None = None,
     ):
         check_dims(
             num_layers=num_layers,
@@ -188,19 +207,18 @@ class ContiguousKVCache(LayeredCache):
             head_dim,
         )
         self.dtype, self.static = dtype, static
-        self.layers = [
-            ContiguousLayerCache(
-                batch_size,
-                num_kv_heads,
-                max_seq_len,
-                head_dim,
-                dtype=dtype,
-                device=device,
-                kv_dtype=kv_dtype,
-                static=static,
-            )
-            for _ in range(num_layers)
-        ]
+        self.windows = check_windows(windows, num_layers)
+        dims = (batch_size, num_kv_heads)
+        kw = dict(dtype=dtype, device=device, kv_dtype=kv_dtype)
+        self.layers = []
+        for W in self.windows:
+            if W is None or W >= max_seq_len:
+                layer = ContiguousLayerCache(*dims, max_seq_len, head_dim, static=static, **kw)
+            elif static:
+                layer = ContiguousLayerCache(*dims, max_seq_len, head_dim, static=True, window=W, **kw)
+            else:
+                layer = SlidingWindowLayerCache(*dims, W, head_dim, **kw)
+            self.layers.append(layer)
         self.kv_dtype = self.layers[0].kv_dtype
         # claim_decode_stack's parts (_stack_parts builds them): the same object step after step,
         # remade when the rows or the list of layers change
@@ -236,7 +254,9 @@ class ContiguousKVCache(LayeredCache):
 
     def _stack_parts(self, rows: int, num_layers: int) -> StackParts | None:
         layers = self.layers
-        if len(layers) != num_layers or any(type(layer) is not ContiguousLayerCache for layer in layers):
+        if len(layers) != num_layers or any(
+            type(layer) is not ContiguousLayerCache or layer.window is not None for layer in layers
+        ):
             return None
         want = (rows, self.max_seq_len, False, layers[0].store.int8, torch.float32)
         entries, strides = [], set()
@@ -262,6 +282,8 @@ class ContiguousKVCache(LayeredCache):
 
     def trim(self, lengths: int | Sequence[int] | Tensor) -> None:
         """Keep only the first `lengths` tokens of each sequence in every layer (all checked first)."""
+        if any(not isinstance(layer, ContiguousLayerCache) for layer in self.layers):
+            raise ValueError("trim: a windowed layer's ring has dropped its older tokens, which cannot come back")
         rows = [layer._trimmed(lengths) for layer in self.layers]
         for layer, new in zip(self.layers, rows):
             layer._set_lengths(new)
@@ -274,5 +296,6 @@ class ContiguousKVCache(LayeredCache):
         return (
             f"ContiguousKVCache(num_layers={self.num_layers}, batch_size={self.batch_size}, "
             f"num_kv_heads={self.num_kv_heads}, max_seq_len={self.max_seq_len}, head_dim={self.head_dim}, "
-            f"dtype={self.dtype}, kv_dtype={self.kv_dtype}, static={self.static})"
+            f"dtype={self.dtype}, kv_dtype={self.kv_dtype}, static={self.static}"
+            + (f", windows={list(self.windows)})" if any(w is not None for w in self.windows) else ")")
         )

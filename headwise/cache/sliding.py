@@ -38,12 +38,20 @@ def slot_positions(lengths: Tensor, W: int) -> Tensor:
 
 
 @dataclass(frozen=True)
-class RingRead:
-    """A read whose keys are in ring order, not position order."""
+class WindowedRead:
+    """A read whose mask already holds the layer's window (keys in ring order, or a masked read
+    of a contiguous layer): the attention layer's own `window=` is taken here, not applied again
+    by index (an index is not a position in ring order, nor in a ragged batch's padded key axis)."""
 
     read: CacheRead | Int8CacheRead
+    window: int
 
-    def attend(self, q: Tensor, *, alibi_slopes: Tensor | None = None, **kwargs):
+    def attend(self, q: Tensor, *, alibi_slopes: Tensor | None = None, window=None, **kwargs):
+        if window is not None and window != self.window and window != (self.window - 1, 0):
+            raise ValueError(
+                f"the layer asks for a window of {window} keys but its cache keeps a window of "
+                f"{self.window}; build the cache with the model's windows (ModelConfig.windows)"
+            )
         if alibi_slopes is not None:
             # ALiBi adds -slope * (query index - key index), taking index = position; ring order breaks that.
             raise ValueError(
@@ -51,6 +59,9 @@ class RingRead:
                 "order. Use ContiguousKVCache with a window mask for ALiBi models"
             )
         return self.read.attend(q, **kwargs)
+
+
+RingRead = WindowedRead  # its older name
 
 
 class SlidingWindowLayerCache(LayerCacheBase):
@@ -70,7 +81,7 @@ class SlidingWindowLayerCache(LayerCacheBase):
         super().__init__(batch_size, num_kv_heads, window, head_dim, dtype=dtype, device=device, kv_dtype=kv_dtype)
         self.window = window
 
-    def update(self, k: Tensor, v: Tensor, num_new: Tensor | None = None) -> RingRead:
+    def update(self, k: Tensor, v: Tensor, num_new: Tensor | None = None) -> WindowedRead:
         """Append k, v (B, Hkv, T, D); each new query sees the last W positions up to its own."""
         W = self.window
         T = check_new_kv(k, v, self.batch_size, self.num_kv_heads, self.head_dim, self.dtype, self.device)
@@ -82,9 +93,9 @@ class SlidingWindowLayerCache(LayerCacheBase):
             self._len += 1
             end = self._len
             if min(self._host) >= W:  # every slot holds one of the last W keys
-                return RingRead(self.store.read(W))
+                return WindowedRead(self.store.read(W), W)
             filled = slot_positions(end, W) >= 0  # (B, W)
-            return RingRead(self.store.read(W, attn_mask=filled[:, None, None, :]))
+            return WindowedRead(self.store.read(W, attn_mask=filled[:, None, None, :]), W)
 
         ring_k, ring_v = self.store.dense()  # (B, Hkv, W, D): positions < L
         keys = torch.cat([ring_k, self.store.round_trip(k)], dim=2)  # (B, Hkv, W + T, D)
@@ -102,7 +113,7 @@ class SlidingWindowLayerCache(LayerCacheBase):
         b, tt = keep.nonzero(as_tuple=True)
         self.store.write_tokens(b, tt, qpos[b, tt] % W, k, v)  # distinct slots per sequence
         self._len += n_t
-        return RingRead(CacheRead(keys, values, attn_mask=mask[:, None]))  # mask (B, 1, T, W + T)
+        return WindowedRead(CacheRead(keys, values, attn_mask=mask[:, None]), W)  # mask (B, 1, T, W + T)
 
 
 class SlidingWindowCache(LayeredCache):

@@ -173,3 +173,16 @@ def check_dims(**dims: int) -> None:
     bad = {k: v for k, v in dims.items() if not isinstance(v, int) or v < 1}
     if bad:
         raise ValueError("cache sizes must be positive ints, got " + ", ".join(f"{k}={v!r}" for k, v in bad.items()))
+
+
+def check_windows(windows, num_layers: int) -> tuple[int | None, ...]:
+    """Per-layer windows (None = global, int W >= 1 = the last W keys), one per layer; None: all global."""
+    if windows is None:
+        return (None,) * num_layers
+    windows = tuple(windows)
+    if len(windows) != num_layers:
+        raise ValueError(f"windows has {len(windows)} entries but the cache has num_layers={num_layers}")
+    for i, w in enumerate(windows):
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise ValueError(f"windows[{i}] must be None (a global layer) or an int >= 1, got {w!r}")
+    return windows

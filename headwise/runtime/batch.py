@@ -22,6 +22,7 @@ from torch import Tensor
 from .. import cache as caches
 from ..cache.quantized import is_int8
 from .request import Request, Status
+from .windows import model_windows
 from .scheduler import Chunk, SchedulerOutput
 
 
@@ -92,6 +93,7 @@ class ContiguousRunner:
                 dtype=param.dtype,
                 device=self.device,
                 kv_dtype=kv_dtype,
+                windows=model_windows(cfg),  # windowed layers keep a ring of their last W tokens
             )
         self.row: dict[tuple, int] = {}  # seq_id -> cache row, in the order of the first step's chunks
         self.last = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)  # (B, 1) each row's newest id

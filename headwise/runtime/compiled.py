@@ -53,6 +53,7 @@ def static_cache(model, batch_size: int, slots: int, *, dtype, device):
     across calls because dynamo guards on the identity of the cache's Python members: a
     fresh cache per call would recompile the step every call."""
     from ..cache import ContiguousKVCache
+    from .windows import model_windows
 
     compiled_decode_step(model)
     caches = _COMPILED[model][1]
@@ -61,7 +62,15 @@ def static_cache(model, batch_size: int, slots: int, *, dtype, device):
     if cache is None:
         cfg = model.config
         cache = caches[key] = ContiguousKVCache(
-            cfg.num_layers, batch_size, cfg.num_kv_heads, slots, cfg.head_dim, dtype=dtype, device=device, static=True
+            cfg.num_layers,
+            batch_size,
+            cfg.num_kv_heads,
+            slots,
+            cfg.head_dim,
+            dtype=dtype,
+            device=device,
+            static=True,
+            windows=model_windows(cfg),  # kept in the static mask: every slot stays (one graph)
         )
     cache.reset()
     return cache
