@@ -15,7 +15,7 @@ from .backends.paged import paged_reference
 from .backends.paged_spec import paged_spec
 from .kv import LayerKV
 from .masks import tile_masks
-from .spec import AttentionSpec, make_spec
+from .spec import AttentionSpec, make_spec, soft_cap
 
 
 _PLAIN: dict[tuple, tuple] = {}  # plain requests' (backend fn, spec), see attend
@@ -36,6 +36,7 @@ def attend(
     backend: str = "auto",
     need_weights: bool = False,
     return_lse: bool = False,
+    softcap: float | None = None,
 ):
     """Scaled dot-product attention over heads, with GQA/MQA and every mask kind.
 
@@ -56,6 +57,8 @@ def attend(
             at positions [p - left, p + right].
         alibi_slopes: (H,) or (B, H); adds -slope * |p - j| to the scores.
         scale: defaults to 1/sqrt(D).
+        softcap: c > 0 caps the scaled scores at c * tanh(s / c) before masks and
+            ALiBi (Gemma 2's attn_logit_softcapping, as Hugging Face applies it).
         dropout_p: dropout on the attention weights (pass 0.0 at inference).
         backend: "auto" or a name from `headwise.attention.backends()`.
         need_weights: also return the (B, H, T, S) weights (math backend).
@@ -69,7 +72,6 @@ def attend(
     plain = (
         attn_mask is None
         and key_padding_mask is None
-        and window is None
         and alibi_slopes is None
         and not dropout_p
         and not need_weights
@@ -77,7 +79,8 @@ def attend(
     )
     if plain:
         # A request with no mask tensor, bias, dropout, weights or LSE (a decode step's) is decided by
-        # shapes, dtypes and devices alone: its spec and backend are memoized on those, so the ~30
+        # shapes, dtypes, devices and its scalars (causal, window, scale, softcap) alone: its spec and
+        # backend are memoized on those, so the ~30
         # attention calls of a decode step consult the registry once (~10 us a call saved).
         key = (
             q.shape,
@@ -90,7 +93,9 @@ def attend(
             k.device,
             v.device,
             is_causal,
+            window if type(window) is not list else tuple(window),  # an int or a pair: hashable
             scale,
+            softcap,
             backend,
             registry_version(),
             q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1,  # what our kernels need of the layout
@@ -113,6 +118,7 @@ def attend(
         dropout_p=dropout_p,
         need_weights=need_weights,
         return_lse=return_lse,
+        softcap=softcap,
     )
     fn = _select(q, k, v, spec, backend)
     if plain:
@@ -127,15 +133,43 @@ def attend(
 
 @dataclass
 class Explanation:
-    """The backend `auto` picks for a request, and why each other one was passed over."""
+    """The backend `auto` picks for a request, why each other one was passed over, and how the
+    chosen one honours the request's sliding window and soft-cap (`handled`)."""
 
     chosen: str | None
     rejected: dict[str, list[str]] = field(default_factory=dict)
+    handled: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"chosen: {self.chosen}"]
         lines += [f"  {name}: {'; '.join(why)}" for name, why in self.rejected.items()]
+        lines += [f"handled: {how}" for how in self.handled]
         return "\n".join(lines)
+
+
+# How each backend applies a window: what explain() reports beside the choice.
+_WINDOW_HOW = {
+    "math": "masked in the full score matrix",
+    "chunked": "masked per key tile; tiles wholly outside every query's window are skipped",
+    "sdpa": "passed to PyTorch's op as an explicit mask",
+    "flash": "flash-attn's window_size",
+    "paged": "masked by key position; blocks wholly outside the window are not read",
+    "decode": "in the kernel: each query row reads only the keys of its window",
+    "prefill": "in the kernel: each query row's keys start at its window's left edge; blocks before it skipped",
+}
+
+
+def _handled(spec: AttentionSpec, chosen: str | None) -> list[str]:
+    if chosen is None:
+        return []
+    notes = []
+    if spec.window is not None:
+        left, right = spec.window
+        how = _WINDOW_HOW.get(chosen, "by the backend")
+        notes.append(f"window: query at position p sees keys [p - {left}, p + {right}]; {chosen}: {how}")
+    if spec.softcap is not None:
+        notes.append(f"softcap: scores become {spec.softcap:g} * tanh(s / {spec.softcap:g}) before masks, by {chosen}")
+    return notes
 
 
 def explain(q: Tensor, k, v: Tensor | None = None, **kwargs) -> Explanation:
@@ -159,6 +193,7 @@ def _explain(q, k, v, spec: AttentionSpec, backend: str) -> Explanation:
             exp.chosen = name
         elif reasons:
             exp.rejected[name] = reasons
+    exp.handled = _handled(spec, exp.chosen)
     return exp
 
 
@@ -211,6 +246,7 @@ def attend_kv(
     need_weights: bool = False,
     return_lse: bool = False,
     window=None,
+    softcap: float | None = None,
 ):
     """`attend` over K/V that a cache describes instead of holding as tensors (a paged cache's
     step: `kv.LayerKV`), through the registry's backends that read blocks (`paged`).
@@ -234,6 +270,7 @@ def attend_kv(
         need_weights=need_weights,
         return_lse=return_lse,
         window=window,
+        softcap=softcap,
     )
     name = get_backend(backend).name if backend != "auto" else "auto"  # an unknown name lists the valid ones
     if name == "math":
@@ -258,7 +295,7 @@ def weights_from_lse(
     """Rebuild exact attention rows from a fused backend's LSE: w_ij = exp(s_ij - lse_i).
 
     Pass the same mask arguments (attn_mask, key_padding_mask, is_causal, window,
-    alibi_slopes, scale) as the `attend` call that produced `lse`. Only the chosen
+    alibi_slopes, scale, softcap) as the `attend` call that produced `lse`. Only the chosen
     heads and query rows are computed: (B, len(heads), len(queries), S) in fp32.
     Rows are pre-dropout weights.
     """
@@ -274,7 +311,7 @@ def weights_from_lse(
         raise ValueError(f"heads must be in [0, {H}), got {heads.tolist()}")
     qs = q.index_select(1, heads)[:, :, queries].float()  # (B, h, t, D)
     ks = k.index_select(1, heads // spec.G).float()  # (B, h, S, D): chosen heads only
-    s = (qs @ ks.transpose(-2, -1)) * spec.scale  # (B, h, t, S)
+    s = soft_cap((qs @ ks.transpose(-2, -1)) * spec.scale, spec.softcap)  # (B, h, t, S)
     allowed, bias = tile_masks(spec, 0, T, 0, spec.S, q.device)
     if bias is not None:
         s = s + _rows(bias, heads, queries)

@@ -14,6 +14,7 @@ Weights in and out (`load_projections`, `from_torch`, `to_torch`) and head pruni
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
@@ -21,10 +22,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import layer_weights
-from .functional import attend
-from .kv import LayerKVCache
+from .functional import attend, attend_kv
+from .kv import LayerKV, LayerKVCache
 from .masks import alibi_slopes as make_alibi_slopes
 from .rope import RotaryEmbedding
+from .spec import check_softcap
 from .step import right_padding_lengths
 
 
@@ -43,6 +45,13 @@ class MultiHeadAttention(nn.Module):
         backend: attention backend name, or "auto" (see `headwise.attention.backends()`).
         kdim, vdim: widths of key/value inputs for cross attention (default C).
         alibi: add ALiBi biases with the paper's slopes.
+        window: sliding window W: each query sees the W keys ending at its own position
+            (Mistral's and Gemma's sliding_window: key j visible from query p iff p - W < j <= p).
+        softcap: c > 0 caps the scaled scores at c * tanh(s / c) before masks (Gemma 2's
+            attn_logit_softcapping).
+        scale: the scores' scale; None = 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar**-0.5).
+        q_norm, k_norm: modules over the last dim D of each query / key head (RMSNorm(D) in Qwen3
+            and Gemma 3), applied after the projection and before RoPE.
 
     Masks follow `attend`: a bool attn_mask is True where attention is *allowed*
     (the opposite of `nn.MultiheadAttention`); key_padding_mask is True at padding.
@@ -62,6 +71,11 @@ class MultiHeadAttention(nn.Module):
         vdim: int | None = None,
         alibi: bool = False,
         out_bias: bool | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
+        scale: float | None = None,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
         device=None,
         dtype=None,
     ):
@@ -98,6 +112,17 @@ class MultiHeadAttention(nn.Module):
             self.register_buffer("alibi_slopes", make_alibi_slopes(H), persistent=False)
         else:
             self.alibi_slopes = None
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be an int >= 1 (keys each query sees, its own included), got {window!r}")
+        if scale is not None and not (isinstance(scale, (int, float)) and 0 < scale < math.inf):
+            raise ValueError(f"scale must be a finite number > 0 (None = 1/sqrt(head_dim)), got {scale!r}")
+        self.window, self.softcap = window, check_softcap(softcap)
+        self.scale = None if scale is None else float(scale)
+        # Per-head norms of q and k before RoPE; registered only when given, so a state dict
+        # holds attn.q_norm.weight exactly where a model has them.
+        for name, norm in (("q_norm", q_norm), ("k_norm", k_norm)):
+            if norm is not None:
+                setattr(self, name, norm)
         # After uneven GQA pruning, query head h reads KV head kv_map[h]; None = uniform groups.
         self.register_buffer("kv_map", None, persistent=False)
         self.head_ids = list(range(H))  # original index of each remaining query head
@@ -175,6 +200,7 @@ class MultiHeadAttention(nn.Module):
         q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, S_new, Hkv, D).transpose(1, 2)  # (B, Hkv, S, D)
         v = v.view(B, S_new, Hkv, D).transpose(1, 2)  # (B, Hkv, S, D)
+        q, k = self.norm_qk(q, k)  # Qwen3 / Gemma 3: per-head RMSNorm, before RoPE
 
         if attn_mask is not None and attn_mask.dim() == 3 and attn_mask.shape[0] == B * H and B * H != 1:
             attn_mask = attn_mask.view(B, H, *attn_mask.shape[1:])  # nn.MultiheadAttention's (B*H, T, S)
@@ -238,13 +264,36 @@ class MultiHeadAttention(nn.Module):
     ):
         """Heads in, heads out: q (B, H, T, D) and this step's k, v (B, Hkv, T|S, D), rotated already,
         written to `cache` (if any) and attended through it or directly (`attend` kwargs). The
-        general forward and the decoder block's few-rows route both end here."""
+        general forward and the decoder block's few-rows route both end here. The layer's own
+        window, softcap and scale join `kwargs` (a caller's own values win), so callers pass none."""
         kv_map = self._buffers["kv_map"]  # a registered buffer, read without nn.Module's slow __getattr__
+        if self.window is not None or self.softcap is not None or self.scale is not None:
+            kwargs = {**self.attend_settings(), **kwargs}
         if cache is not None:
-            return cache.update(k, v, num_new).attend(q, kv_map=kv_map, **kwargs)
+            read = cache.update(k, v, num_new)
+            kv = getattr(read, "kv", None)
+            if kwargs.get("softcap") is not None and isinstance(kv, LayerKV):
+                # a paged cache's read (cache/paged_step.py) names its attend() keywords and softcap
+                # is not yet among them: read its blocks through attend_kv, which its attend() calls
+                return attend_kv(q, kv, kv_map=kv_map, **kwargs)
+            return read.attend(q, kv_map=kv_map, **kwargs)
         if kv_map is not None:  # uneven groups after pruning: give each query head its K/V
             k, v = k.index_select(1, kv_map), v.index_select(1, kv_map)
         return attend(q, k, v, **kwargs)
+
+    def attend_settings(self) -> dict:
+        """The `attend` keywords this layer adds to every call: window, softcap, scale (those set)."""
+        pairs = (("window", self.window), ("softcap", self.softcap), ("scale", self.scale))
+        return {name: value for name, value in pairs if value is not None}
+
+    def norm_qk(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """q_norm(q), k_norm(k) (each unchanged where the layer has none): per-head norms over
+        the last dim D, so any layout works ((B, H, T, D), (B, T, H, D), (N, H, D)). Call it
+        after the projection and before RoPE, as `forward` does; a route that projects and
+        rotates q and k itself (models' fused layer) calls it between the two."""
+        m = self._modules
+        qn, kn = m.get("q_norm"), m.get("k_norm")
+        return (q if qn is None else qn(q)), (k if kn is None else kn(k))
 
     def _project(self, query, key, value, self_attn):
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -332,6 +381,7 @@ class MultiHeadAttention(nn.Module):
             f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, {kind}, backend={self.backend!r}"
             + (", uneven groups" if self.kv_map is not None else "")
+            + "".join(f", {name}={value}" for name, value in self.attend_settings().items())
         )
 
 

@@ -46,6 +46,9 @@ class AttentionSpec:
     need_weights: bool = False
     return_lse: bool = False
     kv_map: Tensor | None = None  # (H,) KV head of each query head (uneven groups); paged reads only
+    # Logit soft-capping (Gemma 2's attn_logit_softcapping): scaled scores s become c * tanh(s / c)
+    # before masks and biases are applied, as Hugging Face's eager attention does. None = off.
+    softcap: float | None = None
 
     @property
     def G(self) -> int:
@@ -82,6 +85,7 @@ def make_spec(
     dropout_p=0.0,
     need_weights=False,
     return_lse=False,
+    softcap=None,
 ) -> AttentionSpec:
     """Check shapes and options once; every error names the shapes involved."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -143,7 +147,26 @@ def make_spec(
         float(dropout_p),
         bool(need_weights),
         bool(return_lse),
+        None,
+        check_softcap(softcap),
     )
+
+
+def check_softcap(softcap) -> float | None:
+    """None, or the cap c > 0 of c * tanh(s / c) as a float."""
+    if softcap is None:
+        return None
+    c = float(softcap)
+    if not c > 0 or math.isinf(c):
+        raise ValueError(f"softcap must be a finite number > 0 (scores become c * tanh(s / c)), got {softcap}")
+    return c
+
+
+def soft_cap(scores: Tensor, softcap: float | None) -> Tensor:
+    """c * tanh(s / c) (Gemma 2), or the scores unchanged; before masks and biases."""
+    if softcap is None:
+        return scores
+    return torch.tanh(scores / softcap) * softcap
 
 
 def _check_attn_mask(mask: Tensor, B: int, H: int, T: int, S: int, q: Tensor) -> Tensor:
@@ -169,6 +192,8 @@ def _check_attn_mask(mask: Tensor, B: int, H: int, T: int, S: int, q: Tensor) ->
 
 
 def _check_window(window, is_causal: bool) -> tuple[int, int]:
+    if isinstance(window, bool) or not isinstance(window, (int, tuple, list)):
+        raise TypeError(f"window must be an int W or a (left, right) pair, got {window!r}")
     if isinstance(window, int):
         if window < 1:
             raise ValueError(f"window must be >= 1 (keys visible per query), got {window}")

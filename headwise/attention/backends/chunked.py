@@ -30,15 +30,21 @@ NEG_INF = float("-inf")
 
 
 def _scores(spec, qb, kb, q0, q1, k0, k1):
-    """Masked scores of one tile in fp32. qb: (B, Hkv, G*tq, D), already scaled; kb: (B, Hkv, tk, D).
-    Runs without autograd (forward and the recomputing backward), so it works in place."""
+    """Masked scores of one tile in fp32, and with soft-capping the tanh (B, H, tq, tk) it took
+    (the backward's d cap / d s = 1 - tanh^2), else None. qb: (B, Hkv, G*tq, D), already scaled;
+    kb: (B, Hkv, tk, D). Runs without autograd (forward and the recomputing backward), so it
+    works in place."""
     s = unfold_heads(qb @ kb.transpose(-2, -1), spec.H)  # (B, H, tq, tk)
+    t = None
+    if spec.softcap is not None:  # Gemma 2: c * tanh(s / c), before masks and biases
+        t = s.div_(spec.softcap).tanh_()
+        s = t * spec.softcap
     allowed, bias = tile_masks(spec, q0, q1, k0, k1, qb.device)
     if bias is not None:
         s += bias
     if allowed is not None:
         s.masked_fill_(~allowed, NEG_INF)
-    return s
+    return s, t
 
 
 def _group(t, spec, q0, q1, scale=1.0):
@@ -60,7 +66,7 @@ def _forward(q, k, v, spec, block_q, block_k):
             k1 = min(k0 + block_k, S)
             if tile_is_empty(spec, q0, q1, k0, k1):
                 continue
-            s = _scores(spec, qb, k[:, :, k0:k1].float(), q0, q1, k0, k1)  # (B, H, tq, tk)
+            s, _ = _scores(spec, qb, k[:, :, k0:k1].float(), q0, q1, k0, k1)  # (B, H, tq, tk)
             m = s.amax(dim=-1)
             p = s.sub_(m.masked_fill(torch.isneginf(m), 0.0)[..., None]).exp_()  # in place; 0 where masked
             l = p.sum(dim=-1)  # (B, H, tq)
@@ -94,12 +100,15 @@ def _backward(q, k, v, out, lse, dout, dlse, spec, block_q, block_k):
             if tile_is_empty(spec, q0, q1, k0, k1):
                 continue
             kb, vb = k[:, :, k0:k1].float(), v[:, :, k0:k1].float()
-            s = _scores(spec, qs, kb, q0, q1, k0, k1)
+            s, t = _scores(spec, qs, kb, q0, q1, k0, k1)
             p = s.sub_(lse_safe[:, :, q0:q1, None]).exp_()  # (B, H, tq, tk), recomputed
             pg = fold_heads(p, Hkv)  # (B, Hkv, G*tq, tk)
             dv[:, :, k0:k1] += pg.transpose(-2, -1) @ dob  # sums over the group
             dp = unfold_heads(dob @ vb.transpose(-2, -1), H)  # (B, H, tq, tk)
-            ds = fold_heads(p * (dp - delta[:, :, q0:q1, None]), Hkv)
+            ds = p * (dp - delta[:, :, q0:q1, None])  # d loss / d (capped) scores
+            if t is not None:  # through the cap: d (c tanh(s / c)) / d s = 1 - tanh^2
+                ds = ds * (1 - t * t)
+            ds = fold_heads(ds, Hkv)
             dqb += ds @ kb
             dk[:, :, k0:k1] += ds.transpose(-2, -1) @ qs  # scaled q: the scale is already in
         dq[:, :, q0:q1] = unfold_heads(dqb, H)

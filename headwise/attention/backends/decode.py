@@ -58,6 +58,7 @@ def plain_spec_reasons(spec: AttentionSpec) -> list[str]:
             ("no ALiBi", spec.alibi_slopes is not None),
             ("no dropout", spec.dropout_p > 0),
             ("returns no weights", spec.need_weights),
+            ("no soft-capping", spec.softcap is not None),
         )
         if bad
     ]

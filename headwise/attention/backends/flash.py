@@ -57,4 +57,6 @@ def flash_check(q, k, v, spec: AttentionSpec) -> list[str]:
         reasons.append("no key_padding_mask (needs the varlen API)")
     if spec.need_weights:
         reasons.append("returns no weights")
+    if spec.softcap is not None:
+        reasons.append("no soft-capping through this entry point (chunked and math cap the scores)")
     return reasons

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ..kv import fold_heads, unfold_heads
 from ..masks import tile_masks
-from ..spec import AttentionOutput, AttentionSpec
+from ..spec import AttentionOutput, AttentionSpec, soft_cap
 
 
 def math_attention(q, k, v, spec: AttentionSpec) -> AttentionOutput:
@@ -24,7 +24,7 @@ def math_attention(q, k, v, spec: AttentionSpec) -> AttentionOutput:
     # GQA without copying K/V: query heads of one group share a KV head, so fold the
     # group into the row dim: (B, Hkv, G*T, D) @ (B, Hkv, D, S). Head h = kv * G + g.
     scores = fold_heads(q * spec.scale, Hkv) @ k.transpose(-2, -1)  # (B, Hkv, G*T, S)
-    scores = unfold_heads(scores, H)  # (B, H, T, S)
+    scores = soft_cap(unfold_heads(scores, H), spec.softcap)  # (B, H, T, S)
     allowed, bias = tile_masks(spec, 0, T, 0, S, q.device)
     if bias is not None:
         scores = scores + bias

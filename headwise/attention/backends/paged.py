@@ -78,6 +78,7 @@ def _sub_spec(q: Tensor, reads: BlockReads, spec: AttentionSpec) -> AttentionSpe
         dropout_p=spec.dropout_p,
         return_lse=True,
         window=spec.window,
+        softcap=spec.softcap,
     )
 
 
@@ -202,6 +203,7 @@ def _dense(q: Tensor, reads: BlockReads, layer: int, spec: AttentionSpec) -> Att
         dropout_p=spec.dropout_p,
         need_weights=spec.need_weights,
         return_lse=True,
+        softcap=spec.softcap,
     )
     res = get_backend("math").fn(q, k, v, dense)
     return AttentionOutput(res.out, res.lse if spec.return_lse else None, res.weights)

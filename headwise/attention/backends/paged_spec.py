@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ..kv import LayerKV, PackedReads
-from ..spec import AttentionSpec, _check_attn_mask
+from ..spec import AttentionSpec, _check_attn_mask, check_softcap
 
 
 def paged_spec(
@@ -29,6 +29,7 @@ def paged_spec(
     need_weights=False,
     return_lse=False,
     window=None,
+    softcap=None,
 ) -> AttentionSpec:
     """Check a read of `kv` by q against the cache's description; every error names the fix."""
     reads = kv.reads
@@ -46,6 +47,7 @@ def paged_spec(
             need_weights,
             return_lse,
             window,
+            softcap,
         )
     B, T, S, Hkv, D = reads.B, reads.T, reads.S, reads.num_kv_heads, reads.head_dim
     if not isinstance(q, Tensor) or q.dim() != 4 or q.shape[0] != B or q.shape[2] != T or q.shape[3] != D:
@@ -94,6 +96,7 @@ def paged_spec(
         bool(need_weights),
         bool(return_lse),
         kv_map,
+        check_softcap(softcap),
     )
 
 
@@ -110,6 +113,7 @@ def _packed_spec(
     need_weights,
     return_lse,
     window,
+    softcap,
 ) -> AttentionSpec:
     N, D = reads.N, reads.head_dim
     if not isinstance(q, Tensor) or q.dim() != 4 or q.shape[0] != 1 or q.shape[2] != N or q.shape[3] != D:
@@ -141,6 +145,7 @@ def _packed_spec(
         False,
         bool(return_lse),
         kv_map,
+        check_softcap(softcap),
     )
 
 
@@ -162,6 +167,8 @@ def paged_check(q, kv, v, spec: AttentionSpec) -> list[str]:
             "one tensor and runs the reference), or return_lse=True and rebuild chosen rows "
             "with headwise.attention.weights_from_lse"
         )
+    if spec.softcap is not None:
+        reasons.append("a paged read has no soft-capping yet: pass backend='math' (gathers, then the reference)")
     if spec.dropout_p > 0:
         reasons.append(
             f"a paged read has no dropout (got dropout_p={spec.dropout_p}); caches are for "

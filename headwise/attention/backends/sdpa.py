@@ -78,6 +78,8 @@ def sdpa_check(q, k, v, spec: AttentionSpec) -> list[str]:
             reasons.append("returns LSE only through PyTorch's CPU flash kernel")
         if spec.dropout_p > 0:
             reasons.append("returns LSE only without dropout")
+    if spec.softcap is not None:
+        reasons.append("no soft-capping (the fused op softmaxes the scores it makes; chunked caps them per tile)")
     if spec.alibi_slopes is not None and q.dtype in (torch.float16, torch.bfloat16):
         # The bias would be rounded to the input dtype: slope * distance loses ~3 digits.
         reasons.append(f"ALiBi bias would be rounded to {q.dtype}")
