@@ -97,7 +97,14 @@ class PackedStep(PackedReads, Step):
                 continue
             S, t = self.starts[b] + 1, tables[b]
             nb = -(-S // bs)
-            if RUNS_OK and not cache.kv_dtype and all(t[i + 1] == t[i] + 1 for i in range(nb - 1)):
+            # A windowed cache's decodes go through its read plan, which starts at the window
+            # (a view or the kernel from key 0 would read the null block's entries)
+            if (
+                RUNS_OK
+                and not cache.kv_dtype
+                and cache.window is None
+                and all(t[i + 1] == t[i] + 1 for i in range(nb - 1))
+            ):
                 if R and t[0] % R == 0 and nb <= R:
                     grid.append((b, t[0] // R, S))
                 else:
@@ -195,7 +202,7 @@ class PackedStep(PackedReads, Step):
         """PackedReads.decode_tables: "decodes" part i's block tables and key counts (made once per
         step, shared by the layers) beside this layer's pool planes; None for an int8 pool."""
         cache = self.cache
-        if cache.kv_dtype:
+        if cache.kv_dtype or cache.window is not None:  # a window: the read plan (it starts at the window)
             return None
         key = ("decode tables", i)
         memo = self.mask_memo.get(key)
@@ -251,8 +258,8 @@ class PackedStep(PackedReads, Step):
         elements, new keys) where every table is one run, else (None, new keys, tables (B, width)
         int64, block size). None otherwise (prefill chunks, not fp32)."""
         cache = self.cache
-        if rows != self.N or self.N != self.B or cache.dtype is not torch.float32:
-            return None
+        if rows != self.N or self.N != self.B or cache.dtype is not torch.float32 or cache.window is not None:
+            return None  # (the one-call decode reads every key from position 0: not a windowed layer's)
         claim = self._decode_rows
         if claim is None:
             bs, pos = cache.block_size, torch.tensor(self.starts, dtype=torch.int64)

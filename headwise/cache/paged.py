@@ -25,9 +25,10 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
-from .block_pool import BlockPool, CacheFull, prefix_key
+from .block_pool import BlockPool, CacheFull, prefix_key  # noqa: F401  (CacheFull re-exported)
 from .packed import PackedStep
 from .paged_step import PagedLayerStep, PagedRead, PagedStep  # noqa: F401  (re-exported: the step classes)
+from .paged_reserve import Reservations
 from .paged_store import TILE_TOKENS, PagedStorage
 from .quantized import is_int8
 
@@ -46,12 +47,13 @@ class _Seq:
     hashes: list[int] = field(default_factory=list)  # chain hash of each full block whose tokens we know
     partial: list[int] = field(default_factory=list)  # token ids after the last hashed block
     hashable: bool = True  # every token so far came with its id
+    dropped: int = 0  # a windowed cache's: entries before this one fell out of the window (null block)
 
     def copy(self) -> "_Seq":
-        return _Seq(list(self.blocks), self.length, list(self.hashes), list(self.partial), self.hashable)
+        return _Seq(list(self.blocks), self.length, list(self.hashes), list(self.partial), self.hashable, self.dropped)
 
 
-class PagedKVCache(PagedStorage):
+class PagedKVCache(Reservations, PagedStorage):
     """K/V for `num_layers` layers in `num_blocks` blocks of `block_size` tokens.
 
     Args:
@@ -64,6 +66,11 @@ class PagedKVCache(PagedStorage):
         region_blocks: start each new sequence at the start of a free region of this many
             blocks when there is one (`BlockPool.allocate`); a packed step then reads the
             decodes of such sequences as one strided view (packed.py).
+        window: every layer of this cache sees the `window` keys ending at each query; blocks
+            that fall out of it go back to the pool (paged_reserve.py). A hybrid cache (hybrid.py)
+            builds one such cache per group of layers, over one `pool` and one `storage`.
+        pool, storage: a BlockPool and a PagedKVCache whose block pool and K/V planes this cache
+            shares (the groups of a hybrid cache; block ids are the pool's, so they never clash).
     """
 
     def __init__(
@@ -80,6 +87,9 @@ class PagedKVCache(PagedStorage):
         tile_tokens: int = TILE_TOKENS,
         spread: bool = False,
         region_blocks: int | None = None,
+        window: int | None = None,
+        pool: BlockPool | None = None,
+        storage: PagedStorage | None = None,
     ):
         for name, val in (
             ("num_layers", num_layers),
@@ -107,8 +117,14 @@ class PagedKVCache(PagedStorage):
                 f"region_blocks must be None or an int in [1, num_blocks={num_blocks}], got {region_blocks!r}"
             )
         self.region_blocks = region_blocks
-        self.pool = BlockPool(num_blocks, block_size)
-        self._allocate_storage(num_blocks)  # self._k, self._v, self._scratch (paged_store.py)
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise ValueError(f"window must be None (every key) or an int >= 1, got {window!r}")
+        self.window = window
+        self.pool = BlockPool(num_blocks, block_size) if pool is None else pool
+        if storage is None:
+            self._allocate_storage(num_blocks)  # self._k, self._v, self._scratch (paged_store.py)
+        else:
+            self._share_storage(storage)
         self._seqs: dict[Hashable, _Seq] = {}
         # Who hears of each change of which block holds what, once it is made: None, or a callable
         # taking (op, *args, **kwargs) as the call was made -- add_sequence, fork, free, packed
@@ -128,7 +144,7 @@ class PagedKVCache(PagedStorage):
         seq = _Seq()
         if token_ids is not None:
             toks = [int(t) for t in token_ids]
-            bs, parent = self.block_size, None
+            bs, parent = self.block_size, self.prefix_root
             for i in range((len(toks) - 1) // bs if toks else 0):
                 key = prefix_key(parent, toks[i * bs : (i + 1) * bs])
                 block = self.pool.lookup(key)
@@ -150,7 +166,7 @@ class PagedKVCache(PagedStorage):
         src = self._seq(seq_id)
         if new_seq_id in self._seqs:
             raise ValueError(f"cannot fork {seq_id!r} into {new_seq_id!r}: that sequence already exists")
-        for b in src.blocks:
+        for b in src.blocks[src.dropped :]:
             self.pool.share(b)
         self._seqs[new_seq_id] = src.copy()
         if self.journal is not None:
@@ -161,7 +177,7 @@ class PagedKVCache(PagedStorage):
         findable by `add_sequence` until the pool reuses them. Last blocks go first (they are
         the least likely to be shared), so the front of a prefix is evicted last."""
         seq = self._seq(seq_id)
-        for b in reversed(seq.blocks):
+        for b in reversed(seq.blocks[seq.dropped :]):
             self.pool.release(b)
         del self._seqs[seq_id]
         if self.journal is not None:
@@ -210,22 +226,6 @@ class PagedKVCache(PagedStorage):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"num_new for sequence {seq_id!r} must be an int >= 0, got {n!r}")
         return n
-
-    def _needed(self, seqs: list[_Seq], counts: list[int]) -> int:
-        """Blocks a batch takes: new blocks past each table, plus one copy per shared partial
-        last block that gets written (counted once per writer but the last, as they resolve)."""
-        bs, extra, needed = self.block_size, {}, 0
-        for seq, n in zip(seqs, counts):
-            if n == 0:
-                continue
-            needed += max(0, -(-(seq.length + n) // bs) - len(seq.blocks))
-            if seq.length % bs:
-                last = seq.blocks[-1]
-                refs = self.pool.refcount(last) + extra.get(last, 0)
-                if refs > 1:
-                    needed += 1
-                    extra[last] = extra.get(last, 0) - 1
-        return needed
 
     # ------------------------------------------------------------------ a step
     def batch(
@@ -281,80 +281,6 @@ class PagedKVCache(PagedStorage):
                 "packed", step, ids, num_new, token_ids, defer_prefix=defer_prefix, logits_indices=logits_indices
             )
         return step
-
-    def _reserve(self, seq_ids, num_new, token_ids, what: str):
-        """Check a step, then reserve its slots (all or nothing) and advance the lengths.
-        -> (seq_ids, block tables, starts, counts, pending prefix registrations)."""
-        seq_ids = list(seq_ids)
-        if not seq_ids:
-            raise ValueError(f"{what} needs at least one sequence id")
-        if len(set(seq_ids)) != len(seq_ids):
-            dup = sorted({repr(s) for s in seq_ids if seq_ids.count(s) > 1})
-            raise ValueError(f"sequence ids must be distinct within a batch; repeated: {', '.join(dup)}")
-        seqs = [self._seq(s) for s in seq_ids]
-        B = len(seqs)
-        counts = [num_new] * B if isinstance(num_new, int) else list(num_new)
-        if len(counts) != B:
-            raise ValueError(f"num_new has {len(counts)} entries for {B} sequences")
-        counts = [self._count(n, s) for n, s in zip(counts, seq_ids)]
-        if max(counts) == 0:
-            raise ValueError("num_new is 0 for every sequence: nothing to compute")
-        if what == "packed" and min(counts) == 0:
-            idle = [s for s, n in zip(seq_ids, counts) if n == 0]
-            raise ValueError(
-                f"a packed step computes at least one token per sequence; num_new is 0 for {idle}: "
-                f"leave those sequences out"
-            )
-        if token_ids is not None:
-            token_ids = list(token_ids)
-            if len(token_ids) != B:
-                raise ValueError(f"token_ids has {len(token_ids)} entries for {B} sequences")
-            for s, n, toks in zip(seq_ids, counts, token_ids):
-                if toks is not None and len(toks) != n:
-                    raise ValueError(f"token_ids for sequence {s!r} has {len(toks)} ids but num_new is {n}")
-        needed = self._needed(seqs, counts)
-        if needed > self.pool.num_free:
-            raise CacheFull(
-                needed,
-                self.pool.num_free,
-                f"appending {counts} tokens to {seq_ids}",
-                self.block_size,
-                self.pool.num_blocks,
-            )
-
-        # Past this point nothing can fail: reserve blocks, copy shared partial blocks, advance.
-        bs, starts, pending = self.block_size, [], []
-        for b, (seq, n) in enumerate(zip(seqs, counts)):
-            starts.append(seq.length)
-            if n == 0:
-                continue
-            if seq.length % bs and self.pool.refcount(seq.blocks[-1]) > 1:  # copy-on-write
-                old = seq.blocks[-1]
-                new = self.pool.allocate(1, prefer=seq.blocks[-2] if len(seq.blocks) > 1 else None, spread=self.spread)[
-                    0
-                ]
-                for plane in (*self._k, *self._v):
-                    plane[:, :, new].copy_(plane[:, :, old])
-                self.pool.release(old)
-                seq.blocks[-1] = new
-            grow = -(-(seq.length + n) // bs) - len(seq.blocks)
-            if grow > 0:
-                seq.blocks += self.pool.allocate(
-                    grow, prefer=seq.blocks[-1] if seq.blocks else None, spread=self.spread, region=self.region_blocks
-                )
-            seq.length += n
-            toks = token_ids[b] if token_ids is not None else None
-            if toks is None or not seq.hashable:
-                seq.hashable, seq.partial = False, []
-                continue
-            seq.partial += [int(t) for t in toks]
-            while len(seq.partial) >= bs:
-                i = len(seq.hashes)
-                key = prefix_key(seq.hashes[-1] if seq.hashes else None, seq.partial[:bs])
-                pending.append((seq.blocks[i], key))
-                seq.hashes.append(hash(key))
-                seq.partial = seq.partial[bs:]
-        return seq_ids, [s.blocks for s in seqs], starts, counts, pending
 
     def _read_plan(self, seq_ids, tables, starts, counts) -> "PagedStep":
         """A read plan only (no writes): for the parts of a packed step, which writes for them."""

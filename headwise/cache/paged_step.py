@@ -82,6 +82,10 @@ class PagedStep(BlockReads, Step):
         self.block_size, self.num_kv_heads, self.head_dim = bs, cache.num_kv_heads, cache.head_dim
         self.dtype, self.device, self.kv_dtype = cache.dtype, dev, cache.kv_dtype
         self.tables = [list(t) for t in tables]  # as of this step
+        # A windowed cache's rows read from the first block any of their queries can see: the
+        # blocks before it are back in the pool (their entries are the null block)
+        W = cache.window
+        self.first_blocks = [0 if W is None else max(0, L - W + 1) // bs for L in starts]
         self.groups = self._plan(self.tables)
         # Tile masks that depend on the step alone (validity, causality), built by the first
         # layer and reused by the others: (k0, k1, rows, G, causal, dtype) -> (mask, dead rows).
@@ -105,8 +109,12 @@ class PagedStep(BlockReads, Step):
             together = self.B * self.S + -(-nb // width) * CALL_COST_KEYS
             alone = sum(self.ends) + self.B * CALL_COST_KEYS
             if together <= alone:
-                return [TileGroup(slice(0, self.B), self._gathers(tables, 0, nb, self.S, width))]
-        return [TileGroup(slice(b, b + 1), self._one(t, S)) for b, (t, S) in enumerate(zip(tables, self.ends))]
+                lo = min(self.first_blocks)
+                return [TileGroup(slice(0, self.B), self._gathers(tables, lo, nb, self.S, width))]
+        return [
+            TileGroup(slice(b, b + 1), self._one(t, S, lo))
+            for b, (t, S, lo) in enumerate(zip(tables, self.ends, self.first_blocks))
+        ]
 
     def _gathers(self, tables, i: int, j: int, S: int, width: int | None = None) -> list[Tile]:
         """Tiles of `width` blocks over blocks [i, j) of every table (right-padded with block 0,
@@ -121,15 +129,15 @@ class PagedStep(BlockReads, Step):
             segs.append(Tile(a * bs, min(b * bs, S), 0, b - a, idx))
         return segs
 
-    def _one(self, table: list[int], S: int) -> list[Tile]:
-        """Tiles of one sequence of S keys: runs of >= MIN_VIEW_BLOCKS consecutive blocks are
-        views (for a decode step of a float cache, one kernel call over the whole run); the
-        scattered blocks between them are gathered tile_blocks at a time."""
+    def _one(self, table: list[int], S: int, first: int = 0) -> list[Tile]:
+        """Tiles of one sequence of S keys, from block `first`: runs of >= MIN_VIEW_BLOCKS
+        consecutive blocks are views (for a decode step of a float cache, one kernel call over
+        the whole run); the scattered blocks between them are gathered tile_blocks at a time."""
         cache, bs, tile = self.cache, self.cache.block_size, self.cache.tile_blocks
         nb = -(-S // bs)
         cap = nb if self.T == 1 and not cache.kv_dtype else tile
         segs: list[Tile] = []
-        pend, i = None, 0  # pend: first of the scattered blocks not yet emitted
+        pend, i = None, first  # pend: first of the scattered blocks not yet emitted
         while i < nb:
             j = i + 1
             while j < nb and table[j] == table[j - 1] + 1:

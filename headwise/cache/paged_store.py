@@ -71,6 +71,21 @@ class PagedStorage:
         # step, remade when the planes are (its cache_layers is this _layer_kv)
         self.stack_memo: StackParts | None = None
 
+    def _share_storage(self, other: "PagedStorage") -> None:
+        """Read and write `other`'s planes (a hybrid cache's groups: one pool, one storage)."""
+        if (other.num_layers, other.num_kv_heads, other.head_dim, other.block_size, other.dtype, other.kv_dtype) != (
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.block_size,
+            self.dtype,
+            self.kv_dtype,
+        ):
+            raise ValueError("a cache that shares another's storage needs its geometry (layers, heads, dims, dtypes)")
+        self._k, self._v, self._layer_kv, self._layer_planes = other._k, other._v, other._layer_kv, other._layer_planes
+        self._scratch = {}
+        self.stack_memo = None
+
     def memory_bytes(self) -> int:
         """Bytes of K/V storage for all layers (int8: values + scales), allocated up front."""
         return sum(t.numel() * t.element_size() for t in (*self._k, *self._v))
