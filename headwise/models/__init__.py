@@ -4,8 +4,9 @@
     logits = model(input_ids)                       # decoders: (B, T, V) fp32
     hidden = model(input_ids, attention_mask)       # encoders: (B, T, C)
 
-One file per family (llama.py: Llama, Mistral, Qwen2; gpt2.py; bert.py), each with its
-HF weight table; loading.py applies the tables.
+Decoder families (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3) are data in families/:
+each module's config_from_hf and HF weight table, one model (families/decoder.py) for all;
+gpt2.py and bert.py hold their own models. loading.py applies the tables.
 """
 
 from .bert import Bert

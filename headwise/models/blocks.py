@@ -126,7 +126,12 @@ def make_mlp(cfg: ModelConfig) -> nn.Module:
     return cls(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias, activation=cfg.activation)
 
 
-def make_attention(cfg: ModelConfig, *, rope=None, backend: str = "auto") -> MultiHeadAttention:
+def make_attention(cfg: ModelConfig, *, layer: int = 0, rope=None, backend: str = "auto") -> MultiHeadAttention:
+    """Layer `layer`'s attention as cfg says: its window, score scale and soft-cap, qk-norm (RMSNorm
+    over each head's D, before RoPE). Only what differs from plain attention is passed."""
+    block = dict(window=cfg.window(layer), softcap=cfg.attn_softcap, scale=cfg.attn_scale)
+    if cfg.qk_norm:  # Qwen3, Gemma 3 (their (1 + w) weights are stored as 1 + w at load)
+        block |= dict(q_norm=RMSNorm(cfg.head_dim, eps=cfg.norm_eps), k_norm=RMSNorm(cfg.head_dim, eps=cfg.norm_eps))
     return MultiHeadAttention(
         cfg.d_model,
         cfg.num_heads,
@@ -136,29 +141,37 @@ def make_attention(cfg: ModelConfig, *, rope=None, backend: str = "auto") -> Mul
         out_bias=cfg.out_bias,
         rope=rope,
         backend=backend,
+        **{k: v for k, v in block.items() if v is not None},
     )
 
 
 class DecoderBlock(nn.Module):
-    """Pre-norm residual block (GPT-2, Llama): x + attn(norm(x)), then x + mlp(norm(x)).
+    """Pre-norm residual block (GPT-2, Llama): x + attn(norm(x)), then x + mlp(norm(x)); with
+    cfg.post_norms (Gemma 2/3) each branch's output is normed again before its add:
+    x + post(attn(norm(x))), x + post(mlp(norm(x))). Layer `layer`'s window, RoPE (`rope`, which the
+    model picks per layer), qk-norm, scale and soft-cap are its attention's (make_attention).
 
     `block(x, step, i)`: x (B, T, C) of a step (`headwise.attention.step.Step`) whose layer-i
     cache this block writes and reads; without a step, the T tokens attend causally to
     each other. This is the reference executor's layer; the fused one runs `fused_layer`."""
 
-    def __init__(self, cfg: ModelConfig, *, rope=None, backend: str = "auto"):
+    def __init__(self, cfg: ModelConfig, *, layer: int = 0, rope=None, backend: str = "auto"):
         super().__init__()
         self.attn_norm = make_norm(cfg)
-        self.attn = make_attention(cfg, rope=rope, backend=backend)
+        self.attn = make_attention(cfg, layer=layer, rope=rope, backend=backend)
         self.mlp_norm = make_norm(cfg)
         self.mlp = make_mlp(cfg)
+        self.post_norms = cfg.post_norms
+        if cfg.post_norms:
+            self.attn_post_norm = make_norm(cfg)  # HF Gemma: post_attention_layernorm
+            self.mlp_post_norm = make_norm(cfg)  # HF Gemma: post_feedforward_layernorm
 
     def forward(self, x: Tensor, step: Step | None = None, layer: int = 0) -> Tensor:
         if step is None:
             step = PlainStep(x.shape[0], x.shape[1], x.device)
         attn = self.attn
         cs = step.rope_cos_sin(attn.rope) if attn.rope is not None else None
-        x = x + attn(
+        a = attn(
             self.attn_norm(x),
             is_causal=True,
             cache=step.layer(layer),
@@ -166,6 +179,10 @@ class DecoderBlock(nn.Module):
             rope_cos_sin=cs,
             num_new=step.num_real,
         )  # (B, T, C)
+        if self.post_norms:
+            x = x + self.attn_post_norm(a)
+            return x + self.mlp_post_norm(self.mlp(self.mlp_norm(x)))
+        x = x + a
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -206,12 +223,15 @@ class Parts(NamedTuple):
 
 def parts_of(block: nn.Module) -> Parts | None:
     """The block's Parts, None for a block the fused layer cannot run (another kind of block, an
-    attention over other keys and values)."""
-    if type(block) is not DecoderBlock:
+    attention over other keys and values, a block feature fused_layer does not compute yet: post
+    norms, qk-norm, an attention window, a score scale or soft-cap; those blocks run their forward)."""
+    if type(block) is not DecoderBlock or block.post_norms:
         return None
     m = block._modules
     attn, mlp = m["attn"], m["mlp"]
     a = attn._modules
+    if a.get("q_norm") is not None or a.get("k_norm") is not None or any(_block_options(attn)):
+        return None
     if attn.fused:
         qkv = a.get("qkv_proj")
     elif attn.kdim == attn.vdim == attn.d_model:
@@ -222,6 +242,11 @@ def parts_of(block: nn.Module) -> Parts | None:
         return None
     swiglu = type(mlp) is GatedMLP and mlp.activation == "silu"
     return Parts(attn, qkv, a["out_proj"], a.get("rope"), m["attn_norm"], m["mlp_norm"], mlp, swiglu)
+
+
+def _block_options(attn: nn.Module) -> tuple:
+    """The attention's window, softcap and scale (None each where plain or not an option of it)."""
+    return tuple(getattr(attn, name, None) for name in ("window", "softcap", "scale"))
 
 
 def fused_layer(p: Parts, x: Tensor, step: Step, cache) -> Tensor:

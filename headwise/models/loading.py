@@ -33,12 +33,30 @@ from .linear import pack_quantized
 from .packing import pack_linears
 from .quantized_load import QKV_WEIGHT, check_weights, fuse_rows, install, mixed, requantize, warn_mixed
 
-# model_type -> family module; architectures[0] is the fallback key.
-FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2", "bert": "bert"}
+# model_type -> family module (under headwise.models); architectures[0] is the fallback key.
+# A decoder family is one module of families/ (its config_from_hf and weight table; the model is
+# families/decoder.py's, built from the ModelConfig), so adding one is a file and a line here.
+FAMILIES = {
+    "llama": "families.llama",
+    "mistral": "families.mistral",
+    "qwen2": "families.qwen2",
+    "qwen3": "families.qwen3",
+    "phi3": "families.phi3",
+    "gemma2": "families.gemma2",
+    "gemma3_text": "families.gemma3",
+    "gemma3": "families.gemma3",  # Gemma3ForConditionalGeneration: its text_config, text-only weights
+    "gpt2": "gpt2",
+    "bert": "bert",
+}
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "Gemma3ForConditionalGeneration": "gemma3",
     "GPT2LMHeadModel": "gpt2",
     "GPT2Model": "gpt2",
     "BertModel": "bert",
@@ -64,11 +82,15 @@ class To(NamedTuple):
         along dim 0 from several HF tensors (e.g. q, k, v -> qkv_proj rows [Q | K | V]).
     shape: the HF tensor's shape, asserted before anything is converted.
     transpose: HF stores it (in, out) (GPT-2's Conv1D); nn.Linear wants (out, in).
+    add: added to every element, in fp32 before any cast. Gemma's RMSNorm scales by (1 + w) and HF
+        stores w; add=1.0 makes headwise's RMSNorm weight 1 + w, so one norm (x / rms * weight)
+        serves every family. The HF convention (w) is the interchange: a GGUF reader hands w over.
     """
 
     name: str
     shape: tuple[int, ...]
     transpose: bool = False
+    add: float = 0.0
 
 
 class CheckpointError(ValueError):
@@ -174,6 +196,10 @@ def convert(
     for hf, to in expanded.items():
         t = tensors.pop(hf)
         t = t.t() if to.transpose else t
+        if to.add:
+            if not isinstance(t, Tensor) or not t.is_floating_point():
+                raise CheckpointError(f"{hf} is {type(t).__name__}; its table entry adds {to.add} (a float tensor)")
+            t = (t.float() + to.add).to(t.dtype)
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
         m = _PART.match(to.name)

@@ -3,7 +3,6 @@ and the tiny decoder configs they are made from."""
 
 import contextlib
 import os
-import warnings
 
 import pytest
 import torch
@@ -52,7 +51,11 @@ def decoder_configs() -> dict:
         "llama-mqa-tied": lambda: llama(num_key_value_heads=1, tie_word_embeddings=True),
         "llama-bias": lambda: llama(num_key_value_heads=2, attention_bias=True, mlp_bias=True),
         "qwen2": lambda: (tf.Qwen2Config(**LLAMA, num_key_value_heads=2), tf.Qwen2ForCausalLM),  # q/k/v bias
-        "mistral": lambda: (tf.MistralConfig(**LLAMA, num_key_value_heads=2), tf.MistralForCausalLM),
+        # Mistral v0.2+: no window (MistralConfig's default 4096 is v0.1's; mistral-window has one)
+        "mistral": lambda: (
+            tf.MistralConfig(**LLAMA, num_key_value_heads=2, sliding_window=None),
+            tf.MistralForCausalLM,
+        ),
         # a window shorter than the tests' sequences: HF masks keys older than 6 tokens
         "mistral-window": lambda: (
             tf.MistralConfig(**LLAMA, num_key_value_heads=2, sliding_window=6),
@@ -89,9 +92,7 @@ def decoder(tmp_path_factory):
     def load(name):
         if name not in models:
             hf, path = get(name)
-            with warnings.catch_warnings():  # mistral-window: "sliding_window ... not applied"
-                warnings.simplefilter("ignore")  # without a window cache; the test gives it one
-                models[name] = hf, headwise.load(path)
+            models[name] = hf, headwise.load(path)
         return models[name]
 
     load.path = lambda name: get(name)[1]

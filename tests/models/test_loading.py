@@ -2,6 +2,8 @@
 
 import json
 
+import warnings
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -192,8 +194,10 @@ def test_configs_from_hf():
         }
     )
     assert v4.rope_theta == 5e5 and v4.rope_scaling.kind == "llama3" and v4.rope_scaling.original_max_positions == 32
-    with pytest.warns(UserWarning, match="sliding_window=8 is not applied"):
-        assert llama.config_from_hf({**base, "model_type": "mistral", "sliding_window": 8}).sliding_window == 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the window is applied now: nothing to warn about
+        mistral = llama.config_from_hf({**base, "model_type": "mistral", "sliding_window": 8})
+    assert mistral.sliding_window == 8 and mistral.windows == (8, 8)
 
 
 # ---------------------------------------------------------------------------- bad input
