@@ -34,7 +34,8 @@ from torch import Tensor
 
 from .cpu import cpu_flags, prefetch_ahead_for, quant_prefetch_ahead_for, zmm_min_rows_for
 
-PRO_NONE, PRO_RMSNORM, PRO_SWIGLU = 0, 1, 2
+PRO_NONE, PRO_RMSNORM, PRO_SWIGLU, PRO_GEGLU = 0, 1, 2, 3  # GeGLU: gelu_tanh(gate) * up (Gemma)
+GATED = (PRO_SWIGLU, PRO_GEGLU)  # the prologues that read x = [gate | up] (..., 2I)
 KERNEL_ROWS = 64  # the most rows one call takes (small_linear.c's MAX_PANEL_ROWS: its accumulators)
 # Each variant and the CPU flags it needs (/proc/cpuinfo's names), best first: setup.py's VARIANTS.
 ISA_VARIANTS = {
@@ -233,16 +234,19 @@ def rows_kernels_take(*tensors: Tensor) -> bool:
     return _ext()[1] is None and all(_ok(t) and not (grad and t.requires_grad) for t in tensors)
 
 
-def swiglu(x: Tensor) -> Tensor:
-    """silu(gate) * up for x (..., 2I) = [gate | up] -> (..., I): small_linear's SwiGLU prologue as
-    a call of its own (rows over the OpenMP threads), for rows whose matmul oneDNN runs. Check
-    `rows_kernels_take(x)` first."""
+def swiglu(x: Tensor, kind: int = PRO_SWIGLU) -> Tensor:
+    """silu(gate) * up for x (..., 2I) = [gate | up] -> (..., I) (kind PRO_GEGLU: gelu_tanh(gate) *
+    up): small_linear's SwiGLU / GeGLU prologue as a call of its own (rows over the OpenMP threads),
+    for rows whose matmul oneDNN runs. Check `rows_kernels_take(x)` first."""
     mod = _ext()[0]
-    if x.dim() == 0 or x.shape[-1] % 2 or not rows_kernels_take(x):
-        raise ValueError(f"swiglu needs contiguous fp32 CPU x (..., 2I) without grad; got {x.dtype} {tuple(x.shape)}")
+    if x.dim() == 0 or x.shape[-1] % 2 or not rows_kernels_take(x) or kind not in GATED:
+        raise ValueError(
+            f"swiglu needs contiguous fp32 CPU x (..., 2I) without grad and a gated kind {GATED}; got {x.dtype} "
+            f"{tuple(x.shape)}, kind {kind}"
+        )
     I = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], I)
-    mod.rows_prologue(PRO_SWIGLU, x.data_ptr(), None, 0.0, out.data_ptr(), x.numel() // (2 * I) if I else 0, I)
+    mod.rows_prologue(kind, x.data_ptr(), None, 0.0, out.data_ptr(), x.numel() // (2 * I) if I else 0, I)
     return out
 
 
@@ -318,11 +322,11 @@ def check_call(
     rope: tuple[Tensor, Tensor, int, int] | None,
 ) -> tuple[int, Tensor | None, Tensor | None, int, int]:
     """The checks every small-row linear kernel call needs (run_linear, quant.run_quant) against
-    an (O, I) weight: x (M, I) (or (M, 2I) with PRO_SWIGLU), 1 <= M <= KERNEL_ROWS, residual (M, O),
+    an (O, I) weight: x (M, I) (or (M, 2I) with PRO_SWIGLU / PRO_GEGLU), 1 <= M <= KERNEL_ROWS, residual (M, O),
     norm_weight (I,), rope = (cos, sin (M, head_dim / 2), columns, head_dim); all contiguous fp32
     on the CPU. Returns (M, cos, sin, columns, head_dim), the last four None / 0 without rope."""
     M = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-    if x.dim() == 0 or x.shape[-1] != (2 * I if prologue == PRO_SWIGLU else I) or not 0 < M <= KERNEL_ROWS:
+    if x.dim() == 0 or x.shape[-1] != (2 * I if prologue in GATED else I) or not 0 < M <= KERNEL_ROWS:
         raise ValueError(
             f"{what}: x {tuple(x.shape)} does not fit a ({O}, {I}) weight "
             f"(prologue {prologue}) or has not 1 to {KERNEL_ROWS} rows (no more than {KERNEL_ROWS})"

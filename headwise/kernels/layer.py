@@ -1,12 +1,14 @@
-"""One decode step of a pre-norm SwiGLU decoder layer in one kernel call (decoder_step.c).
+"""One decode step of a decoder layer in one kernel call (decoder_step.c), any family's block.
 
-`run_stack(steps, x)`, per layer (plan, cos, sin, k_cache, v_cache, rows): RMSNorm + QKV + RoPE,
-the new K/V written into the cache at each row's slot, attention over every key up to it,
-out-projection + residual, RMSNorm + gate/up, SwiGLU + down + residual: the decoder block's
+`run_stack(steps, x)`, per layer (plan, cos, sin, k_cache, v_cache, rows): RMSNorm + QKV (+ QK-norm)
++ RoPE, the new K/V written into the cache at each row's slot, attention over every key up to it
+(or the layer's window of them), out-projection + residual (or Gemma's post-norm and residual),
+RMSNorm + gate/up, SwiGLU or GeGLU + down + residual (or post-norm): the decoder block's
 few-rows route (models/blocks.py) for a step of one new token per sequence, with its ~40
 Python-level operations per layer (~350 us here at batch 1, more than the layer's matmuls) down
 to one call for all the consecutive layers it applies to (one layer: a stack of one). The
 linears are the same kernels' plans: `kernels.LinearPlan` (fp32) or `kernels.quant.QuantPlan`.
+A layer is described by data (`plan_step`'s keywords: the family's spec), not by a kernel per family.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import LinearPlan, _ext
+from . import PRO_GEGLU, PRO_SWIGLU, LinearPlan, _ext
+
+# The MLP's gate activation -> the kernels' prologue between gate_up and down
+GLU_PROLOGUES = {"silu": PRO_SWIGLU, "gelu_tanh": PRO_GEGLU}
 
 
 class StepPlan(NamedTuple):
@@ -24,16 +29,42 @@ class StepPlan(NamedTuple):
 
     head: tuple[int, ...]  # a descriptor's fixed head: (fmt, weight, bias) per linear, the two norms' pointers
     plans: tuple  # the four plans (they keep the weights alive)
-    norms: tuple[Tensor, Tensor]
+    norms: tuple[Tensor, ...]  # every norm weight the descriptor points into (kept alive)
     eps: float
     dims: tuple[int, int, int, int, int]  # C, H, Hkv, D, F
     scale: float
     split: tuple[int, ...] = (-2, 0, 0, -2, 0, 0)  # k's and v's (fmt, weight, bias) when q, k, v are apart
+    # q_norm, k_norm, post-attention norm, post-MLP norm (pointers, 0: none), the GLU prologue, the window
+    # (0: every key): the defaults are a Llama layer's
+    spec: tuple[int, ...] = (0, 0, 0, 0, PRO_SWIGLU, 0)
+    qk_eps: float = 0.0
+    softcap: float = 0.0  # 0: none (the decode kernel refuses any other yet)
 
 
-def plan_step(plans: tuple, attn_norm: Tensor, mlp_norm: Tensor, eps: float, H: int, Hkv: int, D: int) -> StepPlan:
+def plan_step(
+    plans: tuple,
+    attn_norm: Tensor,
+    mlp_norm: Tensor,
+    eps: float,
+    H: int,
+    Hkv: int,
+    D: int,
+    *,
+    qk_norms: tuple[Tensor | None, Tensor | None] = (None, None),
+    qk_eps: float = 0.0,
+    post_norms: tuple[Tensor | None, Tensor | None] = (None, None),
+    glu: str = "silu",
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> StepPlan:
     """plans: (qkv, out, gate_up, down), each a LinearPlan or QuantPlan of the matching shape; qkv
-    may be a (q, k, v) tuple of three (an attention that holds them apart: MultiHeadAttention.unfuse)."""
+    may be a (q, k, v) tuple of three (an attention that holds them apart: MultiHeadAttention.unfuse).
+    The keywords are the block's spec where it is not a Llama's: qk_norms (D,) weights of RMSNorms over
+    each q and k head before RoPE (eps qk_eps); post_norms (C,) weights of RMSNorms on the attention's
+    and the MLP's outputs before their residuals (eps `eps`); glu, the gate's activation ("silu",
+    "gelu_tanh"); window W (each row attends to the W keys ending at its own); scale of the scores
+    (None: D**-0.5); softcap (the kernel refuses it yet: run_stack raises)."""
     qkv, out, gate_up, down = plans
     C, F = out.out_features, down.in_features
     parts = qkv if type(qkv) is tuple else (qkv,)
@@ -42,18 +73,26 @@ def plan_step(plans: tuple, attn_norm: Tensor, mlp_norm: Tensor, eps: float, H: 
     got = [(p.out_features, p.in_features) for p in (*parts, out, gate_up, down)]
     if got != want or H % Hkv:
         raise ValueError(f"decoder step: linear shapes {got} do not make a layer of H={H}, Hkv={Hkv}, D={D}: {want}")
-    for n in (attn_norm, mlp_norm):
-        if not (n.dtype is torch.float32 and n.is_contiguous() and n.numel() == C):
+    sized = [(n, C) for n in (attn_norm, mlp_norm, *post_norms) if n is not None]
+    for n, size in sized + [(n, D) for n in qk_norms if n is not None]:
+        if not (n.dtype is torch.float32 and n.is_contiguous() and n.numel() == size):
             raise ValueError(
-                f"decoder step: norm weights must be contiguous fp32 ({C},); got {n.dtype} {tuple(n.shape)}"
+                f"decoder step: norm weights must be contiguous fp32 ({size},); got {n.dtype} {tuple(n.shape)}"
             )
+    if glu not in GLU_PROLOGUES or (window is not None and window < 1):
+        raise ValueError(f"decoder step: glu {glu!r} (one of {sorted(GLU_PROLOGUES)}), window {window} (None or >= 1)")
     lin, split = [], []
     for p in (parts[0], out, gate_up, down):
         lin += _linear_ints(p)
     for p in parts[1:]:
         split += _linear_ints(p)
     lin += [attn_norm.data_ptr(), mlp_norm.data_ptr()]
-    plan = StepPlan(tuple(lin), plans, (attn_norm, mlp_norm), eps, (C, H, Hkv, D, F), D**-0.5)
+    extra = (*qk_norms, *post_norms)
+    spec = (*(0 if n is None else n.data_ptr() for n in extra), GLU_PROLOGUES[glu], window or 0)
+    norms = (attn_norm, mlp_norm, *(n for n in extra if n is not None))
+    scale = D**-0.5 if scale is None else float(scale)
+    plan = StepPlan(tuple(lin), plans, norms, eps, (C, H, Hkv, D, F), scale, spec=spec, qk_eps=float(qk_eps))
+    plan = plan._replace(softcap=float(softcap or 0.0))
     return plan._replace(split=tuple(split)) if split else plan
 
 
@@ -97,7 +136,16 @@ def _descriptor_ints(plan: StepPlan, k, v, s_h: int, s_t: int, step: tuple) -> l
     C, H, Hkv, D, F = plan.dims
     base, pos, table, width, bs, cos, sin = step
     (k, ks), (v, vs) = _plane(k), _plane(v)
-    return [*plan.head, k, v, ks, vs, base, s_h, s_t, pos, table, width, bs, H, Hkv, D, F, cos, sin, *plan.split]
+    ring = 0  # a cache of every key at its position's row (a ring's size where a cache hands one out)
+    return [*plan.head, k, v, ks, vs, base, s_h, s_t, pos, table, width, bs, H, Hkv, D, F, cos, sin, *plan.split] + [
+        *plan.spec,
+        ring,
+    ]
+
+
+def _floats(plan: StepPlan) -> tuple[float, float, float, float]:
+    """A layer's floats for decoder_stack (decoder_step.c's FL_* order)."""
+    return (plan.eps, plan.scale, plan.qk_eps, plan.softcap)
 
 
 class StackCall:
@@ -116,30 +164,37 @@ class StackCall:
             if plan.dims[0] != C:
                 raise ValueError(f"decoder stack: a layer of width {plan.dims[0]} in a stack of width {C}")
             desc += _descriptor_ints(plan, k, v, s_h, s_t, self._MARKS)
-            fl += (plan.eps, plan.scale)
+            fl += _floats(plan)
         n = len(desc) // len(layers)
         self.fields = [slice(desc.index(m), None, n) for m in self._MARKS]
         self.desc, self.fl, self.width, self.num_layers = desc, fl, C, len(layers)
         self.plans = [layer[0] for layer in layers]  # the weights the descriptors point into stay alive
 
-    def at(self, rows: tuple, cos: Tensor, sin: Tensor) -> BoundStack:
+    def at(self, rows: tuple, cos, sin) -> BoundStack:
         """The step's entry for run_stack. rows = (base, pos[, table, block size]) as a cache's
         claim_decode gives them without the strides: base (M,) int64 or None where table (M,
         width) int64 is given, pos (M,) int64; cos, sin (M, D / 2) contiguous fp32 (the callers'
-        checked types: the cache, Step.rope_rows)."""
+        checked types: the cache, Step.rope_rows), or a list of them per layer (layers of several
+        rotaries: Gemma's local and global layers)."""
         base, pos, *paged = rows
         table, bs = paged if paged else (None, 0)
-        M = pos.shape[0]
-        ok = pos.shape == (M,) and cos.shape[0] == M and sin.shape[0] == M
+        M, L = pos.shape[0], self.num_layers
+        each = type(cos) is list
+        coss, sins = (cos, sin) if each else ([cos], [sin])
+        ok = pos.shape == (M,) and all(c.shape[0] == M for c in coss) and all(t.shape[0] == M for t in sins)
         ok = ok and (base.shape == (M,) if table is None else base is None and table.shape[0] == M)
+        ok = ok and (not each or len(coss) == len(sins) == L)
         if not ok:
-            got = [None if t is None else tuple(t.shape) for t in (base, pos, table, cos, sin)]
-            raise ValueError(f"decoder stack rows: base, pos, table, cos, sin {got} do not give {M} rows")
-        values = _step_ints(rows, cos, sin)
-        L, desc = self.num_layers, self.desc.copy()  # a copy: two threads may step one model
+            got = [None if t is None else tuple(t.shape) for t in (base, pos, table, coss[0], sins[0])]
+            raise ValueError(f"decoder stack rows: base, pos, table, cos, sin {got} do not give {M} rows of {L} layers")
+        values = _step_ints(rows, coss[0], sins[0])
+        desc = self.desc.copy()  # a copy: two threads may step one model
         for field, value in zip(self.fields, values):
             desc[field] = [value] * L
-        return BoundStack(self, desc, M, (base, pos, table, cos, sin))
+        if each:
+            desc[self.fields[5]] = [c.data_ptr() for c in coss]
+            desc[self.fields[6]] = [t.data_ptr() for t in sins]
+        return BoundStack(self, desc, M, (base, pos, table, coss, sins))
 
 
 class BoundStack:
@@ -177,7 +232,7 @@ def run_stack(steps: list[tuple], x: Tensor) -> Tensor:
         if plan.dims[0] != C:
             raise ValueError(f"decoder stack: a layer of width {plan.dims[0]} in a stack of width {C}")
         desc += _descriptor(plan, cos, sin, k, v, rows)
-        fl += (plan.eps, plan.scale)
+        fl += _floats(plan)
     return _call_stack(desc, fl, x)
 
 

@@ -14,7 +14,9 @@
 #define HW_KERNELS_H
 #include <stdint.h>
 
-enum { PRO_NONE = 0, PRO_RMSNORM = 1, PRO_SWIGLU = 2 };
+/* The op a linear kernel folds in before its matmul (rows.c): none, RMSNorm, or a gated MLP's
+ * act(gate) * up of x = [gate | up] (M, 2I): SwiGLU (SiLU) or GeGLU (GELU, tanh form: Gemma). */
+enum { PRO_NONE = 0, PRO_RMSNORM = 1, PRO_SWIGLU = 2, PRO_GEGLU = 3 };
 
 /* ---- entry points (generic/module.c wraps them for Python) ---- */
 
@@ -43,6 +45,7 @@ long hw_argmax_rows(const float *x, long R, long n, long stride, int64_t *out);
 int hw_decoder_stack(long n, const int64_t *layers, const float *fl, const float *x, float *y, long M, long C,
                      long *failed);
 long hw_stack_fields(void);
+long hw_stack_floats(void);
 
 /* Tunables module.c's setters write (set once, at load, by kernels/__init__.py): how far ahead the
  * fp32 tiles prefetch (inputs) and the packed groups (bytes), from how many rows the avx512
@@ -61,6 +64,8 @@ void hw_rope_epilogue(float *y, long M, long O, const float *cos, const float *s
 void hw_gemm_f32(const float *Wb, const float *xs, const float *b, const float *r, float *y, long M, long O, long I);
 /* silu(g) u for M rows of [g | u] (M, 2I) into out (M, I) (x86/avx2/rows.c). */
 void hw_swiglu_rows(const float *x, float *out, long M, long I);
+/* gelu_tanh(g) u for M rows of [g | u] (M, 2I) into out (M, I) (x86/avx2/rows.c). */
+void hw_geglu_rows(const float *x, float *out, long M, long I);
 /* x (D floats, D % 8 == 0) -> q (D int8), *scale: cache/quantized.py's quantize_int8 (x86/avx2/rows.c). */
 void hw_quantize_row_i8(const float *x, long D, int8_t *q, float *scale);
 /* Rows of x (M, I) -> q8 blocks of 32: qx int8, dx scales, sx = dx sum(qx) (x86/avx2/quantize.c). */

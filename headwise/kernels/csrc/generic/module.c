@@ -11,8 +11,8 @@
 #include "quant_formats.h"
 
 /* decoder_stack(layers, fl, x, y, M, C) -> (rc, failed layer) (decoder_step.c): layers a list of
- * n * hw_stack_fields() ints, fl a list of 2 n floats (eps, scale per layer). Lists, not tensors:
- * parsing ~900 ints here takes a few microseconds, where torch.tensor(list) took ~50. */
+ * n * hw_stack_fields() ints, fl a list of n * hw_stack_floats() floats (decoder_step.c's enums). Lists,
+ * not tensors: parsing ~900 ints here takes a few microseconds, where torch.tensor(list) took ~50. */
 static PyObject *py_decoder_stack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     const float *x;
     float *y;
@@ -25,10 +25,10 @@ static PyObject *py_decoder_stack(PyObject *self, PyObject *const *args, Py_ssiz
     PyObject *result = NULL;
     if (!fs) goto done;
     const Py_ssize_t nl = PySequence_Fast_GET_SIZE(ls), nf = PySequence_Fast_GET_SIZE(fs);
-    const long n = (long)(nf / 2);
-    if (nl != n * hw_stack_fields() || nf != 2 * n || n < 1) {
+    const long n = (long)(nf / hw_stack_floats());
+    if (nl != n * hw_stack_fields() || nf != n * hw_stack_floats() || n < 1) {
         PyErr_Format(PyExc_ValueError, "decoder_stack: %zd ints and %zd floats do not describe whole layers (%ld ints "
-                     "and 2 floats each)", nl, nf, hw_stack_fields());
+                     "and %ld floats each)", nl, nf, hw_stack_fields(), hw_stack_floats());
         goto done;
     }
     layers = malloc(sizeof(int64_t) * (size_t)nl), fl = malloc(sizeof(float) * (size_t)nf);

@@ -1,5 +1,5 @@
 /* What the linear kernels do around their matmuls, one copy for all of them: the prologue that
- * replaces the op before it (RMSNorm, SwiGLU) and the RoPE epilogue after it; and both as calls
+ * replaces the op before it (RMSNorm, SwiGLU, GeGLU) and the RoPE epilogue after it; and both as calls
  * of their own (rows_prologue, rope_rows) for the rows of a prefill, whose matmuls oneDNN runs,
  * rows split over the OpenMP threads. In PyTorch ops, SwiGLU over a 512-row step is a SiLU on a
  * strided view and a multiply, and the half-split RoPE of the q and k heads five ops with
@@ -31,6 +31,10 @@ const float *hw_prologue(int kind, const float *x, const float *norm_w, float ep
         hw_swiglu_rows(x, buf, M, I);
         return buf;
     }
+    if (kind == PRO_GEGLU) {
+        hw_geglu_rows(x, buf, M, I);
+        return buf;
+    }
     return x;
 }
 
@@ -54,9 +58,9 @@ void hw_rope_epilogue(float *y, long M, long O, const float *cos, const float *s
     }
 }
 
-/* out (M, I) = prologue(x) for kind PRO_RMSNORM (x (M, I)) or PRO_SWIGLU (x (M, 2I)). */
+/* out (M, I) = prologue(x) for kind PRO_RMSNORM (x (M, I)) or PRO_SWIGLU / PRO_GEGLU (x (M, 2I)). */
 void hw_rows_prologue(int kind, const float *x, const float *norm_w, float eps, float *out, long M, long I) {
-    const long in = kind == PRO_SWIGLU ? 2 * I : I;
+    const long in = kind == PRO_SWIGLU || kind == PRO_GEGLU ? 2 * I : I;
     #pragma omp parallel for schedule(static) if (M > ROWS_PER_TASK)
     for (long m0 = 0; m0 < M; m0 += ROWS_PER_TASK) {
         const long mc = M - m0 < ROWS_PER_TASK ? M - m0 : ROWS_PER_TASK;

@@ -1,5 +1,5 @@
 /* Row kernels in AVX2 (both variants): greedy decoding's argmax over rows of logits, the SwiGLU
- * prologue's silu(g) u, and a KV-cache row quantized to int8.
+ * and GeGLU prologues' act(g) u, and a KV-cache row quantized to int8.
  *
  * argmax: each row's first index of its maximum, as torch.argmax gives it. ATen's CPU argmax walks
  * the row one element at a time (~1 ns each here: 0.27 ms for 16 rows of SmolLM2's 49,152 logits on
@@ -75,6 +75,31 @@ void hw_swiglu_rows(const float *x, float *out, long M, long I) {
             _mm256_storeu_ps(bm + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
         }
         for (; i < I; i++) bm[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* gelu_tanh(g) u, GELU's tanh form (Hendrycks & Gimpel 2016; Gemma's GeGLU, torch's
+ * approximate="tanh"): 0.5 g (1 + tanh(z / 2)) with z / 2 = sqrt(2 / pi) (g + 0.044715 g^3), which
+ * is g / (1 + e^-z): SwiGLU's loop with z for g in the exponent (clamped as there: at z <= -87 the
+ * product is 0 to fp32's precision either way). */
+void hw_geglu_rows(const float *x, float *out, long M, long I) {
+    const float c1 = 1.5957691216057308f, c3 = 1.5957691216057308f * 0.044715f; /* 2 sqrt(2 / pi) (1, 0.044715) */
+    const __m256 nlog2e = _mm256_set1_ps(-1.4426950408889634f), one = _mm256_set1_ps(1.0f);
+    const __m256 hi = _mm256_set1_ps(126.0f), v1 = _mm256_set1_ps(c1), v3 = _mm256_set1_ps(c3);
+    for (long m = 0; m < M; m++) {
+        const float *g = x + m * 2 * I, *u = g + I;
+        float *bm = out + m * I;
+        long i = 0;
+        for (; i + 8 <= I; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 z = _mm256_mul_ps(gv, _mm256_fmadd_ps(_mm256_mul_ps(gv, gv), v3, v1));
+            const __m256 e = exp2_ps(_mm256_min_ps(_mm256_mul_ps(z, nlog2e), hi));
+            _mm256_storeu_ps(bm + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+        }
+        for (; i < I; i++) {
+            const float z = g[i] * (c1 + c3 * g[i] * g[i]), e = -z * 1.4426950408889634f;
+            bm[i] = g[i] / (1.0f + exp2f(e < 126.0f ? e : 126.0f)) * u[i];
+        }
     }
 }
 
