@@ -188,3 +188,47 @@ def test_unsupported_options_name_themselves(model_type, option, message):
     hf = dict(BASE, model_type=model_type, num_hidden_layers=2, **option)
     with pytest.raises(CheckpointError, match=message):
         family_of(hf).config_from_hf(hf)
+
+
+@torch.no_grad()
+def test_gemma3_multimodal_checkpoint_loads_its_language_model(tmp_path):
+    """A Gemma3ForConditionalGeneration directory (model_type "gemma3"): its text_config and its
+    language-model weights; the vision tower and projector are left unread."""
+    torch.manual_seed(5)
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=2, image_size=28)
+    config = tf.Gemma3Config(
+        text_config=_gemma(num_hidden_layers=6, num_key_value_heads=1),
+        vision_config=dict(vision, patch_size=14),
+        mm_tokens_per_image=4,
+        boi_token_index=V - 3,
+        eoi_token_index=V - 2,
+        image_token_index=V - 1,
+    )
+    hf = tf.Gemma3ForConditionalGeneration(config).eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    model = headwise.load(tmp_path)
+    ids = _ids(1, T, seed=3) % (V - 3)  # text tokens only
+    assert model.config.windows == (W,) * 5 + (None,)
+    assert (model(ids) - hf(input_ids=ids).logits).abs().max() <= TOL
+
+
+def test_transformers_4_configs_read_the_same():
+    """config.json as transformers 4 wrote it: rope_theta + rope_scaling + rope_local_base_freq, the
+    5:1 pattern as sliding_window_pattern (no layer_types), Gemma 2's alternation implied."""
+    from headwise.models.families import gemma2, gemma3
+
+    v4 = dict(BASE, num_hidden_layers=6, num_key_value_heads=1, head_dim=16, sliding_window=W)
+    g3 = gemma3.config_from_hf(
+        dict(
+            v4,
+            model_type="gemma3_text",
+            rope_theta=1e6,
+            rope_local_base_freq=1e4,
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+            sliding_window_pattern=3,
+        )
+    )
+    assert g3.windows == (W, W, None, W, W, None) and g3.rope_local_theta == 1e4 and g3.rope_theta == 1e6
+    assert g3.rope_scaling.kind == "linear" and g3.rope_scaling.factor == 8.0 and g3.tie_embeddings
+    g2 = gemma2.config_from_hf(dict(v4, model_type="gemma2", attn_logit_softcapping=50.0))
+    assert g2.windows == (W, None) * 3 and g2.rope_local_theta is None and g2.attn_softcap == 50.0
