@@ -181,7 +181,10 @@ def explain(q: Tensor, k, v: Tensor | None = None, **kwargs) -> Explanation:
         spec = paged_spec(q, k, **kwargs)
     else:
         spec = make_spec(q, k, v, **kwargs)
-    return _explain(q, k, v, spec, backend)
+    exp = _explain(q, k, v, spec, backend)
+    if kwargs.get("window") is not None and spec.window is None:
+        exp.handled.insert(0, f"window: {kwargs['window']} covers every key of every query here, nothing to mask")
+    return exp
 
 
 def _explain(q, k, v, spec: AttentionSpec, backend: str) -> Explanation:

@@ -125,6 +125,8 @@ def make_spec(
             raise TypeError(f"key_padding_mask must be bool (True = padded key), got {key_padding_mask.dtype}")
     if window is not None:
         window = _check_window(window, is_causal)
+        if window_covers_all(window, is_causal, T, S):
+            window = None  # a window as long as the keys masks nothing: the kernels' fast paths take it
     if alibi_slopes is not None:
         if alibi_slopes.dim() == 1:
             alibi_slopes = alibi_slopes.unsqueeze(0)
@@ -189,6 +191,13 @@ def _check_attn_mask(mask: Tensor, B: int, H: int, T: int, S: int, q: Tensor) ->
     if m4.dtype != torch.bool and not m4.is_floating_point():
         raise TypeError(f"attn_mask must be bool (True = may attend) or float (added to scores), got {m4.dtype}")
     return m4.to(q.device)
+
+
+def window_covers_all(window: tuple[int, int], is_causal: bool, T: int, S: int) -> bool:
+    """Whether (left, right) hides no key from any query (positions S - T .. S - 1 against keys
+    0 .. S - 1): a Gemma 3 local layer's 512 while the context is shorter."""
+    left, right = window
+    return left >= S - 1 and (is_causal or right >= T - 1)
 
 
 def _check_window(window, is_causal: bool) -> tuple[int, int]:

@@ -224,3 +224,26 @@ def test_default_scale_is_inverse_sqrt_head_dim():
             atol=1e-4,
             rtol=1e-4,
         )
+
+
+def test_a_window_longer_than_the_keys_is_no_window():
+    """Gemma 3's local layers (window 512) on a shorter context run the plain fast paths."""
+    q, k, v = qkv(1, 4, 1, 1, 9, 16)
+    assert make_spec(q, k, v, is_causal=True, window=9).window is None
+    assert make_spec(q, k, v, is_causal=True, window=8).window == (7, 0)
+    e = explain(q, k, v, is_causal=True, window=512)
+    assert "covers every key" in str(e)
+    assert e.chosen == explain(q, k, v, is_causal=True).chosen
+
+
+@pytest.mark.parametrize("H,Hkv", HEADS)
+@pytest.mark.parametrize("window", [1, 8, 39])
+def test_decode_kernel_reads_only_the_window(H, Hkv, window):
+    """One query row against 40 keys: the decode kernel, given K/V from the window's first key."""
+    q, k, v = qkv(2, H, Hkv, 1, 40, 16, seed=7)
+    e = explain(q, k, v, is_causal=True, window=window)
+    assert e.chosen == "decode" and "each query row reads only the keys of its window" in str(e)
+    out = attend(q, k, v, is_causal=True, window=window)
+    torch.testing.assert_close(out, reference(q, k, v, window=window), atol=2e-5, rtol=1e-4)
+    k[:, :, : 40 - window] = float("nan")  # keys before the window are never read
+    torch.testing.assert_close(attend(q, k, v, is_causal=True, window=window), out)

@@ -7,7 +7,8 @@ pass with an online softmax, straight from the cache's views; PyTorch's flash op
 through its general tiling, allocations and a parallel region per call, which for so few rows
 is most of the time (SmolLM2's decode on AMD EPYC Zen 3: see benchmarks/decode.py).
 
-It serves fp32 CPU requests with no mask (causal with one query row sees every key), no ALiBi,
+It serves fp32 CPU requests with no mask (causal with one query row sees every key; a window
+then means the last keys only, read as a view from there), no ALiBi, no soft-cap,
 no dropout, no weights, G*T <= 16 rows per KV head and head_dim a multiple of 8 up to 256;
 `explain()` names what else it refuses. Ahead of `sdpa` in the auto order.
 """
@@ -28,6 +29,9 @@ def decode_attention(q, k, v, spec: AttentionSpec) -> AttentionOutput:
     """q (B, H, T, D), k/v (B, Hkv, S, D) -> out (B, H, T, D) (lse (B, H, T) with return_lse)."""
     scale = 1.0 / math.sqrt(spec.D) if spec.scale is None else float(spec.scale)
     rows = fold_heads(q, spec.Hkv).contiguous()  # (B, Hkv, G*T, D)
+    if spec.window is not None:  # one query row (decode_check): its window is the last left + 1 keys
+        first = max(0, spec.S - 1 - spec.window[0])
+        k, v = k[:, :, first:], v[:, :, first:]  # views: the kernel never reads the keys before
     # decode_check (run once per kind of request: attend() memoizes the choice on shapes, dtypes
     # and the K/V layout) has checked everything the kernel's own wrapper would
     out, lse = kernel_attention.decode_attention_all_keys(rows, k, v, scale, spec.return_lse)
@@ -68,13 +72,10 @@ def decode_check(q, k, v, spec: AttentionSpec) -> list[str]:
     reasons = cpu_kernel_reasons(q, k, v, kernel_attention.decode_attention_unavailable)
     if torch.compiler.is_compiling():
         return reasons
-    if (
-        spec.attn_mask is not None
-        or spec.key_padding_mask is not None
-        or spec.window is not None
-        or (spec.is_causal and spec.T > 1)
-    ):
+    if spec.attn_mask is not None or spec.key_padding_mask is not None or (spec.is_causal and spec.T > 1):
         reasons.append("queries must see every key (no mask; causal only with one query row)")
+    elif spec.window is not None and spec.T > 1:
+        reasons.append("a window only with one query row (its window is then the last keys)")
     reasons += plain_spec_reasons(spec)
     if spec.kv_map is not None or spec.H % spec.Hkv:
         reasons.append("even GQA groups only")

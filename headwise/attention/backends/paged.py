@@ -36,7 +36,7 @@ from torch import Tensor
 from ...kernels import attention as kernel_attention
 from ...kernels import prefill as kernel_prefill
 from ..kv import BlockReads, LayerKV, PackedReads, Tile, TileGroup, fold_heads, unfold_heads
-from ..spec import AttentionOutput, AttentionSpec, make_spec
+from ..spec import AttentionOutput, AttentionSpec, make_spec, soft_cap
 from .merge import merge_lse
 from .paged_masks import NEG_INF, TileMasks, grid_mask, tile_mask
 from .paged_spec import paged_check, paged_spec
@@ -55,7 +55,8 @@ def paged_attention(q: Tensor, kv: LayerKV, v, spec: AttentionSpec) -> Attention
     """The registered backend: q (B, H, T, D) over `kv` (a cache's description; v unused)."""
     if isinstance(kv.reads, PackedReads):
         return _packed(q, kv, spec, reference=False)
-    out, lse = _tiled(q, kv.reads, kv.layer, TileMasks.of(kv.reads, spec, q.dtype), spec.kv_map, spec.scale)
+    masks = TileMasks.of(kv.reads, spec, q.dtype)
+    out, lse = _tiled(q, kv.reads, kv.layer, masks, spec.kv_map, spec.scale, spec.softcap)
     return AttentionOutput(out, lse if spec.return_lse else None, None)
 
 
@@ -89,43 +90,50 @@ def _block(q, reads: BlockReads, layer: int, spec: AttentionSpec, reference: boo
     reasons = paged_check(q, None, None, sub)
     if reasons:
         raise ValueError(f"backend 'paged' cannot serve this request: {'; '.join(reasons)}")
-    out, lse = _tiled(q, reads, layer, TileMasks.of(reads, sub, q.dtype), sub.kv_map, sub.scale)
+    out, lse = _tiled(q, reads, layer, TileMasks.of(reads, sub, q.dtype), sub.kv_map, sub.scale, sub.softcap)
     return AttentionOutput(out, lse, None)
 
 
 # ------------------------------------------------------------------ a padded step: tiles
-def _tiled(q: Tensor, reads: BlockReads, layer: int, masks: TileMasks, kv_map: Tensor | None, scale: float):
+def _tiled(q: Tensor, reads: BlockReads, layer: int, masks: TileMasks, kv_map: Tensor | None, scale: float, softcap):
     B, H, T, D = q.shape
     Hkv = reads.num_kv_heads
     qf = fold_heads(q, Hkv) if kv_map is None else q  # (B, Hkv, G*T, D) | (B, H, T, D)
     if len(reads.groups) == 1:
-        return _read_group(qf, reads, layer, reads.groups[0], masks, kv_map, scale, q)
+        return _read_group(qf, reads, layer, reads.groups[0], masks, kv_map, (scale, softcap), q)
     out = torch.empty_like(q)
     lse = torch.empty(B, H, T, device=q.device)
     for g in reads.groups:  # one sequence each
-        out[g.rows], lse[g.rows] = _read_group(qf[g.rows], reads, layer, g, masks, kv_map, scale, q[g.rows])
+        out[g.rows], lse[g.rows] = _read_group(qf[g.rows], reads, layer, g, masks, kv_map, (scale, softcap), q[g.rows])
     return out, lse
 
 
 def _read_group(
-    qf: Tensor, reads: BlockReads, layer: int, group: TileGroup, masks: TileMasks, kv_map, scale: float, q: Tensor
+    qf: Tensor, reads: BlockReads, layer: int, group: TileGroup, masks: TileMasks, kv_map, scaling, q: Tensor
 ):
-    """Online softmax over the group's tiles, merged by log-sum-exp; (out, lse) as q's rows."""
+    """Online softmax over the group's tiles, merged by log-sum-exp; (out, lse) as q's rows.
+    scaling: (scale, softcap). Tiles wholly outside every row's window are not read."""
     B, H, T, D = q.shape
+    scale, softcap = scaling
     Hkv = reads.num_kv_heads
     G = H // Hkv if kv_map is None else 1
     acc = lse = None
     for seg in group.segments:
+        if masks.outside_window(seg.k0, seg.k1, group.rows):
+            continue  # its blocks may be freed already (the cache frees what falls out of a window)
         k, v = reads.read_tile(layer, seg, B, q.dtype)  # (B, Hkv, n, D)
+        cut = masks.first_key(group.rows) - seg.k0  # keys before every row's window: out of the math
+        if cut > 0:
+            k, v, seg = k[:, :, cut:], v[:, :, cut:], seg._replace(k0=seg.k0 + cut)
         if kv_map is not None:
             k, v = k.index_select(1, kv_map), v.index_select(1, kv_map)
-        causal = _prefill_kernel_mask(reads, group, seg, masks, kv_map, q, k)
+        causal = None if softcap is not None else _prefill_kernel_mask(reads, group, seg, masks, kv_map, q, k)
         if causal is not None:  # the prefill kernel draws this tile's mask itself
             o, l = kernel_prefill.prefill_attention_unchecked(q, k, v, scale, causal, True)
             acc, lse = merge_lse(acc, lse, fold_heads(o, Hkv), l.reshape(B, Hkv, G * T))
             continue
         mask, dead = tile_mask(reads, seg, group.rows, masks, kv_map is None, Hkv, G)
-        o, l = _attend_tile(qf, k, v, mask, scale)
+        o, l = _attend_tile(qf, k, v, mask, scale, softcap)
         if dead is not None:  # the CPU kernel reports LSE 0 there
             l = l.masked_fill(dead.expand_as(l), NEG_INF)
         acc, lse = merge_lse(acc, lse, o, l)
@@ -146,7 +154,7 @@ def _prefill_kernel_mask(
     chunk's queries (then query t sees the tile's keys up to t + n - T, the kernel's bottom-right
     causal), False where every query sees the whole tile; None: the tile mask and flash instead."""
     rows = range(reads.B)[group.rows]
-    if len(rows) != 1 or not masks.plain or kv_map is not None or q.dtype != torch.float32:
+    if len(rows) != 1 or not masks.plain or masks.window is not None or kv_map is not None or q.dtype != torch.float32:
         return None
     if torch.is_grad_enabled() and q.requires_grad:  # a forward-only kernel
         return None
@@ -170,14 +178,17 @@ def _prefill_takes(H: int, reads: BlockReads) -> bool:
     )
 
 
-def _attend_tile(qf: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+def _attend_tile(
+    qf: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, softcap: float | None = None
+) -> tuple[Tensor, Tensor]:
     """Attention of qf (B, h, R, D) over one tile k, v (B, h, n, D): (out (B, h, R, D), fp32 lse (B, h, R)).
-    On CPU, PyTorch's flash kernel (which returns LSE); elsewhere, or for an fp32 bias on
-    low-precision q, the same in fp32 matmuls."""
-    if _CPU_FLASH is not None and qf.device.type == "cpu" and (mask is None or mask.dtype == qf.dtype):
+    On CPU, PyTorch's flash kernel (which returns LSE); elsewhere, for an fp32 bias on
+    low-precision q, or with a soft-cap (c * tanh(s / c) before the mask), the same in fp32 matmuls."""
+    flash = _CPU_FLASH is not None and qf.device.type == "cpu" and softcap is None
+    if flash and (mask is None or mask.dtype == qf.dtype):
         o, lse = _CPU_FLASH(qf, k, v, 0.0, False, attn_mask=mask, scale=scale)
         return o, lse.float()
-    s = (qf.float() @ k.float().transpose(-2, -1)) * scale  # (B, h, R, n)
+    s = soft_cap((qf.float() @ k.float().transpose(-2, -1)) * scale, softcap)  # (B, h, R, n)
     if mask is not None:
         s = s + mask.float()
     lse = torch.logsumexp(s, dim=-1)
@@ -221,6 +232,7 @@ def _packed(q: Tensor, kv: LayerKV, spec: AttentionSpec, reference: bool) -> Att
         return AttentionOutput(res.out, res.lse if return_lse else None, None)
     in_place = (
         spec.kv_map is None
+        and spec.softcap is None
         and spec.alibi_slopes is None
         and spec.dropout_p == 0
         and not reference

@@ -1,10 +1,11 @@
 """The additive masks of the `paged` backend (paged.py), built per key tile and memoised per step.
 
 - `TileMasks`: the mask of a key tile [k0, k1) for some batch rows of a padded step
-  (validity past a sequence's end, causality, key padding, attn_mask, ALiBi), or None when
+  (validity past a sequence's end, causality, sliding window, key padding, attn_mask, ALiBi), or None when
   those rows see every key of the tile;
 - `tile_mask`: that mask folded for the G query heads of a KV group, with the rows that see
-  no key, memoised when it depends on validity and causality alone (the same in every layer);
+  no key, memoised when it depends on validity, causality and window alone (the same in every
+  layer of one window);
 - `grid_mask`: the length mask of a packed step's "regions" part.
 """
 
@@ -23,8 +24,9 @@ class TileMasks:
     """Builds the additive mask of any key tile [k0, k1) for some batch rows, or None when
     each of those query rows sees every key of the tile (a decode step over past keys)."""
 
-    def __init__(self, reads: BlockReads, is_causal, attn_mask, key_padding_mask, alibi_slopes, H, dtype):
+    def __init__(self, reads: BlockReads, is_causal, attn_mask, key_padding_mask, alibi_slopes, H, dtype, window=None):
         self.reads, self.is_causal, self.H = reads, bool(is_causal), H
+        self.window = window  # (left, right) or None: keys at positions [p - left, p + right] of query p
         self.attn_mask, self.kpm, self.alibi = attn_mask, key_padding_mask, alibi_slopes
         self.plain = attn_mask is None and key_padding_mask is None and alibi_slopes is None
         # Biases (ALiBi, float masks) stay fp32: rounded to fp16/bf16, slope * distance loses
@@ -34,14 +36,38 @@ class TileMasks:
 
     @classmethod
     def of(cls, reads: BlockReads, spec: AttentionSpec, dtype) -> TileMasks:
-        return cls(reads, spec.is_causal, spec.attn_mask, spec.key_padding_mask, spec.alibi_slopes, spec.H, dtype)
+        return cls(
+            reads, spec.is_causal, spec.attn_mask, spec.key_padding_mask, spec.alibi_slopes, spec.H, dtype, spec.window
+        )
+
+    def first_key(self, rows: slice = slice(None)) -> int:
+        """The first key position any query of these rows sees through the window (0 without one)."""
+        return 0 if self.window is None else max(0, min(self.reads.starts[rows]) - self.window[0])
+
+    def outside_window(self, k0: int, k1: int, rows: slice = slice(None)) -> bool:
+        """Whether no query of these rows sees any key of [k0, k1) through the window: a tile
+        (and its blocks, which the cache may have freed) not to read at all."""
+        if self.window is None:
+            return False
+        left, right = self.window
+        starts = self.reads.starts[rows]
+        return k1 - 1 < min(starts) - left or k0 > max(starts) + self.reads.T - 1 + right
 
     def tile(self, k0: int, k1: int, rows: slice = slice(None)) -> Tensor | None:
         reads, dev = self.reads, self.reads.device
         need_valid = k1 > min(reads.ends[rows])  # keys past a sequence's end are padding
         need_causal = self.is_causal and k1 - 1 > min(reads.starts[rows])
+        need_window = self.window is not None and (
+            k0 < max(reads.starts[rows]) + reads.T - 1 - self.window[0]
+            or k1 - 1 > min(reads.starts[rows]) + self.window[1]
+        )
         if not (
-            need_valid or need_causal or self.attn_mask is not None or self.kpm is not None or self.alibi is not None
+            need_valid
+            or need_causal
+            or need_window
+            or self.attn_mask is not None
+            or self.kpm is not None
+            or self.alibi is not None
         ):
             return None
         kpos = torch.arange(k0, k1, device=dev)
@@ -52,6 +78,10 @@ class TileMasks:
         if need_causal:
             c = (kpos <= pos[:, :, None])[:, None]  # (b, 1, T, n)
             allowed = c if allowed is None else allowed & c
+        if need_window:  # Mistral / Gemma sliding windows, at each row's true positions
+            rel = pos[:, :, None] - kpos  # (b, T, n): > 0 means the key is in the past
+            w = ((rel <= self.window[0]) & (rel >= -self.window[1]))[:, None]  # (b, 1, T, n)
+            allowed = w if allowed is None else allowed & w
         if self.kpm is not None:
             keep = ~self.kpm[rows, None, None, k0:k1]
             allowed = keep if allowed is None else allowed & keep
@@ -82,7 +112,7 @@ def tile_mask(reads: BlockReads, seg: Tile, rows: slice, masks: TileMasks, folde
     """(mask (B|1, 1|Hkv, G*T, n) or (B|1, 1|H, T, n) or None, rows with no visible key or None).
     Masks made of validity and causality alone are the same in every layer: memoised per step."""
     key = (
-        (seg.k0, seg.k1, rows.start, rows.stop, folded, Hkv, G, masks.H, masks.is_causal, masks.dtype)
+        (seg.k0, seg.k1, rows.start, rows.stop, folded, Hkv, G, masks.H, masks.is_causal, masks.dtype, masks.window)
         if masks.plain
         else None
     )

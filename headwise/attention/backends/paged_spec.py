@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ..kv import LayerKV, PackedReads
-from ..spec import AttentionSpec, _check_attn_mask, check_softcap
+from ..spec import AttentionSpec, _check_attn_mask, _check_window, check_softcap, window_covers_all
 
 
 def paged_spec(
@@ -65,8 +65,10 @@ def paged_spec(
             )
     if q.dtype != reads.dtype:
         raise TypeError(f"q has dtype {q.dtype} but this cache holds {reads.dtype}")
-    if window is not None:
-        raise ValueError("a paged read has no sliding window; use SlidingWindowCache for windowed layers")
+    if window is not None:  # at each query's true position (starts[b] + t), keys by position
+        window = _check_window(window, is_causal)
+        if window_covers_all(window, is_causal, T, S):
+            window = None
     if attn_mask is not None:
         attn_mask = _check_attn_mask(attn_mask, B, H, T, S, q)
     if key_padding_mask is not None and (
@@ -90,7 +92,7 @@ def paged_spec(
         attn_mask,
         key_padding_mask,
         bool(is_causal),
-        None,
+        window,
         alibi_slopes,
         float(dropout_p),
         bool(need_weights),
@@ -128,6 +130,7 @@ def _packed_spec(
         raise ValueError("a packed read returns no weights; use PagedKVCache.batch with backend='math'")
     # Each part is checked again against its own read plan (kv_map, dtype, ALiBi, window).
     s = None if scale is None else float(scale)
+    window = None if window is None else _check_window(window, is_causal)
     return AttentionSpec(
         1,
         q.shape[1],
@@ -167,8 +170,6 @@ def paged_check(q, kv, v, spec: AttentionSpec) -> list[str]:
             "one tensor and runs the reference), or return_lse=True and rebuild chosen rows "
             "with headwise.attention.weights_from_lse"
         )
-    if spec.softcap is not None:
-        reasons.append("a paged read has no soft-capping yet: pass backend='math' (gathers, then the reference)")
     if spec.dropout_p > 0:
         reasons.append(
             f"a paged read has no dropout (got dropout_p={spec.dropout_p}); caches are for "
