@@ -47,7 +47,6 @@ def decoder_fields(
         activation=hf_activation(hf.get(act_key) or hf.get("hidden_act") or act_default),
         rope_theta=theta,
         rope_scaling=scaling,
-        rotary_dim=rotary_dim(hf, hf.get("head_dim") or C // H),
         eos_token_ids=hf_eos(hf),
     )
 
@@ -80,7 +79,8 @@ def rope_params(hf: dict, max_positions: int, layer_type: str | None = None) -> 
 
 def rotary_dim(hf: dict, head_dim: int) -> int | None:
     """RoPE's channels per head from partial_rotary_factor (Phi-3, top level or in rope_parameters);
-    None = the whole head."""
+    None = the whole head. Only families whose HF model reads the factor call this (Llama, Mistral,
+    Qwen and Gemma rotate whole heads whatever their config says)."""
     p = hf.get("rope_parameters") or {}
     factor = p.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) if isinstance(p, dict) else 1.0
     if factor in (None, 1.0):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from ...core.config import ModelConfig
 from ..loading import To
 from .decoder import Decoder
-from .hf import decoder_fields
+from .hf import decoder_fields, rotary_dim
 from .llama import ignored  # noqa: F401
 
 Model = Decoder
@@ -18,7 +18,8 @@ Model = Decoder
 def config_from_hf(hf: dict, names: set[str] = frozenset()) -> ModelConfig:
     """HF Phi3Config dict -> ModelConfig (no biases anywhere: Phi3Attention has none)."""
     fields = decoder_fields(hf) | dict(attn_bias=False, out_bias=False, mlp_bias=False)
-    return ModelConfig(**fields, sliding_window=hf.get("sliding_window"))
+    rotary = rotary_dim(hf, fields["head_dim"])
+    return ModelConfig(**fields, rotary_dim=rotary, sliding_window=hf.get("sliding_window"))
 
 
 # fmt: off
