@@ -26,6 +26,7 @@ from .gguf_cache import cache_entry, default_cache_dir  # noqa: F401 -- part of 
 from .linear import FORMAT_OF_GGML, quantize, row_bytes
 from .quantized_load import flatten, unflatten
 from .quants import AS_FORMAT, FLOATS, UnsupportedQuantType, dequantize, supported_types, type_name
+from .gguf_arch import ARCHS, Meta, expected_shape, hf_name, is_norm
 from .gguf_meta import GGUFError, gguf_tokenizer, read_metadata
 from .tokenizer import Tokenizer
 
@@ -156,114 +157,18 @@ def open_gguf(path: str | os.PathLike):
     return reader
 
 
-# ---- llama: config and weights --------------------------------------------------------
-
-# llama.cpp name -> HF name (gguf-py's tensor_mapping.py, read backwards).
-_LLAMA_GLOBAL = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LLAMA_BLOCK = {  # blk.{i}.<key>.weight -> model.layers.{i}.<value>.weight
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+# ---- config and weights, per architecture (gguf_arch.py) ---------------------------
 
 
-def _f32(x) -> float:
-    """GGUF stores floats as f32: 1e-5 arrives as 9.99999974e-06. Give back the short decimal it came from."""
-    return float(str(np.float32(x)))
-
-
-def llama_config(meta: dict, tensor_names: set[str], tokenizer: Tokenizer, path: Path) -> dict:
-    a = meta["general.architecture"]
-
-    def need(key):
-        if f"{a}.{key}" not in meta:
-            raise GGUFError(f"{path}: metadata {a}.{key} is missing")
-        return meta[f"{a}.{key}"]
-
-    C, H = need("embedding_length"), need("attention.head_count")
-    Hkv = meta.get(f"{a}.attention.head_count_kv", H)  # absent means MHA
-    D = meta.get(f"{a}.attention.key_length", C // H)
-    if meta.get(f"{a}.rope.dimension_count", D) != D:
-        raise GGUFError(
-            f"{path}: rope.dimension_count={meta[f'{a}.rope.dimension_count']} != head_dim={D}; "
-            "partial rotary is not a llama layout"
-        )
-    if "rope_freqs.weight" in tensor_names:
-        raise GGUFError(
-            f"{path} has rope_freqs.weight (Llama-3.1-style per-frequency RoPE factors), "
-            "which headwise does not apply yet"
-        )
-    rope_scaling = None
-    kind = meta.get(f"{a}.rope.scaling.type")
-    if kind not in (None, "none"):
-        rope_scaling = {"rope_type": kind, "factor": _f32(meta.get(f"{a}.rope.scaling.factor", 1.0))}
-        if f"{a}.rope.scaling.original_context_length" in meta:
-            rope_scaling["original_max_position_embeddings"] = meta[f"{a}.rope.scaling.original_context_length"]
-    tied = "output.weight" not in tensor_names
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": C,
-        "intermediate_size": need("feed_forward_length"),
-        "num_hidden_layers": need("block_count"),
-        "num_attention_heads": H,
-        "num_key_value_heads": Hkv,
-        "head_dim": D,
-        "hidden_act": "silu",
-        "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32(meta.get(f"{a}.rope.freq_base", 10000.0)),  # llama.cpp's default
-        "rope_scaling": rope_scaling,
-        "max_position_embeddings": need("context_length"),
-        "vocab_size": meta.get(f"{a}.vocab_size", tokenizer.vocab_size),
-        "tie_word_embeddings": tied,  # llama.cpp drops output.weight when it equals the embedding
-        "attention_bias": any(n.endswith(".attn_q.bias") for n in tensor_names),
-        "mlp_bias": False,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
-        "_name_or_path": meta.get("general.name", path.stem),
-    }
-
-
-def _hf_name(name: str) -> str | None:
-    if name in _LLAMA_GLOBAL:
-        return _LLAMA_GLOBAL[name]
-    parts = name.split(".")  # blk.{i}.{kind}.{weight|bias}
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LLAMA_BLOCK:
-        return f"model.layers.{parts[1]}.{_LLAMA_BLOCK[parts[2]]}.{parts[3]}"
-    return None
-
-
-def _expected_shape(hf: str, cfg: dict) -> tuple[int, ...]:
-    C, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
-    kind = hf.rsplit(".", 2)[-2] if hf.startswith("model.layers.") else hf
-    table = {
-        "model.embed_tokens.weight": (V, C),
-        "lm_head.weight": (V, C),
-        "model.norm.weight": (C,),
-        "input_layernorm": (C,),
-        "post_attention_layernorm": (C,),
-        "q_proj": (q, C),
-        "k_proj": (kv, C),
-        "v_proj": (kv, C),
-        "o_proj": (C, q),
-        "gate_proj": (I, C),
-        "up_proj": (I, C),
-        "down_proj": (C, I),
-    }
-    shape = table[kind]
-    return shape[:1] if hf.endswith(".bias") else shape
+def gguf_config(reader, meta: dict, path: Path) -> dict:
+    """The HF config dict that `general.architecture`'s metadata describes (gguf_arch.ARCHS)."""
+    arch = meta.get("general.architecture")
+    if arch not in ARCHS:
+        raise GGUFError(f"{path}: architecture {arch!r} is not supported; supported: {', '.join(ARCHS)}")
+    shapes = {t.name: tuple(int(s) for s in reversed(t.shape.tolist())) for t in reader.tensors}
+    config = ARCHS[arch].config(Meta(meta, path, set(shapes), shapes))
+    config["_name_or_path"] = meta.get("general.name", path.stem)
+    return config
 
 
 def unpermute_qk(w: Tensor, n_head: int) -> Tensor:
@@ -289,31 +194,37 @@ def _one_thread():
         torch.set_num_threads(n)
 
 
-def llama_tensors(reader, cfg: dict, path: Path, *, keep_quantized: bool = False) -> dict[str, Tensor]:
-    """{HF name: fp32 tensor}; keep_quantized: tensors in a format models/linear.py computes
-    from (q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k) come as QuantTensor blocks, copied out of the file,
-    and Q3_K / IQ4_NL ones as the Q6_K / Q8_0 blocks of exactly their values (quants.AS_FORMAT)."""
+def gguf_tensors(reader, cfg: dict, path: Path, arch_name: str, *, keep_quantized: bool = False) -> dict[str, Tensor]:
+    """{HF name: fp32 tensor}, llama.cpp's conversion undone (gguf_arch.Arch); keep_quantized: tensors
+    in a format models/linear.py computes from (q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k) come as
+    QuantTensor blocks, copied out of the file, and Q3_K / IQ4_NL ones as the Q6_K / Q8_0 blocks of
+    exactly their values (quants.AS_FORMAT). GPT-2's transposed weights are always dequantized."""
+    arch = ARCHS[arch_name]
+    H, Hkv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
     out = {}
     with _one_thread():
         for t in reader.tensors:
-            hf = _hf_name(t.name)
+            hf = hf_name(arch, t.name)
             if hf is None:
                 raise GGUFError(
-                    f"{path}: tensor {t.name} has no Hugging Face name in the llama table "
-                    "(headwise/models/gguf.py _LLAMA_BLOCK)"
+                    f"{path}: tensor {t.name} has no Hugging Face name in the {arch_name} table "
+                    "(headwise/models/gguf_arch.py)"
                 )
             shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # ggml lists the fastest dim first
-            want = _expected_shape(hf, cfg)
-            if shape != want:
+            want = expected_shape(hf, cfg)
+            if want is not None and shape != want:
                 raise GGUFError(f"{path}: tensor {t.name} has shape {shape}, but the config implies {want} for {hf}")
+            rows = None  # the Q/K row order to undo: llama.cpp's per-head interleave
+            if arch.permute_qk and ".attn_q." in t.name:
+                rows = H
+            elif arch.permute_qk and ".attn_k." in t.name:
+                rows = Hkv
             ggml = int(t.tensor_type)
             kept = ggml in FORMAT_OF_GGML or ggml in AS_FORMAT
-            if keep_quantized and kept and len(shape) == 2:
-                w = _stored_blocks(t, shape)
-                if ".attn_q." in t.name:  # a row permutation: it applies to rows of blocks alike
-                    w = w._replace(blocks=unpermute_qk(w.blocks, cfg["num_attention_heads"]).contiguous())
-                elif ".attn_k." in t.name:
-                    w = w._replace(blocks=unpermute_qk(w.blocks, cfg["num_key_value_heads"]).contiguous())
+            if keep_quantized and kept and len(shape) == 2 and not arch.transposed:
+                w = _stored_blocks(t, shape, copy=not hf.endswith(_FUSED))
+                if rows is not None:  # a row permutation: it applies to rows of blocks alike
+                    w = w._replace(blocks=unpermute_qk(w.blocks, rows).contiguous())
                 out[hf] = w
                 continue
             try:
@@ -324,12 +235,14 @@ def llama_tensors(reader, cfg: dict, path: Path, *, keep_quantized: bool = False
                     f"headwise cannot dequantize ({e}). Supported: {', '.join(supported_types())} "
                     "and what gguf.quants.dequantize handles"
                 ) from None
-            if ".attn_q." in t.name:
-                w = unpermute_qk(w, cfg["num_attention_heads"])
-            elif ".attn_k." in t.name:
-                w = unpermute_qk(w, cfg["num_key_value_heads"])
+            if rows is not None:
+                w = unpermute_qk(w, rows)
+            if arch.norm_shift and is_norm(t.name):
+                w = w - arch.norm_shift  # the converter stored 1 + w (Gemma's x * (1 + w))
+            if arch.transposed and len(shape) == 2 and t.name.startswith("blk."):
+                w = w.t()  # HF's Conv1D keeps (in, out)
             w = w.contiguous()
-            if keep_quantized and ggml not in FLOATS and len(shape) == 2 and shape[1] % 32 == 0:
+            if keep_quantized and ggml not in FLOATS and len(shape) == 2 and shape[1] % 32 == 0 and not arch.transposed:
                 # a type with no kernel (Q2_K, IQ4_XS, ...): Q8_0 blocks of its exact values, not fp32
                 from .quantized_load import QuantTensor
 
@@ -337,15 +250,16 @@ def llama_tensors(reader, cfg: dict, path: Path, *, keep_quantized: bool = False
                 held = cfg.setdefault("gguf", {}).setdefault("held_as_q8_0", {})  # read_gguf warns of them
                 held[type_name(ggml)] = held.get(type_name(ggml), 0) + 1
             out[hf] = w
-    if cfg["tie_word_embeddings"]:
+    if cfg.get("tie_word_embeddings"):
         out.pop("lm_head.weight", None)
     return out
 
 
-_FUSED = (".attn_q.", ".attn_k.", ".attn_v.", ".ffn_gate.", ".ffn_up.")  # rows stacked by loading.convert
+# HF names whose rows loading.convert stacks into one fused matrix (qkv_proj, gate_up)
+_FUSED = tuple(f"{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "query", "key", "value"))
 
 
-def _stored_blocks(t, shape: tuple[int, int]):
+def _stored_blocks(t, shape: tuple[int, int], *, copy: bool):
     """A tensor's blocks as (O, row_bytes) uint8. Parts of a fused projection stay views of the
     mapped file (the fusing copies them once); the rest are copied out now, so that each weight
     is copied once, with no temporaries, and the map can close after loading."""
@@ -361,7 +275,7 @@ def _stored_blocks(t, shape: tuple[int, int]):
         blocks = convert(torch.from_numpy(raw).view(-1, nbytes)).reshape(shape[0], -1)
         return QuantTensor(blocks, fmt, shape)
     fmt = FORMAT_OF_GGML[ggml]
-    if not any(part in t.name for part in _FUSED):
+    if copy:
         raw = raw.copy()
     need = shape[0] * row_bytes(fmt, shape[1])
     if raw.size != need:
@@ -369,22 +283,24 @@ def _stored_blocks(t, shape: tuple[int, int]):
     return QuantTensor(torch.from_numpy(raw).view(shape[0], -1), fmt, shape)
 
 
-_ARCHS = ("llama",)
-
-
 def convert_gguf(path: str | os.PathLike, *, keep_quantized: bool = False) -> tuple[dict, dict[str, Tensor], Tokenizer]:
-    """Convert straight from the file (no cache). keep_quantized: see llama_tensors."""
+    """Convert straight from the file (no cache). keep_quantized: see gguf_tensors."""
+    path = Path(path)
+    config, tensors, reader, meta = gguf_model(path, keep_quantized=keep_quantized)
+    return config, tensors, gguf_tokenizer(reader, meta, path)
+
+
+def gguf_model(
+    path: str | os.PathLike, *, keep_quantized: bool = False
+) -> tuple[dict, dict[str, Tensor], object, dict]:
+    """(HF config, {HF name: tensor}, reader, metadata): the weights without the tokenizer."""
     path = Path(path)
     reader = open_gguf(path)
     meta = read_metadata(reader)
-    arch = meta.get("general.architecture")
-    if arch not in _ARCHS:
-        raise GGUFError(f"{path}: architecture {arch!r} is not supported; supported: {', '.join(_ARCHS)}")
-    tokenizer = gguf_tokenizer(reader, meta, path)
-    names = {t.name for t in reader.tensors}
-    config = llama_config(meta, names, tokenizer, path)
+    config = gguf_config(reader, meta, path)
     config["gguf"] = {"file": path.name, "tensor_types": _type_counts(reader)}
-    return config, llama_tensors(reader, config, path, keep_quantized=keep_quantized), tokenizer
+    tensors = gguf_tensors(reader, config, path, meta["general.architecture"], keep_quantized=keep_quantized)
+    return config, tensors, reader, meta
 
 
 def _type_counts(reader) -> dict[str, int]:

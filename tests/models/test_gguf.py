@@ -600,9 +600,9 @@ def test_unsupported_quant_type_names_tensor_and_type(tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
-    path = tmp_path / "gpt2.gguf"
-    write_tiny_llama(path, arch="gpt2")
-    with pytest.raises(GGUFError, match="architecture 'gpt2' is not supported"):
+    path = tmp_path / "mamba.gguf"
+    write_tiny_llama(path, arch="mamba")
+    with pytest.raises(GGUFError, match="architecture 'mamba' is not supported"):
         read_gguf(path, use_cache=False)
 
 

@@ -1,0 +1,130 @@
+"""Every family from a GGUF written by llama.cpp's own converter (tests/fixtures/families/make.py).
+
+Each fixture is a tiny random transformers checkpoint (<family>/) and the file llama.cpp's
+convert_hf_to_gguf.py made of it (<family>.gguf, f32). The references are transformers on the
+checkpoint: the config fields and every tensor that headwise reads back from the file (llama.cpp's
+transforms undone), and the logits of headwise.load(<family>.gguf) on a sequence longer than
+every sliding window.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import headwise
+from headwise.models.gguf import gguf_model
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "families"
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gpt2", "bert"]
+T = 23  # tokens: longer than the fixtures' windows (8)
+IDS = torch.tensor([[(7 * i + 3) % 250 + 5 for i in range(T)]])  # ids < every fixture's vocab (200, 280)
+
+
+def hf_dir(family: str) -> Path:
+    return FIXTURES / family
+
+
+def hf_config(family: str) -> dict:
+    return json.loads((hf_dir(family) / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def from_gguf():
+    """family -> (config, tensors) read from the GGUF, once per module."""
+    memo = {}
+
+    def get(family):
+        if family not in memo:
+            config, tensors, _, _ = gguf_model(FIXTURES / f"{family}.gguf")
+            memo[family] = config, tensors
+        return memo[family]
+
+    return get
+
+
+# What the converter cannot carry: Mistral is written as a llama (full attention, no window).
+LOST = {"mistral": {"model_type", "architectures", "sliding_window"}}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_config_equals_hf(family, from_gguf):
+    """Every field the GGUF reader writes that the checkpoint's config.json also has is equal; the
+    ones that decide the block are all there."""
+    config, _ = from_gguf(family)
+    hf = hf_config(family)
+    lost = LOST.get(family, set())
+    differ = {k: (v, hf[k]) for k, v in config.items() if k in hf and k not in lost and v != hf[k]}
+    assert not differ, f"(gguf, hf): {differ}"
+    key = {
+        "gpt2": ["n_embd", "n_layer", "n_head", "n_positions", "layer_norm_epsilon", "vocab_size"],
+        "bert": ["hidden_size", "num_hidden_layers", "intermediate_size", "layer_norm_eps", "type_vocab_size"],
+    }.get(family, ["hidden_size", "num_key_value_heads", "head_dim", "rms_norm_eps", "vocab_size"])
+    key += {
+        "gemma2": ["layer_types", "sliding_window", "attn_logit_softcapping", "final_logit_softcapping"],
+        "gemma3": ["layer_types", "sliding_window", "rope_parameters", "query_pre_attn_scalar"],
+        "phi3": ["sliding_window"],
+        "qwen3": ["tie_word_embeddings"],
+        "llama": ["tie_word_embeddings"],
+    }.get(family, [])
+    assert [k for k in key if k not in config] == []
+    if family == "mistral":
+        assert config["model_type"] == "llama" and "sliding_window" not in config and hf["sliding_window"] == 8
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tensors_equal_hf(family, from_gguf):
+    """The HF-named dict holds exactly the checkpoint's tensors: names, shapes and values, after
+    undoing the converter (Q/K row order for llama, 1 + w for Gemma's norms, GPT-2's transposes,
+    BERT's dropped pooler)."""
+    _, tensors = from_gguf(family)
+    ref = load_file(hf_dir(family) / "model.safetensors")
+    if family == "bert":  # the converter drops the pooler (llama.cpp pools itself)
+        ref = {n: t for n, t in ref.items() if not n.startswith("pooler.")}
+    assert sorted(tensors) == sorted(ref)
+    for name, t in tensors.items():
+        assert t.dtype == torch.float32 and t.shape == ref[name].shape, name
+        # Gemma's norms went through (1 + w) in fp32 and back: one rounding of 1 + w (|w| < 1)
+        tol = 2**-23 if family.startswith("gemma") and name.endswith("norm.weight") else 0.0
+        assert (t - ref[name]).abs().max().item() <= tol, name
+
+
+def _reference(family: str, **overrides):
+    import transformers as tf
+
+    cls = tf.AutoModel if family == "bert" else tf.AutoModelForCausalLM
+    config = tf.AutoConfig.from_pretrained(hf_dir(family), **overrides)
+    return cls.from_pretrained(hf_dir(family), config=config, dtype=torch.float32).eval()
+
+
+def _outputs(model, ids):
+    with torch.no_grad():
+        out = model(ids)
+    if hasattr(out, "last_hidden_state"):
+        return out.last_hidden_state
+    return getattr(out, "logits", out)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(family):
+    """headwise.load(<family>.gguf) against transformers on the checkpoint the file was made from,
+    23 tokens (past every window of 8), <= 1e-4. Mistral's file has no window (llama.cpp runs it
+    with full attention), so its reference is the same checkpoint with sliding_window=None."""
+    model = headwise.load(FIXTURES / f"{family}.gguf")
+    ref = _reference(family, **({"sliding_window": None} if family == "mistral" else {}))
+    got, want = _outputs(model, IDS), _outputs(ref, IDS)
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= 1e-4
+    assert want.std().item() > 0.3  # the reference is not a near-constant that anything would match
+
+
+def test_mistral_file_loses_the_window():
+    """What the converter drops shows: within the window the file's model equals windowed
+    transformers; past it, it does not (it is full attention, as llama.cpp runs the file)."""
+    model = headwise.load(FIXTURES / "mistral.gguf")
+    windowed = _reference("mistral")
+    assert windowed.config.sliding_window == 8
+    assert (_outputs(model, IDS[:, :8]) - _outputs(windowed, IDS[:, :8])).abs().max().item() <= 1e-4
+    assert (_outputs(model, IDS) - _outputs(windowed, IDS)).abs().max().item() > 1e-2
