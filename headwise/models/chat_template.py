@@ -1,58 +1,271 @@
 """Chat templates: a conversation rendered as the model expects it, as transformers renders it.
 
-The template is a model's Jinja `chat_template` (tokenizer_config.json, chat_template.jinja or
-the GGUF); it runs sandboxed, with the helpers HF templates call (raise_exception, tojson,
-strftime_now). `Tokenizer.apply_chat_template` fills in the special tokens and calls this.
+The template is a model's Jinja `chat_template` (tokenizer_config.json, chat_template.jinja or the
+GGUF). A GGUF is untrusted input, so the template is untrusted code. It runs in Jinja's
+ImmutableSandboxedEnvironment (no `_`-prefixed attributes, so no `__class__`/`__globals__`
+escapes; no mutation of lists and dicts; no loader, so no `{% import %}`/`{% include %}` of
+files), sees only plain JSON-like data (`_plain`), and runs on a budget (`Limits`): every loop
+item, call and attribute look-up is a step, checked against a step count and a wall-clock
+deadline; sequence repetition, `**`, `%`-formatting and big integer arguments are refused before
+they allocate; the output stops at a size limit. A template over its budget raises
+`ChatTemplateError` naming the limit. The helpers HF templates call are there: raise_exception,
+strftime_now, tojson, namespace, dict, loop controls and `{% generation %}` blocks.
 """
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import json
+import re
+import time
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 
 class ChatTemplateError(ValueError):
-    """The chat template refused the conversation (its `raise_exception`) or failed to render."""
+    """The chat template refused the conversation (its `raise_exception`), failed, or ran over its budget."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one render may spend. A real template renders a long conversation in a few thousand
+    steps and milliseconds; these are orders of magnitude above that."""
+
+    steps: int = 2_000_000  # loop items + calls + attribute/item look-ups
+    seconds: float = 5.0
+    output_chars: int = 8_000_000  # also caps any one string or list a template builds
+
+
+DEFAULT_LIMITS = Limits()
 
 
 def render_chat_template(
-    template: str, messages: Sequence[dict], *, add_generation_prompt: bool = True, **context: Any
+    template: str,
+    messages: Sequence[dict],
+    *,
+    add_generation_prompt: bool = True,
+    limits: Limits = DEFAULT_LIMITS,
+    **context: Any,
 ) -> str:
-    """The conversation as text; context: the special tokens and whatever else the template reads."""
+    """The conversation as text; context: the special tokens and whatever else the template reads
+    (tools=..., documents=..., enable_thinking=...)."""
     import jinja2
 
+    data = {k: _plain(v) for k, v in context.items()}
+    budget = _Budget(limits)
+    token = _BUDGET.set(budget)
     try:
-        return _compile(template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, **context
+        parts, size = [], 0
+        stream = _compile(template).generate(
+            messages=_plain(list(messages)), add_generation_prompt=add_generation_prompt, **data
         )
+        for piece in stream:
+            size += len(piece)
+            if size > limits.output_chars:
+                raise _Refused(f"the output passed {limits.output_chars} characters")
+            parts.append(piece)
+        return "".join(parts)
+    except _Refused as e:
+        raise ChatTemplateError(f"chat template stopped: {e} (headwise.models.chat_template.Limits)") from None
     except jinja2.TemplateError as e:
         raise ChatTemplateError(f"chat template failed: {e}") from e
+    except (ArithmeticError, RecursionError, MemoryError, TypeError, ValueError, LookupError) as e:
+        raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
+    finally:
+        _BUDGET.reset(token)
+
+
+class _Refused(Exception):
+    """The template ran over its budget (not a TemplateError, so `{% try %}`-like tricks cannot hide it)."""
+
+
+class _Budget:
+    def __init__(self, limits: Limits):
+        self.limits = limits
+        self.steps = 0
+        self.deadline = time.monotonic() + limits.seconds
+
+    def step(self, n: int = 1) -> None:
+        self.steps += n
+        if self.steps > self.limits.steps:
+            raise _Refused(f"more than {self.limits.steps} steps (loop items, calls, look-ups)")
+        if time.monotonic() > self.deadline:
+            raise _Refused(f"longer than {self.limits.seconds} s")
+
+    def size(self, value: Any) -> Any:
+        if isinstance(value, (str, list, tuple, dict)) and len(value) > self.limits.output_chars:
+            raise _Refused(f"a value of {len(value)} items passed {self.limits.output_chars}")
+        return value
+
+
+_BUDGET: contextvars.ContextVar[_Budget] = contextvars.ContextVar("chat_template_budget")
+
+
+def _budget() -> _Budget:
+    return _BUDGET.get(None) or _Budget(DEFAULT_LIMITS)
+
+
+def _plain(value: Any) -> Any:
+    """Only JSON-like data reaches the template: objects with methods the sandbox does not know
+    (a numpy array's tofile, a pydantic model's internals) become their plain form or a string."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "model_dump"):  # pydantic (the server's request schema)
+        return _plain(value.model_dump(exclude_none=True))
+    return f"<{type(value).__name__}>"
+
+
+_FORMAT_WIDTH = re.compile(r"%[-#0 +]*(\d+)?(?:\.(\d+))?|\{[^{}]*?(\d{5,})")
+
+
+def _check_args(args, kwargs) -> None:
+    """Refuse an integer argument that could only serve to allocate (`'x'.center(10**9)`)."""
+    cap = _budget().limits.output_chars
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, int) and not isinstance(a, bool) and abs(a) > cap:
+            raise _Refused(f"an argument of {a} passed {cap}")
+        if isinstance(a, str) and len(a) > cap:
+            raise _Refused(f"a string argument of {len(a)} characters passed {cap}")
 
 
 _COMPILED: dict[str, Any] = {}
 
 
 def _compile(template: str):
-    """A sandboxed Jinja template with the helpers HF chat templates call."""
     if template not in _COMPILED:
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            import jinja2
-
-            raise jinja2.exceptions.TemplateError(message)
-
-        def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-            return json.dumps(
-                value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-            )
-
-        # trim_blocks/lstrip_blocks as transformers sets them: templates are written for these
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.filters["tojson"] = tojson
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        _COMPILED[template] = env.from_string(template)
+        if len(_COMPILED) > 64:  # a server sees a handful of templates; a caller passing many is bounded
+            _COMPILED.clear()
+        _COMPILED[template] = _environment().from_string(template)
     return _COMPILED[template]
+
+
+@functools.cache
+def _environment():
+    """One sandboxed environment with transformers' chat-template settings and our budget hooks."""
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """transformers' `{% generation %}...{% endgeneration %}` (marks the assistant's tokens for
+        training masks); rendering only needs the body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body).set_lineno(lineno)
+
+    class Env(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**", "%"})
+
+        def _parse(self, source, name, filename):
+            # every `{% for %}` iterates through the budget: an empty nested loop costs steps too
+            tree = super()._parse(source, name, filename)
+            for loop in tree.find_all(nodes.For):
+                loop.iter = nodes.Filter(loop.iter, "_budgeted", [], [], None, None, lineno=loop.lineno)
+            return tree
+
+        def call(self, __context, __obj, *args, **kwargs):
+            b = _budget()
+            b.step()
+            _check_args(args, kwargs)
+            return b.size(super().call(__context, __obj, *args, **kwargs))
+
+        def getattr(self, obj, attribute):
+            _budget().step()
+            return super().getattr(obj, attribute)
+
+        def getitem(self, obj, argument):
+            _budget().step()
+            return super().getitem(obj, argument)
+
+        def call_binop(self, context, operator, left, right):
+            cap = _budget().limits.output_chars
+            if operator == "*":
+                seq, n = (left, right) if isinstance(right, int) else (right, left)
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * max(n, 0) > cap:
+                    raise _Refused(f"repeating {len(seq)} items {n} times passes {cap}")
+            elif operator == "**":
+                if isinstance(right, int) and abs(right) > 64 and isinstance(left, int) and abs(left) > 1:
+                    raise _Refused(f"{left} ** {right} is too large")
+            elif operator == "%" and isinstance(left, str):
+                for m in _FORMAT_WIDTH.finditer(left):
+                    if any(g and int(g) > cap for g in m.groups()):
+                        raise _Refused(f"a format width in {left[:40]!r} passes {cap}")
+            return self.binop_table[operator](left, right)
+
+    env = Env(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+
+    def budgeted(iterable):
+        b = _budget()
+        for item in iterable:
+            b.step()
+            yield item
+
+    def guard(f):  # a filter with its arguments checked and its result sized
+        @functools.wraps(f)
+        def guarded(*args, **kwargs):
+            _budget().step()
+            _check_args(args[1:] if getattr(f, "jinja_pass_arg", None) else args, kwargs)
+            return _budget().size(f(*args, **kwargs))
+
+        return guarded
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # not Jinja's own: that one escapes HTML characters (<, >, &, '), which templates do not want
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    class Namespace(jinja2.utils.Namespace):
+        """`namespace(...)`, refusing `_`-prefixed names (as transformers' TemplateNamespace)."""
+
+        def __init__(*args, **kwargs):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for key in attrs:
+                Namespace._check(key)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, key, value):
+            Namespace._check(key)
+            _budget().size(value)
+            jinja2.utils.Namespace.__setitem__(self, key, value)
+
+        @staticmethod
+        def _check(key):
+            if isinstance(key, str) and key.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"a namespace attribute may not start with '_': {key!r}")
+
+    def plain_dict(*args, **kwargs):
+        return dict(*args, **kwargs)
+
+    env.filters = {name: guard(f) for name, f in env.filters.items()}
+    env.filters["tojson"] = guard(tojson)
+    env.filters["_budgeted"] = budgeted
+    env.globals.pop("lipsum", None)  # generates text in a loop no template needs
+    env.globals.update(
+        raise_exception=raise_exception,
+        strftime_now=lambda fmt: datetime.now().strftime(fmt),
+        namespace=Namespace,
+        dict=plain_dict,
+    )
+    return env

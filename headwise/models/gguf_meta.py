@@ -63,19 +63,31 @@ def gguf_tokenizer(reader, meta: dict, path: Path) -> Tokenizer:
     tokens = _strings(f["tokenizer.ggml.tokens"], "tokenizer.ggml.tokens")
     merges = _strings(f["tokenizer.ggml.merges"], "tokenizer.ggml.merges") if "tokenizer.ggml.merges" in f else []
     types = _numbers(f["tokenizer.ggml.token_type"]).tolist() if "tokenizer.ggml.token_type" in f else None
+    scores = _numbers(f["tokenizer.ggml.scores"]) if "tokenizer.ggml.scores" in f else None
+
+    def flag(name):  # absent -> None: the tokenizer model's own default (llama.cpp's)
+        value = meta.get(f"tokenizer.ggml.{name}")
+        return None if value is None else bool(value)
+
     try:
         return Tokenizer.from_gguf_vocab(
             model=meta.get("tokenizer.ggml.model"),
             pre=meta.get("tokenizer.ggml.pre"),
+            arch=meta.get("general.architecture"),
             tokens=tokens,
             merges=merges,
             token_types=types,
+            scores=scores,
             bos_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_id=meta.get("tokenizer.ggml.eos_token_id"),
             pad_id=meta.get("tokenizer.ggml.padding_token_id"),
             unk_id=meta.get("tokenizer.ggml.unknown_token_id"),
-            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-            add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+            sep_id=meta.get("tokenizer.ggml.seperator_token_id"),  # sic: llama.cpp's spelling
+            cls_id=meta.get("tokenizer.ggml.cls_token_id"),
+            add_bos=flag("add_bos_token"),
+            add_eos=flag("add_eos_token"),
+            add_sep=flag("add_sep_token"),
+            add_space_prefix=flag("add_space_prefix"),
             chat_template=meta.get("tokenizer.chat_template"),
         )
     except ValueError as e:

@@ -22,7 +22,7 @@ from typing import Any, Iterable, Sequence
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
-from .byte_level import byte_level_pre_tokenizer, gpt2_bytes_to_chars
+from . import gguf_vocab
 from .chat_template import render_chat_template
 
 # Token texts that end a turn in common chat formats; llama.cpp treats these as
@@ -163,77 +163,81 @@ class Tokenizer:
         *,
         model: str,
         tokens: Sequence[str],
-        merges: Sequence[str],
+        merges: Sequence[str] = (),
         token_types: Sequence[int] | None = None,
+        scores: Sequence[float] | None = None,
         pre: str | None = None,
+        arch: str | None = None,
         bos_id: int | None = None,
         eos_id: int | None = None,
         pad_id: int | None = None,
         unk_id: int | None = None,
-        add_bos: bool = False,
-        add_eos: bool = False,
+        sep_id: int | None = None,
+        cls_id: int | None = None,
+        add_bos: bool | None = None,
+        add_eos: bool | None = None,
+        add_sep: bool | None = None,
+        add_space_prefix: bool | None = None,
         chat_template: str | None = None,
     ) -> "Tokenizer":
-        """Byte-level BPE from a GGUF's `tokenizer.ggml.*` metadata.
+        """The tokenizer a GGUF's `tokenizer.ggml.*` metadata describes (gguf_vocab.py builds it).
 
-        model: `tokenizer.ggml.model`; only "gpt2" (byte-level BPE) is built here.
-        tokens: id -> text, normally in the ByteLevel alphabet (Ġ for space).
-        merges: "left right" pairs, best first.
-        token_types: llama.cpp's per-token type; 3 (CONTROL) -> special added
-        token, 4 (USER_DEFINED) -> added token that is matched whole.
+        model: `tokenizer.ggml.model`: "gpt2" (byte-level BPE), "llama" (SentencePiece BPE, with
+        `scores`) or "bert" (WordPiece). tokens: id -> text. merges: "left right", best first (gpt2).
+        token_types: llama.cpp's per-token type; 3 (CONTROL) -> special added token, 4
+        (USER_DEFINED) -> added token matched whole. arch: `general.architecture` (Gemma ranks its
+        SentencePiece merges by position). add_*: the file's flags; None (absent) means llama.cpp's
+        default for the model: BOS for "llama", [CLS] ... [SEP] for "bert", nothing for "gpt2".
         """
-        if model != "gpt2":
-            raise ValueError(
-                f"GGUF tokenizer model {model!r} is not supported yet; only 'gpt2' "
-                "(byte-level BPE) is. SentencePiece ('llama') vocabularies need their scores."
-            )
-        # Some converters store a token as raw text ("\n\n", "<｜end▁of▁sentence｜>") instead of in
-        # the ByteLevel alphabet; BPE could never produce it, so spell it the byte-level way (as
-        # transformers' GGUF loader does) and keep special handling to tokens that need none.
-        to_char = gpt2_bytes_to_chars()
-        alphabet = set(to_char.values())
-        spelled = [t if set(t) <= alphabet else "".join(to_char[b] for b in t.encode("utf-8")) for t in tokens]
-        vocab = {token: i for i, token in enumerate(spelled)}
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
-        backend = Backend(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
-        backend.pre_tokenizer = byte_level_pre_tokenizer(pre)
-        backend.decoder = decoders.ByteLevel()
         types = list(token_types) if token_types is not None else []
-        backend.add_special_tokens(
-            [
-                AddedToken(tokens[i], special=True, normalized=False)  # CONTROL
-                for i, t in enumerate(types)
-                if t == 3 and spelled[i] == tokens[i]
-            ]
-        )
-        backend.add_tokens(
-            [
-                AddedToken(tokens[i], special=False, normalized=False)  # USER_DEFINED
-                for i, t in enumerate(types)
-                if t == 4 and spelled[i] == tokens[i]
-            ]
-        )
 
         def text(i):
             return spelled[i] if i is not None and 0 <= i < len(tokens) else None
 
-        bos, eos = text(bos_id), text(eos_id)
-        if add_bos or add_eos:  # llama.cpp's add_bos/add_eos flags, baked in
-            single = " ".join(
-                [f"{bos}:0"] * (add_bos and bos is not None) + ["$A:0"] + [f"{eos}:0"] * (add_eos and eos is not None)
+        if model == "gpt2":
+            backend, spelled = gguf_vocab.byte_level_bpe(tokens, merges, types, pre)
+        elif model == "llama":
+            unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
+            backend, spelled = gguf_vocab.sentencepiece_bpe(
+                tokens,
+                scores,
+                types,
+                unk=unk,
+                add_space_prefix=True if add_space_prefix is None else add_space_prefix,
+                rank_by_position=(arch or "").startswith("gemma"),
             )
-            used = {t for t, on in ((bos, add_bos), (eos, add_eos)) if on and t is not None}
+            add_bos = True if add_bos is None else add_bos
+        elif model == "bert":
+            backend, spelled = gguf_vocab.wordpiece(tokens, types, unk_id=unk_id)
+            add_bos = True if add_bos is None else add_bos  # [CLS]
+            add_sep = True if add_sep is None else add_sep  # [SEP]
+            bos_id = bos_id if bos_id is not None else cls_id
+        else:
+            raise ValueError(
+                f"GGUF tokenizer model {model!r} is not supported; supported: 'gpt2' (byte-level BPE), "
+                "'llama' (SentencePiece BPE) and 'bert' (WordPiece)"
+            )
+        bos, eos, sep = text(bos_id), text(eos_id), text(sep_id if sep_id is not None else eos_id)
+        before = [bos] if add_bos and bos is not None else []
+        after = list(dict.fromkeys(t for t, on in ((eos, add_eos), (sep, add_sep)) if on and t is not None))
+        if before or after:  # llama.cpp's add_bos/add_eos/add_sep flags, baked in
+            single = " ".join([f"{t}:0" for t in before] + ["$A:0"] + [f"{t}:0" for t in after])
+            pair = " ".join(
+                [single] + [f"{t}:1" for t in before] * (model != "bert") + ["$B:1"] + [f"{t}:1" for t in after]
+            )
             backend.post_processor = processors.TemplateProcessing(
-                single=single, special_tokens=[(t, vocab[t]) for t in used]
+                single=single, pair=pair, special_tokens=[(t, backend.token_to_id(t)) for t in {*before, *after}]
             )
         config = {
             "bos_token": bos,
             "eos_token": eos,
             "pad_token": text(pad_id),
             "unk_token": text(unk_id),
-            "add_bos_token": add_bos,
-            "add_eos_token": add_eos,
+            "add_bos_token": bool(add_bos),
+            "add_eos_token": bool(add_eos),
         }
+        if model == "bert":
+            config.update(sep_token=sep, cls_token=bos)
         return cls(
             backend,
             bos_token=bos,

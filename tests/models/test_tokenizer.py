@@ -268,10 +268,3 @@ def test_gguf_add_bos_flag(tmp_path):
     assert tok.encode("a") == [0, a] and tok.encode("a", add_special_tokens=False) == [a]
     tok.save(tmp_path)
     assert Tokenizer.from_dir(tmp_path).encode("a") == [0, a]
-
-
-def test_gguf_vocab_errors():
-    with pytest.raises(ValueError, match="'llama' .*not supported"):
-        Tokenizer.from_gguf_vocab(model="llama", tokens=["a"], merges=[])
-    with pytest.raises(ValueError, match="pre-tokenizer 'martian'"):
-        Tokenizer.from_gguf_vocab(model="gpt2", pre="martian", tokens=["a"], merges=[])
