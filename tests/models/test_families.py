@@ -173,6 +173,23 @@ def test_greedy_generate_matches_hf(family, name):
     assert got.token_ids == want[0, 12:].tolist()
 
 
+@pytest.mark.parametrize("name", list(FAMILIES))
+@torch.no_grad()
+def test_engine_greedy_matches_hf(family, name):
+    """The engine's paged cache (windowed layers in their own block groups), prompts of 5 and 20 tokens
+    prefilled in chunks of 16 beside other sequences' decodes: each sequence as HF's greedy generate."""
+    from headwise import Engine, SamplingParams
+
+    hf, model = family(name)
+    prompts = [_ids(1, n, seed=n)[0].tolist() for n in (5, 20)]
+    engine = Engine(model, num_blocks=64, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0))
+    for p, out in zip(prompts, outs):
+        ones = torch.ones(1, len(p), dtype=torch.long)
+        want = hf.generate(torch.tensor([p]), attention_mask=ones, do_sample=False, max_new_tokens=12)
+        assert out.token_ids == want[0, len(p) :].tolist(), len(p)
+
+
 @pytest.mark.parametrize(
     "model_type, option, message",
     [
@@ -232,3 +249,8 @@ def test_transformers_4_configs_read_the_same():
     assert g3.rope_scaling.kind == "linear" and g3.rope_scaling.factor == 8.0 and g3.tie_embeddings
     g2 = gemma2.config_from_hf(dict(v4, model_type="gemma2", attn_logit_softcapping=50.0))
     assert g2.windows == (W, None) * 3 and g2.rope_local_theta is None and g2.attn_softcap == 50.0
+    from headwise.models.families import qwen2
+
+    q = dict(v4, model_type="qwen2", max_window_layers=4)
+    assert qwen2.config_from_hf(q).windows == (None,) * 6  # use_sliding_window unset: no window
+    assert qwen2.config_from_hf(dict(q, use_sliding_window=True)).windows == (None,) * 4 + (W, W)
