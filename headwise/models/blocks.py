@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from ..attention import MultiHeadAttention
 from ..attention.step import PlainStep, Step
 from ..core.config import ModelConfig
-from .fused_ops import fused_linear  # the fused executor's linear call, also imported from here
+from .fused_ops import fused_linear, fused_norm, qk_norm_rope  # fused_linear: also imported from here
 
 # Steps of at most this many rows (B*T) may take the fused executor; None: every step, 0 turns it off.
 ROUTE_ROWS: int | None = None
@@ -208,11 +208,15 @@ class Parts(NamedTuple):
     attn: nn.Module
     qkv: nn.Module  # qkv_proj, or SplitQKV(q_proj, k_proj, v_proj)
     out: nn.Module
-    rope: nn.Module | None
+    rope: nn.Module | None  # this layer's (Gemma 3: local layers' and global layers' differ)
     attn_norm: nn.Module
     mlp_norm: nn.Module
     mlp: nn.Module
-    swiglu: bool  # a GatedMLP with SiLU: gate_up and down with the SwiGLU between folded in
+    # a GatedMLP whose activation the kernels fold between gate_up and down: "silu" (SwiGLU),
+    # "gelu_tanh" (GeGLU); None: another MLP, run as its module
+    glu: str | None
+    qk_norms: tuple[nn.Module | None, nn.Module | None] = (None, None)  # Qwen3, Gemma 3: per-head, before RoPE
+    post_norms: tuple[nn.Module, nn.Module] | None = None  # Gemma: x + norm(attn), x + norm(mlp)
 
     @property
     def linears(self) -> tuple[nn.Module, ...]:
@@ -221,17 +225,18 @@ class Parts(NamedTuple):
         return (*qkv, self.out, *self.mlp._modules.values())
 
 
+_GLUS = ("silu", "gelu_tanh")  # the gate activations the kernels fold (fused_ops.GLU_KINDS)
+
+
 def parts_of(block: nn.Module) -> Parts | None:
     """The block's Parts, None for a block the fused layer cannot run (another kind of block, an
-    attention over other keys and values, a block feature fused_layer does not compute yet: post
-    norms, qk-norm, an attention window, a score scale or soft-cap; those blocks run their forward)."""
-    if type(block) is not DecoderBlock or block.post_norms:
+    attention over other keys and values). Every option of the block's spec runs fused: QK-norm,
+    post-norms, GeGLU here; a window, score scale and soft-cap in attention (attend_heads)."""
+    if type(block) is not DecoderBlock:
         return None
     m = block._modules
     attn, mlp = m["attn"], m["mlp"]
     a = attn._modules
-    if a.get("q_norm") is not None or a.get("k_norm") is not None or any(_block_options(attn)):
-        return None
     if attn.fused:
         qkv = a.get("qkv_proj")
     elif attn.kdim == attn.vdim == attn.d_model:
@@ -240,13 +245,10 @@ def parts_of(block: nn.Module) -> Parts | None:
         return None
     if qkv is None:
         return None
-    swiglu = type(mlp) is GatedMLP and mlp.activation == "silu"
-    return Parts(attn, qkv, a["out_proj"], a.get("rope"), m["attn_norm"], m["mlp_norm"], mlp, swiglu)
-
-
-def _block_options(attn: nn.Module) -> tuple:
-    """The attention's window, softcap and scale (None each where plain or not an option of it)."""
-    return tuple(getattr(attn, name, None) for name in ("window", "softcap", "scale"))
+    glu = mlp.activation if type(mlp) is GatedMLP and mlp.activation in _GLUS else None
+    post = (m["attn_post_norm"], m["mlp_post_norm"]) if block.post_norms else None
+    qk_norms = (a.get("q_norm"), a.get("k_norm"))
+    return Parts(attn, qkv, a["out_proj"], a.get("rope"), m["attn_norm"], m["mlp_norm"], mlp, glu, qk_norms, post)
 
 
 def fused_layer(p: Parts, x: Tensor, step: Step, cache) -> Tensor:
@@ -257,13 +259,22 @@ def fused_layer(p: Parts, x: Tensor, step: Step, cache) -> Tensor:
     N, H, Hkv, D = B * T, attn.num_heads, attn.num_kv_heads, attn.head_dim  # per layer: pruning changes them
     h = x.reshape(N, C)
     rope = p.rope
-    if rope is not None and not rope.interleaved and rope.dim == D and h.dtype == torch.float32:
+    qk_norm = p.qk_norms != (None, None)
+    fold = rope is not None and not rope.interleaved and rope.dim == D and h.dtype == torch.float32
+    if fold and not qk_norm:
         # RoPE of all q and k heads in the QKV call (the kernel's epilogue, or the module after it)
         cos, sin = step.rope_rows(rope)  # (N, D/2)
         qkv = fused_linear(p.qkv, h, norm=p.attn_norm, rope=(rope, cos, sin, (H + Hkv) * D))
         rope = None
     else:
         qkv = fused_linear(p.qkv, h, norm=p.attn_norm)  # (N, (H + 2 Hkv) D)
+    if qk_norm:  # between the projection and RoPE: one kernel call for both, else the modules
+        cos, sin = step.rope_rows(rope) if fold else (None, None)
+        if qk_norm_rope(p.qk_norms, qkv, (H, Hkv, D), cos, sin):
+            rope = None if fold else rope
+        else:
+            q, k = attn.norm_qk(qkv[:, : H * D].view(N, H, D), qkv[:, H * D : (H + Hkv) * D].view(N, Hkv, D))
+            qkv[:, : H * D], qkv[:, H * D : (H + Hkv) * D] = q.reshape(N, -1), k.reshape(N, -1)
     qk = qkv[:, : (H + Hkv) * D].view(B, T, H + Hkv, D)
     if rope is not None:  # partial, interleaved or low-precision RoPE: the module
         qk = rope(qk.transpose(1, 2), cos_sin=step.rope_cos_sin(rope)).transpose(1, 2)
@@ -276,14 +287,23 @@ def fused_layer(p: Parts, x: Tensor, step: Step, cache) -> Tensor:
         backend=attn.backend,
         key_padding_mask=step.key_padding_mask if cache is None else None,
     )
-    o = attn.attend_heads(q, k, v, cache, step.num_real, kwargs)  # (B, H, T, D)
-    h = fused_linear(p.out, o.transpose(1, 2).reshape(N, H * D), residual=h)  # (N, C)
-    if p.swiglu:
+    o = attn.attend_heads(q, k, v, cache, step.num_real, kwargs)  # (B, H, T, D): its window, scale, soft-cap
+    post = p.post_norms
+    o = o.transpose(1, 2).reshape(N, H * D)
+    if post is None:
+        h = fused_linear(p.out, o, residual=h)  # (N, C)
+    else:  # Gemma: the residual after the output's own norm
+        h = h + fused_norm(post[0], fused_linear(p.out, o))
+    if p.glu is not None:
         mm = p.mlp._modules
         gu = fused_linear(mm["gate_up"], h, norm=p.mlp_norm)  # (N, 2F)
-        h = fused_linear(mm["down"], gu, residual=h, swiglu=True)
+        if post is None:
+            h = fused_linear(mm["down"], gu, residual=h, swiglu=p.glu)
+        else:
+            h = h + fused_norm(post[1], fused_linear(mm["down"], gu, swiglu=p.glu))
     else:
-        h = h + p.mlp(p.mlp_norm(h))
+        m = p.mlp(p.mlp_norm(h))
+        h = h + (m if post is None else post[1](m))
     return h.view(B, T, C)
 
 

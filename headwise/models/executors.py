@@ -114,9 +114,8 @@ class FusedPlan:
         linears = [m for s in stacked for m in s.parts.linears]
         self.rows = min([kernels.KERNEL_ROWS, *(m.kernel_rows() for m in linears)])  # the C stack's row limit
         self.versions = _param_versions(model)  # PackedLinear's blocked copies are of these weights
-        ropes = {id(s.parts.rope) for s in self.steps if s.parts is not None}
-        whole = stacked and len(stacked) == len(self.steps) and len(ropes) == 1
-        self.whole = WholeStack([s.plan for s in self.steps], self.steps[0].parts.rope) if whole else None
+        whole = stacked and len(stacked) == len(self.steps)
+        self.whole = WholeStack([s.plan for s in self.steps], [s.parts.rope for s in self.steps]) if whole else None
 
     def current(self) -> bool:
         """Whether the plan still describes the model (the module docstring's list)."""

@@ -2,7 +2,8 @@
 
     y = module(prologue(x)) + residual, RoPE on y's first `columns` outputs
 
-prologue: an RMSNorm (a norm with `rms_args`) or SwiGLU of x's two halves; rope: (a
+prologue: an RMSNorm (a norm with `rms_args`) or a gated activation of x's two halves (`swiglu`:
+True or "silu" for SwiGLU, "gelu_tanh" for GeGLU, GLU_KINDS); rope: (a
 RotaryEmbedding over whole heads of D, cos, sin (N, D/2), columns), each row at its own position.
 Each linear kind owns its fused forward (`fused_forward`: PackedLinear, QuantizedLinear, the
 blocks' SplitQKV) and calls `kernel_args` to fold these into one small-row kernel call, or
@@ -19,6 +20,10 @@ from torch import Tensor, nn
 
 from .. import kernels
 
+# A gated MLP's activation -> the kernels' prologue that computes act(gate) * up
+GLU_KINDS = {True: kernels.PRO_SWIGLU, "silu": kernels.PRO_SWIGLU, "gelu_tanh": kernels.PRO_GEGLU}
+_TORCH_ACTS = {kernels.PRO_SWIGLU: F.silu, kernels.PRO_GEGLU: lambda g: F.gelu(g, approximate="tanh")}
+
 
 def fused_linear(
     module: nn.Module,
@@ -26,7 +31,7 @@ def fused_linear(
     *,
     residual: Tensor | None = None,
     norm: nn.Module | None = None,
-    swiglu: bool = False,
+    swiglu: bool | str = False,
     rope: tuple | None = None,
 ) -> Tensor:
     """module(prologue(x)) + residual, x (N, in) -> (N, out): the module's own fused forward, else
@@ -37,9 +42,9 @@ def fused_linear(
     return composed(module, x, residual=residual, norm=norm, swiglu=swiglu, rope=rope)
 
 
-def kernel_args(x: Tensor, norm, swiglu: bool, rope) -> tuple[Tensor, dict]:
+def kernel_args(x: Tensor, norm, swiglu: bool | str, rope) -> tuple[Tensor, dict]:
     """(x, the small-row kernels' keyword arguments) for a fused call: the prologue folded in where
-    the kernel has it (an fp32 RMSNorm, SwiGLU), else the norm run first; RoPE as the kernel's
+    the kernel has it (an fp32 RMSNorm, SwiGLU, GeGLU), else the norm run first; RoPE as the kernel's
     (cos, sin, columns, head_dim)."""
     prologue, norm_weight, eps = kernels.PRO_NONE, None, 0.0
     if norm is not None:
@@ -50,7 +55,7 @@ def kernel_args(x: Tensor, norm, swiglu: bool, rope) -> tuple[Tensor, dict]:
         else:
             x = norm(x)
     elif swiglu:
-        prologue = kernels.PRO_SWIGLU
+        prologue = GLU_KINDS[swiglu]
     if rope is not None:
         rope = (rope[1], rope[2], rope[3], rope[0].dim)  # (cos, sin, columns, head_dim)
     return x, dict(prologue=prologue, norm_weight=norm_weight, eps=eps, rope=rope)
@@ -62,12 +67,12 @@ def composed(
     *,
     residual: Tensor | None = None,
     norm: nn.Module | None = None,
-    swiglu: bool = False,
+    swiglu: bool | str = False,
     rope: tuple | None = None,
     add=None,
 ) -> Tensor:
     """Rows the kernel does not take (a prefill: oneDNN's matmul), or a module without a kernel:
-    the same prologue (RMSNorm, SwiGLU) and RoPE epilogue as the kernels' own calls; the residual
+    the same prologue (RMSNorm, SwiGLU, GeGLU) and RoPE epilogue as the kernels' own calls; the residual
     through `add(x, residual)` where the module has one (PackedLinear.forward_add: oneDNN's post-op)."""
     if norm is not None:
         if getattr(type(norm), "rms_args", None) is not None and kernels.rows_kernels_take(x, norm.weight):
@@ -75,11 +80,12 @@ def composed(
         else:
             x = norm(x)
     elif swiglu:
+        kind = GLU_KINDS[swiglu]
         if kernels.rows_kernels_take(x):
-            x = kernels.swiglu(x)
+            x = kernels.swiglu(x, kind)
         else:
             gate, up = x.chunk(2, dim=-1)
-            x = F.silu(gate) * up
+            x = _TORCH_ACTS[kind](gate) * up
     if rope is None and residual is not None and add is not None:
         return add(x, residual)
     y = module(x)
@@ -92,3 +98,31 @@ def composed(
             heads = y[:, :cols].view(N, cols // D, 1, D)  # (B=N, heads, T=1, D)
             y[:, :cols] = module_rope(heads, cos_sin=(cos[:, None, None], sin[:, None, None])).view(N, cols)
     return y if residual is None else y + residual
+
+
+def fused_norm(norm: nn.Module, x: Tensor) -> Tensor:
+    """norm(x) for x (N, C): the kernels' RMSNorm where it is an fp32 one (a norm with `rms_args`),
+    else the module (Gemma's post-norms in a prefill)."""
+    rms = getattr(type(norm), "rms_args", None)
+    args = rms(norm) if rms is not None else None
+    if args is not None and kernels.rows_kernels_take(x, args[0]):
+        return kernels.rms_norm(x, *args)
+    return norm(x)
+
+
+def qk_norm_rope(norms: tuple, qkv: Tensor, heads: tuple[int, int, int], cos=None, sin=None) -> bool:
+    """QK-norm (norms: the (q_norm, k_norm) modules, either None), then RoPE where cos, sin (N, D/2)
+    are given, in place on qkv (N, (H + 2 Hkv) D) in one kernel call (kernels.qk_norm_rope_) where
+    the norms are fp32 RMSNorms of one eps; False, with nothing done, where not."""
+    args = []
+    for n in norms:
+        rms = None if n is None else getattr(type(n), "rms_args", None)
+        args.append(None if rms is None else rms(n))
+        if n is not None and args[-1] is None:
+            return False
+    given = [a for a in args if a is not None]
+    rows = [qkv, *(w for w, _ in given), *(() if cos is None else (cos, sin))]
+    if len({eps for _, eps in given}) != 1 or not kernels.rows_kernels_take(*rows):
+        return False
+    kernels.qk_norm_rope_(qkv, heads, *(None if a is None else a[0] for a in args), given[0][1], cos, sin)
+    return True

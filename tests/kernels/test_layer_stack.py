@@ -227,3 +227,19 @@ def test_a_softcap_is_refused_not_ignored():
             [(plan, cos, sin, K, V, (torch.zeros(1, dtype=torch.int64), torch.tensor([2]), 8 * D, D))],
             torch.randn(1, C),
         )
+
+
+@pytest.mark.parametrize("M", [1, 9, 70])
+def test_qk_norm_rope_rows_equal_torch(M):
+    """kernels.qk_norm_rope_ (a prefill's rows): each q and k head normed over D, then rotated; v untouched."""
+    g = torch.Generator().manual_seed(M)
+    y = torch.randn(M, (H + 2 * Hkv) * D, generator=g) * 3
+    qn, kn = 1 + 0.3 * torch.randn(D, generator=g), 1 + 0.3 * torch.randn(D, generator=g)
+    cos, sin = _rows_rope(list(range(M)))
+    want = y.double().clone()
+    q = _rms(want[:, : H * D].view(M, H, D), qn.double(), 1e-5)
+    k = _rms(want[:, H * D : (H + Hkv) * D].view(M, Hkv, D), kn.double(), 1e-5)
+    want[:, : H * D] = _rope(q, cos.double()[:, None], sin.double()[:, None]).reshape(M, -1)
+    want[:, H * D : (H + Hkv) * D] = _rope(k, cos.double()[:, None], sin.double()[:, None]).reshape(M, -1)
+    kernels.qk_norm_rope_(y, (H, Hkv, D), qn, kn, 1e-5, cos, sin)
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)

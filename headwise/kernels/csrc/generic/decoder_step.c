@@ -75,20 +75,6 @@ static int split_qkv(const int64_t *lin, const int64_t *split, const float *attn
     return 0;
 }
 
-/* Qwen3's and Gemma 3's QK-norm: RMSNorm over each head's D channels of q (weights qn) and of k
- * (kn; either NULL: none), in place in the qkv rows, then RoPE on q's and k's heads (the epilogue
- * the matmul did not run: the norm comes between the projection and the rotation). */
-static void qk_norm_rope(float *qkv, long M, long QKV, long H, long Hkv, long D, const float *qn, const float *kn,
-                         float eps, const float *cos, const float *sin) {
-    for (long m = 0; m < M; m++)
-        for (long j = 0; j < H + Hkv; j++) {
-            const float *w = j < H ? qn : kn;
-            float *head = qkv + m * QKV + j * D;
-            if (w) hw_prologue(PRO_RMSNORM, head, w, eps, head, 1, D); /* element by element: in place is safe */
-        }
-    hw_rope_epilogue(qkv, M, QKV, cos, sin, (H + Hkv) * D, D);
-}
-
 /* y = r + rmsnorm(t) w (Gemma's norm after the attention's or the MLP's output, before the residual). */
 static void post_norm_add(float *t, const float *w, float eps, const float *r, float *y, long M, long C) {
     hw_prologue(PRO_RMSNORM, t, w, eps, t, M, C);
@@ -163,7 +149,7 @@ static int hw_decoder_step(const int64_t *d, const float *fl, const float *x, fl
     else
         rc = linear(lin, x, NULL, qkv, M, QKV, C, PRO_RMSNORM, attn_norm, eps, rc_cos, rc_sin, (H + Hkv) * D, D);
     if (rc) goto done;
-    if (qk) qk_norm_rope(qkv, M, QKV, H, Hkv, D, qn, kn, fl[FL_QK_EPS], cos, sin);
+    if (qk) hw_qk_norm_rope_rows(qkv, M, QKV, H, Hkv, D, qn, kn, fl[FL_QK_EPS], cos, sin);
     for (long m = 0; m < M; m++) {
         const float *row = qkv + m * QKV;
         memcpy(q + m * HD, row, sizeof(float) * (size_t)HD);

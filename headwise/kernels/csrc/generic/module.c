@@ -160,6 +160,20 @@ static PyObject *py_rope_rows(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
+/* qk_norm_rope_rows(y, M, O, H, Hkv, D, qn, kn, eps, cos, sin) -> None (rows.c) */
+static PyObject *py_qk_norm_rope_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    float *y, eps;
+    const float *qn, *kn, *cos, *sin;
+    long M, O, H, Hkv, D;
+    if (!(hw_nargs("qk_norm_rope_rows", nargs, 11) && HW_P(0, y) && HW_L(1, M) && HW_L(2, O) && HW_L(3, H) &&
+          HW_L(4, Hkv) && HW_L(5, D) && HW_P(6, qn) && HW_P(7, kn) && HW_F(8, eps) && HW_P(9, cos) && HW_P(10, sin)))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    hw_qk_norm_rope_rows(y, M, O, H, Hkv, D, qn, kn, eps, cos, sin);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* prefetch_ahead(n), quant_prefetch_ahead(n) -> the distance before: how far ahead small_linear.c's
  * tiles (inputs, hw_pf_ahead) and quant_group.c's packed groups (bytes, hw_qpf_ahead) prefetch
  * weights; n < 0 only reads it. Not thread-safe against running kernels: set once, at load
@@ -286,6 +300,7 @@ static PyMethodDef methods[] = {
     {"prefill_attention", (PyCFunction)(void (*)(void))py_prefill_attention, METH_FASTCALL, "prefill_attention.c"},
     {"rows_prologue", (PyCFunction)(void (*)(void))py_rows_prologue, METH_FASTCALL, "rows.c"},
     {"rope_rows", (PyCFunction)(void (*)(void))py_rope_rows, METH_FASTCALL, "rows.c"},
+    {"qk_norm_rope_rows", (PyCFunction)(void (*)(void))py_qk_norm_rope_rows, METH_FASTCALL, "rows.c"},
     {"prefetch_ahead", (PyCFunction)(void (*)(void))py_prefetch_ahead, METH_FASTCALL, "small_linear.c"},
     {"quant_prefetch_ahead", (PyCFunction)(void (*)(void))py_quant_prefetch_ahead, METH_FASTCALL, "quant_linear.c"},
     {"zmm_min_rows", (PyCFunction)(void (*)(void))py_zmm_min_rows, METH_FASTCALL, "x86/avx512/quant_group.c"},
