@@ -76,9 +76,11 @@ class HybridPagedKVCache:
         self.groups: list[PagedKVCache] = []
         for k, (w, _) in enumerate(groups):
             storage = self.groups[0] if self.groups else None
+            # a windowed group's tables drop blocks at once: no fixed-stride regions for them
+            kw = kwargs if w is None else {**kwargs, "region_blocks": None}
             cache = PagedKVCache(
                 g, num_kv_heads, head_dim, num_blocks, block_size, dtype, device, kv_dtype, pool=self.pool,
-                storage=storage, window=w, **kwargs,
+                storage=storage, window=w, **kw,
             )  # fmt: skip
             cache.null_block = self.null_block
             cache.prefix_root = None if k == 0 else hash(("hybrid group", k))  # each group its own chain

@@ -7,6 +7,7 @@ and `headwise plan all`.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -202,11 +203,65 @@ def kv_pool_bytes_per_token(cfg: ModelConfig, dtype: str = "bf16") -> int:
 
 
 def kv_pool_blocks(cfg: ModelConfig, memory: int | str, *, block_size: int = 16, dtype: str = "bf16") -> int:
-    """Blocks of `block_size` tokens that `memory` bytes of KV pool hold (0 if not one).
+    """Blocks of `block_size` tokens that `memory` bytes of KV pool hold (0 if not one). A block
+    holds the layers of one group (kv_layer_groups: all layers, unless windows differ).
     The engine sizes its pool with this (headwise.engine.EngineConfig.memory_budget_bytes)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    return max(0, parse_size(memory)) // (kv_pool_bytes_per_token(cfg, dtype) * block_size)
+    g = kv_layer_groups(cfg)[0]
+    return max(0, parse_size(memory)) * cfg.num_layers // (kv_pool_bytes_per_token(cfg, dtype) * g * block_size)
+
+
+# --- KV per layer type (global layers, and sliding-window layers that keep only their window)
+
+
+def kv_layer_types(cfg: ModelConfig) -> list[tuple[int | None, int]]:
+    """[(window, number of layers)]: global layers (None) first, then each window, smallest first."""
+    counts: dict[int | None, int] = {}
+    for w in cfg.windows:
+        counts[w] = counts.get(w, 0) + 1
+    return sorted(counts.items(), key=lambda kv: -1 if kv[0] is None else kv[0])
+
+
+def kv_layer_groups(cfg: ModelConfig) -> tuple[int, list[tuple[int | None, int]]]:
+    """(g, [(window, groups)]): an engine's pool keeps one block table per group of g layers of
+    one window, g the gcd of the layers per window (cache/hybrid.py); Gemma 3 270M: 3, one
+    global group and five of window 512. A model with one kind of layer: (L, [(its window, 1)])."""
+    types = kv_layer_types(cfg)
+    g = math.gcd(*(n for _, n in types))
+    return g, [(w, n // g) for w, n in types]
+
+
+def kv_bytes_at(cfg: ModelConfig, context: int, dtype: str = "bf16") -> int:
+    """K and V one sequence of `context` tokens holds: a windowed layer keeps min(context, W)."""
+    per_layer = kv_bytes_per_token(cfg, dtype) // cfg.num_layers
+    return sum(n * per_layer * (context if w is None else min(context, w)) for w, n in kv_layer_types(cfg))
+
+
+def kv_pool_blocks_per_sequence(cfg: ModelConfig, tokens: int, block_size: int, chunk: int) -> int:
+    """Pool blocks one sequence of `tokens` takes at most (prefill chunks up to `chunk` tokens):
+    each global group a block per block_size tokens, each windowed group its window and a chunk."""
+    g, groups = kv_layer_groups(cfg)
+    return sum(
+        n * (-(-tokens // block_size) if w is None else -(-min(tokens, w - 1 + chunk) // block_size) + 1)
+        for w, n in groups
+    )
+
+
+def _max_context(cfg: ModelConfig, budget: int, dtype: str) -> int:
+    """The longest context whose K/V (kv_bytes_at) fit in `budget` bytes: past the windows a
+    token costs only its global layers; with every layer windowed, a budget that holds the
+    windows holds any context (then: max_positions, and a note says so)."""
+    per_token = kv_bytes_per_token(cfg, dtype)
+    if per_token == 0:
+        return 0
+    lo, hi = 0, budget // (per_token // cfg.num_layers) + 1  # every token costs >= one layer
+    if kv_bytes_at(cfg, hi, dtype) <= budget:
+        return max(hi, cfg.max_positions)
+    while hi - lo > 1:  # kv_bytes_at(lo) <= budget < kv_bytes_at(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if kv_bytes_at(cfg, mid, dtype) <= budget else (lo, mid)
+    return lo
 
 
 # --- the plan ----------------------------------------------------------------
@@ -229,7 +284,8 @@ class Plan:
     flops: dict[str, int]  # per token, at `context`
     weight_bytes: int
     kv_bytes_per_token: int
-    kv_bytes: int  # the whole cache for (batch, context); 0 for encoders
+    kv_bytes: int  # the whole cache for (batch, context); 0 for encoders; windowed layers hold their window
+    kv_layer_types: list = field(default_factory=list)  # [(window or None, layers, bytes per token of them)]
     memory: int | None = None
     reserve: int = 0
     fits: bool | None = None  # weights + reserve + KV <= memory
@@ -259,6 +315,7 @@ def plan(
     params = count_params(cfg)
     formats = weight_bytes(cfg, params, dtype, weights)
     per_token = kv_bytes_per_token(cfg, dtype)
+    at_context = kv_bytes_at(cfg, context, dtype)
     result = Plan(
         config=cfg,
         context=context,
@@ -269,7 +326,8 @@ def plan(
         weight_bytes=sum(formats.values()),
         weight_formats=formats,
         kv_bytes_per_token=per_token,
-        kv_bytes=per_token * context * batch if cfg.causal else 0,
+        kv_bytes=at_context * batch if cfg.causal else 0,
+        kv_layer_types=[(w, n, per_token // cfg.num_layers * n) for w, n in kv_layer_types(cfg)],
         memory=None if memory is None else parse_size(memory),
         reserve=parse_size(reserve),
         block_size=block_size,
@@ -296,8 +354,8 @@ def plan(
             "or use a smaller --dtype"
         )
     elif cfg.causal:
-        result.max_context = free // (per_token * batch)
-        result.max_batch = free // (per_token * context)
+        result.max_context = _max_context(cfg, free // batch, dtype)
+        result.max_batch = free // at_context
         result.kv_pool_blocks = kv_pool_blocks(cfg, free, block_size=block_size, dtype=dtype)
         if result.max_context > cfg.max_positions:
             trained = cfg.max_positions

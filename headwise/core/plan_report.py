@@ -10,7 +10,7 @@ import sys
 
 from .config import PRESETS, get_preset, parse_overrides
 from .formats import MIXES, QUANT_FORMATS
-from .plan import Plan, dtype_bytes, fmt_bytes, fmt_count, fmt_flops, plan
+from .plan import Plan, dtype_bytes, fmt_bytes, fmt_count, fmt_flops, kv_layer_groups, plan
 
 
 def _table(rows: list[list[str]], right: set[int]) -> str:
@@ -42,6 +42,10 @@ def format_plan(p: Plan) -> str:
             rows.append([f"  in {fmt}", fmt_bytes(n), _pct(n, p.weight_bytes)])
     kv_how = f"2 x L {cfg.num_layers} x Hkv {attn.num_kv_heads} x D {attn.head_dim} x {dtype_bytes(p.dtype)} B"
     rows.append(["KV cache per token", fmt_bytes(p.kv_bytes_per_token), kv_how])
+    if any(w is not None for w, _, _ in p.kv_layer_types):  # per layer type: a window keeps only its W
+        for w, n, per in p.kv_layer_types:
+            kind = "global layers" if w is None else f"sliding layers (window {w:,})"
+            rows.append([f"  {n} {kind}", fmt_bytes(per), "every token" if w is None else f"the last {w:,} only"])
     kv_total = fmt_bytes(p.kv_bytes) if cfg.causal else "none (encoder)"
     rows.append([f"KV cache, {p.context:,} tokens x batch {p.batch}", kv_total, ""])
     rows.append([f"forward FLOPs/token at {p.context:,}", fmt_flops(fl["total"]), "2 x multiply-adds"])
@@ -54,7 +58,9 @@ def format_plan(p: Plan) -> str:
             rows.append([f"max context at batch {p.batch}", f"{p.max_context:,}", "tokens"])
             rows.append([f"max batch at context {p.context:,}", f"{p.max_batch:,}", "sequences"])
         if p.kv_pool_blocks is not None:
-            rows.append(["engine KV pool", f"{p.kv_pool_blocks:,}", f"blocks of {p.block_size} tokens"])
+            g = kv_layer_groups(cfg)[0]
+            of = "" if g == cfg.num_layers else f" x {g} layers (a block table per group of {g})"
+            rows.append(["engine KV pool", f"{p.kv_pool_blocks:,}", f"blocks of {p.block_size} tokens{of}"])
     out = head + "\n\n" + _table(rows, right={1})
     return out + "".join(f"\nnote: {n}" for n in p.notes)
 
@@ -79,7 +85,10 @@ def format_all(plans: list[Plan]) -> str:
         rows.append(row)
     p0 = plans[0]
     title = f"dtype {p0.dtype}, batch {p0.batch}" + (f", memory {fmt_bytes(p0.memory)}" if with_memory else "")
-    foot = ["context: each model's max_positions unless --context; KV/token: 2 x L x Hkv x D x bytes"]
+    foot = [
+        "context: each model's max_positions unless --context; KV/token: 2 x L x Hkv x D x bytes; "
+        "KV cache: a sliding-window layer holds only its window"
+    ]
     foot += [f"{p.config.name}: {note}" for p in plans for note in p.notes]
     return title + "\n\n" + _table(rows, right=set(range(2, len(header)))) + "\n\n" + "\n".join(foot)
 

@@ -16,7 +16,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from ..core.plan import kv_pool_blocks, kv_pool_bytes_per_token
+from ..core.plan import kv_layer_groups, kv_pool_blocks, kv_pool_blocks_per_sequence, kv_pool_bytes_per_token
 
 # The KV pool when neither num_blocks nor memory_budget_bytes is given: 1 GiB holds ~23k
 # tokens of SmolLM2-135M in fp32 (46 KiB per token), 64 sequences of ~360 tokens; at most
@@ -32,7 +32,9 @@ def _positive(value) -> bool:
 @dataclass(frozen=True)
 class EngineConfig:
     max_num_seqs: int = 64  # sequences running at once (each holds KV blocks)
-    num_blocks: int | None = None  # KV pool size in blocks; None: sized from memory_budget_bytes
+    num_blocks: int | None = None  # KV pool size in blocks; None: sized from memory_budget_bytes. A
+    # block holds block_size tokens of one group of layers (all of them, unless the model's layers
+    # differ in window: then core.plan.kv_layer_groups' g layers, one block table per group)
     block_size: int = 16  # tokens per KV block: a prefix is shared in whole blocks
     max_num_batched_tokens: int = 512  # tokens computed per step (decodes + prefill chunks)
     kv_dtype: str | None = None  # None (the model's dtype) or "int8" (~1/4 of fp32's bytes)
@@ -93,7 +95,11 @@ class EngineConfig:
         except (ValueError, OSError):
             available = 4 * DEFAULT_KV_BUDGET
         budget = min(DEFAULT_KV_BUDGET, available // 4)
-        wanted = self.max_num_seqs * -(-model_config.max_positions // self.block_size)  # no use for more
+        per_seq = kv_pool_blocks_per_sequence(
+            model_config, model_config.max_positions, self.block_size, self.max_num_batched_tokens
+        )
+        hybrid = any(w is not None for w in model_config.windows)
+        wanted = self.max_num_seqs * per_seq + hybrid  # no use for more (+1: a hybrid pool's null block)
         return max(1, min(wanted, kv_pool_blocks(model_config, budget, block_size=self.block_size, dtype=kv)))
 
     def resolve(self, model_config, dtype) -> "EngineConfig":
@@ -103,7 +109,18 @@ class EngineConfig:
         return self.replace(num_blocks=num_blocks, max_waiting_tokens=waiting)
 
     def max_model_len(self, model_config) -> int:
-        """Prompt + output tokens one sequence may hold: the model's context, or the whole pool."""
+        """Prompt + output tokens one sequence may hold: the model's context, or the whole pool (with
+        windowed layers: what the global groups' tables can hold beside the windowed groups' windows
+        and a chunk each, and the null block)."""
         if self.num_blocks is None:
             raise ValueError("max_model_len needs num_blocks: call resolve(model_config, dtype) first")
-        return min(model_config.max_positions, self.num_blocks * self.block_size)
+        _, groups = kv_layer_groups(model_config)
+        if all(w is None for w, _ in groups):  # every layer global: a block per block_size tokens
+            return min(model_config.max_positions, self.num_blocks * self.block_size)
+        bs, chunk = self.block_size, self.max_num_batched_tokens
+        windows = sum(n * (-(-(w - 1 + chunk) // bs) + 1) for w, n in groups if w is not None)
+        glob = sum(n for w, n in groups if w is None)
+        left = self.num_blocks - 1 - windows  # 1: the null block
+        if glob == 0:  # every layer windowed: the pool bounds the window, not the context
+            return model_config.max_positions if left >= 0 else 0
+        return max(0, min(model_config.max_positions, left // glob * bs))

@@ -255,13 +255,17 @@ class LocalRuntime:
         if self.state != "ready":
             return None
         from ..analysis.prune import param_count
+        from ..runtime.paged import kv_pool_info
 
         pruned = getattr(self.model, "pruned", None)
         info: dict = {"parameters": (pruned or {}).get("parameters") or param_count(self.model)}
         if self.engine is not None:  # measured on the pool itself: what its tensors take per token slot
-            pool = self.engine.cache  # (of rank 0's heads when tensor-parallel: each rank holds as much)
-            info["kv_bytes_per_token"] = pool.memory_bytes() // (pool.num_blocks * pool.block_size)
-            info["kv_pool_blocks"] = pool.num_blocks
+            pool = kv_pool_info(self.engine.cache)  # (rank 0's heads when tensor-parallel: each rank holds as much)
+            types = pool["layer_types"]  # global, and sliding layers with their window (they keep only it)
+            info["kv_bytes_per_token"] = sum(t["kv_bytes_per_token"] for t in types)
+            info["kv_pool_blocks"] = pool["blocks"]
+            if any(t["window"] is not None for t in types):
+                info["kv_layer_types"] = types
         if self.tp is not None:
             info["tensor_parallel"] = self.tp.size
         if pruned is not None:

@@ -245,6 +245,7 @@ class ModelCard(BaseModel):
     status: Optional[str] = None  # local models: loading | ready | failed
     error: Optional[str] = None  # why it failed
     # local models once ready: {"parameters", "kv_bytes_per_token" (the engine's pool), "kv_pool_blocks",
+    # "kv_layer_types" where layers differ in window ([{"window": W or None, "layers", "kv_bytes_per_token"}]),
     # and for a pruned folder "pruned": {"kv_heads_per_layer"}, "quality": what `headwise analyze` measured}
     headwise: Optional[dict] = None
 

@@ -1,0 +1,131 @@
+"""Models whose layers keep only a window of K/V (Mistral: every layer; Gemma 3: 5 local to 1
+global), run by generate() (a ring per windowed layer, cache/sliding.py) and by the engine (a
+block table per group of layers, windowed groups giving back blocks, cache/hybrid.py).
+
+The reference is transformers' own greedy search on the same random checkpoint, over sequences
+many windows long, so a cache that dropped a key still in the window, or showed one out of it,
+changes the tokens.
+"""
+
+import pytest
+import torch
+
+import headwise
+from headwise import Engine, SamplingParams
+from headwise.cache import HybridPagedKVCache, SlidingWindowLayerCache
+from headwise.runtime.batch import ContiguousRunner
+
+from ..helpers import save_hf
+
+import transformers as tf  # noqa: E402  (the independent reference)
+
+tf.logging.set_verbosity_error()
+
+V, W, BS, NEW = 96, 8, 4, 44  # vocab, window, block size, tokens generated (> 5 windows)
+BASE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    vocab_size=V,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+MODELS = {
+    "mistral": lambda: tf.MistralForCausalLM(
+        tf.MistralConfig(**BASE, num_hidden_layers=2, num_key_value_heads=2, sliding_window=W)
+    ),
+    "gemma3": lambda: tf.Gemma3ForCausalLM(
+        tf.Gemma3TextConfig(
+            **BASE, num_hidden_layers=6, num_key_value_heads=1, head_dim=16, sliding_window=W, query_pre_attn_scalar=16
+        )
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    made = {}
+
+    def get(name):
+        if name not in made:
+            torch.manual_seed(7)
+            hf = MODELS[name]().eval()
+            made[name] = hf, headwise.load(save_hf(tmp_path_factory, name, hf))
+        return made[name]
+
+    return get
+
+
+def prompts(n=5, seed=0):
+    """Ragged prompts (3 to 30 tokens: some longer than the window); the last two share 12 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    out = [torch.randint(0, V, (int(torch.randint(3, 31, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    shared = torch.randint(0, V, (12,), generator=g).tolist()
+    return out + [shared + [5, 6, 7], shared + [9]]
+
+
+@torch.no_grad()
+def hf_greedy(hf, prompt):
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, do_sample=False, max_new_tokens=NEW, attention_mask=torch.ones_like(ids))
+    return out[0, len(prompt) :].tolist()
+
+
+GREEDY = SamplingParams(max_new_tokens=NEW, temperature=0)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_generate_keeps_rings_and_matches_hf(pair, name):
+    hf, model = pair(name)
+    runner = ContiguousRunner(model, 1, 64)
+    windowed = [type(x) is SlidingWindowLayerCache for x in runner.cache.layers]
+    assert windowed == [w is not None for w in model.config.windows] and any(windowed)
+    for p in prompts()[:3]:
+        assert headwise.generate(model, p, GREEDY).token_ids == hf_greedy(hf, p), p
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_engine_frees_out_of_window_blocks_and_matches_hf(pair, name):
+    """Seven requests at once (chunked prefill of 8 tokens a step, two sharing a prefix): every
+    completion is HF's, and after every step each windowed group holds at most the blocks of its
+    window (W - 1 keys, and the block the next token starts) per sequence."""
+    hf, model = pair(name)
+    engine = Engine(model, max_num_seqs=8, max_num_batched_tokens=16, block_size=BS, num_blocks=400)
+    cache = engine.cache
+    assert isinstance(cache, HybridPagedKVCache)
+    ps = prompts()
+    ids = [engine.add_request(p, GREEDY) for p in ps]
+    done, most = {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            done[out.request_id] = out.outputs[0].token_ids
+        for k, group in enumerate(cache.groups):
+            if group.window is None:
+                continue
+            for s in group.seq_ids():
+                held = len(group.held_blocks(s))
+                most = max(most, held)
+                assert held <= -(-(W - 1) // BS) + 1, (k, s, group.length(s))
+        cache.check()
+    assert most == -(-(W - 1) // BS) + 1  # the bound is reached, not loose
+    for rid, p in zip(ids, ps):
+        assert done[rid] == hf_greedy(hf, p), p
+    assert cache.num_free_blocks == cache.num_blocks - 1  # everything back but the null block
+    assert engine.scheduler.prefix_hits > 0  # the shared prefix was found in every group
+
+
+def test_engine_pool_reports_layer_types(pair):
+    _, model = pair("gemma3")
+    engine = Engine(model, max_num_seqs=2, block_size=BS, num_blocks=64)
+    info = engine.core.pool_info()
+    per_layer = 2 * 1 * 16 * 4  # K and V, 1 KV head x D 16, fp32
+    assert info["layer_types"] == [
+        {"window": None, "layers": 1, "kv_bytes_per_token": per_layer},
+        {"window": W, "layers": 5, "kv_bytes_per_token": 5 * per_layer},
+    ]
+    assert info["bytes"] == 64 * BS * per_layer  # 64 blocks of one layer (6 groups of 1)
+    assert info["tokens"] == 64 * BS // 6
