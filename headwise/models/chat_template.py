@@ -182,6 +182,12 @@ def _environment():
                 loop.iter = nodes.Filter(loop.iter, "_budgeted", [], [], None, None, lineno=loop.lineno)
             return tree
 
+        def unsafe_undefined(self, obj, attribute):
+            # Jinja answers an unsafe attribute with an Undefined that renders as ""; fail loudly instead
+            raise jinja2.exceptions.SecurityError(
+                f"chat template reached for {type(obj).__name__}.{attribute}, which the sandbox forbids"
+            )
+
         def call(self, __context, __obj, *args, **kwargs):
             b = _budget()
             b.step()
@@ -203,7 +209,7 @@ def _environment():
                 if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * max(n, 0) > cap:
                     raise _Refused(f"repeating {len(seq)} items {n} times passes {cap}")
             elif operator == "**":
-                if isinstance(right, int) and abs(right) > 64 and isinstance(left, int) and abs(left) > 1:
+                if isinstance(left, int) and isinstance(right, int) and abs(right) * abs(left).bit_length() > 1 << 16:
                     raise _Refused(f"{left} ** {right} is too large")
             elif operator == "%" and isinstance(left, str):
                 for m in _FORMAT_WIDTH.finditer(left):
@@ -211,7 +217,13 @@ def _environment():
                         raise _Refused(f"a format width in {left[:40]!r} passes {cap}")
             return self.binop_table[operator](left, right)
 
-    env = Env(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    class NoFiles(jinja2.BaseLoader):
+        def get_source(self, environment, template):
+            raise jinja2.exceptions.SecurityError(
+                f"a chat template may not import, include or extend other templates ({template!r})"
+            )
+
+    env = Env(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols], loader=NoFiles())
 
     def budgeted(iterable):
         b = _budget()
