@@ -258,8 +258,10 @@ class PackedStep(PackedReads, Step):
         elements, new keys) where every table is one run, else (None, new keys, tables (B, width)
         int64, block size). None otherwise (prefill chunks, not fp32)."""
         cache = self.cache
-        if rows != self.N or self.N != self.B or cache.dtype is not torch.float32 or cache.window is not None:
-            return None  # (the one-call decode reads every key from position 0: not a windowed layer's)
+        if rows != self.N or self.N != self.B or cache.dtype is not torch.float32:
+            return None
+        # A windowed group's tables hold the null block before the window: the decode stack reads
+        # a windowed layer's keys from pos - W + 1 on (the layer's plan carries its window)
         claim = self._decode_rows
         if claim is None:
             bs, pos = cache.block_size, torch.tensor(self.starts, dtype=torch.int64)

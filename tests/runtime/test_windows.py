@@ -13,6 +13,8 @@ import torch
 import headwise
 from headwise import Engine, SamplingParams
 from headwise.cache import HybridPagedKVCache, SlidingWindowLayerCache
+from headwise.kernels import attention as kernel_attention
+from headwise.kernels import layer as kernel_layer
 from headwise.runtime.batch import ContiguousRunner
 
 from ..helpers import save_hf
@@ -88,11 +90,27 @@ def test_generate_keeps_rings_and_matches_hf(pair, name):
         assert headwise.generate(model, p, GREEDY).token_ids == hf_greedy(hf, p), p
 
 
+@pytest.fixture
+def stacked(monkeypatch):
+    """Layer-steps the fused executor's C decode stack ran (kernels.layer.run_stack entries)."""
+    count = [0]
+    real = kernel_layer.run_stack
+
+    def spy(steps, x):
+        count[0] += len(steps)
+        return real(steps, x)
+
+    monkeypatch.setattr(kernel_layer, "run_stack", spy)
+    return count
+
+
 @pytest.mark.parametrize("name", list(MODELS))
-def test_engine_frees_out_of_window_blocks_and_matches_hf(pair, name):
+def test_engine_frees_out_of_window_blocks_and_matches_hf(pair, name, stacked):
     """Seven requests at once (chunked prefill of 8 tokens a step, two sharing a prefix): every
     completion is HF's, and after every step each windowed group holds at most the blocks of its
-    window (W - 1 keys, and the block the next token starts) per sequence."""
+    window (W - 1 keys, and the block the next token starts) per sequence. Decode steps run in the
+    C layer stack over the groups' block tables, whose entries before the window are the null
+    block (zeros): a read of one would change the tokens."""
     hf, model = pair(name)
     engine = Engine(model, max_num_seqs=8, max_num_batched_tokens=16, block_size=BS, num_blocks=400)
     cache = engine.cache
@@ -116,6 +134,8 @@ def test_engine_frees_out_of_window_blocks_and_matches_hf(pair, name):
         assert done[rid] == hf_greedy(hf, p), p
     assert cache.num_free_blocks == cache.num_blocks - 1  # everything back but the null block
     assert engine.scheduler.prefix_hits > 0  # the shared prefix was found in every group
+    if kernel_attention.decode_attention_unavailable() is None:  # the C stack is built here
+        assert stacked[0] >= model.config.num_layers * (NEW - 1)  # every layer's decode steps, windowed ones too
 
 
 def test_engine_pool_reports_layer_types(pair):
