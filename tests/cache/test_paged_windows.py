@@ -157,3 +157,24 @@ def test_a_windowed_groups_evicted_chain_shortens_the_hit():
     cache.check()
     cache.free("c")
     assert drv.step(["b"], [20]) <= 1e-5
+
+
+def test_gemma3_4096_tokens_in_the_pool_hold_under_0_3x_all_global():
+    """Issue 40 in the engine's pool: a 4,096-token Gemma 3 270M sequence (18 layers, 5 local
+    512-key layers to 1 global, 1 KV head x 256, bf16), prefilled in 512-token chunks, holds the
+    global group's 256 blocks and 32 per local group: (3 x 4096 + 15 x 512) / (18 x 4096) of the
+    bytes all-global layers take. Bytes per block measured on the pool's planes (meta tensors)."""
+    windows = ((512,) * 5 + (None,)) * 3
+    cache = HybridPagedKVCache(18, 1, 256, 1300, 16, torch.bfloat16, "meta", windows=windows)
+    cache.add_sequence("a")
+    for _ in range(8):
+        cache.packed(["a"], [512]).commit()  # (no layer writes: the bookkeeping alone)
+    assert cache.length("a") == 4096
+    held = [len(cache.held_blocks("a", k)) for k in range(len(cache.groups))]
+    assert sorted(held) == [32] * 5 + [256]
+    block_bytes = cache.memory_bytes() // cache.num_blocks  # 16 tokens x 3 layers
+    assert block_bytes == 16 * 3 * 2 * 256 * 2
+    all_global = 4096 * 18 * 2 * 256 * 2
+    ratio = sum(held) * block_bytes / all_global
+    assert ratio == pytest.approx((3 * 4096 + 15 * 512) / (18 * 4096))  # 0.2708
+    assert ratio <= 0.3
