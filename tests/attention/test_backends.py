@@ -195,7 +195,9 @@ def test_auto_order_and_explain():
     assert e.chosen == "decode" and "needs CUDA" in " ".join(e.rejected["flash"])  # no mask, 4 rows per KV head
     e = explain(q, k, v, is_causal=True)  # 4 query rows under a causal mask: not a decode step
     assert e.chosen == "prefill" and "see every key" in " ".join(e.rejected["decode"])
-    e = explain(q, k, v, window=3)  # a mask the prefill kernel does not draw
+    e = explain(q, k, v, window=3)  # a two-sided window: a mask the prefill kernel does not draw
+    assert e.chosen == "sdpa" and "a window only with causal" in " ".join(e.rejected["prefill"])
+    e = explain(q, k, v, attn_mask=torch.ones(4, 6, dtype=torch.bool))
     assert e.chosen == "sdpa" and "causal or no mask only" in " ".join(e.rejected["prefill"])
     assert explain(q, k, v, need_weights=True).chosen == "math"
     e = explain(q, k, v, return_lse=True, dropout_p=0.1)

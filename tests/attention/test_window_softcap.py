@@ -247,3 +247,23 @@ def test_decode_kernel_reads_only_the_window(H, Hkv, window):
     torch.testing.assert_close(out, reference(q, k, v, window=window), atol=2e-5, rtol=1e-4)
     k[:, :, : 40 - window] = float("nan")  # keys before the window are never read
     torch.testing.assert_close(attend(q, k, v, is_causal=True, window=window), out)
+
+
+@pytest.mark.parametrize("H,Hkv", HEADS)
+@pytest.mark.parametrize(
+    "T,S,window", [(70, 70, 5), (70, 70, 33), (100, 130, 40), (9, 200, 64), (65, 65, 64), (40, 300, 16)]
+)
+def test_prefill_kernel_window(H, Hkv, T, S, window):
+    """The C prefill kernel with a window: blocks before a query block's window are not read (NaN
+    there changes nothing), rows mask the keys before their own window."""
+    q, k, v = qkv(1, H, Hkv, T, S, 16, seed=8)
+    e = explain(q, k, v, is_causal=True, window=window)
+    assert e.chosen == "prefill", str(e)
+    res = attend(q, k, v, is_causal=True, window=window, return_lse=True)
+    torch.testing.assert_close(res.out, reference(q, k, v, window=window), atol=2e-5, rtol=1e-4)
+    ref = attend(q, k, v, is_causal=True, window=window, return_lse=True, backend="math")
+    torch.testing.assert_close(res.lse, ref.lse, atol=1e-4, rtol=1e-4)
+    before = S - T - (window - 1)  # keys before the first query's window
+    if before > 0:
+        k[:, :, :before], v[:, :, :before] = float("nan"), float("nan")
+        torch.testing.assert_close(attend(q, k, v, is_causal=True, window=window), res.out)

@@ -136,3 +136,18 @@ def test_bad_input_is_refused(shapes, kw, match):
         prefill.prefill_attention(
             torch.randn(1, 2, 16, 8).transpose(-1, -2), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
         )
+
+
+def test_window_left_against_a_masked_softmax():
+    """window_left: query t (position t + S - T) sees keys [p - window_left, p]; checked arguments."""
+    prefill_attention = prefill.prefill_attention
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(*s, generator=g) for s in ((1, 6, 50, 32), (1, 2, 90, 32), (1, 2, 90, 32)))
+    out, lse = prefill_attention(q, k, v, 0.3, True, True, window_left=9)
+    s = q @ k.repeat_interleave(3, 1).transpose(-1, -2) * 0.3  # (1, 6, 50, 90)
+    p, j = torch.arange(40, 90)[:, None], torch.arange(90)[None]
+    s = s.masked_fill(~((j <= p) & (j >= p - 9)), float("-inf"))
+    torch.testing.assert_close(out, torch.softmax(s, -1) @ v.repeat_interleave(3, 1), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(lse, torch.logsumexp(s, -1), atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="window_left"):
+        prefill_attention(q, k, v, causal=False, window_left=3)

@@ -7,7 +7,9 @@ softmax, and skips the key blocks a causal block of queries cannot see. Against 
 fused SDPA on SmolLM2's prefill (H 9, Hkv 3, D 64, AMD EPYC Zen 5): 2.5x at 512 tokens.
 
 It serves fp32 CPU requests without autograd whose mask is none or causal alone (bottom-right
-aligned, S >= T): no window, mask tensor, key padding or ALiBi, no dropout, no weights, even
+aligned, S >= T), or causal within a sliding window (the kernel starts each block of queries at
+its window's first key block and masks the keys before each row's window): no mask tensor, key
+padding or ALiBi, no soft-cap, no dropout, no weights, even
 GQA groups of up to 16 heads, head_dim a multiple of 8 up to 256, each row's D values
 contiguous. `explain()` names what else it refuses. After `decode` (which takes the steps
 whose queries see every key, T = 1) and ahead of `sdpa` in the auto order.
@@ -24,7 +26,8 @@ from .decode import cpu_kernel_reasons, plain_spec_reasons
 
 def prefill_attention(q, k, v, spec: AttentionSpec) -> AttentionOutput:
     """q (B, H, T, D), k/v (B, Hkv, S, D) -> out (B, H, T, D) (lse (B, H, T) with return_lse)."""
-    out, lse = kernel_prefill.prefill_attention_unchecked(q, k, v, spec.scale, spec.is_causal, spec.return_lse)
+    left = None if spec.window is None else spec.window[0]  # prefill_check: causal with a window
+    out, lse = kernel_prefill.prefill_attention_unchecked(q, k, v, spec.scale, spec.is_causal, spec.return_lse, left)
     return AttentionOutput(out, lse, None)
 
 
@@ -34,8 +37,10 @@ def prefill_check(q, k, v, spec: AttentionSpec) -> list[str]:
         return reasons
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         reasons.append("no autograd (a forward-only kernel; sdpa and math have a backward)")
-    if spec.attn_mask is not None or spec.key_padding_mask is not None or spec.window is not None:
-        reasons.append("causal or no mask only (no mask tensor, key padding or window)")
+    if spec.attn_mask is not None or spec.key_padding_mask is not None:
+        reasons.append("causal or no mask only (no mask tensor or key padding)")
+    if spec.window is not None and not spec.is_causal:
+        reasons.append("a window only with causal (the kernel bounds each query's keys on the left)")
     if spec.is_causal and spec.S < spec.T:
         reasons.append(f"causal needs S >= T (got T={spec.T}, S={spec.S})")
     reasons += plain_spec_reasons(spec)

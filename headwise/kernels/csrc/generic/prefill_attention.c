@@ -17,6 +17,14 @@
  * Work items are split over the OpenMP threads of the calling process (dynamic: later query
  * blocks see more keys).
  *
+ * A sliding window (Mistral, Gemma: query at position p sees keys p - left .. p) rides on causal:
+ * causal = 2 + left. A block of queries then starts at its first query's first key (the blocks
+ * before it are never read), and the scores of keys before a row's window are set to -1e30
+ * before the softmax: finite, so a row whose first block holds none of its keys yet does not
+ * make 0 * inf; the next block's real maximum rescales that block's weight to exactly 0. (The
+ * window travels in causal so the binding in module.c keeps its arguments; a parameter of its
+ * own is the tidier form.)
+ *
  * q (B, H, T, D), k, v (B, Hkv, S, D), out (B, H, T, D): each row's D floats contiguous, the other
  * strides given (floats). lse (B, H, T) contiguous natural-log LSE, or NULL. H = G Hkv. D a multiple
  * of 8 up to MAX_PD, G up to MAX_PG. The tiles are per ISA (hw_pa_scores, hw_pa_softmax, hw_pa_pv:
@@ -65,7 +73,7 @@ static int scratch_alloc(struct pa_scratch *w, long R, long D) {
 static void block(struct pa_scratch *w, const float *q, const float *k, const float *v, float *out, float *lse, long b,
                   long hk, long t0, long nt, long H, long Hkv, long T, long S, long D, long sq_b, long sq_h, long sq_t,
                   long sk_b, long sk_h, long sk_t, long sv_b, long sv_h, long sv_t, long so_b, long so_h, long so_t,
-                  float scale, int causal) {
+                  float scale, int causal, long left) {
     const long G = H / Hkv, R = G * nt, off = S - T, PK = hw_pa_keys;
     const float c = scale * 1.4426950408889634f;
     for (long g = 0; g < G; g++)
@@ -80,7 +88,9 @@ static void block(struct pa_scratch *w, const float *q, const float *k, const fl
     /* keys the block's last query sees (causal), else all */
     long nkeys = causal ? t0 + nt + off : S;
     if (nkeys > S) nkeys = S;
-    for (long s0 = 0; s0 < nkeys; s0 += PK) {
+    /* with a window, the first key of the block's first query: earlier blocks are never read */
+    const long first = left >= 0 && t0 + off - left > 0 ? t0 + off - left : 0;
+    for (long s0 = first; s0 < nkeys; s0 += PK) {
         const long nk = nkeys - s0 < PK ? nkeys - s0 : PK;
         for (long d = 0; d < D; d++) {
             float *kd = w->kt + d * PK;
@@ -88,6 +98,12 @@ static void block(struct pa_scratch *w, const float *q, const float *k, const fl
             for (long j = nk; j < PK; j++) kd[j] = 0.0f;
         }
         hw_pa_scores(w, R, D);
+        if (left >= 0 && s0 < t0 + nt - 1 + off - left) /* some row's window starts inside or after it */
+            for (long r = 0; r < R; r++) {
+                long lo = t0 + r % nt + off - left - s0; /* the row's first key, relative to s0 */
+                if (lo > nk) lo = nk;
+                for (long j = 0; j < lo; j++) w->p[r * PK + j] = -1e30f;
+            }
         /* online softmax per row; keys past the row's limit (or past nk) weigh 0 */
         const int diagonal = causal && s0 + PK - 1 > t0 + off;  /* some row may not see every key */
         hw_pa_softmax(w, R, nt, nk, diagonal, t0, off, s0);
@@ -104,14 +120,16 @@ static void block(struct pa_scratch *w, const float *q, const float *k, const fl
         }
 }
 
-/* Returns 0, 1 for a shape the kernel does not take (nothing written), -1 without memory. */
+/* causal: 0 none, 1 bottom-right causal, 2 + left causal within a window of left + 1 keys.
+ * Returns 0, 1 for a shape the kernel does not take (nothing written), -1 without memory. */
 int hw_prefill_attention_f32(const float *q, const float *k, const float *v, float *out, float *lse, long B, long H,
                              long Hkv, long T, long S, long D, long sq_b, long sq_h, long sq_t, long sk_b, long sk_h,
                              long sk_t, long sv_b, long sv_h, long sv_t, long so_b, long so_h, long so_t, float scale,
                              int causal) {
     if (Hkv < 1 || H % Hkv || H / Hkv > MAX_PG || D < 8 || D > MAX_PD || D % 8 || T < 1 || S < 0 ||
-        (causal && S < T))
+        (causal && S < T) || causal < 0)
         return 1;
+    const long left = causal >= 2 ? (long)causal - 2 : -1; /* the window's left edge; -1: none */
     const long PQ = query_block(B, Hkv, T), nqb = (T + PQ - 1) / PQ, items = B * Hkv * nqb;
     int failed = 0;
     #pragma omp parallel
@@ -128,7 +146,7 @@ int hw_prefill_attention_f32(const float *q, const float *k, const float *v, flo
             const long qb = nqb - 1 - it % nqb, rest = it / nqb;  /* the longest (last) query blocks first */
             const long hk = rest % Hkv, b = rest / Hkv, t0 = qb * PQ;
             block(w, q, k, v, out, lse, b, hk, t0, T - t0 < PQ ? T - t0 : PQ, H, Hkv, T, S, D, sq_b, sq_h, sq_t,
-                  sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t, scale, causal);
+                  sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t, scale, causal != 0, left);
         }
         if (ok) free(w->mem);
     }
