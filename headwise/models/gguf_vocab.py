@@ -89,8 +89,9 @@ def _spm_merges(tokens: list[str], vocab: dict[str, int], score: np.ndarray) -> 
     Walked by split position k over the tokens still longer than k, as list comprehensions:
     ~1.5 M prefix look-ups for Gemma's 262k tokens."""
     lengths = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
-    first = np.fromiter((vocab[t] == i for i, t in enumerate(tokens)), dtype=bool, count=len(tokens))
-    ids = np.nonzero(first & (lengths > 1))[0]
+    ids = np.nonzero(lengths > 1)[0]
+    if len(vocab) < len(tokens):  # a token listed twice: its last id is the one in vocab
+        ids = np.asarray([i for i in ids.tolist() if vocab[tokens[i]] == i], dtype=np.int64)
     ids = ids[np.argsort(-lengths[ids], kind="stable")]  # longest first: tokens longer than k lead
     strs = [tokens[i] for i in ids.tolist()]
     ids_list = ids.tolist()
@@ -115,7 +116,8 @@ def _spm_merges(tokens: list[str], vocab: dict[str, int], score: np.ndarray) -> 
     owner, k_ = np.asarray(owners, dtype=np.int64), np.asarray(ks, dtype=np.int64)
     # np.lexsort: the last key is the primary one
     order = np.lexsort((right, left, owner, -(lengths[owner] - k_), -k_, -score[owner]))
-    return [(tokens[a], tokens[b]) for a, b in zip(left[order].tolist(), right[order].tolist())]
+    at = tokens.__getitem__
+    return list(zip(map(at, left[order].tolist()), map(at, right[order].tolist())))
 
 
 def wordpiece(tokens: Sequence[str], types: Sequence[int], *, unk_id: int | None):
