@@ -93,7 +93,18 @@ class HybridPagedKVCache:
         first = self.groups[0]
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.block_size, self.dtype, self.device, self.kv_dtype = block_size, first.dtype, first.device, first.kv_dtype
-        self.journal = None  # (tensor parallelism's replay is for PagedKVCache alone)
+
+    @property
+    def journal(self):
+        return None
+
+    @journal.setter
+    def journal(self, value) -> None:  # tensor parallelism's followers replay a PagedKVCache's calls
+        if value is not None:
+            raise NotImplementedError(
+                "tensor parallelism over a hybrid pool (layers of different windows) is not supported yet: "
+                "its followers replay one PagedKVCache's calls"
+            )
 
     # ------------------------------------------------------------------ sequences
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int] | None = None) -> int:

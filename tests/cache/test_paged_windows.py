@@ -178,3 +178,10 @@ def test_gemma3_4096_tokens_in_the_pool_hold_under_0_3x_all_global():
     ratio = sum(held) * block_bytes / all_global
     assert ratio == pytest.approx((3 * 4096 + 15 * 512) / (18 * 4096))  # 0.2708
     assert ratio <= 0.3
+
+
+def test_tensor_parallel_replay_is_refused_by_name():
+    cache = HybridPagedKVCache(2, Hkv, D, 8, BS, windows=[None, 4])
+    with pytest.raises(NotImplementedError, match="tensor parallelism over a hybrid pool"):
+        cache.journal = lambda *a, **k: None
+    assert cache.journal is None
