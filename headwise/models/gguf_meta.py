@@ -65,6 +65,8 @@ def gguf_tokenizer(reader, meta: dict, path: Path) -> Tokenizer:
     types = _numbers(f["tokenizer.ggml.token_type"]).tolist() if "tokenizer.ggml.token_type" in f else None
     scores = _numbers(f["tokenizer.ggml.scores"]) if "tokenizer.ggml.scores" in f else None
 
+    names = meta.get("tokenizer.chat_templates") or []  # named templates beside the default ("tool_use")
+
     def flag(name):  # absent -> None: the tokenizer model's own default (llama.cpp's)
         value = meta.get(f"tokenizer.ggml.{name}")
         return None if value is None else bool(value)
@@ -89,6 +91,10 @@ def gguf_tokenizer(reader, meta: dict, path: Path) -> Tokenizer:
             add_sep=flag("add_sep_token"),
             add_space_prefix=flag("add_space_prefix"),
             chat_template=meta.get("tokenizer.chat_template"),
+            chat_templates={
+                n: meta[f"tokenizer.chat_template.{n}"] for n in names if f"tokenizer.chat_template.{n}" in meta
+            },
+            stop_ids=[i for k in ("eot", "eom") if (i := meta.get(f"tokenizer.ggml.{k}_token_id")) is not None],
         )
     except ValueError as e:
         raise GGUFError(f"{path}: {e}") from None

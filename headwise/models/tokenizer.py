@@ -94,6 +94,9 @@ class Tokenizer:
         else:
             raise FileNotFoundError(f"{path} has neither tokenizer.json nor vocab.txt")
         template = config.get("chat_template")
+        if isinstance(template, list):  # HF's named templates: [{"name": "default", "template": ...}, ...]
+            named = {t["name"]: t["template"] for t in template}
+            template, config["chat_templates"] = named.pop("default", None), named
         if (path / "chat_template.jinja").is_file():  # transformers >= 4.49 saves it separately
             template = (path / "chat_template.jinja").read_text()
         return cls(
@@ -179,6 +182,8 @@ class Tokenizer:
         add_sep: bool | None = None,
         add_space_prefix: bool | None = None,
         chat_template: str | None = None,
+        chat_templates: dict[str, str] | None = None,
+        stop_ids: Sequence[int] = (),
     ) -> "Tokenizer":
         """The tokenizer a GGUF's `tokenizer.ggml.*` metadata describes (gguf_vocab.py builds it).
 
@@ -188,6 +193,8 @@ class Tokenizer:
         (USER_DEFINED) -> added token matched whole. arch: `general.architecture` (Gemma ranks its
         SentencePiece merges by position). add_*: the file's flags; None (absent) means llama.cpp's
         default for the model: BOS for "llama", [CLS] ... [SEP] for "bert", nothing for "gpt2".
+        chat_templates: named ones beside the default ("tool_use"). stop_ids: end-of-turn ids the
+        file names (eot, eom) beyond EOS.
         """
         types = list(token_types) if token_types is not None else []
 
@@ -238,6 +245,10 @@ class Tokenizer:
         }
         if model == "bert":
             config.update(sep_token=sep, cls_token=bos)
+        if chat_templates:
+            config["chat_templates"] = dict(chat_templates)
+        if stops := [text(i) for i in stop_ids if text(i) is not None]:
+            config["stop_tokens"] = stops
         return cls(
             backend,
             bos_token=bos,
@@ -310,7 +321,9 @@ class Tokenizer:
     def stop_token_ids(self) -> frozenset[int]:
         """EOS plus every special token that ends a turn (<|im_end|>, <|endoftext|>, <|eot_id|>, ...)."""
         ids = {self.eos_token_id} | {self.token_to_id(t) for t in _END_OF_TURN}
-        return frozenset(i for i in ids if i is not None and (i in self.special_token_ids or i == self.eos_token_id))
+        ids = {i for i in ids if i is not None and (i in self.special_token_ids or i == self.eos_token_id)}
+        named = {self.token_to_id(t) for t in self.config.get("stop_tokens", ())}  # the GGUF's eot/eom ids
+        return frozenset(ids | named - {None})
 
     # ---- chat ----------------------------------------------------------------------
 
@@ -326,7 +339,10 @@ class Tokenizer:
         messages: [{"role": "user", "content": "Hi"}, ...]. kwargs reach the
         template (tools=..., documents=..., any flag a template reads).
         """
-        template = chat_template or self.chat_template
+        named = self.config.get("chat_templates") or {}
+        if chat_template is None and kwargs.get("tools") and "tool_use" in named:
+            chat_template = "tool_use"  # as transformers picks among named templates
+        template = named.get(chat_template, chat_template) or self.chat_template
         if template is None:
             raise ValueError(
                 "this tokenizer has no chat template (none in tokenizer_config.json or the GGUF); pass chat_template="

@@ -328,3 +328,32 @@ def test_gguf_vocab_errors():
         Tokenizer.from_gguf_vocab(model="rwkv", tokens=["a"])
     with pytest.raises(ValueError, match="pre-tokenizer 'martian'"):
         Tokenizer.from_gguf_vocab(model="gpt2", pre="martian", tokens=["a"], merges=[])
+
+
+def test_named_templates_and_end_of_turn_ids(tmp_path, bpe_vocab):
+    """gguf's writer stores [{"name", "template"}] as tokenizer.chat_template (+ .tool_use) and the
+    list of names; tools pick "tool_use" as transformers does. eot_token_id joins the stop ids."""
+    tokens, merges = bpe_vocab
+    templates = [
+        {"name": "default", "template": "D:{{ messages[0]['content'] }}"},
+        {"name": "tool_use", "template": "T:{{ tools | length }}:{{ messages[0]['content'] }}"},
+    ]
+    path = tmp_path / "named.gguf"
+    types = [3, 3, 3] + [1] * (len(tokens) - 3)
+    flags = dict(bos_token_id=0, eos_token_id=0, eot_token_id=1, chat_template=templates)
+    write_vocab_gguf(path, "qwen2", model="gpt2", tokens=tokens, types=types, merges=merges, pre="qwen2", **flags)
+    tok = ours(path)
+    chat = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(chat) == "D:hi"
+    assert tok.apply_chat_template(chat, tools=[{"type": "function"}]) == "T:1:hi"
+    assert tok.apply_chat_template(chat, chat_template="tool_use", tools=[]) == "T:0:hi"
+    assert tok.stop_token_ids == {0, 1, 2}  # eos, the file's eot (an odd pick, to tell), <|im_end|> by name
+    tok.save(tmp_path / "saved")
+    again = Tokenizer.from_dir(tmp_path / "saved")
+    assert again.apply_chat_template(chat, tools=[{}]) == "T:1:hi" and again.stop_token_ids == {0, 1, 2}
+    # transformers' own list form in tokenizer_config.json
+    config = json.loads((tmp_path / "saved" / "tokenizer_config.json").read_text())
+    config["chat_template"] = templates
+    (tmp_path / "saved" / "tokenizer_config.json").write_text(json.dumps(config))
+    listed = Tokenizer.from_dir(tmp_path / "saved")
+    assert listed.apply_chat_template(chat) == "D:hi" and listed.apply_chat_template(chat, tools=[1]) == "T:1:hi"
