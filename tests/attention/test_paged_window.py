@@ -130,3 +130,33 @@ def test_paged_explain_says_how_the_window_is_handled():
     text = str(e)
     assert "window: query at position p sees keys [p - 2, p + 0]" in text and "not read" in text
     assert "softcap: scores become 5 * tanh(s / 5)" in text
+
+
+@pytest.mark.parametrize("tile_blocks", [1, 2, 16])
+@pytest.mark.parametrize("window", [3, 6, 13])
+def test_a_windowed_chunk_goes_through_the_prefill_kernel(monkeypatch, tile_blocks, window):
+    """A prefill chunk of 12 after 20 cached keys: the tile that ends at the last key and starts
+    at or before the chunk is read by the C prefill kernel with the window's left edge."""
+    from headwise.kernels import prefill as kernel_prefill
+
+    calls = []
+    real = kernel_prefill.prefill_attention_unchecked
+
+    def spy(q, k, v, scale, causal, want_lse, window_left=None):
+        calls.append((causal, window_left))
+        return real(q, k, v, scale, causal, want_lse, window_left)
+
+    monkeypatch.setattr(kernel_prefill, "prefill_attention_unchecked", spy)
+    g = torch.Generator().manual_seed(1)
+    cache = make_cache(2, 4, tile_blocks, "default")
+    cache.add_sequence("a")
+    kept = {"a": ([], [])}
+    grow(cache, kept, ["a"], [[20]], g)
+    calls.clear()
+    k, v, q = (torch.randn(1, h, 12, D, generator=g) for h in (2, 2, 4))
+    out = cache.batch(["a"], 12).layer(0).update(k, v).attend(q, is_causal=True, window=window)
+    kept["a"][0].append(k[0])
+    kept["a"][1].append(v[0])
+    check(out[0], q[0], kept, "a", window, None)
+    if tile_blocks == 16:  # one tile holds every key: the kernel, causal, the window's left edge
+        assert calls == [(True, window - 1)]

@@ -129,7 +129,8 @@ def _read_group(
             k, v = k.index_select(1, kv_map), v.index_select(1, kv_map)
         causal = None if softcap is not None else _prefill_kernel_mask(reads, group, seg, masks, kv_map, q, k)
         if causal is not None:  # the prefill kernel draws this tile's mask itself
-            o, l = kernel_prefill.prefill_attention_unchecked(q, k, v, scale, causal, True)
+            left = masks.window[0] if causal and masks.window is not None else None  # the kernel's window
+            o, l = kernel_prefill.prefill_attention_unchecked(q, k, v, scale, causal, True, left)
             acc, lse = merge_lse(acc, lse, fold_heads(o, Hkv), l.reshape(B, Hkv, G * T))
             continue
         mask, dead = tile_mask(reads, seg, group.rows, masks, kv_map is None, Hkv, G)
@@ -152,9 +153,12 @@ def _prefill_kernel_mask(
     """Whether kernels.prefill reads this tile of one sequence's prefill chunk, and with which
     mask: causal=True where the tile ends at the sequence's last key and holds every key of the
     chunk's queries (then query t sees the tile's keys up to t + n - T, the kernel's bottom-right
-    causal), False where every query sees the whole tile; None: the tile mask and flash instead."""
+    causal, within a causal window as well), False where every query sees the whole tile; None:
+    the tile mask and flash instead."""
     rows = range(reads.B)[group.rows]
-    if len(rows) != 1 or not masks.plain or masks.window is not None or kv_map is not None or q.dtype != torch.float32:
+    if len(rows) != 1 or not masks.plain or kv_map is not None or q.dtype != torch.float32:
+        return None
+    if masks.window is not None and not masks.is_causal:  # a two-sided window: the tile mask
         return None
     if torch.is_grad_enabled() and q.requires_grad:  # a forward-only kernel
         return None
@@ -164,8 +168,9 @@ def _prefill_kernel_mask(
         return None
     if not _prefill_takes(q.shape[1], reads):
         return None
-    if not masks.is_causal or seg.k1 - 1 <= start:
-        return False
+    if not masks.is_causal or seg.k1 - 1 <= start:  # no query meets a future key of the tile
+        # ... and, with a window, the last query's window holds the whole tile
+        return False if masks.window is None or seg.k0 >= end - 1 - masks.window[0] else None
     return True if seg.k1 == end and seg.k0 <= start else None
 
 
