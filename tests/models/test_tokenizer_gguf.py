@@ -227,6 +227,19 @@ def test_tiny_sentencepiece_equals_transformers(tmp_path, arch, prefix):
     assert first.startswith("▁") == (prefix is None)  # add_space_prefix: absent -> True for "llama"
 
 
+@pytest.mark.parametrize("add_bos,add_eos", [(False, True), (True, True), (False, False)])
+def test_bos_eos_flags_as_the_file_says(tmp_path, add_bos, add_eos):
+    tokens, scores, types = spm_vocab()
+    flags = dict(bos_token_id=1, eos_token_id=2, unk_token_id=0, add_bos_token=add_bos, add_eos_token=add_eos)
+    path = write_vocab_gguf(
+        tmp_path / "f.gguf", "llama", model="llama", tokens=tokens, types=types, scores=scores, **flags
+    )
+    tok, hf = ours(path), hf_tokenizer(path)
+    assert_same_ids(tok, hf, SPM_TEXTS)
+    ids = tok.encode("the dog")
+    assert (ids[0] == 1, ids[-1] == 2) == (add_bos, add_eos)
+
+
 def test_sentencepiece_follows_the_files_space_prefix_flag(tmp_path):
     """A Llama file saying add_space_prefix=False (transformers ignores the flag for llama; llama.cpp reads it)."""
     tokens, scores, types = spm_vocab()
