@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _common import Log, cpu_isa, cpu_model, environment, loadavg  # noqa: E402
+from _common import Log, cpu_model, environment, loadavg  # noqa: E402
 from peers import llama_cpp  # noqa: E402
 import torch  # noqa: E402  (after _common: headwise first)
 import headwise  # noqa: E402
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     log = Log()
     gguf = args.gguf or default_gguf()
     env = environment()
-    cpu = f"{cpu_model()} ({cpu_isa()})"
+    cpu = cpu_model()
     log(f"{cpu}, {args.threads} threads, load average {loadavg()}")
 
     model = headwise.load(str(gguf))
