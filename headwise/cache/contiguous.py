@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from .base import LayerCacheBase, LayeredCache, StackParts
-from .sliding import SlidingWindowLayerCache, WindowedRead
+from .sliding import SlidingWindowLayerCache, WindowedRead, ring_bases
 from .store import _as_rows, causal_visibility, check_dims, check_new_kv, check_windows
 
 
@@ -228,7 +228,8 @@ class ContiguousKVCache(LayeredCache):
         """claim_decode for every layer at once, where the stack holds exactly num_layers layers
         at the same lengths (as after every whole step of a model): books one token per sequence
         in each and returns (parts, (base, pos)): parts.layers per layer (K, V, head stride, key
-        stride), the same object step after step while the buffers stay; base, each sequence's
+        stride), a windowed layer's ring (K, V, head stride, key stride, its own base, W: key p at
+        row p % W), the same object step after step while the buffers stay; base, each sequence's
         first key (floats into K, the same in every layer) and pos, this step's new key
         positions, one tensor for all the layers (each layer's lengths are that tensor + 1 then:
         one op for the stack, where each claim_decode takes one). None, with nothing booked,
@@ -244,8 +245,10 @@ class ContiguousKVCache(LayeredCache):
         for layer in layers:  # equal lengths; after a stack claim they share one list
             if layer._host is not host and layer._host != host:
                 return None
-        if max(host) >= self.max_seq_len:
-            first._check_fits([1] * rows)  # raises, naming the sequence
+        if max(host) >= self.max_seq_len:  # a layer of every key is full (a ring always has room)
+            full = [layer for layer in layers if type(layer) is ContiguousLayerCache]
+            if full:
+                full[0]._check_fits([1] * rows)  # raises, naming the sequence
         pos, host = first._len, [L + 1 for L in host]
         new = pos + 1  # never written in place (update() and the ragged path make new tensors)
         for layer in layers:
@@ -254,21 +257,28 @@ class ContiguousKVCache(LayeredCache):
 
     def _stack_parts(self, rows: int, num_layers: int) -> StackParts | None:
         layers = self.layers
+        kinds = (ContiguousLayerCache, SlidingWindowLayerCache)  # a windowed layer's ring: its own base
         if len(layers) != num_layers or any(
-            type(layer) is not ContiguousLayerCache or layer.window is not None for layer in layers
+            type(layer) not in kinds
+            or layer.static
+            or (type(layer) is ContiguousLayerCache and layer.window is not None)
+            for layer in layers
         ):
             return None
-        want = (rows, self.max_seq_len, False, layers[0].store.int8, torch.float32)
+        want = (rows, layers[0].store.int8, torch.float32)
         entries, strides = [], set()
         for layer in layers:
-            if (layer.batch_size, layer.max_seq_len, layer.static, layer.store.int8, layer.dtype) != want:
+            if (layer.batch_size, layer.store.int8, layer.dtype) != want:
                 return None
             sb, sh, st = layer.store.k[0].stride()[:3]
+            if type(layer) is SlidingWindowLayerCache:
+                entries.append((*layer.store.planes(), sh, st, ring_bases(rows, sb), layer.window))
+                continue
             strides.add(sb)
             entries.append((*layer.store.planes(), sh, st))
-        if len(strides) != 1:
+        if len(strides) > 1:
             return None
-        base = torch.arange(rows, dtype=torch.int64) * strides.pop()
+        base = torch.arange(rows, dtype=torch.int64) * (strides.pop() if strides else 0)  # rings: their own
         parts = self._stack_memo = StackParts(rows, list(layers), entries, base)
         return parts
 

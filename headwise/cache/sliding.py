@@ -90,7 +90,7 @@ class SlidingWindowLayerCache(LayerCacheBase):
 
         if T == 1 and counts is None:  # decode: write, then read the ring in place
             self.store.write_at((self._len % W)[:, None], k, v)
-            self._len += 1
+            self._len = self._len + 1  # a new tensor: a stack claim shares one among layers
             end = self._len
             if min(self._host) >= W:  # every slot holds one of the last W keys
                 return WindowedRead(self.store.read(W), W)
@@ -112,8 +112,28 @@ class SlidingWindowLayerCache(LayerCacheBase):
         keep = (t >= n_t[:, None] - W) & (t < n_t[:, None])  # the last W real tokens survive
         b, tt = keep.nonzero(as_tuple=True)
         self.store.write_tokens(b, tt, qpos[b, tt] % W, k, v)  # distinct slots per sequence
-        self._len += n_t
+        self._len = self._len + n_t
         return WindowedRead(CacheRead(keys, values, attn_mask=mask[:, None]), W)  # mask (B, 1, T, W + T)
+
+    def claim_decode(self, rows: int):
+        """ContiguousLayerCache.claim_decode for a ring (kernels.layer's one-call decode step): books
+        one token per sequence and returns (K, V, (base, pos, head stride, key stride, None, 0, W)):
+        sequence b's ring starts base[b] elements into K, its new key pos[b] goes to row pos[b] % W
+        and it attends over the ring's min(pos[b] + 1, W) rows; None where `rows` is not one per
+        sequence or the compute dtype is not fp32."""
+        if rows != self.batch_size or self.dtype is not torch.float32:
+            return None
+        self._host = [L + 1 for L in self._host]  # _book(1, None): a ring always has room
+        pos = self._len
+        self._len = pos + 1
+        k, v = self.store.planes()
+        sb, sh, st = self.store.k[0].stride()[:3]
+        return k, v, (ring_bases(rows, sb), pos, sh, st, None, 0, self.window)
+
+
+def ring_bases(rows: int, batch_stride: int) -> Tensor:
+    """Each sequence's first key (elements into K): row b at b * batch_stride."""
+    return torch.arange(rows, dtype=torch.int64) * batch_stride
 
 
 class SlidingWindowCache(LayeredCache):

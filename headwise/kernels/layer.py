@@ -103,9 +103,11 @@ def _linear_ints(p) -> list[int]:
 
 def _descriptor(plan: StepPlan, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, rows: tuple) -> list[int]:
     """One layer's int64s for decoder_stack (decoder_step.c's ST_* order): the plan's fixed head,
-    then what the step's cache and positions give."""
+    then what the step's cache and positions give. rows = (base, pos, head stride, key stride[,
+    table, block size[, ring]]): a ring of R rows (key p at row p % R) after an empty table."""
     base, pos, s_h, s_t, *paged = rows
-    return _descriptor_ints(plan, k, v, s_h, s_t, _step_ints((base, pos, *paged), cos, sin))
+    ring = paged.pop() if len(paged) == 3 else 0
+    return _descriptor_ints(plan, k, v, s_h, s_t, _step_ints((base, pos, *paged), cos, sin), ring)
 
 
 def _plane(x) -> tuple[int, int]:
@@ -132,11 +134,10 @@ def _step_ints(rows: tuple, cos: Tensor, sin: Tensor) -> tuple[int, ...]:
     )
 
 
-def _descriptor_ints(plan: StepPlan, k, v, s_h: int, s_t: int, step: tuple) -> list[int]:
+def _descriptor_ints(plan: StepPlan, k, v, s_h: int, s_t: int, step: tuple, ring: int = 0) -> list[int]:
     C, H, Hkv, D, F = plan.dims
     base, pos, table, width, bs, cos, sin = step
     (k, ks), (v, vs) = _plane(k), _plane(v)
-    ring = 0  # a cache of every key at its position's row (a ring's size where a cache hands one out)
     return [*plan.head, k, v, ks, vs, base, s_h, s_t, pos, table, width, bs, H, Hkv, D, F, cos, sin, *plan.split] + [
         *plan.spec,
         ring,
@@ -152,21 +153,26 @@ class StackCall:
     """run_stack for a stack that steps again and again over the same cache buffers: the
     descriptors are built once, and each step writes in only what it changes, the same in every
     layer: its rows (key offsets or block tables, new key positions) and RoPE rows. `layers`:
-    per layer (plan, k, v, head stride, key stride), as run_stack's entries without the step's
-    parts. Any number of rows."""
+    per layer (plan, k, v, head stride, key stride[, base, ring]), as run_stack's entries without
+    the step's parts; a layer with its own base (M,) int64 and ring size R keeps them (a windowed
+    layer's ring of R rows a sequence, beside layers of every key). Any number of rows."""
 
     _MARKS = (-101, -102, -103, -104, -105, -106, -107)  # where base, pos, table, width, bs, cos, sin go
 
     def __init__(self, layers: list[tuple]):
-        desc, fl = [], []
+        desc, fl, own = [], [], []
         C = layers[0][0].dims[0]
-        for plan, k, v, s_h, s_t in layers:
+        for i, (plan, k, v, s_h, s_t, *ring) in enumerate(layers):
             if plan.dims[0] != C:
                 raise ValueError(f"decoder stack: a layer of width {plan.dims[0]} in a stack of width {C}")
-            desc += _descriptor_ints(plan, k, v, s_h, s_t, self._MARKS)
+            desc += _descriptor_ints(plan, k, v, s_h, s_t, self._MARKS, ring[1] if ring else 0)
             fl += _floats(plan)
+            if ring:
+                own.append((i, ring[0]))
         n = len(desc) // len(layers)
         self.fields = [slice(desc.index(m), None, n) for m in self._MARKS]
+        base_at = desc.index(self._MARKS[0])
+        self.own_bases = [(base_at + i * n, base) for i, base in own]  # (where, tensor): kept as built
         self.desc, self.fl, self.width, self.num_layers = desc, fl, C, len(layers)
         self.plans = [layer[0] for layer in layers]  # the weights the descriptors point into stay alive
 
@@ -191,6 +197,8 @@ class StackCall:
         desc = self.desc.copy()  # a copy: two threads may step one model
         for field, value in zip(self.fields, values):
             desc[field] = [value] * L
+        for at, own in self.own_bases:
+            desc[at] = own.data_ptr()
         if each:
             desc[self.fields[5]] = [c.data_ptr() for c in coss]
             desc[self.fields[6]] = [t.data_ptr() for t in sins]

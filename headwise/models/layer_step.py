@@ -105,7 +105,9 @@ class WholeStack:
 
     def __init__(self, plans: list, ropes: list):
         self.plans = plans
-        self.ropes = ropes if len({id(r) for r in ropes}) > 1 else ropes[0]  # one: the same rows for all
+        ids = list(dict.fromkeys(id(r) for r in ropes))  # the distinct rotaries, in order
+        self.ropes = [next(r for r in ropes if id(r) == i) for i in ids]
+        self.rope_of = [ids.index(id(r)) for r in ropes]  # each layer's among them
         # (a weak reference to the cache's StackParts, the kernel_layer.StackCall built on its buffers)
         self.built = None
 
@@ -123,9 +125,9 @@ class WholeStack:
             entries = [(p, *kv) for p, kv in zip(self.plans, parts.layers)]
             built = self.built = (weakref.ref(parts), kernel_layer.StackCall(entries))
         ropes = self.ropes
-        if type(ropes) is not list:
-            cos, sin = step.rope_rows(ropes)
+        if len(ropes) == 1:
+            cos, sin = step.rope_rows(ropes[0])
         else:
-            tables = [step.rope_rows(r) for r in ropes]  # Step memoizes each rotary's rows
-            cos, sin = [t[0] for t in tables], [t[1] for t in tables]
+            tables = [step.rope_rows(r) for r in ropes]
+            cos, sin = [tables[i][0] for i in self.rope_of], [tables[i][1] for i in self.rope_of]
         return kernel_layer.run_stack(built[1].at(rows, cos, sin), h)

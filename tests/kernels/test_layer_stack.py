@@ -171,7 +171,7 @@ def test_paged_table_window_starting_inside_a_block_equals_torch(bs):
 
 @pytest.mark.parametrize("pos", [[3], [8, 30]])
 def test_ring_of_window_rows_equals_torch(pos):
-    """A cache that keeps only a layer's last R = W keys (key p at row p % R): the descriptor's ST_RING."""
+    """A cache that keeps only a layer's last R = W keys (key p at row p % R): rows' ring, ST_RING."""
     spec = SPECS["gemma3-local"]
     R = spec["window"]
     w = _layer(spec)
@@ -183,13 +183,8 @@ def test_ring_of_window_rows_equals_torch(pos):
     cos, sin = _rows_rope(pos)
     plan = _plan(w, spec)
     base = torch.arange(M, dtype=torch.int64) * (Hkv * R * D)
-    step = (base.data_ptr(), torch.tensor(pos), 0, 0, 0, cos.data_ptr(), sin.data_ptr())
-    pos_t = step[1]
-    desc = kernel_layer._descriptor_ints(plan, K, V, R * D, D, (*step[:1], pos_t.data_ptr(), *step[2:]))
-    desc[-1] = R  # ST_RING, the last field
-    y = torch.empty(M, C)
-    rc, _ = kernels._ext()[0].decoder_stack(desc, list(kernel_layer._floats(plan)), x.data_ptr(), y.data_ptr(), M, C)
-    assert rc == 0
+    rows = (base, torch.tensor(pos), R * D, D, None, 0, R)  # a cache's ring claim (cache/sliding.py)
+    y = kernel_layer.run_stack([(plan, cos, sin, K, V, rows)], x)
     want = _reference(w, spec, x, lambda m: K2[m], lambda m: V2[m], lambda m, p: p % R, pos, cos, sin)
     torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4)
 
