@@ -214,6 +214,7 @@ class MultiHeadAttention(nn.Module):
             backend="math" if need_weights else self.backend,
             need_weights=need_weights,
             return_lse=hook is not None and hook.wants_lse,
+            **self.attend_settings(),  # window, softcap, scale: what a hook rebuilding weights needs too
         )
         if cache is not None:
             if not self_attn:

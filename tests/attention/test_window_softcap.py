@@ -267,3 +267,37 @@ def test_prefill_kernel_window(H, Hkv, T, S, window):
     if before > 0:
         k[:, :, :before], v[:, :, :before] = float("nan"), float("nan")
         torch.testing.assert_close(attend(q, k, v, is_causal=True, window=window), res.out)
+
+
+def test_head_stats_see_the_cap_and_the_window():
+    """attention_stats (analysis' long-context pass): entropy and max weight of capped, windowed rows."""
+    from headwise.attention.backends.head_stats import attention_stats
+
+    q, k, v = qkv(1, 4, 2, 12, 12, 16, seed=9)
+    q = q * 3
+    st = attention_stats(q, k, is_causal=True, window=5, softcap=1.5, block_q=4, block_k=4)
+    s = 1.5 * torch.tanh(q.double() @ k.double().repeat_interleave(2, 1).transpose(-2, -1) / 4 / 1.5)
+    p, j = torch.arange(12)[:, None], torch.arange(12)[None]
+    w = torch.softmax(s.masked_fill(~((j <= p) & (j > p - 5)), float("-inf")), -1)
+    torch.testing.assert_close(st.max_weight.double(), w.amax(-1), atol=1e-5, rtol=1e-4)
+    entropy = -(w * w.clamp_min(1e-300).log()).sum(-1)
+    torch.testing.assert_close(st.entropy.double(), entropy, atol=1e-4, rtol=1e-4)
+
+
+def test_a_hook_sees_the_layers_settings():
+    """Analysis hooks rebuild weights from the LSE with the call's kwargs: the layer's own window,
+    softcap and scale are among them."""
+    attn = make_layer(4, 2, window=3, softcap=1.0, scale=0.5)
+    seen = {}
+
+    class Hook:
+        wants_lse = True
+
+        def __call__(self, layer, q, k, v, out, lse, weights, kwargs):
+            seen.update(kwargs)
+            return out
+
+    attn.hook = Hook()
+    with torch.no_grad():
+        attn(torch.randn(1, 6, 32), is_causal=True)
+    assert (seen["window"], seen["softcap"], seen["scale"]) == (3, 1.0, 0.5)

@@ -96,7 +96,7 @@ def attention_stats(
     **mask_kwargs,
 ) -> HeadStats:
     """`head_stats` with `attend`'s mask arguments (attn_mask, key_padding_mask, is_causal,
-    window, alibi_slopes, scale): q (B, H, T, D), k (B, Hkv, S, D). Pass the LSE of the
+    window, alibi_slopes, scale, softcap): q (B, H, T, D), k (B, Hkv, S, D). Pass the LSE of the
     `attend(..., return_lse=True)` call with the same masks to skip the first pass."""
     spec = make_spec(q, k, k, **mask_kwargs)
     return head_stats(
@@ -191,6 +191,8 @@ def _scores(spec, qb, k, q0, q1, k0, k1, out: Tensor | None = None) -> tuple[Ten
         shape = (*qb.shape[:3], kt.shape[-1])  # (B, Hkv, G*tq, tk)
         s = torch.matmul(qb, kt, out=out[: math.prod(shape)].view(shape))
     s = unfold_heads(s, spec.H)
+    if spec.softcap is not None:  # Gemma 2: c * tanh(s / c) before masks, as every backend
+        s = s.div_(spec.softcap).tanh_().mul_(spec.softcap)
     allowed, bias = tile_masks(spec, q0, q1, k0, k1, qb.device)
     if bias is not None:
         s += bias
