@@ -370,3 +370,20 @@ def test_named_templates_and_end_of_turn_ids(tmp_path, bpe_vocab):
     (tmp_path / "saved" / "tokenizer_config.json").write_text(json.dumps(config))
     listed = Tokenizer.from_dir(tmp_path / "saved")
     assert listed.apply_chat_template(chat) == "D:hi" and listed.apply_chat_template(chat, tools=[1]) == "T:1:hi"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sentencepiece_merges_equal_transformers_generate_merges(seed):
+    """The numpy-hashed merge search against transformers' plain-Python one, on a vocabulary with
+    duplicates, an empty token, multi-byte characters and unordered scores."""
+    from transformers.tokenization_utils_base import generate_merges
+
+    from headwise.models.gguf_vocab import _spm_merges
+
+    rng = np.random.default_rng(seed)
+    alphabet = list("ab▁é😀")
+    tokens = alphabet + ["".join(rng.choice(alphabet, size=rng.integers(2, 7))) for _ in range(400)] + ["", "ab"]
+    scores = rng.permutation(len(tokens)).astype(float) * -1.0
+    vocab = {t: i for i, t in enumerate(tokens)}
+    expected = generate_merges(vocab, dict(zip(tokens, scores)))
+    assert _spm_merges(tokens, vocab, scores) == expected and len(expected) > 300
