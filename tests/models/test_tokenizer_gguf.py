@@ -227,6 +227,18 @@ def test_tiny_sentencepiece_equals_transformers(tmp_path, arch, prefix):
     assert first.startswith("▁") == (prefix is None)  # add_space_prefix: absent -> True for "llama"
 
 
+def test_sentencepiece_stream_decoding_keeps_spaces(tmp_path):
+    """With the prefix space the decoder strips one leading space of what it decodes; the stream
+    decoder re-decodes windows of ids, so it must still give decode(all ids)."""
+    tokens, scores, types = spm_vocab()
+    path = write_vocab_gguf(tmp_path / "s.gguf", "llama", model="llama", tokens=tokens, types=types, scores=scores)
+    tok = ours(path)
+    for text in ["the quick brown fox", "héllo  wörld 😀 dog", "<|user|> hi <|user|>the"]:
+        ids = tok.encode(text)
+        stream = StreamDecoder(tok)
+        assert "".join(stream.push(i) for i in ids) + stream.flush() == tok.decode(ids)
+
+
 @pytest.mark.parametrize("add_bos,add_eos", [(False, True), (True, True), (False, False)])
 def test_bos_eos_flags_as_the_file_says(tmp_path, add_bos, add_eos):
     tokens, scores, types = spm_vocab()
