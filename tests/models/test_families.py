@@ -197,6 +197,7 @@ def test_engine_greedy_matches_hf(family, name):
         ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "yarn"),
         ("gemma3_text", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ("gemma2", {"layer_types": ["chunked_attention"] * 2, "sliding_window": 8}, "chunked_attention"),
+        ("gemma3", {}, "no text_config"),  # a Gemma3Config without its text model
     ],
 )
 def test_unsupported_options_name_themselves(model_type, option, message):
