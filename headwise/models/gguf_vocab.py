@@ -54,12 +54,14 @@ def sentencepiece_bpe(
     unk: str | None,
     add_space_prefix: bool,
     rank_by_position: bool = False,
+    prefix_every_piece: bool = False,
 ):
     """-> (backend, spelled tokens) for a SentencePiece-BPE vocabulary (module docstring).
 
     A run of spaces stored as real spaces ("  ", Gemma's user-defined tokens) is spelled with "▁",
     as the normalized text has it. add_space_prefix: "hi" is read as "▁hi" (Llama 2), where Gemma
-    says False. rank_by_position: merges ranked by vocabulary order instead of score."""
+    says False. rank_by_position: merges ranked by vocabulary order instead of score.
+    prefix_every_piece: the prefix space on every run of text between special tokens (Phi-3)."""
     spelled = list(tokens)
     known = set(tokens)
     for i, t in enumerate(tokens):
@@ -73,8 +75,12 @@ def sentencepiece_bpe(
     merges = _spm_merges(spelled, vocab, score)
     unk = unk if unk in vocab else None
     backend = Backend(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
-    scheme = "first" if add_space_prefix else "never"  # "first": as transformers' LlamaTokenizer
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme=scheme, split=False)
+    if prefix_every_piece and add_space_prefix:  # Phi-3: "▁" before every piece of text, even after a
+        # special token and before a leading space, as llama.cpp does (transformers' phi3_tokenizer)
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
+    else:  # "first": as transformers' LlamaTokenizer; a text already starting with "▁" gets none
+        scheme = "first" if add_space_prefix else "never"
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme=scheme, split=False)
     steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(steps + [decoders.Strip(content=" ", left=1)] * add_space_prefix)
     _add_typed_tokens(backend, tokens, types, keep=lambda i: spelled[i] == tokens[i])

@@ -191,8 +191,9 @@ class Tokenizer:
         `scores`) or "bert" (WordPiece). tokens: id -> text. merges: "left right", best first (gpt2).
         token_types: llama.cpp's per-token type; 3 (CONTROL) -> special added token, 4
         (USER_DEFINED) -> added token matched whole. arch: `general.architecture` (Gemma ranks its
-        SentencePiece merges by position). add_*: the file's flags; None (absent) means llama.cpp's
-        default for the model: BOS for "llama", [CLS] ... [SEP] for "bert", nothing for "gpt2".
+        SentencePiece merges by position; Phi-3 prefixes every piece with a space). add_*: the
+        file's flags; None (absent) means llama.cpp's default for the model: BOS for "llama",
+        [CLS] ... [SEP] for "bert", nothing for "gpt2".
         chat_templates: named ones beside the default ("tool_use"). stop_ids: end-of-turn ids the
         file names (eot, eom) beyond EOS.
         """
@@ -212,6 +213,7 @@ class Tokenizer:
                 unk=unk,
                 add_space_prefix=True if add_space_prefix is None else add_space_prefix,
                 rank_by_position=(arch or "").startswith("gemma"),
+                prefix_every_piece=arch in ("phi3",),
             )
             add_bos = True if add_bos is None else add_bos
         elif model == "bert":
