@@ -13,6 +13,7 @@ described in decode_attention.c and kernels/__init__.py.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch import Tensor
@@ -46,9 +47,10 @@ def decode_attention_unavailable() -> str | None:
 
 
 def decode_attention(
-    q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float, want_lse: bool = False
+    q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float, want_lse: bool = False, softcap: float | None = None
 ) -> tuple[Tensor, Tensor | None]:
-    """softmax(q k^T * scale) v of each sequence c over its keys [0, lengths[c]), fp32 on CPU.
+    """softmax(q k^T * scale) v of each sequence c over its keys [0, lengths[c]), fp32 on CPU;
+    softcap c > 0: scores c * tanh(s / c) (Gemma 2), LSE of those.
 
     q (C, Hkv, G, D) contiguous; k, v (C, Hkv, width, D), any strides but the last (1);
     lengths (C,) int64 in [0, width]. -> (out (C, Hkv, G, D), lse (C, Hkv, G) natural-log LSE
@@ -71,7 +73,10 @@ def decode_attention(
     why = decode_attention_unavailable()
     if why is not None:
         raise RuntimeError(f"decode_attention is unavailable: {why}")
-    return _call(q, k, v, lengths, scale, want_lse)
+    if softcap is not None and not 0 < softcap < math.inf:
+        raise ValueError(f"decode_attention: softcap must be a finite number > 0 or None, got {softcap!r}")
+    _check(q, k, v, lengths)
+    return _run(q, k, v, lengths, scale, want_lse, softcap=softcap)
 
 
 def paged_decode_attention(
@@ -144,12 +149,14 @@ def _call(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float, want_l
     return _run(q, k, v, lengths, scale, want_lse)
 
 
-def decode_attention_all_keys(q: Tensor, k: Tensor, v: Tensor, scale: float, want_lse: bool = False):
+def decode_attention_all_keys(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, want_lse: bool = False, softcap: float | None = None
+):
     """decode_attention where every query sees all of k's keys (a decode step over a contiguous
-    cache), for a caller that has checked the shapes, dtypes and strides already (the `decode`
-    attention backend, whose check runs once per kind of request): no lengths tensor, no checks,
-    the least Python between the kernels of a decode step."""
-    return _run(q, k, v, None, scale, want_lse)
+    cache, or the view of a window's keys), for a caller that has checked the shapes, dtypes and
+    strides already (the `decode` attention backend, whose check runs once per kind of request):
+    no lengths tensor, no checks, the least Python between the kernels of a decode step."""
+    return _run(q, k, v, None, scale, want_lse, softcap=softcap)
 
 
 def _run(
@@ -162,9 +169,11 @@ def _run(
     strides: tuple[int, int, int] | None = None,
     tables: Tensor | None = None,
     block_size: int = 0,
+    softcap: float | None = None,
 ):
     """The kernel call. strides: K's and V's (sequence, head, key) strides in floats (default:
-    those of 4-D views (C, Hkv, width, D)); tables (C, width) int64: keys through block tables."""
+    those of 4-D views (C, Hkv, width, D)); tables (C, width) int64: keys through block tables;
+    softcap: None, or c > 0 for scores c * tanh(s / c) (the kernel's 0 = none)."""
     C, Hkv, G, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(C, Hkv, G) if want_lse else None
@@ -186,6 +195,7 @@ def _run(
         None if tables is None else tables.data_ptr(),
         0 if tables is None else tables.shape[1],
         block_size,
+        0.0 if softcap is None else float(softcap),
     )
     if rc:  # the checks rule these out; a mismatch means the C and Python limits drifted apart
         raise RuntimeError(f"decode_attention kernel refused G={G}, D={D}, block_size={block_size} (code {rc})")

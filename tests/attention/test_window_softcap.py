@@ -301,3 +301,17 @@ def test_a_hook_sees_the_layers_settings():
     with torch.no_grad():
         attn(torch.randn(1, 6, 32), is_causal=True)
     assert (seen["window"], seen["softcap"], seen["scale"]) == (3, 1.0, 0.5)
+
+
+@pytest.mark.parametrize("H,Hkv", HEADS)
+@pytest.mark.parametrize("window,softcap", [(None, 50.0), (None, 1.0), (8, 0.5), (None, None)])
+def test_decode_kernel_caps_the_scores(H, Hkv, window, softcap):
+    """Gemma 2's decode: the C decode kernel caps each score before its softmax."""
+    q, k, v = qkv(2, H, Hkv, 1, 37, 32, seed=11)
+    q = q * 4
+    e = explain(q, k, v, is_causal=True, window=window, softcap=softcap)
+    assert e.chosen == "decode", str(e)
+    res = attend(q, k, v, is_causal=True, window=window, softcap=softcap, return_lse=True)
+    torch.testing.assert_close(res.out, reference(q, k, v, window=window, softcap=softcap), atol=2e-5, rtol=1e-4)
+    ref = attend(q, k, v, is_causal=True, window=window, softcap=softcap, return_lse=True, backend="math")
+    torch.testing.assert_close(res.lse, ref.lse, atol=2e-5, rtol=1e-5)

@@ -181,3 +181,19 @@ def test_block_tables_that_name_blocks_outside_the_pool_are_refused():
         ka.paged_decode_attention(q, k, v, torch.tensor([[0, 4]]), 8, torch.tensor([9]), 0.25)
     with pytest.raises(ValueError, match="lengths must lie in"):
         ka.paged_decode_attention(q, k, v, torch.tensor([[0, 3]]), 8, torch.tensor([17]), 0.25)
+
+
+@pytest.mark.parametrize("cap", [0.3, 2.0, 30.0])
+def test_softcap_against_a_capped_softmax(cap):
+    """softcap: each score c * tanh(s / c) before the softmax; sequences of their own lengths."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(*s, generator=g) for s in ((3, 2, 4, 64), (3, 2, 29, 64), (3, 2, 29, 64)))
+    lengths = torch.tensor([29, 9, 1])
+    out, lse = ka.decode_attention(q * 3, k, v, lengths, 0.125, True, softcap=cap)
+    s = cap * torch.tanh((q * 3).double() @ k.double().transpose(-1, -2) * 0.125 / cap)  # (3, 2, 4, 29)
+    for c, n in enumerate(lengths.tolist()):
+        s[c, :, :, n:] = float("-inf")
+    torch.testing.assert_close(out, (torch.softmax(s, -1) @ v.double()).float(), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse, torch.logsumexp(s, -1).float(), atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="softcap"):
+        ka.decode_attention(q, k, v, lengths, 0.125, softcap=0.0)

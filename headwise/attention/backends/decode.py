@@ -8,7 +8,8 @@ through its general tiling, allocations and a parallel region per call, which fo
 is most of the time (SmolLM2's decode on AMD EPYC Zen 3: see benchmarks/decode.py).
 
 It serves fp32 CPU requests with no mask (causal with one query row sees every key; a window
-then means the last keys only, read as a view from there), no ALiBi, no soft-cap,
+then means the last keys only, read as a view from there), soft-capped or not (Gemma 2: the
+kernel caps the scores before its softmax), no ALiBi,
 no dropout, no weights, G*T <= 16 rows per KV head and head_dim a multiple of 8 up to 256;
 `explain()` names what else it refuses. Ahead of `sdpa` in the auto order.
 """
@@ -34,7 +35,7 @@ def decode_attention(q, k, v, spec: AttentionSpec) -> AttentionOutput:
         k, v = k[:, :, first:], v[:, :, first:]  # views: the kernel never reads the keys before
     # decode_check (run once per kind of request: attend() memoizes the choice on shapes, dtypes
     # and the K/V layout) has checked everything the kernel's own wrapper would
-    out, lse = kernel_attention.decode_attention_all_keys(rows, k, v, scale, spec.return_lse)
+    out, lse = kernel_attention.decode_attention_all_keys(rows, k, v, scale, spec.return_lse, spec.softcap)
     out = unfold_heads(out, spec.H)  # (B, H, T, D)
     if lse is not None:
         lse = unfold_heads(lse[..., None], spec.H)[..., 0]  # (B, H, T)
@@ -62,7 +63,6 @@ def plain_spec_reasons(spec: AttentionSpec) -> list[str]:
             ("no ALiBi", spec.alibi_slopes is not None),
             ("no dropout", spec.dropout_p > 0),
             ("returns no weights", spec.need_weights),
-            ("no soft-capping", spec.softcap is not None),
         )
         if bad
     ]

@@ -44,6 +44,8 @@ def prefill_check(q, k, v, spec: AttentionSpec) -> list[str]:
     if spec.is_causal and spec.S < spec.T:
         reasons.append(f"causal needs S >= T (got T={spec.T}, S={spec.S})")
     reasons += plain_spec_reasons(spec)
+    if spec.softcap is not None:
+        reasons.append("no soft-capping (chunked caps each tile's scores; the decode kernel caps a decode step's)")
     if spec.kv_map is not None or spec.H % spec.Hkv:
         reasons.append("even GQA groups only")
     elif not kernel_prefill.fits(spec.G, spec.D):

@@ -26,14 +26,16 @@ enum { HW_OK = 0, HW_BAD_SHAPE = 1 };
 
 enum { PARALLEL_MIN_WORK = 1 << 19 };  /* key x row x channel products below which one thread does it all */
 
-/* Returns HW_OK, or HW_BAD_SHAPE (nothing written) unless 1 <= G <= MAX_G, 8 <= D <= MAX_D and
+/* softcap > 0: scores become softcap tanh(s / softcap) before the softmax (Gemma 2); 0: plain.
+ * Returns HW_OK, or HW_BAD_SHAPE (nothing written) unless 1 <= G <= MAX_G, 8 <= D <= MAX_D and
  * D % 8 == 0. Strides are in floats; each key's D floats are contiguous. lengths NULL: every
  * sequence has all_keys keys (a decode step over a contiguous cache). tables (C, tw), or NULL:
  * sequence c's key t is row tables[c][t / bs] * bs + t % bs of its head's plane (a paged pool's
  * block table, bs keys a block, rows sk_t apart), not row t. */
 int hw_decode_attention_f32(const float *q, const float *k, const float *v, float *out, float *lse, long C, long Hkv,
                             long G, long D, long sk_c, long sk_h, long sk_t, long sv_c, long sv_h, long sv_t,
-                            const long *lengths, float scale, long all_keys, const int64_t *tables, long tw, long bs) {
+                            const long *lengths, float scale, long all_keys, const int64_t *tables, long tw, long bs,
+                            float softcap) {
     if (tables && bs < 1) return HW_BAD_SHAPE;
     if (G < 1 || G > MAX_G || D < 8 || D > MAX_D || D % 8) return HW_BAD_SHAPE;
     long keys = 0;
@@ -45,9 +47,15 @@ int hw_decode_attention_f32(const float *q, const float *k, const float *v, floa
     #pragma omp parallel for schedule(dynamic) if (parallel)
     for (long ch = 0; ch < C * Hkv; ch++) {
         const long c = ch / Hkv, h = ch % Hkv;
-        hw_decode_pair_f32(k + c * sk_c + h * sk_h, v + c * sv_c + h * sv_h, q + ch * G * D, out + ch * G * D,
-                           lse ? lse + ch * G : NULL, lengths ? lengths[c] : all_keys, G, D, sk_t, sv_t, scale,
-                           tables ? tables + c * tw : NULL, bs);
+        const float *kc = k + c * sk_c + h * sk_h, *vc = v + c * sv_c + h * sv_h;
+        const long n = lengths ? lengths[c] : all_keys;
+        const int64_t *tab = tables ? tables + c * tw : NULL;
+        if (softcap > 0.0f)
+            hw_decode_pair_capped(kc, vc, q + ch * G * D, out + ch * G * D, lse ? lse + ch * G : NULL, n, G, D, sk_t,
+                                  sv_t, scale, tab, bs, softcap);
+        else
+            hw_decode_pair_f32(kc, vc, q + ch * G * D, out + ch * G * D, lse ? lse + ch * G : NULL, n, G, D, sk_t,
+                               sv_t, scale, tab, bs);
     }
     return HW_OK;
 }

@@ -31,7 +31,8 @@ int hw_quantize(int fmt, const float *w, uint8_t *out, long O, long I);
 int hw_repack8(int fmt, const uint8_t *src, uint8_t *dst, long O, long I, int pack);
 int hw_decode_attention_f32(const float *q, const float *k, const float *v, float *out, float *lse, long C, long Hkv,
                             long G, long D, long sk_c, long sk_h, long sk_t, long sv_c, long sv_h, long sv_t,
-                            const long *lengths, float scale, long all_keys, const int64_t *tables, long tw, long bs);
+                            const long *lengths, float scale, long all_keys, const int64_t *tables, long tw, long bs,
+                            float softcap);
 int hw_decode_attention_seq(const float *q, const void *k, const void *v, const float *ks, const float *vs, float *out,
                             long Hkv, long G, long D, long sk_h, long sk_t, long n, float scale, const int64_t *tab,
                             long bs);
@@ -95,6 +96,9 @@ void hw_decode_pair_f32(const float *k, const float *v, const float *q, float *o
                         long sk_t, long sv_t, float scale, const int64_t *tab, long bs);
 void hw_decode_pair_nolse(const void *k, const void *v, const float *ks, const float *vs, const float *q, float *out,
                           long n, long G, long D, long sk_t, float scale, const int64_t *tab, long bs);
+/* hw_decode_pair_f32 with soft-capped scores, cap tanh(s / cap) before the mask (Gemma 2), cap > 0. */
+void hw_decode_pair_capped(const float *k, const float *v, const float *q, float *out, float *lse, long n, long G,
+                           long D, long sk_t, long sv_t, float scale, const int64_t *tab, long bs, float cap);
 
 /* Prefill attention's three steps per key block (prefill_attention.c), on a work item's rows. */
 struct pa_scratch {

@@ -74,6 +74,17 @@ static inline void widen_rows(const int8_t *q, const float *sc, long s, long ss,
         _mm##W##_storeu_ps(ag + d, _mm##W##_add_ps(_mm##W##_add_ps(a0, a1), _mm##W##_add_ps(a2, a3)));         \
     } while (0)
 
+/* Soft-capped base-2 scores (Gemma 2's attn_logit_softcapping): s = natural score * log2 e becomes
+ * cap tanh(s ln 2 / cap) log2 e, tanh y = 1 - 2 / (e^2y + 1) with e^2y = 2^(2 s / cap), clamped to
+ * 2^+-60 where tanh is +-1 in fp32 already. */
+static inline __m256 softcap_ps(__m256 s, float cap) {
+    const __m256 x = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(s, _mm256_set1_ps(2.0f / cap)), _mm256_set1_ps(-60.0f)),
+                                   _mm256_set1_ps(60.0f));
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(exp2_ps(x), one)));
+    return _mm256_mul_ps(t, _mm256_set1_ps(cap * 1.4426950408889634f));
+}
+
 /* One (sequence, KV head) pair: G rows of q over n keys at k, v (key t at k + key_row(t)*sk_t).
  * ks NULL: k, v are fp32. Else k, v are int8 (cache/quantized.py's layout) and ks, vs their fp32
  * scales, one per key row, at the row's element offset / D: each tile's 8 keys and values are
@@ -81,7 +92,7 @@ static inline void widen_rows(const int8_t *q, const float *sc, long s, long ss,
 static inline __attribute__((always_inline)) void decode_pair(const void *k_, const void *v_, const float *ks,
                                                               const float *vs, const float *q, float *out, float *lse,
                                                               long n, long G, long D, long sk_t, long sv_t, float scale,
-                                                              const int64_t *tab, long bs) {
+                                                              const int64_t *tab, long bs, float cap) {
     const float *k = k_, *v = v_;
     const long esize = ks ? 1 : 4;  /* bytes per stored element */
     float kbuf[TK * MAX_D] __attribute__((aligned(64))), vbuf[TK * MAX_D] __attribute__((aligned(64)));
@@ -136,7 +147,9 @@ static inline __attribute__((always_inline)) void decode_pair(const void *k_, co
                 const __m256 qv = _mm256_load_ps(qg + d);
                 for (long j = 0; j < TK; j++) d8[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[j] + d), d8[j]);
             }
-            const __m256 s = _mm256_blendv_ps(neg_inf, hsum8(d8), valid);  /* (TK,) base-2 scores */
+            __m256 s = hsum8(d8);  /* (TK,) base-2 scores */
+            if (cap > 0.0f) s = softcap_ps(s, cap);  /* before the mask, as the reference */
+            s = _mm256_blendv_ps(neg_inf, s, valid);
             _mm256_store_ps(p + g * TK, s);
             mx[g] = hmax_ps(s);
         }
@@ -169,20 +182,25 @@ static inline __attribute__((always_inline)) void decode_pair(const void *k_, co
     }
 }
 
-/* decode_pair for generic/decode_attention.c's three calls, each its own copy with that call's constants
- * (fp32 K/V; no LSE; neither), as one file's constant propagation made them before the split. */
+/* decode_pair for generic/decode_attention.c's calls, each its own copy with that call's constants
+ * (fp32 K/V; no LSE; neither; fp32 with a soft-cap), as one file's constant propagation made them
+ * before the split: the uncapped copies keep no trace of the cap. */
 void hw_decode_pair(const void *k, const void *v, const float *ks, const float *vs, const float *q, float *out,
                     float *lse, long n, long G, long D, long sk_t, long sv_t, float scale, const int64_t *tab,
                     long bs) {
-    decode_pair(k, v, ks, vs, q, out, lse, n, G, D, sk_t, sv_t, scale, tab, bs);
+    decode_pair(k, v, ks, vs, q, out, lse, n, G, D, sk_t, sv_t, scale, tab, bs, 0.0f);
 }
 void hw_decode_pair_f32(const float *k, const float *v, const float *q, float *out, float *lse, long n, long G, long D,
                         long sk_t, long sv_t, float scale, const int64_t *tab, long bs) {
-    decode_pair(k, v, NULL, NULL, q, out, lse, n, G, D, sk_t, sv_t, scale, tab, bs);
+    decode_pair(k, v, NULL, NULL, q, out, lse, n, G, D, sk_t, sv_t, scale, tab, bs, 0.0f);
+}
+void hw_decode_pair_capped(const float *k, const float *v, const float *q, float *out, float *lse, long n, long G,
+                           long D, long sk_t, long sv_t, float scale, const int64_t *tab, long bs, float cap) {
+    decode_pair(k, v, NULL, NULL, q, out, lse, n, G, D, sk_t, sv_t, scale, tab, bs, cap);
 }
 void hw_decode_pair_nolse(const void *k, const void *v, const float *ks, const float *vs, const float *q, float *out,
                           long n, long G, long D, long sk_t, float scale, const int64_t *tab, long bs) {
-    decode_pair(k, v, ks, vs, q, out, NULL, n, G, D, sk_t, sk_t, scale, tab, bs);
+    decode_pair(k, v, ks, vs, q, out, NULL, n, G, D, sk_t, sk_t, scale, tab, bs, 0.0f);
 }
 
 #endif
