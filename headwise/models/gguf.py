@@ -3,8 +3,10 @@
     config, tensors, tokenizer = read_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
 
 The file is parsed with the `gguf` package, tensors are dequantized by
-`headwise.models.quants`, and llama.cpp's conversion is undone (names, Q/K row
-order) so the result equals what transformers loads from the same file.
+`headwise.models.quants`, and llama.cpp's conversion is undone per architecture
+(gguf_arch.py: names, llama's Q/K row order, Gemma's 1 + w norms, GPT-2's
+transposes; llama, qwen2, qwen3, phi3, gemma2, gemma3, gpt2, bert) so the result
+equals the checkpoint the file was converted from, as transformers loads it.
 Parsing is slow in pure Python (the reader walks a 49k-token vocabulary and its
 merges one string at a time), so `read_gguf` keeps the converted model in a
 cache (`gguf_cache.py`) and reads that on later loads.

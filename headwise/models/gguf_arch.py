@@ -167,7 +167,9 @@ def _qwen3(m: Meta) -> dict:
 def _phi3(m: Meta) -> dict:
     cfg = _decoder(m, "phi3", "Phi3ForCausalLM")
     rot = m("rope.dimension_count", cfg["head_dim"])
-    window = m("attention.sliding_window", 0)  # the converter writes 0 for "none" (Phi-4)
+    # the converter writes 0 for "none" (Phi-4). llama.cpp 11434 reads a window and runs without it
+    # ("Phi SWA is currently disabled"); the checkpoint (and transformers) has it, so we keep it
+    window = m("attention.sliding_window", 0)
     return cfg | {
         "partial_rotary_factor": rot / cfg["head_dim"],
         "sliding_window": window or None,

@@ -167,6 +167,13 @@ def test_gemma3_270m_loads_quantized(gemma3_270m):
     # the quantized matmuls round activations to 8 bits as llama.cpp does: close, not equal
     assert (got - want).abs().max().item() < 0.05 * want.abs().max().item()
     assert torch.equal(got[0, -1].argmax(), want[0, -1].argmax())
+    # a short greedy run as stored gives transformers' tokens (on these prompts the first
+    # disagreement comes at token 11 or later: measured 2026-12, Q4_K_M's own rounding)
+    for prompt in (PROMPT, "def fibonacci(n):"):
+        ids = model.tokenizer.encode(prompt)
+        with torch.no_grad():
+            want_tokens = ref.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids) :]
+        assert headwise.generate(model, ids, max_new_tokens=8, temperature=0).token_ids == want_tokens.tolist()
 
 
 def test_gemma3_270m_fp32_equals_transformers(gemma3_270m):
