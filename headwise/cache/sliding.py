@@ -45,6 +45,9 @@ class WindowedRead:
 
     read: CacheRead | Int8CacheRead
     window: int
+    # The read's keys are positions 0 .. S - 1 in order and it has no mask (a first chunk): the
+    # window is applied by index, causal, which is then by position (no (T, S) mask tensor).
+    by_index: bool = False
 
     def attend(self, q: Tensor, *, alibi_slopes: Tensor | None = None, window=None, **kwargs):
         if window is not None and window != self.window and window != (self.window - 1, 0):
@@ -58,6 +61,8 @@ class WindowedRead:
                 "ALiBi needs keys in position order; SlidingWindowCache holds them in ring "
                 "order. Use ContiguousKVCache with a window mask for ALiBi models"
             )
+        if self.by_index:
+            return self.read.attend(q, **{**kwargs, "is_causal": True}, window=self.window)
         return self.read.attend(q, **kwargs)
 
 
@@ -85,8 +90,17 @@ class SlidingWindowLayerCache(LayerCacheBase):
         """Append k, v (B, Hkv, T, D); each new query sees the last W positions up to its own."""
         W = self.window
         T = check_new_kv(k, v, self.batch_size, self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        empty = self._uniform and self._host[0] == 0
         counts = self._book(T, num_new)
         n = [T] * self.batch_size if counts is None else counts
+
+        if empty and counts is None and T > 1:  # a first chunk: its own keys, window by index
+            m = min(T, W)  # its last m tokens stay in the ring
+            slots = (torch.arange(T - m, T, device=self.device) % W).expand(self.batch_size, m)
+            self.store.write_at(slots, k[:, :, T - m :], v[:, :, T - m :])
+            self._len = self._len + T
+            read = CacheRead(self.store.round_trip(k), self.store.round_trip(v))
+            return WindowedRead(read, W, by_index=True)
 
         if T == 1 and counts is None:  # decode: write, then read the ring in place
             self.store.write_at((self._len % W)[:, None], k, v)
