@@ -289,30 +289,34 @@ def rope_(y: Tensor, cos: Tensor, sin: Tensor, columns: int, head_dim: int) -> T
     return y
 
 
-def qk_norm_rope_(y: Tensor, heads: tuple[int, int, int], q_weight, k_weight, eps: float, cos=None, sin=None) -> Tensor:
+def qk_norm_rope_(
+    y: Tensor, heads: tuple[int, int, int], q_weight, k_weight, eps: float, cos=None, sin=None, rotary_dim=None
+) -> Tensor:
     """QK-norm then RoPE in place on y (M, O) = [q heads | k heads | ...], heads = (H, Hkv, D): RMSNorm
     over each q head's D channels (q_weight (D,), None: not normed) and each k head's (k_weight), then
-    RoPE (half-split) on those H + Hkv heads with cos/sin (M, D / 2) (None: no rotation). The decode
-    stack's step, as a call of its own for a prefill's rows. Returns y."""
+    RoPE (half-split) on the first rotary_dim (default D; fewer: partial rotary) channels of those
+    H + Hkv heads with cos/sin (M, rotary_dim / 2) (None: no rotation). The decode stack's step, as
+    a call of its own for a prefill's rows. Returns y."""
     H, Hkv, D = heads
+    rd = D if rotary_dim is None else rotary_dim
     M, O = y.shape if y.dim() == 2 else (0, 0)
     norms = [w for w in (q_weight, k_weight) if w is not None]
     rope = [] if cos is None else [cos, sin]
     if not (
         rows_kernels_take(y, *norms, *rope)
-        and D > 0
-        and D % 2 == 0
+        and 0 < rd <= D
+        and rd % 2 == 0
         and (H + Hkv) * D <= O
         and all(w.shape == (D,) for w in norms)
-        and all(t.shape == (M, D // 2) for t in rope)
+        and all(t.shape == (M, rd // 2) for t in rope)
     ):
         raise ValueError(
             f"qk_norm_rope_ needs contiguous fp32 y (M, O) with {H} + {Hkv} heads of {D} first, weights ({D},), "
-            f"cos/sin (M, {D // 2}); got y {tuple(y.shape)} {y.dtype}, weights {[tuple(w.shape) for w in norms]}, "
+            f"cos/sin (M, {rd // 2}); got y {tuple(y.shape)} {y.dtype}, weights {[tuple(w.shape) for w in norms]}, "
             f"rope {[tuple(t.shape) for t in rope]}"
         )
     ptrs = [None if t is None else t.data_ptr() for t in (q_weight, k_weight, cos, sin)]
-    _ext()[0].qk_norm_rope_rows(y.data_ptr(), M, O, H, Hkv, D, ptrs[0], ptrs[1], eps, ptrs[2], ptrs[3])
+    _ext()[0].qk_norm_rope_rows(y.data_ptr(), M, O, H, Hkv, D, rd, ptrs[0], ptrs[1], eps, ptrs[2], ptrs[3])
     return y
 
 

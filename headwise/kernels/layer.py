@@ -35,8 +35,8 @@ class StepPlan(NamedTuple):
     scale: float
     split: tuple[int, ...] = (-2, 0, 0, -2, 0, 0)  # k's and v's (fmt, weight, bias) when q, k, v are apart
     # q_norm, k_norm, post-attention norm, post-MLP norm (pointers, 0: none), the GLU prologue, the window
-    # (0: every key): the defaults are a Llama layer's
-    spec: tuple[int, ...] = (0, 0, 0, 0, PRO_SWIGLU, 0)
+    # (0: every key), the rotated channels of a head (dims' D but with partial rotary)
+    spec: tuple[int, ...] = (0, 0, 0, 0, PRO_SWIGLU, 0, 0)
     qk_eps: float = 0.0
     softcap: float = 0.0  # 0: none (the decode kernel refuses any other yet)
 
@@ -57,6 +57,7 @@ def plan_step(
     window: int | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    rotary_dim: int | None = None,
 ) -> StepPlan:
     """plans: (qkv, out, gate_up, down), each a LinearPlan or QuantPlan of the matching shape; qkv
     may be a (q, k, v) tuple of three (an attention that holds them apart: MultiHeadAttention.unfuse).
@@ -64,7 +65,8 @@ def plan_step(
     each q and k head before RoPE (eps qk_eps); post_norms (C,) weights of RMSNorms on the attention's
     and the MLP's outputs before their residuals (eps `eps`); glu, the gate's activation ("silu",
     "gelu_tanh"); window W (each row attends to the W keys ending at its own); scale of the scores
-    (None: D**-0.5); softcap (the kernel refuses it yet: run_stack raises)."""
+    (None: D**-0.5); softcap (the kernel refuses it yet: run_stack raises); rotary_dim, the first channels
+    of each q and k head RoPE rotates (None: all D; fewer: partial rotary, cos/sin then (M, rotary_dim / 2))."""
     qkv, out, gate_up, down = plans
     C, F = out.out_features, down.in_features
     parts = qkv if type(qkv) is tuple else (qkv,)
@@ -79,8 +81,12 @@ def plan_step(
             raise ValueError(
                 f"decoder step: norm weights must be contiguous fp32 ({size},); got {n.dtype} {tuple(n.shape)}"
             )
-    if glu not in GLU_PROLOGUES or (window is not None and window < 1):
-        raise ValueError(f"decoder step: glu {glu!r} (one of {sorted(GLU_PROLOGUES)}), window {window} (None or >= 1)")
+    rd = D if rotary_dim is None else rotary_dim
+    if glu not in GLU_PROLOGUES or (window is not None and window < 1) or not (0 < rd <= D and rd % 2 == 0):
+        raise ValueError(
+            f"decoder step: glu {glu!r} (one of {sorted(GLU_PROLOGUES)}), window {window} (None or >= 1), "
+            f"rotary_dim {rotary_dim} (even, <= {D})"
+        )
     lin, split = [], []
     for p in (parts[0], out, gate_up, down):
         lin += _linear_ints(p)
@@ -88,7 +94,7 @@ def plan_step(
         split += _linear_ints(p)
     lin += [attn_norm.data_ptr(), mlp_norm.data_ptr()]
     extra = (*qk_norms, *post_norms)
-    spec = (*(0 if n is None else n.data_ptr() for n in extra), GLU_PROLOGUES[glu], window or 0)
+    spec = (*(0 if n is None else n.data_ptr() for n in extra), GLU_PROLOGUES[glu], window or 0, rd)
     norms = (attn_norm, mlp_norm, *(n for n in extra if n is not None))
     scale = D**-0.5 if scale is None else float(scale)
     plan = StepPlan(tuple(lin), plans, norms, eps, (C, H, Hkv, D, F), scale, spec=spec, qk_eps=float(qk_eps))

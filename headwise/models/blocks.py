@@ -260,23 +260,23 @@ def fused_layer(p: Parts, x: Tensor, step: Step, cache) -> Tensor:
     h = x.reshape(N, C)
     rope = p.rope
     qk_norm = p.qk_norms != (None, None)
-    fold = rope is not None and not rope.interleaved and rope.dim == D and h.dtype == torch.float32
-    if fold and not qk_norm:
+    fold = rope is not None and not rope.interleaved and h.dtype == torch.float32  # RoPE by the kernels
+    if fold and rope.dim == D and not qk_norm:
         # RoPE of all q and k heads in the QKV call (the kernel's epilogue, or the module after it)
         cos, sin = step.rope_rows(rope)  # (N, D/2)
         qkv = fused_linear(p.qkv, h, norm=p.attn_norm, rope=(rope, cos, sin, (H + Hkv) * D))
         rope = None
     else:
         qkv = fused_linear(p.qkv, h, norm=p.attn_norm)  # (N, (H + 2 Hkv) D)
-    if qk_norm:  # between the projection and RoPE: one kernel call for both, else the modules
-        cos, sin = step.rope_rows(rope) if fold else (None, None)
-        if qk_norm_rope(p.qk_norms, qkv, (H, Hkv, D), cos, sin):
+    if qk_norm or (fold and rope is not None):  # QK-norm before RoPE, or partial RoPE: one kernel call
+        cos, sin = step.rope_rows(rope) if fold else (None, None)  # (N, rotary dim / 2)
+        if qk_norm_rope(p.qk_norms, qkv, (H, Hkv, D), cos, sin, rope.dim if fold else None):
             rope = None if fold else rope
-        else:
+        elif qk_norm:  # the modules
             q, k = attn.norm_qk(qkv[:, : H * D].view(N, H, D), qkv[:, H * D : (H + Hkv) * D].view(N, Hkv, D))
             qkv[:, : H * D], qkv[:, H * D : (H + Hkv) * D] = q.reshape(N, -1), k.reshape(N, -1)
     qk = qkv[:, : (H + Hkv) * D].view(B, T, H + Hkv, D)
-    if rope is not None:  # partial, interleaved or low-precision RoPE: the module
+    if rope is not None:  # interleaved or low-precision RoPE (or no kernels): the module
         qk = rope(qk.transpose(1, 2), cos_sin=step.rope_cos_sin(rope)).transpose(1, 2)
     q = qk[:, :, :H].transpose(1, 2)  # (B, H, T, D)
     k = qk[:, :, H:].transpose(1, 2)  # (B, Hkv, T, D)

@@ -110,10 +110,11 @@ def fused_norm(norm: nn.Module, x: Tensor) -> Tensor:
     return norm(x)
 
 
-def qk_norm_rope(norms: tuple, qkv: Tensor, heads: tuple[int, int, int], cos=None, sin=None) -> bool:
-    """QK-norm (norms: the (q_norm, k_norm) modules, either None), then RoPE where cos, sin (N, D/2)
-    are given, in place on qkv (N, (H + 2 Hkv) D) in one kernel call (kernels.qk_norm_rope_) where
-    the norms are fp32 RMSNorms of one eps; False, with nothing done, where not."""
+def qk_norm_rope(norms: tuple, qkv: Tensor, heads: tuple[int, int, int], cos=None, sin=None, rotary_dim=None) -> bool:
+    """QK-norm (norms: the (q_norm, k_norm) modules, either None), then RoPE over each head's first
+    rotary_dim channels (None: all) where cos, sin (N, rotary_dim/2) are given, in place on qkv
+    (N, (H + 2 Hkv) D) in one kernel call (kernels.qk_norm_rope_) where the norms are fp32 RMSNorms
+    of one eps; False, with nothing done, where not."""
     args = []
     for n in norms:
         rms = None if n is None else getattr(type(n), "rms_args", None)
@@ -122,7 +123,8 @@ def qk_norm_rope(norms: tuple, qkv: Tensor, heads: tuple[int, int, int], cos=Non
             return False
     given = [a for a in args if a is not None]
     rows = [qkv, *(w for w, _ in given), *(() if cos is None else (cos, sin))]
-    if len({eps for _, eps in given}) != 1 or not kernels.rows_kernels_take(*rows):
+    if len({eps for _, eps in given}) > 1 or not kernels.rows_kernels_take(*rows):
         return False
-    kernels.qk_norm_rope_(qkv, heads, *(None if a is None else a[0] for a in args), given[0][1], cos, sin)
+    eps = given[0][1] if given else 0.0
+    kernels.qk_norm_rope_(qkv, heads, *(None if a is None else a[0] for a in args), eps, cos, sin, rotary_dim)
     return True

@@ -7,9 +7,10 @@ sequence's run start or block table), and the layer's four linears all run on he
 the same kernels `blocks.fused_layer` would call one by one, without ~40 Python-level operations
 between them (an int8 cache's keys quantized and read by the kernel, as the cache's quantize_int8 /
 dequantize_int8 do). The block's spec is the plan's data, one kernel for every family: RMSNorms,
-QK-norm (Qwen3, Gemma 3), post-norms (Gemma), SwiGLU or GeGLU, the layer's window, scale and rotary.
+QK-norm (Qwen3, Gemma 3), post-norms (Gemma), SwiGLU or GeGLU, the layer's window, scale and rotary
+(partial rotary too: Phi-3).
 Consecutive such layers go in one call. Anything else (a prefill, a static cache, ALiBi, a forced
-attention backend, uneven GQA groups, a soft-cap, partial rotary, another norm or MLP) has no plan
+attention backend, uneven GQA groups, a soft-cap, interleaved RoPE, another norm or MLP) has no plan
 or books nothing, and runs `blocks.fused_layer`.
 """
 
@@ -35,7 +36,8 @@ def layer_plan(p) -> kernel_layer.StepPlan | None:
         p.glu in kernel_layer.GLU_PROLOGUES
         and rope is not None
         and not rope.interleaved
-        and rope.dim == D
+        and rope.dim <= D
+        and rope.dim % 2 == 0
         and attn.alibi_slopes is None
         and attn.backend == "auto"
         and attn._buffers.get("kv_map") is None
@@ -71,6 +73,7 @@ def layer_plan(p) -> kernel_layer.StepPlan | None:
         glu=p.glu,
         window=getattr(attn, "window", None),
         scale=getattr(attn, "scale", None),
+        rotary_dim=rope.dim,
     )
 
 

@@ -29,9 +29,10 @@ def _rms(x, w, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def _rope(x, cos, sin):  # x (..., D), half-split (rotate_half), cos/sin (D/2,)
-    a, b = x[..., : D // 2], x[..., D // 2 :]
-    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+def _rope(x, cos, sin):  # x (..., D), half-split (rotate_half) over the first 2 * len(cos) channels
+    h = cos.shape[-1]
+    a, b, rest = x[..., :h], x[..., h : 2 * h], x[..., 2 * h :]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin, rest], dim=-1)
 
 
 def _layer(spec):
@@ -107,11 +108,12 @@ def _plan(w, spec):
         glu=spec.get("glu", "silu"),
         window=spec.get("window"),
         scale=spec.get("scale"),
+        rotary_dim=spec.get("rot"),
     )
 
 
-def _rows_rope(pos):
-    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).double() / D))
+def _rows_rope(pos, rd=D):
+    inv = 1.0 / (10000 ** (torch.arange(0, rd, 2).double() / rd))
     ang = torch.tensor(pos).double()[:, None] * inv
     return ang.cos().float().contiguous(), ang.sin().float().contiguous()
 
@@ -122,6 +124,8 @@ SPECS = {
     "gemma3-local": {"qk": True, "post": True, "glu": "gelu_tanh", "window": 8, "scale": 0.1},
     "gemma3-global": {"qk": True, "post": True, "glu": "gelu_tanh", "scale": 0.1},
     "window": {"window": 5},
+    "partial-rotary": {"rot": 8},  # Phi-3: RoPE over half of each head
+    "partial-qk-norm": {"rot": 6, "qk": True},
 }
 
 
@@ -135,7 +139,7 @@ def test_contiguous_cache_step_equals_torch(name, pos):
     K, V = torch.randn(M, Hkv, S, D, generator=g), torch.randn(M, Hkv, S, D, generator=g)
     K2, V2 = K.clone(), V.clone()
     x = torch.randn(M, C, generator=g)
-    cos, sin = _rows_rope(pos)
+    cos, sin = _rows_rope(pos, spec.get("rot", D))
     plan = _plan(w, spec)
     base = torch.arange(M, dtype=torch.int64) * (Hkv * S * D)
     rows = (base, torch.tensor(pos), S * D, D)

@@ -17,9 +17,8 @@ from ..helpers import save_hf
 from .test_families import FAMILIES, V
 
 TOL = 1e-4
-# the families whose every layer's decode step the C stack runs (Gemma 2's soft-capped scores: not yet;
-# Phi-3's partial rotary: its layers run fused_layer)
-STACKED = {"mistral", "qwen2", "qwen3", "gemma3"}
+# the families whose every layer's decode step the C stack runs (Gemma 2's soft-capped scores: not yet)
+STACKED = {"mistral", "qwen2", "qwen3", "phi3", "gemma3"}
 
 
 @pytest.fixture(scope="module")

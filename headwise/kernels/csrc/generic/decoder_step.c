@@ -100,6 +100,8 @@ static void post_norm_add(float *t, const float *w, float eps, const float *r, f
  *     (C,) or 0 (Gemma: x + norm(out(o)), x + norm(mlp(x)); else the residual folds into the matmul).
  *   ST_GLU: the MLP's prologue, PRO_SWIGLU or PRO_GEGLU.
  *   ST_WINDOW: W keys ending at each row's own (a sliding-window layer), 0 for all of them.
+ *   ST_ROT: the channels of each q and k head RoPE rotates, D or fewer (Phi-3's partial rotary), even;
+ *     cos, sin are then (M, ST_ROT / 2).
  *   ST_RING: R > 0 when the cache is a ring of R rows (key p at row p % R, holding the last R keys;
  *     W must be 0 or >= R), 0 when key p is at row p.
  *   floats: FL_EPS (every RMSNorm's eps but the QK-norm's), FL_SCALE (the scores'), FL_QK_EPS,
@@ -108,7 +110,7 @@ static void post_norm_add(float *t, const float *w, float eps, const float *r, f
  * runs exactly the calls it ran before they came. */
 enum { ST_LIN = 0, ST_ATTN_NORM = 12, ST_MLP_NORM, ST_K, ST_V, ST_KS, ST_VS, ST_BASE, ST_SH, ST_ST, ST_POS, ST_TABLE,
        ST_TW, ST_BS, ST_H, ST_HKV, ST_D, ST_F, ST_COS, ST_SIN, ST_SPLIT, ST_Q_NORM = ST_SPLIT + 6, ST_K_NORM,
-       ST_POST_ATTN, ST_POST_MLP, ST_GLU, ST_WINDOW, ST_RING, STACK_FIELDS };
+       ST_POST_ATTN, ST_POST_MLP, ST_GLU, ST_WINDOW, ST_ROT, ST_RING, STACK_FIELDS };
 enum { FL_EPS, FL_SCALE, FL_QK_EPS, FL_SOFTCAP, FL_FIELDS };
 
 long hw_stack_fields(void) { return STACK_FIELDS; }
@@ -123,7 +125,7 @@ static int hw_decoder_step(const int64_t *d, const float *fl, const float *x, fl
     const int64_t *base = PTR(const int64_t *, d[ST_BASE]), *pos = PTR(const int64_t *, d[ST_POS]);
     const int64_t *table = PTR(const int64_t *, d[ST_TABLE]);
     const long H = d[ST_H], Hkv = d[ST_HKV], D = d[ST_D], F = d[ST_F], s_h = d[ST_SH], s_t = d[ST_ST];
-    const long tw = d[ST_TW], bs = d[ST_BS], W = d[ST_WINDOW], R = d[ST_RING];
+    const long tw = d[ST_TW], bs = d[ST_BS], W = d[ST_WINDOW], R = d[ST_RING], rd = d[ST_ROT];
     const float *attn_norm = PTR(const float *, d[ST_ATTN_NORM]), *mlp_norm = PTR(const float *, d[ST_MLP_NORM]);
     const float *cos = PTR(const float *, d[ST_COS]), *sin = PTR(const float *, d[ST_SIN]);
     const float *qn = PTR(const float *, d[ST_Q_NORM]), *kn = PTR(const float *, d[ST_K_NORM]);
@@ -131,9 +133,10 @@ static int hw_decoder_step(const int64_t *d, const float *fl, const float *x, fl
     float *kc = PTR(float *, d[ST_K]), *vc = PTR(float *, d[ST_V]), *ks = PTR(float *, d[ST_KS]);
     float *vs = PTR(float *, d[ST_VS]);
     const float eps = fl[FL_EPS], scale = fl[FL_SCALE];
-    const int glu = (int)d[ST_GLU], qk = qn || kn, post = post_attn || post_mlp;
+    const int glu = (int)d[ST_GLU], qk = qn || kn || rd != D, post = post_attn || post_mlp;
     const int bad_ring = R < 0 || (R && (table || (W && W < R)));
-    if ((table && bs < 1) || W < 0 || bad_ring || (glu != PRO_SWIGLU && glu != PRO_GEGLU)) return -3;
+    if ((table && bs < 1) || W < 0 || bad_ring || (glu != PRO_SWIGLU && glu != PRO_GEGLU) || rd < 2 || rd > D || rd % 2)
+        return -3;
     if (fl[FL_SOFTCAP] != 0.0f) return -4;
     const long QKV = (H + 2 * Hkv) * D, HD = H * D;
     float *buf = malloc(sizeof(float) * (size_t)(M * (QKV + 2 * HD + C + 2 * F) + (split ? M * QKV : 0) +
@@ -143,13 +146,13 @@ static int hw_decoder_step(const int64_t *d, const float *fl, const float *x, fl
     if (!buf || !first) goto done;
     float *qkv = buf, *q = qkv + M * QKV, *o = q + M * HD, *h = o + M * HD, *gu = h + M * C;
     float *t = gu + M * 2 * F + (split ? M * QKV : 0); /* a post-normed output before its norm */
-    const float *rc_cos = qk ? NULL : cos, *rc_sin = qk ? NULL : sin; /* QK-norm: RoPE after it */
+    const float *rc_cos = qk ? NULL : cos, *rc_sin = qk ? NULL : sin; /* QK-norm, partial: RoPE after */
     if (split)
         rc = split_qkv(lin, split, attn_norm, eps, x, qkv, gu + M * 2 * F, M, C, H, Hkv, D, rc_cos, rc_sin);
     else
         rc = linear(lin, x, NULL, qkv, M, QKV, C, PRO_RMSNORM, attn_norm, eps, rc_cos, rc_sin, (H + Hkv) * D, D);
     if (rc) goto done;
-    if (qk) hw_qk_norm_rope_rows(qkv, M, QKV, H, Hkv, D, qn, kn, fl[FL_QK_EPS], cos, sin);
+    if (qk) hw_qk_norm_rope_rows(qkv, M, QKV, H, Hkv, D, rd, qn, kn, fl[FL_QK_EPS], cos, sin);
     for (long m = 0; m < M; m++) {
         const float *row = qkv + m * QKV;
         memcpy(q + m * HD, row, sizeof(float) * (size_t)HD);

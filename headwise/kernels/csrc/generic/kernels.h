@@ -42,8 +42,8 @@ int hw_prefill_attention_f32(const float *q, const float *k, const float *v, flo
                              int causal);
 void hw_rows_prologue(int kind, const float *x, const float *norm_w, float eps, float *out, long M, long I);
 void hw_rope_rows(float *y, long M, long O, const float *cos, const float *sin, long rot_cols, long head_dim);
-void hw_qk_norm_rope_rows(float *y, long M, long O, long H, long Hkv, long D, const float *qn, const float *kn,
-                          float eps, const float *cos, const float *sin);
+void hw_qk_norm_rope_rows(float *y, long M, long O, long H, long Hkv, long D, long rd, const float *qn,
+                          const float *kn, float eps, const float *cos, const float *sin);
 long hw_argmax_rows(const float *x, long R, long n, long stride, int64_t *out);
 int hw_decoder_stack(long n, const int64_t *layers, const float *fl, const float *x, float *y, long M, long C,
                      long *failed);

@@ -160,16 +160,17 @@ static PyObject *py_rope_rows(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
-/* qk_norm_rope_rows(y, M, O, H, Hkv, D, qn, kn, eps, cos, sin) -> None (rows.c) */
+/* qk_norm_rope_rows(y, M, O, H, Hkv, D, rd, qn, kn, eps, cos, sin) -> None (rows.c) */
 static PyObject *py_qk_norm_rope_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     float *y, eps;
     const float *qn, *kn, *cos, *sin;
-    long M, O, H, Hkv, D;
-    if (!(hw_nargs("qk_norm_rope_rows", nargs, 11) && HW_P(0, y) && HW_L(1, M) && HW_L(2, O) && HW_L(3, H) &&
-          HW_L(4, Hkv) && HW_L(5, D) && HW_P(6, qn) && HW_P(7, kn) && HW_F(8, eps) && HW_P(9, cos) && HW_P(10, sin)))
+    long M, O, H, Hkv, D, rd;
+    if (!(hw_nargs("qk_norm_rope_rows", nargs, 12) && HW_P(0, y) && HW_L(1, M) && HW_L(2, O) && HW_L(3, H) &&
+          HW_L(4, Hkv) && HW_L(5, D) && HW_L(6, rd) && HW_P(7, qn) && HW_P(8, kn) && HW_F(9, eps) && HW_P(10, cos) &&
+          HW_P(11, sin)))
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-    hw_qk_norm_rope_rows(y, M, O, H, Hkv, D, qn, kn, eps, cos, sin);
+    hw_qk_norm_rope_rows(y, M, O, H, Hkv, D, rd, qn, kn, eps, cos, sin);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }

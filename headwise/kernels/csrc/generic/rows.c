@@ -80,20 +80,24 @@ void hw_rope_rows(float *y, long M, long O, const float *cos, const float *sin, 
 
 /* Qwen3's and Gemma 3's QK-norm, then RoPE: in each row of y (M, O) = [q heads | k heads | ...], RMSNorm
  * over each of the H q heads' D channels (weights qn) and the Hkv k heads' (kn; either NULL: not
- * normed), in place, then the rotation of those H + Hkv heads (cos NULL: none). The norm comes
- * between the projection and the rotation, so it cannot be the matmul's epilogue. */
-void hw_qk_norm_rope_rows(float *y, long M, long O, long H, long Hkv, long D, const float *qn, const float *kn,
-                          float eps, const float *cos, const float *sin) {
-    const long h = D / 2;
+ * normed), in place, then the rotation of each of those H + Hkv heads' first rd channels (half-split
+ * within them: rd = D, or Phi-3's partial rotary rd < D), cos/sin (M, rd / 2) (cos NULL: none).
+ * The norm comes between the projection and the rotation, so it cannot be the matmul's epilogue. */
+void hw_qk_norm_rope_rows(float *y, long M, long O, long H, long Hkv, long D, long rd, const float *qn,
+                          const float *kn, float eps, const float *cos, const float *sin) {
+    const long h = rd / 2;
     #pragma omp parallel for schedule(static) if (M > ROWS_PER_TASK)
-    for (long m0 = 0; m0 < M; m0 += ROWS_PER_TASK) {
-        const long mc = M - m0 < ROWS_PER_TASK ? M - m0 : ROWS_PER_TASK;
-        for (long m = m0; m < m0 + mc; m++)
-            for (long j = 0; j < H + Hkv; j++) {
-                const float *w = j < H ? qn : kn;
-                float *head = y + m * O + j * D;
-                if (w) rmsnorm_rows(head, w, eps, head, 1, D); /* element by element: in place is safe */
+    for (long m = 0; m < M; m++)
+        for (long j = 0; j < H + Hkv; j++) {
+            const float *w = j < H ? qn : kn;
+            float *lo = y + m * O + j * D, *hi = lo + h;
+            if (w) rmsnorm_rows(lo, w, eps, lo, 1, D); /* element by element: in place is safe */
+            if (!cos) continue;
+            const float *c = cos + m * h, *s = sin + m * h;
+            for (long i = 0; i < h; i++) {
+                const float a = lo[i], b = hi[i];
+                lo[i] = a * c[i] - b * s[i];
+                hi[i] = b * c[i] + a * s[i];
             }
-        if (cos) hw_rope_epilogue(y + m0 * O, mc, O, cos + m0 * h, sin + m0 * h, (H + Hkv) * D, D);
-    }
+        }
 }
