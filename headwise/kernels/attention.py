@@ -137,11 +137,19 @@ def paged_decode_attention(
 
 
 def paged_decode_attention_unchecked(
-    q: Tensor, k: Tensor, v: Tensor, tables: Tensor, block_size: int, lengths: Tensor, scale: float, want_lse: bool
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    tables: Tensor,
+    block_size: int,
+    lengths: Tensor,
+    scale: float,
+    want_lse: bool,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """paged_decode_attention for a caller that built the tables from the pool itself (the paged
     backend, every layer of a step): no checks, none of their tensor reductions per layer."""
-    return _run(q, k, v, lengths, scale, want_lse, (0, k.stride(0), k.stride(1)), tables, block_size)
+    return _run(q, k, v, lengths, scale, want_lse, (0, k.stride(0), k.stride(1)), tables, block_size, softcap)
 
 
 def _call(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, scale: float, want_lse: bool):

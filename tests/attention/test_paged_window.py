@@ -160,3 +160,36 @@ def test_a_windowed_chunk_goes_through_the_prefill_kernel(monkeypatch, tile_bloc
     check(out[0], q[0], kept, "a", window, None)
     if tile_blocks == 16:  # one tile holds every key: the kernel, causal, the window's left edge
         assert calls == [(True, window - 1)]
+
+
+@pytest.mark.parametrize("layout,kind", [("spread", "runs"), ("regions", "regions"), ("default", "decodes")])
+def test_capped_decodes_read_in_place(monkeypatch, layout, kind):
+    """Gemma 2's decodes in a packed step: each in-place decode path hands its cap to the C kernel."""
+    from headwise.kernels import attention as kernel_attention
+
+    caps = []
+    real = kernel_attention._run
+
+    def spy(*args, **kwargs):
+        caps.append(kwargs.get("softcap", args[9] if len(args) > 9 else None))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernel_attention, "_run", spy)
+    H, Hkv = 4, 2
+    g = torch.Generator().manual_seed(0)
+    cache = make_cache(Hkv, 4, 2, layout)
+    ids = ["a", "b", "c"]
+    kept = {s: ([], []) for s in ids}
+    for s in ids:
+        cache.add_sequence(s)
+    grow(cache, kept, ids, [[5, 9, 3], [4, 4, 4], [1, 7, 2]], g)
+    step = cache.packed(ids, [1, 1, 6])
+    assert kind in {p.kind for p in step.parts}
+    k, v, q = torch.randn(1, Hkv, 8, D, generator=g), torch.randn(1, Hkv, 8, D, generator=g), torch.randn(1, H, 8, D)
+    caps.clear()
+    out = attend_kv(3 * q, step.layer(0).update(k, v).kv, is_causal=True, softcap=0.8)
+    assert 0.8 in caps
+    for s, (a, b) in zip(ids, [(0, 1), (1, 2), (2, 8)]):
+        kept[s][0].append(k[0, :, a:b])
+        kept[s][1].append(v[0, :, a:b])
+        check(out[0, :, a:b], 3 * q[0, :, a:b], kept, s, None, 0.8)

@@ -237,7 +237,7 @@ def _packed(q: Tensor, kv: LayerKV, spec: AttentionSpec, reference: bool) -> Att
         return AttentionOutput(res.out, res.lse if return_lse else None, None)
     in_place = (
         spec.kv_map is None
-        and spec.softcap is None
+        and (spec.softcap is None or _kernel_takes(q, H // reads.num_kv_heads, q.shape[-1]))  # the C kernel caps
         and spec.alibi_slopes is None
         and spec.dropout_p == 0
         and not reference
@@ -264,11 +264,11 @@ def _packed(q: Tensor, kv: LayerKV, spec: AttentionSpec, reference: bool) -> Att
         )
         if part.kind in ("runs", "regions") and in_place:
             attend_part = _attend_runs if part.kind == "runs" else _attend_regions
-            o, l = attend_part(reads, layer, rows, i, spec.scale, return_lse)
+            o, l = attend_part(reads, layer, rows, i, spec.scale, return_lse, spec.softcap)
             if len(parts) == 1 and not return_lse:  # a pure decode step: no copy back
                 return AttentionOutput(o.transpose(0, 1)[None], None, None)  # (1, H, N, D), memory (N, H, D)
         elif tables is not None:
-            o, l = _attend_tables(reads.num_kv_heads, rows, tables, spec.scale, return_lse)
+            o, l = _attend_tables(reads.num_kv_heads, rows, tables, spec.scale, return_lse, spec.softcap)
         else:
             sub = part.reads if part.kind == "decodes" else reads.fallback(i)
             res = _block(rows[:, :, None], sub, layer, spec, reference)  # (Bd, H, 1, D)
@@ -285,7 +285,9 @@ def _packed(q: Tensor, kv: LayerKV, spec: AttentionSpec, reference: bool) -> Att
     return AttentionOutput(out, lse, None)
 
 
-def _attend_regions(reads: PackedReads, layer: int, rows: Tensor, i: int, scale: float | None, want_lse: bool):
+def _attend_regions(
+    reads: PackedReads, layer: int, rows: Tensor, i: int, scale: float | None, want_lse: bool, softcap=None
+):
     """Decode rows (Bd, H, D) of sequences that each start a region of R blocks and fit in it:
     region r's keys are slots [r * R * bs, r * R * bs + width) of the pool, a fixed stride
     apart, so one as_strided view (count, Hkv, width, D) of the pool holds them all, and
@@ -302,7 +304,8 @@ def _attend_regions(reads: PackedReads, layer: int, rows: Tensor, i: int, scale:
     k, v = reads.region_views(layer, i)  # (count, Hkv, width, D)
     if _kernel_takes(q, G, D):
         # kernels/attention.py: one pass over K/V with the lengths, no mask (~2x flash, AMD EPYC Zen 3)
-        o, lse = kernel_attention.decode_attention(q.contiguous(), k, v, _slot_lengths(reads, i), scale, want_lse)
+        lengths = _slot_lengths(reads, i)
+        o, lse = kernel_attention.decode_attention(q.contiguous(), k, v, lengths, scale, want_lse, softcap)
     else:
         o, lse = _CPU_FLASH(q, k, v, 0.0, False, attn_mask=grid_mask(reads, i, G, q.dtype), scale=scale)[:2]
     if grid.gather is not None:
@@ -311,7 +314,7 @@ def _attend_regions(reads: PackedReads, layer: int, rows: Tensor, i: int, scale:
     return o.reshape(Bd, H, D), (lse.reshape(Bd, H).float() if want_lse else None)
 
 
-def _attend_tables(Hkv: int, rows: Tensor, tables, scale: float | None, want_lse: bool):
+def _attend_tables(Hkv: int, rows: Tensor, tables, scale: float | None, want_lse: bool, softcap=None):
     """Decode rows (Bd, H, D) of sequences whose blocks lie anywhere in the pool: one kernel call
     reads every row's keys through its block table, in place, instead of gathering tiles
     (kernels.attention.paged_decode_attention; unchecked: the tables come from the cache).
@@ -320,7 +323,7 @@ def _attend_tables(Hkv: int, rows: Tensor, tables, scale: float | None, want_lse
     Bd, H, D = rows.shape
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     q = fold_heads(rows[:, :, None], Hkv).contiguous()  # (Bd, Hkv, G, D)
-    o, lse = kernel_attention.paged_decode_attention_unchecked(q, k, v, table, bs, lengths, scale, want_lse)
+    o, lse = kernel_attention.paged_decode_attention_unchecked(q, k, v, table, bs, lengths, scale, want_lse, softcap)
     return o.view(Bd, H, D), (lse.view(Bd, H) if want_lse else None)
 
 
@@ -346,7 +349,9 @@ def _slot_lengths(reads: PackedReads, i: int) -> Tensor:
     return lengths
 
 
-def _attend_runs(reads: PackedReads, layer: int, rows: Tensor, i: int, scale: float | None, want_lse: bool):
+def _attend_runs(
+    reads: PackedReads, layer: int, rows: Tensor, i: int, scale: float | None, want_lse: bool, softcap=None
+):
     """Decode rows (Bd, H, D), each over its sequence's keys, which lie in consecutive slots
     [s0, s0 + n) of the pool: one fused-kernel call per sequence on a view of the pool,
     nothing gathered, no mask (a decode token sees every key of its sequence), no
@@ -361,7 +366,7 @@ def _attend_runs(reads: PackedReads, layer: int, rows: Tensor, i: int, scale: fl
         # kernels/attention.py: a view's keys are all the sequence's; one pass, no flash buffers
         q = q.contiguous()
         res = [
-            kernel_attention.decode_attention_all_keys(q[b : b + 1], k[layer], v[layer], scale, want_lse)
+            kernel_attention.decode_attention_all_keys(q[b : b + 1], k[layer], v[layer], scale, want_lse, softcap)
             for b, (k, v) in enumerate(views)
         ]
     else:
