@@ -149,3 +149,18 @@ def test_engine_pool_reports_layer_types(pair):
     ]
     assert info["bytes"] == 64 * BS * per_layer  # 64 blocks of one layer (6 groups of 1)
     assert info["tokens"] == 64 * BS // 6
+
+
+@pytest.mark.parametrize("name, blocks", [("mistral", 12), ("gemma3", 100)])
+def test_a_small_pool_preempts_and_still_matches_hf(pair, name, blocks):
+    """A pool too small for every request at once: the scheduler's counts (over every group, net
+    of the blocks a step frees) preempt and recompute, and every completion is still HF's."""
+    hf, model = pair(name)
+    engine = Engine(model, max_num_seqs=8, max_num_batched_tokens=16, block_size=BS, num_blocks=blocks)
+    ps = prompts(seed=3)
+    outs = engine.generate(ps, GREEDY)
+    assert engine.scheduler.num_preemptions > 0
+    for p, out in zip(ps, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, p), p
+    engine.cache.check()
+    assert engine.cache.num_free_blocks == blocks - 1
