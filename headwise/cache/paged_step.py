@@ -85,7 +85,7 @@ class PagedStep(BlockReads, Step):
         # A windowed cache's rows read from the first block any of their queries can see: the
         # blocks before it are back in the pool (their entries are the null block)
         W = cache.window
-        self.first_blocks = [0 if W is None else max(0, L - W + 1) // bs for L in starts]
+        self.first_blocks = [0] * B if W is None else [max(0, L - W + 1) // bs for L in starts]
         self.groups = self._plan(self.tables)
         # Tile masks that depend on the step alone (validity, causality), built by the first
         # layer and reused by the others: (k0, k1, rows, G, causal, dtype) -> (mask, dead rows).
