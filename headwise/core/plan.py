@@ -161,7 +161,8 @@ def flops_per_token(cfg: ModelConfig, context: int) -> dict[str, int]:
     """Forward FLOPs for one token that attends to `context` keys; FLOPs = 2 * MACs.
 
     projections  2 * L * attention weights (Q, K, V, O)
-    attention    L * 2 * 2 * context * H * D   (q.k scores, then weights @ v)
+    attention    2 * 2 * keys * H * D per layer (q.k scores, then weights @ v); keys = context,
+                 or min(context, W) for a sliding-window layer
     mlp          2 * L * MLP weights
     lm_head      2 * C * V for models that end in a vocab projection
 
@@ -176,7 +177,7 @@ def flops_per_token(cfg: ModelConfig, context: int) -> dict[str, int]:
     mlp_weights = (3 if cfg.mlp == "swiglu" else 2) * C * F
     counts = {
         "projections": 2 * L * projection_weights,
-        "attention": L * 2 * 2 * context * H * D,
+        "attention": sum(2 * 2 * (context if w is None else min(context, w)) * H * D for w in cfg.windows),
         "mlp": 2 * L * mlp_weights,
         "lm_head": 2 * C * V if cfg.lm_head else 0,
     }

@@ -69,3 +69,13 @@ def test_engine_max_model_len_counts_the_groups():
     windows = 5 * (-(-(511 + 512) // 16) + 1)
     assert c.max_model_len(cfg) == (1000 - 1 - windows) * 16
     assert EngineConfig(num_blocks=100, block_size=16).max_model_len(cfg.override(layer_windows=None)) == 1600
+
+
+def test_attention_flops_count_a_windowed_layers_window():
+    """A token at position 4096 attends to 4096 keys in a global layer and 512 in a local one."""
+    from headwise.core.plan import flops_per_token
+
+    cfg = gemma3_270m()
+    H, D = 4, 256
+    assert flops_per_token(cfg, 4096)["attention"] == 4 * H * D * (3 * 4096 + 15 * 512)
+    assert flops_per_token(cfg, 100)["attention"] == 4 * H * D * 18 * 100
