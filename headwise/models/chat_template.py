@@ -142,6 +142,23 @@ def _check_args(args, kwargs) -> None:
             raise _Refused(f"a string argument of {len(a)} characters passed {cap}")
 
 
+def _check_growth(name: str, value: Any, args: tuple) -> None:
+    """Refuse a replace or join whose result would pass the output limit, before it is built:
+    each input may be under the limit while the product of two is not."""
+    cap = _budget().limits.output_chars
+    if name == "replace" and isinstance(value, str) and len(args) >= 2:
+        old, new = str(args[0]), str(args[1])
+        size = len(value) + (value.count(old) if old else len(value) + 1) * max(0, len(new) - len(old))
+    elif name == "join" and isinstance(value, str) and args and isinstance(args[0], list):  # sep.join(items)
+        size = len(value) * max(0, len(args[0]) - 1) + sum(len(x) for x in args[0] if isinstance(x, str))
+    elif name == "join" and isinstance(value, list):  # items | join(sep)
+        size = len(str(args[0]) if args else "") * max(0, len(value) - 1) + sum(len(str(x)) for x in value)
+    else:
+        return
+    if size > cap:
+        raise _Refused(f"{name} would build {size} characters, past {cap}")
+
+
 _COMPILED: dict[str, Any] = {}
 
 
@@ -192,6 +209,11 @@ def _environment():
             b = _budget()
             b.step()
             _check_args(args, kwargs)
+            owner, name = getattr(__obj, "__self__", None), getattr(__obj, "__name__", "")
+            if isinstance(owner, str) and name in ("replace", "join"):
+                if name == "join" and args and not isinstance(args[0], str):
+                    args = (list(b.size(list(args[0]))), *args[1:])  # sized before the join
+                _check_growth(name, owner, args)
             return b.size(super().call(__context, __obj, *args, **kwargs))
 
         def getattr(self, obj, attribute):
@@ -231,11 +253,18 @@ def _environment():
             b.step()
             yield item
 
-    def guard(f):  # a filter with its arguments checked and its result sized
+    def guard(name, f):  # a filter with its arguments checked and its result sized
         @functools.wraps(f)
         def guarded(*args, **kwargs):
             _budget().step()
-            _check_args(args[1:] if getattr(f, "jinja_pass_arg", None) else args, kwargs)
+            skip = 1 if getattr(f, "jinja_pass_arg", None) else 0  # the context/environment argument
+            _check_args(args[skip:], kwargs)
+            if name in ("replace", "join") and len(args) > skip:
+                value = args[skip]
+                if name == "join" and not isinstance(value, str):
+                    value = _budget().size(list(value))
+                    args = (*args[:skip], value, *args[skip + 1 :])
+                _check_growth(name, value, tuple(args[skip + 1 :]) + tuple(kwargs.values()))
             return _budget().size(f(*args, **kwargs))
 
         return guarded
@@ -270,8 +299,8 @@ def _environment():
     def plain_dict(*args, **kwargs):
         return dict(*args, **kwargs)
 
-    env.filters = {name: guard(f) for name, f in env.filters.items()}
-    env.filters["tojson"] = guard(tojson)
+    env.filters = {name: guard(name, f) for name, f in env.filters.items()}
+    env.filters["tojson"] = guard("tojson", tojson)
     env.filters["_budgeted"] = budgeted
     env.globals.pop("lipsum", None)  # generates text in a loop no template needs
     env.globals.update(

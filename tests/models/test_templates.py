@@ -264,6 +264,10 @@ BUDGET = {
     "doubling": "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
     "output": "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
     "recursion": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+    "replace-filter": "{{ ('x' * 100000) | replace('x', 'y' * 100000) }}",
+    "replace-method": "{{ ('x' * 100000).replace('x', 'y' * 100000) }}",
+    "join-filter": "{{ range(100000) | join('z' * 100000) }}",
+    "join-method": "{{ ('z' * 100000).join(range(100000) | map('string')) }}",
     "join-loop": "{% for i in range(100000) %}{% set s = range(99999) | join(',') %}{% endfor %}",
 }
 
