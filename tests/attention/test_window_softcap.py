@@ -315,3 +315,27 @@ def test_decode_kernel_caps_the_scores(H, Hkv, window, softcap):
     torch.testing.assert_close(res.out, reference(q, k, v, window=window, softcap=softcap), atol=2e-5, rtol=1e-4)
     ref = attend(q, k, v, is_causal=True, window=window, softcap=softcap, return_lse=True, backend="math")
     torch.testing.assert_close(res.lse, ref.lse, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["auto", "math", "chunked"])
+@pytest.mark.parametrize("T,S", [(1, 30), (12, 12), (5, 30)])
+def test_against_transformers_gemma2_eager_attention(backend, T, S):
+    """Hugging Face's own Gemma 2 attention math (eager_attention_forward: scale, soft-cap, then the
+    mask) with its own sliding-window mask functions (masking_utils), queries at the last T positions."""
+    from transformers import masking_utils
+    from transformers.models.gemma2 import modeling_gemma2 as gemma2
+
+    q, k, v = qkv(2, 4, 2, T, S, 16, seed=12)
+    q = q * 4
+    W, cap, scale = 7, 2.5, 0.3
+    allow = masking_utils.and_masks(
+        masking_utils.causal_mask_function, masking_utils.sliding_window_overlay(W)
+    )  # (b, h, q_idx, kv_idx) -> bool, q_idx an absolute position
+    zero = torch.tensor(0)
+    mask = allow(zero, zero, torch.arange(S - T, S)[:, None], torch.arange(S)[None]).expand(T, S)
+    additive = torch.zeros(T, S).masked_fill(~mask, torch.finfo(torch.float32).min)[None, None]
+    module = nn.Module()
+    module.num_key_value_groups, module.training = 2, False
+    want, _ = gemma2.eager_attention_forward(module, q, k, v, additive, scaling=scale, softcap=cap)  # (B, T, H, D)
+    out = attend(q, k, v, is_causal=True, window=W, softcap=cap, scale=scale, backend=backend)
+    torch.testing.assert_close(out.transpose(1, 2), want, atol=2e-5, rtol=1e-4)
