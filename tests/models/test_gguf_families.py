@@ -91,6 +91,47 @@ def test_tensors_equal_hf(family, from_gguf):
         assert (t - ref[name]).abs().max().item() <= tol, name
 
 
+def _config_with(family: str, **keys) -> dict:
+    """The fixture's config as gguf.py reads it, with metadata keys (without "<arch>.") set or,
+    as None, removed: llama.cpp's rules for keys the converter did not write."""
+    from headwise.models.gguf import gguf_config, open_gguf
+    from headwise.models.gguf_meta import read_metadata
+
+    path = FIXTURES / f"{family}.gguf"
+    reader = open_gguf(path)
+    meta = read_metadata(reader)
+    arch = meta["general.architecture"]
+    for key, value in keys.items():
+        meta.pop(f"{arch}.{key}", None)
+        if value is not None:
+            meta[f"{arch}.{key}"] = value
+    return gguf_config(reader, meta, path)
+
+
+S, F_ = "sliding_attention", "full_attention"
+
+
+def test_gemma_layer_rules_as_llama_cpp():
+    """llama.cpp's load_swa_pattern (src/llama-model.cpp) and the Gemma hparams loaders
+    (src/models/gemma2.cpp, gemma3.cpp): a pattern n makes layer il local when il % n < n - 1;
+    a per-layer array is taken as it is; no window (or 0) on Gemma 3 means every layer global;
+    Gemma 2 without a window key has 4096; the 27B (46 / 62 layers) scales by n_embd / n_head."""
+    assert _config_with("gemma3", **{"attention.sliding_window_pattern": 3})["layer_types"] == [S, S, F_] * 2
+    flags = [True, False, False, True, True, False]
+    assert _config_with("gemma3", **{"attention.sliding_window_pattern": flags})["layer_types"] == [
+        S if f else F_ for f in flags
+    ]
+    no_window = _config_with("gemma3", **{"attention.sliding_window": None})
+    assert no_window["sliding_window"] is None and no_window["layer_types"] == [F_] * 6
+    assert _config_with("gemma3", **{"rope.freq_base_swa": None})["rope_parameters"][S]["rope_theta"] == 10000.0
+    assert _config_with("gemma2", **{"attention.sliding_window": None})["sliding_window"] == 4096
+    assert _config_with("gemma2")["layer_types"] == [S, F_, S, F_]
+    # (32 // 4 = 8, not head_dim 16); what the block count alone decides in llama.cpp
+    assert _config_with("gemma3", block_count=62)["query_pre_attn_scalar"] == 8
+    assert _config_with("gemma2", block_count=46)["query_pre_attn_scalar"] == 8
+    assert _config_with("gemma2", block_count=26)["query_pre_attn_scalar"] == 16
+
+
 def _reference(family: str, **overrides):
     import transformers as tf
 
