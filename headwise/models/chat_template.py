@@ -129,7 +129,7 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
-_FORMAT_WIDTH = re.compile(r"%[-#0 +]*(\d+)?(?:\.(\d+))?|\{[^{}]*?(\d{5,})")
+_FORMAT_WIDTH = re.compile(r"%[-#0 +]*(\d+)?(?:\.(\d+))?|\{[^{}]*?(\d{5,})")  # %-widths, {:>N} widths
 
 
 def _check_args(args, kwargs) -> None:
@@ -153,6 +153,11 @@ def _check_growth(name: str, value: Any, args: tuple) -> None:
         size = len(value) * max(0, len(args[0]) - 1) + sum(len(x) for x in args[0] if isinstance(x, str))
     elif name == "join" and isinstance(value, list):  # items | join(sep)
         size = len(str(args[0]) if args else "") * max(0, len(value) - 1) + sum(len(str(x)) for x in value)
+    elif name == "indent" and isinstance(value, str):
+        width = args[0] if args and isinstance(args[0], int) else len(str(args[0])) if args else 4
+        size = len(value) + (value.count("\n") + 1) * width
+    elif name in ("format", "format_map") and isinstance(value, str):  # '{:>1000000000}' or '%1000000000d'
+        size = sum(int(g) for m in _FORMAT_WIDTH.finditer(value) for g in m.groups() if g)
     else:
         return
     if size > cap:
@@ -209,8 +214,9 @@ def _environment():
             b = _budget()
             b.step()
             _check_args(args, kwargs)
-            owner, name = getattr(__obj, "__self__", None), getattr(__obj, "__name__", "")
-            if isinstance(owner, str) and name in ("replace", "join"):
+            target = getattr(__obj, "__wrapped__", __obj)  # Jinja wraps str.format for its own checks
+            owner, name = getattr(target, "__self__", None), getattr(target, "__name__", "")
+            if isinstance(owner, str) and name in ("replace", "join", "format", "format_map"):
                 if name == "join" and args and not isinstance(args[0], str):
                     args = (list(b.size(list(args[0]))), *args[1:])  # sized before the join
                 _check_growth(name, owner, args)
@@ -259,7 +265,7 @@ def _environment():
             _budget().step()
             skip = 1 if getattr(f, "jinja_pass_arg", None) else 0  # the context/environment argument
             _check_args(args[skip:], kwargs)
-            if name in ("replace", "join") and len(args) > skip:
+            if name in ("replace", "join", "indent", "format") and len(args) > skip:
                 value = args[skip]
                 if name == "join" and not isinstance(value, str):
                     value = _budget().size(list(value))

@@ -268,6 +268,9 @@ BUDGET = {
     "replace-method": "{{ ('x' * 100000).replace('x', 'y' * 100000) }}",
     "join-filter": "{{ range(100000) | join('z' * 100000) }}",
     "join-method": "{{ ('z' * 100000).join(range(100000) | map('string')) }}",
+    "indent": "{{ ('x\\n' * 4000) | indent(8000000) }}",
+    "format-filter": "{{ '%8000000d%8000000d' | format(1, 2) }}",
+    "format-method": "{{ '{:>8000000}{:>8000000}'.format(1, 2) }}",
     "join-loop": "{% for i in range(100000) %}{% set s = range(99999) | join(',') %}{% endfor %}",
 }
 
