@@ -12,7 +12,7 @@ pair whose concatenation is the best-scored token. That is BPE with a merge (l, 
 split of every token, ranked by the merged token's score, which is how transformers rebuilds
 these files (integrations/gguf/gguf_tokenizer_mapping.py: generate_merges); we rank the same
 way so ids equal theirs. Gemma's files rank by position in the vocabulary instead (the order
-its merges were learned; its scores equal -position for every normal token anyway).
+its merges were learned; its normal tokens' scores fall with position anyway).
 """
 
 from __future__ import annotations

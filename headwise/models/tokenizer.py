@@ -4,9 +4,10 @@ One `Tokenizer` wraps a `tokenizers.Tokenizer` built from any of:
   - a Hugging Face `tokenizer.json` (+ `tokenizer_config.json` for special tokens
     and the chat template)                          -> `Tokenizer.from_dir`
   - a BERT WordPiece `vocab.txt`                    -> `Tokenizer.from_wordpiece_vocab`
-  - the vocabulary inside a GGUF (byte-level BPE)   -> `Tokenizer.from_gguf_vocab`
+  - the vocabulary inside a GGUF (byte-level BPE, SentencePiece BPE or WordPiece;
+    gguf_vocab.py builds each)                      -> `Tokenizer.from_gguf_vocab`
 `save(dir)` writes the first form, so a GGUF's tokenizer can be cached and read
-back in milliseconds. The engine never sees text (DESIGN: the engine speaks ids).
+back without rebuilding it (Gemma's 262k: ~1 s). The engine never sees text (DESIGN: the engine speaks ids).
 Chat templates render in chat_template.py, streaming detokenization is stream_decode.py
 (`StreamDecoder`); byte_level.py holds the
 GGUF pre-tokenizer splits and the GPT-2 byte alphabet.
