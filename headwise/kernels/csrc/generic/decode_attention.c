@@ -51,8 +51,8 @@ int hw_decode_attention_f32(const float *q, const float *k, const float *v, floa
         const long n = lengths ? lengths[c] : all_keys;
         const int64_t *tab = tables ? tables + c * tw : NULL;
         if (softcap > 0.0f)
-            hw_decode_pair_capped(kc, vc, q + ch * G * D, out + ch * G * D, lse ? lse + ch * G : NULL, n, G, D, sk_t,
-                                  sv_t, scale, tab, bs, softcap);
+            hw_decode_pair_capped(kc, vc, NULL, NULL, q + ch * G * D, out + ch * G * D, lse ? lse + ch * G : NULL, n, G,
+                                  D, sk_t, sv_t, scale, tab, bs, softcap);
         else
             hw_decode_pair_f32(kc, vc, q + ch * G * D, out + ch * G * D, lse ? lse + ch * G : NULL, n, G, D, sk_t,
                                sv_t, scale, tab, bs);

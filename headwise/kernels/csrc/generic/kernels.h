@@ -96,9 +96,11 @@ void hw_decode_pair_f32(const float *k, const float *v, const float *q, float *o
                         long sk_t, long sv_t, float scale, const int64_t *tab, long bs);
 void hw_decode_pair_nolse(const void *k, const void *v, const float *ks, const float *vs, const float *q, float *out,
                           long n, long G, long D, long sk_t, float scale, const int64_t *tab, long bs);
-/* hw_decode_pair_f32 with soft-capped scores, cap tanh(s / cap) before the mask (Gemma 2), cap > 0. */
-void hw_decode_pair_capped(const float *k, const float *v, const float *q, float *out, float *lse, long n, long G,
-                           long D, long sk_t, long sv_t, float scale, const int64_t *tab, long bs, float cap);
+/* hw_decode_pair with soft-capped scores, cap tanh(s / cap) before the mask (Gemma 2), cap > 0: fp32 K/V
+ * (ks = vs = NULL) or int8, lse or NULL. */
+void hw_decode_pair_capped(const void *k, const void *v, const float *ks, const float *vs, const float *q, float *out,
+                           float *lse, long n, long G, long D, long sk_t, long sv_t, float scale, const int64_t *tab,
+                           long bs, float cap);
 
 /* Prefill attention's three steps per key block (prefill_attention.c), on a work item's rows. */
 struct pa_scratch {

@@ -183,8 +183,8 @@ static inline __attribute__((always_inline)) void decode_pair(const void *k_, co
 }
 
 /* decode_pair for generic/decode_attention.c's calls, each its own copy with that call's constants
- * (fp32 K/V; no LSE; neither; fp32 with a soft-cap), as one file's constant propagation made them
- * before the split: the uncapped copies keep no trace of the cap. */
+ * (fp32 K/V; no LSE; neither; with a soft-cap, fp32 or int8 K/V, LSE or not), as one file's constant
+ * propagation made them before the split: the uncapped copies keep no trace of the cap. */
 void hw_decode_pair(const void *k, const void *v, const float *ks, const float *vs, const float *q, float *out,
                     float *lse, long n, long G, long D, long sk_t, long sv_t, float scale, const int64_t *tab,
                     long bs) {
@@ -194,9 +194,10 @@ void hw_decode_pair_f32(const float *k, const float *v, const float *q, float *o
                         long sk_t, long sv_t, float scale, const int64_t *tab, long bs) {
     decode_pair(k, v, NULL, NULL, q, out, lse, n, G, D, sk_t, sv_t, scale, tab, bs, 0.0f);
 }
-void hw_decode_pair_capped(const float *k, const float *v, const float *q, float *out, float *lse, long n, long G,
-                           long D, long sk_t, long sv_t, float scale, const int64_t *tab, long bs, float cap) {
-    decode_pair(k, v, NULL, NULL, q, out, lse, n, G, D, sk_t, sv_t, scale, tab, bs, cap);
+void hw_decode_pair_capped(const void *k, const void *v, const float *ks, const float *vs, const float *q, float *out,
+                           float *lse, long n, long G, long D, long sk_t, long sv_t, float scale, const int64_t *tab,
+                           long bs, float cap) {
+    decode_pair(k, v, ks, vs, q, out, lse, n, G, D, sk_t, sv_t, scale, tab, bs, cap);
 }
 void hw_decode_pair_nolse(const void *k, const void *v, const float *ks, const float *vs, const float *q, float *out,
                           long n, long G, long D, long sk_t, float scale, const int64_t *tab, long bs) {
