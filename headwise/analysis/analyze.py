@@ -2,7 +2,8 @@
 
 Steps (each with a progress bar), all numbers into one JSON-able dict:
   1. the text: patterns of every head, value-weighted norms, rollout (figures + HTML)
-  2. roles of every head over the fit half of the corpus (+ repeated random tokens)
+  2. roles of every head over the fit half of the corpus (+ repeated random tokens), and per
+     layer type (local sliding-window layers vs global ones: layer_types.py)
   3. "hints, not explanations": weight vs norm share of each head's top token, same text
   4. importance (Michel et al. 2019) on the fit half
   5. ablation curves on the held-out half: importance / per-layer / mean ablation / random
@@ -30,6 +31,7 @@ from .capture import Batch, forward, is_causal
 from .corpus import Corpus
 from .hooks import heads_per_layer
 from .importance import head_importance
+from .layer_types import by_layer_type, windows
 from .roles import head_roles
 
 DEFAULT_TEXT = "The bank approved the loan after the river bank flooded."
@@ -217,6 +219,7 @@ def analyze(
             "layers": len(hpl),
             "heads": hpl,
             "kv_heads": attn0.num_kv_heads,
+            "windows": windows(model),  # per layer: W keys (local) or None (global)
             "params": prune.param_count(model),
         },
         "corpus": {"source": corpus.source},
@@ -253,6 +256,7 @@ def analyze(
     imp = head_importance(model, fit, progress=bar)
     bar.close()
     result["importance"] = imp.to_json()
+    result["layer_types"] = by_layer_type(result)
     lap("importance")
 
     metric = metrics.LMMetric(held) if causal else metrics.EmbeddingMetric(model, held)

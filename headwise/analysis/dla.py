@@ -4,7 +4,10 @@ A pre-norm decoder's last residual stream is a sum of what every part wrote into
 
     x_L = embed (+ pos_embed) + sum_l [ sum_h result_{l,h} + b_O,l + mlp_l ]
 
-and the logit of token a is W_U[a] . norm(x_L) (+ an output bias). The final norm is not
+and the logit of token a is W_U[a] . norm(x_L) (+ an output bias). Gemma 2/3 scale the
+embeddings by sqrt(C) and norm each branch's output before its add (post-norms): x + post(a).
+With post's scale frozen at the branch's own 1 / rms(a), post is linear too, so a head's term is
+result_h * w_post / rms(a) and the terms still sum to x_L. The final norm is not
 linear in x_L; freezing its scale at the run's own value (1 / rms(x_L) for RMSNorm,
 1 / std(x_L) with mean-centering for LayerNorm), as TransformerLens does, makes it linear,
 so every term t gets the share W_U[a] . (scale * w * center(t)), LayerNorm's bias is one
@@ -88,7 +91,8 @@ def decompose(model: nn.Module, ids: Tensor) -> dict:
         handles.append(model.pos_embed.register_forward_hook(keep("pos_embed")))
     for i, block in enumerate(model.layers):
         handles.append(block.attn.register_forward_hook(keep(f"attn.{i}")))
-        handles.append(block.mlp.register_forward_hook(keep(f"mlp.{i}")))
+        post = getattr(block, "mlp_post_norm", None) if getattr(block, "post_norms", False) else None
+        handles.append((post or block.mlp).register_forward_hook(keep(f"mlp.{i}")))  # what the add receives
     handles.append(model.norm.register_forward_pre_hook(lambda m, args: kept.__setitem__("x", args[0][0, -1].float())))
     cap = Capture(("z",))
     try:
@@ -98,17 +102,19 @@ def decompose(model: nn.Module, ids: Tensor) -> dict:
         for h in handles:
             h.remove()
     L = len(model.layers)
-    terms = {"embed": kept["embed"]}
+    scale = getattr(model.config, "embed_scale", None)  # Gemma: sqrt(C), a tensor of the stream's dtype
+    terms = {"embed": kept["embed"] if scale is None else kept["embed"] * torch.tensor(scale).to(kept["embed"])}
     if "pos_embed" in kept:
         terms["pos_embed"] = kept["pos_embed"]
     for i, block in enumerate(model.layers):
-        terms[f"heads.{i}"] = head_results(block.attn, cap.z[i][:, :, -1:])[0, 0].float()  # (H, C)
+        post = _frozen(block, kept[f"attn.{i}"])  # x + post(a): linear once its scale is frozen
+        terms[f"heads.{i}"] = post(head_results(block.attn, cap.z[i][:, :, -1:])[0, 0].float())  # (H, C)
         bias = block.attn.out_proj.bias
         if bias is not None:
-            terms[f"attn_bias.{i}"] = bias.float()
+            terms[f"attn_bias.{i}"] = post(bias.float())
         if hasattr(block.attn.out_proj, "fmt"):  # a QuantizedLinear rounds z to int8 blocks first
-            rest = kept[f"attn.{i}"] - terms[f"heads.{i}"].sum(0) - (bias.float() if bias is not None else 0)
-            terms[f"out_proj_rounding.{i}"] = rest
+            rest = post(kept[f"attn.{i}"]) - terms[f"heads.{i}"].sum(0)
+            terms[f"out_proj_rounding.{i}"] = rest - (terms[f"attn_bias.{i}"] if bias is not None else 0)
         terms[f"mlp.{i}"] = kept[f"mlp.{i}"]
     x = kept["x"]
     total = sum(t.sum(0) if t.dim() == 2 else t for t in terms.values())
@@ -119,6 +125,18 @@ def decompose(model: nn.Module, ids: Tensor) -> dict:
             f"layers (off by {err:.3g}); direct logit attribution does not know this block layout"
         )
     return {"terms": terms, "x": x, "logits": logits.float()}
+
+
+def _frozen(block: nn.Module, a: Tensor):
+    """t -> what the residual receives of t, a part of the attention output a (C,): t itself, or
+    with post-norms (Gemma 2/3) t * w / rms(a), the RMSNorm's scale frozen at a's own."""
+    if not getattr(block, "post_norms", False):
+        return lambda t: t
+    norm = block.attn_post_norm
+    if isinstance(norm, nn.LayerNorm):
+        raise ValueError("direct logit attribution supports RMSNorm post-norms (Gemma) only, not LayerNorm")
+    f = norm.weight.float() * torch.rsqrt(a.pow(2).mean() + norm.eps)  # (C,)
+    return lambda t: t * f
 
 
 @torch.no_grad()

@@ -150,8 +150,13 @@ class _LayerHook:
             else:  # exact rows from the fused LSE
                 from ..attention import weights_from_lse
 
-                masks = {n: kwargs[n] for n in ("attn_mask", "key_padding_mask", "is_causal", "alibi_slopes")}
-                pattern = weights_from_lse(q, k, lse, heads=heads, **masks)
+                # every keyword that shaped the scores: a windowed layer's weights are zero outside
+                # its window (Mistral, Gemma's local layers), Gemma's scale and soft-cap change them all
+                names = ("attn_mask", "key_padding_mask", "is_causal", "alibi_slopes", "window", "softcap", "scale")
+                masks = {n: kwargs[n] for n in names if n in kwargs}
+                kv_map = layer.kv_map
+                ks = k if kv_map is None else k.index_select(1, kv_map)  # uneven groups after pruning
+                pattern = weights_from_lse(q, ks, lse, heads=heads, **masks)
             cap._keep("pattern", i, pattern)  # (B, h, T, S)
         if "result" in cap.points:
             cap._keep("result", i, head_results(layer, out, heads))

@@ -163,10 +163,20 @@ function summary() {
       CPU latency (median, batch ${p.latency_batch.join("x")}) ${(1e3 * lat.full.median).toFixed(1)} ms -> ${(1e3 * lat.pruned.median).toFixed(1)} ms,
       quality drop ${(100 * p.drop_after).toFixed(2)}%.</p>`);
   }
+  if (s.layer_types) out.push(layerTypes(s.layer_types));
   if (s.patching) out.push(patchingTable(s.patching));
   if (s.long_context) out.push(longContext(s.long_context));
   if (s.corpus) out.push(`<p class="muted">Corpus: ${s.corpus.source}; fit ${s.corpus.fit_tokens} tokens, held out ${s.corpus.heldout_tokens} tokens.</p>`);
   $("summary").innerHTML = out.join("");
+}
+function layerTypes(groups) {   // roles per layer type: local (sliding window) vs global layers
+  const roles = Object.keys(groups[0].role_share);
+  const rows = groups.map((g) => `<tr><td>${esc(g.type)}</td><td>${g.window === null ? "-" : g.window}</td>` +
+    `<td>${g.layers.join(",")}</td><td>${g.heads}</td>` + roles.map((r) => `<td>${g.role_counts[r]}</td>`).join("") +
+    `<td>${g.mean_importance === undefined ? "-" : fmt(g.mean_importance, 3)}</td></tr>`).join("");
+  return `<p id="layer-types">Roles by layer type (heads carrying each label; local layers see a sliding window of keys,
+    see roles_by_layer_type.png):</p><table><tr><th>type</th><th>window</th><th>layers</th><th>heads</th>` +
+    roles.map((r) => `<th>${esc(r)}</th>`).join("") + `<th>mean importance</th></tr>${rows}</table>`;
 }
 function patchingTable(p) {   // activation patching: per pair, the metric and the heads that recover most
   const unit = p.metric === "logit_diff" ? "logit difference answer - wrong" : "cosine to the clean embedding";

@@ -135,7 +135,8 @@ class _StatsHook:
         run = self.run
         if layer.kv_map is not None:  # uneven groups after pruning: what attend_heads gives the backend
             k, v = k.index_select(1, layer.kv_map), v.index_select(1, layer.kv_map)
-        masks = {n: kwargs.get(n) for n in ("attn_mask", "key_padding_mask", "alibi_slopes", "window")}
+        names = ("attn_mask", "key_padding_mask", "alibi_slopes", "window", "scale", "softcap")  # Gemma: all
+        masks = {n: kwargs.get(n) for n in names}
         spec = make_spec(q, k, k, is_causal=kwargs.get("is_causal", False), **masks)
         st = head_stats(
             q,

@@ -2,7 +2,8 @@
 
 `MultiHeadAttention.prune_heads` removes a layer's Q rows and O columns, and a KV
 head when its whole query group goes (GQA-aware; groups left uneven are served
-through `kv_map`). This walks a model's attention layers with a plan
+through `kv_map`). With MQA (one KV head for every query head: Gemma 3 270M) only
+query heads go: the one KV head stays, so a plan must keep a query head per layer. This walks a model's attention layers with a plan
 {layer: [head, ...]} in each layer's *original* head numbering, so plans from
 importance scores, saved configs and reloads all agree.
 
@@ -66,7 +67,13 @@ def prune_heads(model: nn.Module, plan: Mapping[int, Sequence[int]]) -> nn.Modul
     for l, heads in plan.items():
         if not 0 <= int(l) < len(layers):
             raise ValueError(f"layer {l} is out of range: the model has {len(layers)} attention layers")
-        left = set(layers[int(l)].head_ids) - {int(h) for h in heads}
+        m = layers[int(l)]
+        left = set(m.head_ids) - {int(h) for h in heads}
+        if not left and m.num_kv_heads == 1 and m.num_heads > 1:  # MQA (Gemma 3 270M, Falcon)
+            raise ValueError(
+                f"the plan removes every head of layer {l}: its {m.num_heads} query heads share one KV head "
+                f"(MQA), and pruning removes query heads only, never that KV head; keep at least one query head"
+            )
         if not left:
             raise ValueError(f"the plan removes every head of layer {l}; keep at least one")
     from ..models.packing import PackedLinear, pack_linears

@@ -4,7 +4,9 @@
 
 Figures (matplotlib, Agg backend: no display needed):
   patterns.png          every head's attention pattern for the text, layers x heads
-  roles.png             the strongest role label of every head, layers x heads
+  roles.png             the strongest role label of every head, layers x heads (local / global
+                        layers named where the model has windows)
+  roles_by_layer_type.png  roles per layer type, local vs global (layer_types.py)
   ablation.png          quality drop vs fraction of heads removed, importance vs random orders
   weights_vs_norms.png  raw weights vs value-weighted norms (Kobayashi et al. 2020)
   importance.png        Michel et al.'s normalized importance, pruned heads crossed out
@@ -78,7 +80,10 @@ def fig_roles(result: dict, path: Path) -> None:
                 )
     ax.imshow(img, aspect="auto", interpolation="nearest")
     ax.set_xticks(range(H))
-    ax.set_yticks(range(L))
+    wins = result["model"].get("windows") or [None] * L
+    ax.set_yticks(
+        range(L), [str(l) if not any(wins) else f"{l} {'global' if w is None else 'local'}" for l, w in enumerate(wins)]
+    )
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
     ax.set_title(f"{result['model']['name']}: strongest role per head (+n: more labels; blank: none)", fontsize=9)
@@ -214,9 +219,10 @@ def write(result: dict, out: str | Path) -> dict:
             continue
         draw(result, out / name)
         figures.append(out / name)
-    from . import long_context_report, patching_report
+    from . import layer_types, long_context_report, patching_report
 
-    for name, (draw, wanted) in (patching_report.FIGURES | long_context_report.FIGURES).items():
+    more = layer_types.FIGURES | patching_report.FIGURES | long_context_report.FIGURES
+    for name, (draw, wanted) in more.items():
         if wanted(result):
             draw(result, out / name)
             figures.append(out / name)
@@ -243,6 +249,8 @@ def html(result: dict, figures: list[Path]) -> str:
 
     data = {k: result[k] for k in ("model", "view", "roles", "hints", "importance") if k in result}
     data["summary"] = {k: result[k] for k in ("ablation", "pruning", "corpus", "timings_s") if k in result}
+    if result.get("layer_types") and any(g["window"] is not None for g in result["layer_types"]):
+        data["summary"]["layer_types"] = result["layer_types"]
     if result.get("patching"):
         from .patching_report import summary
 

@@ -78,8 +78,10 @@ class PatternStats:
         return [(s / c.clamp_min(1)).float() for s, c in zip(self.sums[name], self.counts[name])]
 
     @torch.no_grad()
-    def add(self, layer: int, pattern: Tensor, valid: Tensor, sinks: Tensor) -> None:
-        """pattern (B, H, T, T) of one layer (self-attention, no cache), valid (B, T), sinks (B, T)."""
+    def add(self, layer: int, pattern: Tensor, valid: Tensor, sinks: Tensor, window: int | None = None) -> None:
+        """pattern (B, H, T, T) of one layer (self-attention, no cache), valid (B, T), sinks (B, T);
+        window: the layer's W (keys each query sees, its own included), None = global. Keys
+        outside it are not visible, so breadth and reach compare with what the head could see."""
         B, H, T, S = pattern.shape
         a = pattern.float()
         pos = torch.arange(T)
@@ -87,6 +89,8 @@ class PatternStats:
         visible = valid[:, None, :] & valid[:, :, None]  # (B, T, S)
         if self.causal:
             visible = visible & (d <= 0)
+        if window is not None:  # attend()'s window: keys p - (W - 1) .. p (.. p + W - 1 if not causal)
+            visible = visible & (d.abs() < window)
         rows = valid[:, None, :]  # (B, 1, T)
         n_vis = visible.sum(-1)[:, None]  # (B, 1, T)
         nonsink = visible & ~sinks[:, None, :]
@@ -217,7 +221,7 @@ def head_roles(
     for batch in batches:
         _, cap = capture(model, batch, points=("pattern", "v") if hints is not None else ("pattern",))
         for l, p in cap.pattern.items():
-            stats.add(l, p, batch.valid, batch.sinks)
+            stats.add(l, p, batch.valid, batch.sinks, layers[l].window)
             if hints is not None:
                 hints.add(l, layers[l], p, cap.v[l], batch.valid)
         if progress is not None:

@@ -134,6 +134,8 @@ def run(args) -> int:
 
 
 def summary_text(result: dict) -> str:
+    from ..analysis.layer_types import summary_line, windowed
+
     lines = [f"{result['model']['name']}: {result['model']['layers']} layers x {max(result['model']['heads'])} heads"]
     ab = result.get("ablation")
     if ab:
@@ -143,6 +145,9 @@ def summary_text(result: dict) -> str:
             for t, row in per.items():
                 parts = [f"{k} {v:.0%}" for k, v in row.items()]
                 lines.append(f"heads removable before {key} > {t}: " + ", ".join(parts))
+    groups = result.get("layer_types")
+    if groups and windowed(groups):  # local (sliding-window) layers beside global ones
+        lines.append(summary_line(groups))
     p = result.get("pruning")
     if p:
         lat = p["latency"]

@@ -40,8 +40,14 @@ def render_prompt(tok, req: ChatCompletionRequest) -> list[int]:
         text = OutputProcessor(tok).chat_text(messages)  # the template generate() uses
     except ChatTemplateError as e:
         raise APIError(400, str(e), param="messages", code="invalid_messages") from None
-    except ValueError as e:  # no template at all
-        raise APIError(400, f"model cannot chat: {e}; use /v1/completions", param="model") from None
+    except ValueError:  # no template at all (Gemma 3 270M's GGUF, base models): no guessed default
+        raise APIError(
+            400,
+            f"model {req.model!r} has no chat template (none in its tokenizer files or GGUF), so it cannot "
+            "take messages: send the text as a prompt to /v1/completions instead",
+            param="model",
+            code="no_chat_template",
+        ) from None
     ids = tokenize(tok, text, special=False)  # the template already wrote BOS/role tokens
     if not ids:
         raise APIError(400, "the messages render to an empty prompt", param="messages")
