@@ -40,6 +40,8 @@ def by_layer_type(result: dict) -> list[dict]:
     importance). Local types come first (by window), then global; JSON-able."""
     wins = result["model"]["windows"]
     names = type_names(wins)
+    # the longest rows the roles saw: decoder rows of seq_len (encoders: sentences, short)
+    rows = result["settings"]["seq_len"] if result["model"]["causal"] else None
     heads = result["roles"]["heads"]  # L lists of {"labels", "scores", ...}
     importance = (result.get("importance") or {}).get("normalized")
     groups = []
@@ -63,6 +65,8 @@ def by_layer_type(result: dict) -> list[dict]:
             "role_share": {r: round(counts.get(r, 0) / max(n, 1), 4) for r in roles},
             "mean_scores": {r: round(sum(info["scores"][r] for info in infos) / max(n, 1), 4) for r in roles},
         }
+        if g["window"] is not None and rows is not None:
+            g["window_binds"] = rows > g["window"]  # False: every row fit the window, nothing was cut
         if importance is not None:
             vals = [x for l in layers for x in importance[l]]
             g["mean_importance"] = round(sum(vals) / max(len(vals), 1), 5)
@@ -83,6 +87,8 @@ def summary_line(groups: list[dict]) -> str:
         shares = sorted(((s, r) for r, s in g["role_share"].items() if s > 0), reverse=True)
         roles = ", ".join(f"{r} {s:.0%}" for s, r in shares) or "no labels"
         imp = f"; importance {g['mean_importance']:.2f}" if "mean_importance" in g else ""
+        if g.get("window_binds") is False:
+            where += "rows fit the window, so it cut nothing (--seq-len > W to see it); "
         parts.append(f"{g['type']} ({where}{_n(len(g['layers']), 'layer')}, {_n(g['heads'], 'head')}{imp}): {roles}")
     return "roles by layer type: " + "; ".join(parts)
 

@@ -148,6 +148,7 @@ def test_analyze_groups_heads_by_layer_type(report, model):
     assert groups["global"]["layers"] == [l for l, w in enumerate(windows) if w is None] == [5]
     assert (groups["local"]["window"], groups["global"]["window"]) == (W, None)
     assert (groups["local"]["heads"], groups["global"]["heads"]) == (20, 4)
+    assert groups["local"]["window_binds"] and "window_binds" not in groups["global"]  # rows of 24 > W = 8
     for g in groups.values():  # counts are the per-head labels of that type's layers
         labels = [info["labels"] for l in g["layers"] for info in res["roles"]["heads"][l]]
         assert g["role_counts"]["broad"] == sum("broad" in lab for lab in labels)
@@ -164,6 +165,24 @@ def test_analyze_groups_heads_by_layer_type(report, model):
     assert pr["reload_max_abs_diff"] == 0.0
     assert pr["quality_after"]["loss"] == pytest.approx(pr["quality_masked"]["loss"], abs=1e-5)
     assert all("dla" in p for p in res["patching"]["pairs"])  # post-norms: attribution still sums
+
+
+def test_summary_says_when_rows_fit_the_window():
+    """Rows no longer than the window (Gemma 3 270M's 512 keys, the default 128-token rows):
+    local layers saw every key, and the summary says so instead of implying a contrast."""
+    from headwise.analysis.layer_types import by_layer_type, summary_line
+
+    heads = [[{"labels": ["sink"], "scores": {"sink": 0.9, "broad": 0.1}}] * 2] * 3
+    for seq_len, binds in ((128, False), (600, True)):
+        result = {
+            "model": {"windows": [512, 512, None], "causal": True},
+            "settings": {"seq_len": seq_len},
+            "roles": {"heads": heads},
+        }
+        local, glob = by_layer_type(result)
+        assert (local["type"], local["layers"], local["window_binds"]) == ("local", [0, 1], binds)
+        assert (glob["type"], glob["layers"], glob["role_share"]) == ("global", [2], {"sink": 1.0, "broad": 0.0})
+        assert ("cut nothing" in summary_line([local, glob])) is not binds
 
 
 def test_dla_sums_to_the_logit_through_post_norms(model):
