@@ -83,11 +83,13 @@ class EngineConfig:
         if self.memory_budget_bytes is not None:
             blocks = kv_pool_blocks(model_config, self.memory_budget_bytes, block_size=self.block_size, dtype=kv)
             if blocks < 1:
-                per_token = kv_pool_bytes_per_token(model_config, kv)
+                g = kv_layer_groups(model_config)[0]  # layers a block holds (all, unless windows differ)
+                per_token = kv_pool_bytes_per_token(model_config, kv) * g // model_config.num_layers
                 raise ValueError(
                     f"memory_budget_bytes={self.memory_budget_bytes} does not hold one KV block "
                     f"({per_token * self.block_size} bytes: {self.block_size} tokens x {per_token} "
-                    f"bytes per token); give more, or a smaller block_size"
+                    f"bytes per token{'' if g == model_config.num_layers else f' of its {g} layers'}); "
+                    f"give more, or a smaller block_size"
                 )
             return blocks
         try:

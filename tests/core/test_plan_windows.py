@@ -79,3 +79,13 @@ def test_attention_flops_count_a_windowed_layers_window():
     H, D = 4, 256
     assert flops_per_token(cfg, 4096)["attention"] == 4 * H * D * (3 * 4096 + 15 * 512)
     assert flops_per_token(cfg, 100)["attention"] == 4 * H * D * 18 * 100
+
+
+def test_a_budget_under_one_block_names_the_groups_layers():
+    import pytest
+
+    per_token = 3 * 2 * 256 * 4  # a block's 3 layers, K and V, fp32
+    with pytest.raises(
+        ValueError, match=rf"\({16 * per_token} bytes: 16 tokens x {per_token} bytes per token of its 3"
+    ):
+        EngineConfig(memory_budget_bytes=10).resolve(gemma3_270m(), "float32")
