@@ -323,9 +323,23 @@ class Engine(Frontends):
                 weight_bytes=weight_bytes(self.model),
             )
 
+    def kv_pool_line(self) -> str:
+        """The KV pool as a person reads it: "KV pool: 23,296 tokens, 1.07 GB (global 18 layers)";
+        per layer type where the layers differ in window (a sliding layer holds its last W only)."""
+        info = self.core.pool_info()
+        types = ", ".join(
+            f"{t['layers']} {_layer_type(t['window'])} layers {t['kv_bytes_per_token'] / 1024:.1f} KiB/token"
+            for t in info["layer_types"]
+        )
+        return f"KV pool: {info['tokens']:,} tokens, {info['bytes'] / 1e9:.2f} GB ({types})"
+
     def __repr__(self) -> str:
         return (
             f"Engine({type(self.model).__name__}, max_num_seqs={self.max_num_seqs}, "
             f"max_num_batched_tokens={self.max_num_batched_tokens}, blocks={self.cache.num_blocks}x"
-            f"{self.block_size}, max_model_len={self.max_model_len})"
+            f"{self.block_size}, max_model_len={self.max_model_len}; {self.kv_pool_line()})"
         )
+
+
+def _layer_type(window: int | None) -> str:
+    return "global" if window is None else f"sliding-{window}"

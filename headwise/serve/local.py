@@ -109,10 +109,11 @@ class LocalRuntime:
                     return  # a tensor-parallel rank failed meanwhile (_group_failed says why)
                 self.state = "ready"
             log.info(
-                "model %s ready (%s, %.1f s%s)",
+                "model %s ready (%s, %.1f s%s%s)",
                 self.name,
                 self.kind,
                 time.perf_counter() - t0,
+                f"; {self.engine.kv_pool_line()}" if self.kind == "generate" else "",
                 "; weights shared with an earlier variant" if reused else "",
             )
         except Exception as e:  # the server stays up and reports it

@@ -164,3 +164,18 @@ def test_a_small_pool_preempts_and_still_matches_hf(pair, name, blocks):
         assert out.outputs[0].token_ids == hf_greedy(hf, p), p
     engine.cache.check()
     assert engine.cache.num_free_blocks == blocks - 1
+
+
+def test_engine_states_its_pool_per_layer_type(pair):
+    """The line a server logs at start-up: tokens and bytes of the pool, and per layer type the
+    bytes a token takes, as the config's arithmetic gives them (fp32 K and V, Hkv heads of D)."""
+    _, model = pair("gemma3")
+    cfg = model.config
+    engine = Engine(model)
+    line = engine.kv_pool_line()
+    per_layer = 2 * cfg.num_kv_heads * cfg.head_dim * 4 / 1024  # KiB a token takes in one layer
+    glob = sum(w is None for w in cfg.windows)
+    assert f"{glob} global layers {glob * per_layer:.1f} KiB/token" in line
+    assert f"{cfg.num_layers - glob} sliding-{W} layers {(cfg.num_layers - glob) * per_layer:.1f} KiB/token" in line
+    assert f"{engine.core.cache.memory_bytes() / 1e9:.2f} GB" in line
+    assert line in repr(engine)
