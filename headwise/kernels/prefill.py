@@ -55,12 +55,13 @@ def prefill_attention(
     causal: bool = True,
     want_lse: bool = False,
     window_left: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """softmax(q k^T * scale) v, fp32 on CPU, no autograd. q (B, H, T, D), k, v (B, Hkv, S, D) with
     each row's D floats contiguous (any other strides); causal: query t sees keys [0, t + S - T];
     window_left (with causal): only keys [t + S - T - window_left, t + S - T], a sliding window of
     window_left + 1 keys (Mistral's, Gemma's sliding_window - 1); the key blocks before a query
-    block's window are not read.
+    block's window are not read. softcap c > 0: scores c * tanh(s / c) before the mask (Gemma 2).
     -> (out (B, H, T, D) contiguous, lse (B, H, T) natural-log LSE of the scaled scores or None)."""
     why = prefill_attention_unavailable()
     if why is not None:
@@ -86,12 +87,21 @@ def prefill_attention(
         raise ValueError(f"prefill_attention: causal with {T} queries needs at least as many keys, got {k.shape[2]}")
     if window_left is not None and (not causal or not 0 <= window_left < 2**31 - 2):
         raise ValueError(f"prefill_attention: window_left must be an int >= 0 with causal=True, got {window_left!r}")
+    if softcap is not None and not 0 < softcap < math.inf:
+        raise ValueError(f"prefill_attention: softcap must be a finite number > 0 or None, got {softcap!r}")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    return prefill_attention_unchecked(q, k, v, scale, causal, want_lse, window_left)
+    return prefill_attention_unchecked(q, k, v, scale, causal, want_lse, window_left, softcap)
 
 
 def prefill_attention_unchecked(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, want_lse: bool, window_left: int | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    causal: bool,
+    want_lse: bool,
+    window_left: int | None = None,
+    softcap: float | None = None,
 ):
     """prefill_attention for a caller that has checked what it checks (the `prefill` and `paged`
     backends): the kernel call alone."""
@@ -117,6 +127,7 @@ def prefill_attention_unchecked(
         *out.stride()[:3],
         scale,
         0 if not causal else 1 if window_left is None else 2 + int(window_left),  # prefill_attention.c's causal
+        0.0 if softcap is None else float(softcap),
     )
     if rc:
         raise RuntimeError(

@@ -136,15 +136,15 @@ def test_paged_explain_says_how_the_window_is_handled():
 @pytest.mark.parametrize("window", [3, 6, 13])
 def test_a_windowed_chunk_goes_through_the_prefill_kernel(monkeypatch, tile_blocks, window):
     """A prefill chunk of 12 after 20 cached keys: the tile that ends at the last key and starts
-    at or before the chunk is read by the C prefill kernel with the window's left edge."""
+    at or before the chunk is read by the C prefill kernel with the window's left edge (and a cap)."""
     from headwise.kernels import prefill as kernel_prefill
 
     calls = []
     real = kernel_prefill.prefill_attention_unchecked
 
-    def spy(q, k, v, scale, causal, want_lse, window_left=None):
-        calls.append((causal, window_left))
-        return real(q, k, v, scale, causal, want_lse, window_left)
+    def spy(q, k, v, scale, causal, want_lse, window_left=None, softcap=None):
+        calls.append((causal, window_left, softcap))
+        return real(q, k, v, scale, causal, want_lse, window_left, softcap)
 
     monkeypatch.setattr(kernel_prefill, "prefill_attention_unchecked", spy)
     g = torch.Generator().manual_seed(1)
@@ -154,12 +154,15 @@ def test_a_windowed_chunk_goes_through_the_prefill_kernel(monkeypatch, tile_bloc
     grow(cache, kept, ["a"], [[20]], g)
     calls.clear()
     k, v, q = (torch.randn(1, h, 12, D, generator=g) for h in (2, 2, 4))
-    out = cache.batch(["a"], 12).layer(0).update(k, v).attend(q, is_causal=True, window=window)
+    read = cache.batch(["a"], 12).layer(0).update(k, v)
+    out = read.attend(q, is_causal=True, window=window)
+    capped = attend_kv(3 * q, read.kv, is_causal=True, window=window, softcap=0.6)
     kept["a"][0].append(k[0])
     kept["a"][1].append(v[0])
     check(out[0], q[0], kept, "a", window, None)
-    if tile_blocks == 16:  # one tile holds every key: the kernel, causal, the window's left edge
-        assert calls == [(True, window - 1)]
+    check(capped[0], 3 * q[0], kept, "a", window, 0.6)
+    if tile_blocks == 16:  # one tile holds every key: the kernel, causal, the window's left edge, the cap
+        assert calls == [(True, window - 1, None), (True, window - 1, 0.6)]
 
 
 @pytest.mark.parametrize("layout,kind", [("spread", "runs"), ("regions", "regions"), ("default", "decodes")])

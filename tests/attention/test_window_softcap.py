@@ -339,3 +339,17 @@ def test_against_transformers_gemma2_eager_attention(backend, T, S):
     want, _ = gemma2.eager_attention_forward(module, q, k, v, additive, scaling=scale, softcap=cap)  # (B, T, H, D)
     out = attend(q, k, v, is_causal=True, window=W, softcap=cap, scale=scale, backend=backend)
     torch.testing.assert_close(out.transpose(1, 2), want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("H,Hkv", HEADS)
+@pytest.mark.parametrize("T,S,window,softcap", [(70, 70, None, 1.0), (40, 90, 16, 0.5), (33, 33, 8, 50.0)])
+def test_prefill_kernel_caps_the_scores(H, Hkv, T, S, window, softcap):
+    """Gemma 2's prefill: the C prefill kernel caps each block's scores before its masks."""
+    q, k, v = qkv(1, H, Hkv, T, S, 16, seed=13)
+    q = q * 4
+    e = explain(q, k, v, is_causal=True, window=window, softcap=softcap)
+    assert e.chosen == "prefill", str(e)
+    res = attend(q, k, v, is_causal=True, window=window, softcap=softcap, return_lse=True)
+    torch.testing.assert_close(res.out, reference(q, k, v, window=window, softcap=softcap), atol=2e-5, rtol=1e-4)
+    ref = attend(q, k, v, is_causal=True, window=window, softcap=softcap, return_lse=True, backend="math")
+    torch.testing.assert_close(res.lse, ref.lse, atol=2e-5, rtol=1e-5)

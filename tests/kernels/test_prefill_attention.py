@@ -32,7 +32,7 @@ def variant_run(variant, q, k, v, scale, causal):
     out, lse = torch.empty(B, H, T, D), torch.empty(B, H, T)
     rc = mod.prefill_attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), B, H, k.shape[1], T, k.shape[2], D,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], scale, int(causal),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], scale, int(causal), 0.0,
     )  # fmt: skip
     assert rc == 0
     return out, lse
@@ -151,3 +151,26 @@ def test_window_left_against_a_masked_softmax():
     torch.testing.assert_close(lse, torch.logsumexp(s, -1), atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="window_left"):
         prefill_attention(q, k, v, causal=False, window_left=3)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_softcap_in_each_variant(variant):
+    """softcap: scores c * tanh(s / c) before the causal mask, in each compiled variant."""
+    mod = importlib.import_module(f"headwise.kernels._cpu_{variant}")
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(*s, generator=g) for s in ((2, 4, 37, 24), (2, 2, 45, 24), (2, 2, 45, 24)))
+    q = q * 3
+    out, lse = torch.empty(2, 4, 37, 24), torch.empty(2, 4, 37)
+    rc = mod.prefill_attention(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), 2, 4, 2, 37, 45, 24,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], 0.2, 1, 0.7,
+    )  # fmt: skip
+    assert rc == 0
+    s = 0.7 * torch.tanh(q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2) * 0.2 / 0.7)
+    s = s.masked_fill(~torch.ones(37, 45, dtype=torch.bool).tril(8), float("-inf"))
+    torch.testing.assert_close(
+        out, (torch.softmax(s, -1) @ v.double().repeat_interleave(2, 1)).float(), atol=2e-5, rtol=1e-4
+    )
+    torch.testing.assert_close(lse, torch.logsumexp(s, -1).float(), atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="softcap"):
+        prefill.prefill_attention(q, k, v, softcap=-1.0)

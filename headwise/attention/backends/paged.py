@@ -127,10 +127,10 @@ def _read_group(
             k, v, seg = k[:, :, cut:], v[:, :, cut:], seg._replace(k0=seg.k0 + cut)
         if kv_map is not None:
             k, v = k.index_select(1, kv_map), v.index_select(1, kv_map)
-        causal = None if softcap is not None else _prefill_kernel_mask(reads, group, seg, masks, kv_map, q, k)
+        causal = _prefill_kernel_mask(reads, group, seg, masks, kv_map, q, k)
         if causal is not None:  # the prefill kernel draws this tile's mask itself
             left = masks.window[0] if causal and masks.window is not None else None  # the kernel's window
-            o, l = kernel_prefill.prefill_attention_unchecked(q, k, v, scale, causal, True, left)
+            o, l = kernel_prefill.prefill_attention_unchecked(q, k, v, scale, causal, True, left, softcap)
             acc, lse = merge_lse(acc, lse, fold_heads(o, Hkv), l.reshape(B, Hkv, G * T))
             continue
         mask, dead = tile_mask(reads, seg, group.rows, masks, kv_map is None, Hkv, G)

@@ -9,7 +9,7 @@ fused SDPA on SmolLM2's prefill (H 9, Hkv 3, D 64, AMD EPYC Zen 5): 2.5x at 512 
 It serves fp32 CPU requests without autograd whose mask is none or causal alone (bottom-right
 aligned, S >= T), or causal within a sliding window (the kernel starts each block of queries at
 its window's first key block and masks the keys before each row's window): no mask tensor, key
-padding or ALiBi, no soft-cap, no dropout, no weights, even
+padding or ALiBi, no dropout, no weights (soft-capped scores: the kernel caps each block's), even
 GQA groups of up to 16 heads, head_dim a multiple of 8 up to 256, each row's D values
 contiguous. `explain()` names what else it refuses. After `decode` (which takes the steps
 whose queries see every key, T = 1) and ahead of `sdpa` in the auto order.
@@ -27,7 +27,9 @@ from .decode import cpu_kernel_reasons, plain_spec_reasons
 def prefill_attention(q, k, v, spec: AttentionSpec) -> AttentionOutput:
     """q (B, H, T, D), k/v (B, Hkv, S, D) -> out (B, H, T, D) (lse (B, H, T) with return_lse)."""
     left = None if spec.window is None else spec.window[0]  # prefill_check: causal with a window
-    out, lse = kernel_prefill.prefill_attention_unchecked(q, k, v, spec.scale, spec.is_causal, spec.return_lse, left)
+    out, lse = kernel_prefill.prefill_attention_unchecked(
+        q, k, v, spec.scale, spec.is_causal, spec.return_lse, left, spec.softcap
+    )
     return AttentionOutput(out, lse, None)
 
 
@@ -44,8 +46,6 @@ def prefill_check(q, k, v, spec: AttentionSpec) -> list[str]:
     if spec.is_causal and spec.S < spec.T:
         reasons.append(f"causal needs S >= T (got T={spec.T}, S={spec.S})")
     reasons += plain_spec_reasons(spec)
-    if spec.softcap is not None:
-        reasons.append("no soft-capping (chunked caps each tile's scores; the decode kernel caps a decode step's)")
     if spec.kv_map is not None or spec.H % spec.Hkv:
         reasons.append("even GQA groups only")
     elif not kernel_prefill.fits(spec.G, spec.D):

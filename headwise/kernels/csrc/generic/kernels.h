@@ -39,7 +39,7 @@ int hw_decode_attention_seq(const float *q, const void *k, const void *v, const 
 int hw_prefill_attention_f32(const float *q, const float *k, const float *v, float *out, float *lse, long B, long H,
                              long Hkv, long T, long S, long D, long sq_b, long sq_h, long sq_t, long sk_b, long sk_h,
                              long sk_t, long sv_b, long sv_h, long sv_t, long so_b, long so_h, long so_t, float scale,
-                             int causal);
+                             int causal, float softcap);
 void hw_rows_prologue(int kind, const float *x, const float *norm_w, float eps, float *out, long M, long I);
 void hw_rope_rows(float *y, long M, long O, const float *cos, const float *sin, long rot_cols, long head_dim);
 void hw_qk_norm_rope_rows(float *y, long M, long O, long H, long Hkv, long D, long rd, const float *qn,

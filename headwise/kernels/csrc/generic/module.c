@@ -98,20 +98,20 @@ static PyObject *py_decode_attention(PyObject *self, PyObject *const *args, Py_s
 }
 
 /* prefill_attention(q, k, v, out, lse, B, H, Hkv, T, S, D, 12 strides (q, k, v, out: b, h, t), scale,
- * causal) -> rc (prefill_attention.c) */
+ * causal, softcap) -> rc (prefill_attention.c) */
 static PyObject *py_prefill_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     const float *q, *k, *v;
-    float *out, *lse, scale;
+    float *out, *lse, scale, softcap;
     long n[18], causal;
-    if (!(hw_nargs("prefill_attention", nargs, 25) && HW_P(0, q) && HW_P(1, k) && HW_P(2, v) && HW_P(3, out) &&
-          HW_P(4, lse) && HW_F(23, scale) && HW_L(24, causal)))
+    if (!(hw_nargs("prefill_attention", nargs, 26) && HW_P(0, q) && HW_P(1, k) && HW_P(2, v) && HW_P(3, out) &&
+          HW_P(4, lse) && HW_F(23, scale) && HW_L(24, causal) && HW_F(25, softcap)))
         return NULL;
     for (int i = 0; i < 18; i++)
         if (!HW_L(5 + i, n[i])) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = hw_prefill_attention_f32(q, k, v, out, lse, n[0], n[1], n[2], n[3], n[4], n[5], n[6], n[7], n[8], n[9],
-                                  n[10], n[11], n[12], n[13], n[14], n[15], n[16], n[17], scale, (int)causal);
+                                  n[10], n[11], n[12], n[13], n[14], n[15], n[16], n[17], scale, (int)causal, softcap);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(rc);
 }

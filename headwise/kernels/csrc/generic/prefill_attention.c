@@ -73,7 +73,7 @@ static int scratch_alloc(struct pa_scratch *w, long R, long D) {
 static void block(struct pa_scratch *w, const float *q, const float *k, const float *v, float *out, float *lse, long b,
                   long hk, long t0, long nt, long H, long Hkv, long T, long S, long D, long sq_b, long sq_h, long sq_t,
                   long sk_b, long sk_h, long sk_t, long sv_b, long sv_h, long sv_t, long so_b, long so_h, long so_t,
-                  float scale, int causal, long left) {
+                  float scale, int causal, long left, float cap) {
     const long G = H / Hkv, R = G * nt, off = S - T, PK = hw_pa_keys;
     const float c = scale * 1.4426950408889634f;
     for (long g = 0; g < G; g++)
@@ -98,6 +98,14 @@ static void block(struct pa_scratch *w, const float *q, const float *k, const fl
             for (long j = nk; j < PK; j++) kd[j] = 0.0f;
         }
         hw_pa_scores(w, R, D);
+        if (cap > 0.0f) /* Gemma 2: base-2 scores s become cap tanh(s ln 2 / cap) log2 e, before masks */
+            for (long r = 0; r < R; r++) {
+                float *pr = w->p + r * PK;
+                for (long j = 0; j < nk; j++) {
+                    const float x = fminf(fmaxf(pr[j] * (2.0f / cap), -60.0f), 60.0f); /* 2^x = e^(2 tanh's arg) */
+                    pr[j] = (1.0f - 2.0f / (exp2f(x) + 1.0f)) * (cap * 1.4426950408889634f);
+                }
+            }
         if (left >= 0 && s0 < t0 + nt - 1 + off - left) /* some row's window starts inside or after it */
             for (long r = 0; r < R; r++) {
                 long lo = t0 + r % nt + off - left - s0; /* the row's first key, relative to s0 */
@@ -121,11 +129,12 @@ static void block(struct pa_scratch *w, const float *q, const float *k, const fl
 }
 
 /* causal: 0 none, 1 bottom-right causal, 2 + left causal within a window of left + 1 keys.
+ * softcap > 0: scores softcap tanh(s / softcap) before masks (Gemma 2); 0: plain.
  * Returns 0, 1 for a shape the kernel does not take (nothing written), -1 without memory. */
 int hw_prefill_attention_f32(const float *q, const float *k, const float *v, float *out, float *lse, long B, long H,
                              long Hkv, long T, long S, long D, long sq_b, long sq_h, long sq_t, long sk_b, long sk_h,
                              long sk_t, long sv_b, long sv_h, long sv_t, long so_b, long so_h, long so_t, float scale,
-                             int causal) {
+                             int causal, float softcap) {
     if (Hkv < 1 || H % Hkv || H / Hkv > MAX_PG || D < 8 || D > MAX_PD || D % 8 || T < 1 || S < 0 ||
         (causal && S < T) || causal < 0)
         return 1;
@@ -146,7 +155,7 @@ int hw_prefill_attention_f32(const float *q, const float *k, const float *v, flo
             const long qb = nqb - 1 - it % nqb, rest = it / nqb;  /* the longest (last) query blocks first */
             const long hk = rest % Hkv, b = rest / Hkv, t0 = qb * PQ;
             block(w, q, k, v, out, lse, b, hk, t0, T - t0 < PQ ? T - t0 : PQ, H, Hkv, T, S, D, sq_b, sq_h, sq_t,
-                  sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t, scale, causal != 0, left);
+                  sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t, scale, causal != 0, left, softcap);
         }
         if (ok) free(w->mem);
     }
