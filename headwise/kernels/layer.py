@@ -38,7 +38,7 @@ class StepPlan(NamedTuple):
     # (0: every key), the rotated channels of a head (dims' D but with partial rotary)
     spec: tuple[int, ...] = (0, 0, 0, 0, PRO_SWIGLU, 0, 0)
     qk_eps: float = 0.0
-    softcap: float = 0.0  # 0: none (the decode kernel refuses any other yet)
+    softcap: float = 0.0  # 0: none, else Gemma 2's cap of the scores
 
 
 def plan_step(
@@ -65,7 +65,7 @@ def plan_step(
     each q and k head before RoPE (eps qk_eps); post_norms (C,) weights of RMSNorms on the attention's
     and the MLP's outputs before their residuals (eps `eps`); glu, the gate's activation ("silu",
     "gelu_tanh"); window W (each row attends to the W keys ending at its own); scale of the scores
-    (None: D**-0.5); softcap (the kernel refuses it yet: run_stack raises); rotary_dim, the first channels
+    (None: D**-0.5); softcap c of the scores (c tanh(s / c): Gemma 2); rotary_dim, the first channels
     of each q and k head RoPE rotates (None: all D; fewer: partial rotary, cos/sin then (M, rotary_dim / 2))."""
     qkv, out, gate_up, down = plans
     C, F = out.out_features, down.in_features

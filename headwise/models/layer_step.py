@@ -7,10 +7,10 @@ sequence's run start or block table), and the layer's four linears all run on he
 the same kernels `blocks.fused_layer` would call one by one, without ~40 Python-level operations
 between them (an int8 cache's keys quantized and read by the kernel, as the cache's quantize_int8 /
 dequantize_int8 do). The block's spec is the plan's data, one kernel for every family: RMSNorms,
-QK-norm (Qwen3, Gemma 3), post-norms (Gemma), SwiGLU or GeGLU, the layer's window, scale and rotary
-(partial rotary too: Phi-3).
+QK-norm (Qwen3, Gemma 3), post-norms (Gemma), SwiGLU or GeGLU, the layer's window, scale, soft-cap
+(Gemma 2) and rotary (partial rotary too: Phi-3).
 Consecutive such layers go in one call. Anything else (a prefill, a static cache, ALiBi, a forced
-attention backend, uneven GQA groups, a soft-cap, interleaved RoPE, another norm or MLP) has no plan
+attention backend, uneven GQA groups, interleaved RoPE, another norm or MLP) has no plan
 or books nothing, and runs `blocks.fused_layer`.
 """
 
@@ -41,7 +41,6 @@ def layer_plan(p) -> kernel_layer.StepPlan | None:
         and attn.alibi_slopes is None
         and attn.backend == "auto"
         and attn._buffers.get("kv_map") is None
-        and getattr(attn, "softcap", None) is None  # the decode kernel does not cap scores yet
         and H % Hkv == 0
         and kernel_attention.fits(H // Hkv, D)
         and all(_rms_weight(n, p.attn_norm.eps) is not None for n in norms)
@@ -73,6 +72,7 @@ def layer_plan(p) -> kernel_layer.StepPlan | None:
         glu=p.glu,
         window=getattr(attn, "window", None),
         scale=getattr(attn, "scale", None),
+        softcap=getattr(attn, "softcap", None),
         rotary_dim=rope.dim,
     )
 

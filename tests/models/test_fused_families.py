@@ -17,8 +17,8 @@ from ..helpers import save_hf
 from .test_families import FAMILIES, V
 
 TOL = 1e-4
-# the families whose every layer's decode step the C stack runs (Gemma 2's soft-capped scores: not yet)
-STACKED = {"mistral", "qwen2", "qwen3", "phi3", "gemma3"}
+# the families whose every layer's decode step the C stack runs: all of them
+STACKED = {"mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"}
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +63,11 @@ def _ids(B, n, seed=0):
     return torch.randint(0, V, (B, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _decode(model, ids, prefill, windows):
+def _decode(model, ids, prefill, windows, kv_dtype=None):
     """A prefill, then one token at a time: the logits of every step (B, T, V)."""
     cfg = model.config
-    cache = ContiguousKVCache(
-        cfg.num_layers, ids.shape[0], cfg.num_kv_heads, ids.shape[1], cfg.head_dim, windows=windows
-    )
+    B, T = ids.shape
+    cache = ContiguousKVCache(cfg.num_layers, B, cfg.num_kv_heads, T, cfg.head_dim, windows=windows, kv_dtype=kv_dtype)
     outs = [model(ids[:, :prefill], cache=cache)]
     outs += [model(ids[:, t : t + 1], cache=cache) for t in range(prefill, ids.shape[1])]
     return torch.cat(outs, dim=1)
@@ -139,3 +138,23 @@ def test_quantized_gemma3_stack_equals_its_kernels_one_by_one(saved, ran, weight
     assert (got - one_by_one).abs().max() <= TOL
     want = _reference(_decode, model, ids, 10, None)
     assert (got - want).abs().max() <= 0.05 * want.abs().max()
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("windows", [False, True])
+@torch.inference_mode()
+def test_int8_cache_decode_in_the_stack_equals_the_fused_layers(saved, ran, name, windows):
+    """An int8 KV cache (the kernel quantizes each new key as the cache's quantize_int8 does): the
+    stack -- soft-capped scores over widened int8 rows included -- equals blocks.fused_layer over the
+    same cache (the same kernels around attention; the modules' F.linear rounds k and v otherwise,
+    which can move a value at an int8 rounding tie by one step)."""
+    model = headwise.load(saved(name))
+    cfg = model.config
+    ids = _ids(2, 24, seed=9)
+    w = cfg.windows if windows else None
+    got = _decode(model, ids, 10, w, "int8")
+    assert ran["stack"] == cfg.num_layers * 14
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(executors, "STACK", False)
+        want = _decode(model, ids, 10, w, "int8")
+    assert (got - want).abs().max() <= 2e-5

@@ -32,11 +32,12 @@ static int linear(const int64_t *lin, const float *x, const float *r, float *y, 
 /* Row m's attention over its n keys, the first at key row `first` (hw_decoder_step's K/V layout:
  * base[m] elements in, or its block table): keys first .. first + n - 1, consecutive rows of a
  * contiguous cache or of a ring, or positions of a paged sequence through its table. A table
- * whose window starts inside a block (first % bs) is read through a table of each key's row. */
+ * whose window starts inside a block (first % bs) is read through a table of each key's row.
+ * cap > 0: soft-capped scores (Gemma 2), each KV head through hw_decode_pair_capped. */
 static int attend_row(const float *q, const float *kc, const float *vc, const float *ks, const float *vs, float *o,
                       const int64_t *base, const int64_t *table, long tw, long bs, long first, long n, long Hkv,
-                      long H, long D, long s_h, long s_t, float scale, long m) {
-    const long HD = H * D, es = ks ? 1 : 4; /* bytes per element */
+                      long H, long D, long s_h, long s_t, float scale, float cap, long m) {
+    const long HD = H * D, G = H / Hkv, es = ks ? 1 : 4; /* bytes per element */
     const int64_t *tab = table ? table + m * tw + first / bs : NULL;
     int64_t *rows = NULL;
     long at = 0;
@@ -48,9 +49,18 @@ static int attend_row(const float *q, const float *kc, const float *vc, const fl
         for (long t = 0; t < n; t++) rows[t] = table[m * tw + (first + t) / bs] * bs + (first + t) % bs;
         tab = rows, bs = 1;
     }
-    const int rc = hw_decode_attention_seq(q + m * HD, (const char *)kc + at * es, (const char *)vc + at * es,
-                                           ks ? ks + at / D : NULL, ks ? vs + at / D : NULL, o + m * HD, Hkv, H / Hkv,
-                                           D, s_h, s_t, n, scale, tab, bs);
+    int rc = 0;
+    if (cap > 0.0f)
+        for (long h = 0; h < Hkv; h++) {
+            const long a = at + h * s_h;
+            hw_decode_pair_capped((const char *)kc + a * es, (const char *)vc + a * es, ks ? ks + a / D : NULL,
+                                  ks ? vs + a / D : NULL, q + m * HD + h * G * D, o + m * HD + h * G * D, NULL, n, G,
+                                  D, s_t, s_t, scale, tab, bs, cap);
+        }
+    else
+        rc = hw_decode_attention_seq(q + m * HD, (const char *)kc + at * es, (const char *)vc + at * es,
+                                     ks ? ks + at / D : NULL, ks ? vs + at / D : NULL, o + m * HD, Hkv, G, D, s_h, s_t,
+                                     n, scale, tab, bs);
     free(rows);
     return rc;
 }
@@ -105,7 +115,7 @@ static void post_norm_add(float *t, const float *w, float eps, const float *r, f
  *   ST_RING: R > 0 when the cache is a ring of R rows (key p at row p % R, holding the last R keys;
  *     W must be 0 or >= R), 0 when key p is at row p.
  *   floats: FL_EPS (every RMSNorm's eps but the QK-norm's), FL_SCALE (the scores'), FL_QK_EPS,
- *     FL_SOFTCAP (0: none; the decode attention kernel does not cap yet: code -4).
+ *     FL_SOFTCAP (0: none; else Gemma 2's c tanh(s / c) of the scores, hw_decode_pair_capped).
  * A layer without the Gemma / Qwen3 parts (no QK-norm, no post-norms, SwiGLU, no window or ring)
  * runs exactly the calls it ran before they came. */
 enum { ST_LIN = 0, ST_ATTN_NORM = 12, ST_MLP_NORM, ST_K, ST_V, ST_KS, ST_VS, ST_BASE, ST_SH, ST_ST, ST_POS, ST_TABLE,
@@ -118,8 +128,8 @@ long hw_stack_floats(void) { return FL_FIELDS; }
 
 #define PTR(T, v) ((T)(intptr_t)(v))
 
-/* One layer's step of M rows: x, y (M, C). Returns 0, -1 (no memory), -3 (a bad descriptor), -4
- * (a soft-cap) or a kernel's code. */
+/* One layer's step of M rows: x, y (M, C). Returns 0, -1 (no memory), -3 (a bad descriptor) or a
+ * kernel's code. */
 static int hw_decoder_step(const int64_t *d, const float *fl, const float *x, float *y, long M, long C) {
     const int64_t *lin = d + ST_LIN, *split = d[ST_SPLIT] == -2 ? NULL : d + ST_SPLIT;
     const int64_t *base = PTR(const int64_t *, d[ST_BASE]), *pos = PTR(const int64_t *, d[ST_POS]);
@@ -132,12 +142,12 @@ static int hw_decoder_step(const int64_t *d, const float *fl, const float *x, fl
     const float *post_attn = PTR(const float *, d[ST_POST_ATTN]), *post_mlp = PTR(const float *, d[ST_POST_MLP]);
     float *kc = PTR(float *, d[ST_K]), *vc = PTR(float *, d[ST_V]), *ks = PTR(float *, d[ST_KS]);
     float *vs = PTR(float *, d[ST_VS]);
-    const float eps = fl[FL_EPS], scale = fl[FL_SCALE];
+    const float eps = fl[FL_EPS], scale = fl[FL_SCALE], softcap = fl[FL_SOFTCAP];
     const int glu = (int)d[ST_GLU], qk = qn || kn || rd != D, post = post_attn || post_mlp;
     const int bad_ring = R < 0 || (R && (table || (W && W < R)));
     if ((table && bs < 1) || W < 0 || bad_ring || (glu != PRO_SWIGLU && glu != PRO_GEGLU) || rd < 2 || rd > D || rd % 2)
         return -3;
-    if (fl[FL_SOFTCAP] != 0.0f) return -4;
+    if (softcap < 0.0f) return -3;
     const long QKV = (H + 2 * Hkv) * D, HD = H * D;
     float *buf = malloc(sizeof(float) * (size_t)(M * (QKV + 2 * HD + C + 2 * F) + (split ? M * QKV : 0) +
                                                  (post ? M * C : 0)));
@@ -182,12 +192,12 @@ static int hw_decoder_step(const int64_t *d, const float *fl, const float *x, fl
     int arc = 0;
     if (M == 1)
         arc = attend_row(q, kc, vc, ks, vs, o, base, table, tw, bs, first[0], lengths[0], Hkv, H, D, s_h, s_t, scale,
-                         0);
+                         softcap, 0);
     else {
         #pragma omp parallel for schedule(dynamic) reduction(| : arc)
         for (long m = 0; m < M; m++)
             arc |= attend_row(q, kc, vc, ks, vs, o, base, table, tw, bs, first[m], lengths[m], Hkv, H, D, s_h, s_t,
-                              scale, m);
+                              scale, softcap, m);
     }
     rc = arc;
     if (rc) goto done;
