@@ -353,3 +353,16 @@ def test_prefill_kernel_caps_the_scores(H, Hkv, T, S, window, softcap):
     torch.testing.assert_close(res.out, reference(q, k, v, window=window, softcap=softcap), atol=2e-5, rtol=1e-4)
     ref = attend(q, k, v, is_causal=True, window=window, softcap=softcap, return_lse=True, backend="math")
     torch.testing.assert_close(res.lse, ref.lse, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("windows", [None, [4]])  # every slot kept, or the cache's own ring of 4
+def test_layer_chunked_prefill_through_a_cache(windows):
+    """A 23-token prompt in chunks of 5 (the last one 3), then 4 decodes: equal to one causal run."""
+    attn = make_layer(4, 2, window=4)
+    x = torch.randn(1, 27, 32)
+    cache = ContiguousKVCache(1, 1, 2, 32, 16, windows=windows)
+    with torch.no_grad():
+        want = layer_reference(attn, x, window=4, softcap=2.0, scale=0.2)
+        bounds = [0, 5, 10, 15, 20, 23, 24, 25, 26, 27]
+        outs = [attn(x[:, a:b], is_causal=True, cache=cache.layer(0)) for a, b in zip(bounds, bounds[1:])]
+    torch.testing.assert_close(torch.cat(outs, dim=1), want, atol=1e-4, rtol=1e-4)
