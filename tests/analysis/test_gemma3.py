@@ -167,6 +167,28 @@ def test_analyze_groups_heads_by_layer_type(report, model):
     assert all("dla" in p for p in res["patching"]["pairs"])  # post-norms: attribution still sums
 
 
+def test_layer_type_table_in_chromium(report):
+    from playwright.sync_api import sync_playwright
+
+    report, _ = report
+    groups = json.loads((report / "analysis.json").read_text())["layer_types"]
+    problems = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium")
+        try:
+            page = browser.new_page()
+            page.on("console", lambda m: problems.append(m.text) if m.type in ("error", "warning") else None)
+            page.on("pageerror", lambda e: problems.append(str(e)))
+            page.goto((report / "report.html").resolve().as_uri())
+            rows = page.locator("#layer-types + table tr")
+            assert rows.count() == 1 + len(groups) == 3  # header, local, global
+            cells = [rows.nth(i).locator("td").all_text_contents() for i in (1, 2)]
+            assert [c[:4] for c in cells] == [["local", "8", "0,1,2,3,4", "20"], ["global", "-", "5", "4"]]
+        finally:
+            browser.close()
+    assert problems == []
+
+
 def test_summary_says_when_rows_fit_the_window():
     """Rows no longer than the window (Gemma 3 270M's 512 keys, the default 128-token rows):
     local layers saw every key, and the summary says so instead of implying a contrast."""
