@@ -282,3 +282,18 @@ def test_pruning_every_query_head_is_refused(model, qwen2_gqa):
     assert [m.num_heads for m in attention_layers(model)] == [4] * 6  # nothing was touched
     with pytest.raises(ValueError, match="removes every head of layer 1; keep at least one"):
         prune_heads(qwen2_gqa, {1: [0, 1, 2, 3]})
+
+
+def test_long_context_statistics_equal_roles_on_windowed_layers(model):
+    """The fused-kernel statistics (`--context`, O(T) memory) and roles.py on full patterns agree on
+    every layer, local ones included: both count as visible only the keys inside the window."""
+    from headwise.analysis.long_context import long_context_stats
+    from headwise.analysis.roles import head_roles
+
+    batch = from_ids([_ids(1, n, seed=n)[0].tolist() for n in (30, 21)])  # rows longer than W = 8
+    ref = head_roles(model, [batch], induction=False)
+    got = long_context_stats(model, batch, sinks=1, block_q=7, block_k=5)
+    for l in range(6):
+        for name in ref.scores:
+            torch.testing.assert_close(got.roles.scores[name][l], ref.scores[name][l], atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(got.roles.mean_distance[l], ref.mean_distance[l], atol=1e-5, rtol=1e-5)
