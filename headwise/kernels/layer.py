@@ -229,13 +229,14 @@ def run_stack(steps: list[tuple], x: Tensor) -> Tensor:
     """steps: consecutive layers' (plan, cos, sin, k, v, rows); x (M, C) -> the last layer's output,
     each layer reading the one before: the layers one by one in a single kernel call
     (decoder_stack), so that no Python runs between them. rows = (base, pos, head stride, key
-    stride[, table, block size]), what a cache's `claim_decode` returns beside k and v: row m's keys
-    start at k[base[m]] (floats from k's first element) and it writes key pos[m], then attends over
-    keys 0 .. pos[m]. With a block table (M, width) int64 (a paged pool, base None), row m's key t
-    is key row table[m, t // bs] * bs + t % bs of k's head planes instead. For the block's route,
-    which has checked dtypes, contiguity and limits (M <= 64, the decode kernel's G and D); cos,
-    sin (M, D / 2). `steps` may be a StackCall's BoundStack instead (the same layers' entries,
-    built once for a cache's buffers)."""
+    stride[, table, block size[, ring]]), what a cache's `claim_decode` returns beside k and v: row
+    m's keys start at k[base[m]] (floats from k's first element) and it writes key pos[m], then
+    attends over keys 0 .. pos[m] (the plan's window: the last W of them). With a block table (M,
+    width) int64 (a paged pool, base None), row m's key t is key row table[m, t // bs] * bs + t % bs
+    of k's head planes instead; with a ring R (a windowed layer's ring: table None, bs 0), key t is
+    row t % R. For the block's route, which has checked dtypes, contiguity and limits (M <= 64, the
+    decode kernel's G and D); cos, sin (M, rotary dim / 2). `steps` may be a StackCall's BoundStack
+    instead (the same layers' entries, built once for a cache's buffers)."""
     M, C = x.shape
     if type(steps) is BoundStack:
         if (M, C) != (steps.rows, steps.call.width):
