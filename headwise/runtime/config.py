@@ -126,3 +126,19 @@ class EngineConfig:
         if glob == 0:  # every layer windowed: the pool bounds the window, not the context
             return model_config.max_positions if left >= 0 else 0
         return max(0, min(model_config.max_positions, left // glob * bs))
+
+    def window_blocks(self, model_config) -> str | None:
+        """Where the pool is too small for the windowed groups' own blocks (max_model_len 0), what they
+        need, in words for an error; None otherwise."""
+        _, groups = kv_layer_groups(model_config)
+        bs, chunk = self.block_size, self.max_num_batched_tokens
+        windows = sum(n * (-(-(w - 1 + chunk) // bs) + 1) for w, n in groups if w is not None)
+        glob = sum(n for w, n in groups if w is None)
+        if not windows or self.num_blocks - 1 - windows >= (glob > 0):
+            return None
+        kinds = ", ".join(f"{n} group(s) of sliding-{w} layers" for w, n in groups if w is not None)
+        return (
+            f"{kinds} need {windows} blocks of {bs} tokens (each its window and one chunk of "
+            f"max_num_batched_tokens={chunk}) plus the null block{' and one per global group' if glob else ''}: "
+            f"give num_blocks >= {windows + 1 + glob} or a smaller max_num_batched_tokens"
+        )

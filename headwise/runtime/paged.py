@@ -64,6 +64,9 @@ class EngineCore(Core):
         return {**kv_pool_info(self.cache), "max_model_len": self.max_model_len}
 
     def limit_source(self) -> str:
+        short = self.config.window_blocks(self.model.config) if self.max_model_len == 0 else None
+        if short is not None:
+            return f"the KV pool's {self.cache.num_blocks} blocks are too few for this model's windowed layers: {short}"
         return (
             f"the model's context of {self.model.config.max_positions} tokens, or the KV pool's "
             f"{self.cache.num_blocks} blocks x {self.config.block_size} tokens"

@@ -7,6 +7,8 @@ many windows long, so a cache that dropped a key still in the window, or showed 
 changes the tokens.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -179,3 +181,19 @@ def test_engine_states_its_pool_per_layer_type(pair):
     assert f"{cfg.num_layers - glob} sliding-{W} layers {(cfg.num_layers - glob) * per_layer:.1f} KiB/token" in line
     assert f"{engine.core.cache.memory_bytes() / 1e9:.2f} GB" in line
     assert line in repr(engine)
+
+
+def test_a_pool_too_small_for_the_windows_says_how_many_blocks(pair):
+    """num_blocks below what the windowed groups hold (window + one chunk each): the request's error
+    names the count, and that count serves the request with HF's tokens."""
+    hf, model = pair("gemma3")
+    chunk = 16
+    small = Engine(model, max_num_seqs=1, max_num_batched_tokens=chunk, block_size=BS, num_blocks=8)
+    prompt = prompts(seed=5)[0]
+    with pytest.raises(ValueError, match=r"too few for this model's windowed layers.* num_blocks >= (\d+)") as err:
+        small.generate([prompt], GREEDY)
+    need = int(re.search(r"num_blocks >= (\d+)", str(err.value)).group(1))
+    per_group = -(-(W - 1 + chunk) // BS) + 1  # a windowed group's blocks: its window and one chunk
+    assert need == 5 * per_group + 1 + 1  # 5 windowed groups, the null block, one global block
+    enough = Engine(model, max_num_seqs=1, max_num_batched_tokens=chunk, block_size=BS, num_blocks=need + 40)
+    assert enough.generate([prompt], GREEDY)[0].outputs[0].token_ids == hf_greedy(hf, prompt)
