@@ -102,8 +102,8 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 def what_was_run(path: Path, cmd: str) -> str:
     """The model and build a quantized.py run measured, from its command and file name."""
     stem = path.stem
-    if "--gguf" in cmd:
-        what = "7B-shaped Q4_K_M"
+    if m := re.search(r"--gguf \S*?([^/\s]+)\.gguf", cmd):
+        what = "Gemma 3 270M Q4_K_M" if m.group(1).startswith("gemma-3-270m") else "7B-shaped Q4_K_M"
     elif m := re.search(r"--requantize (\S+)", cmd):
         what = f"SmolLM2 {m.group(1)}"
     else:
