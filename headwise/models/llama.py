@@ -4,7 +4,6 @@ which every RoPE decoder family shares; the Llama family's table is families/lla
 from __future__ import annotations
 
 from ..core.config import ModelConfig
-from .executors import choose  # noqa: F401 -- the name tests patch (the model reads executors.choose)
 from .families.decoder import Decoder, DynamicNTKRotary, make_rope, rope_inv_freq
 from .families.llama import ignored, weight_table
 from .loading import family_of

@@ -10,7 +10,7 @@ import torch
 import headwise
 from headwise.analysis import hooks
 from headwise.cache import ContiguousKVCache
-from headwise.models import blocks, executors, llama
+from headwise.models import blocks, executors
 
 from .conftest import hf_checkpoints
 from .stepping import close
@@ -41,8 +41,7 @@ class _Steps:
             return got
 
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(executors, "choose", spy)
-            mp.setattr(llama, "choose", spy)
+            mp.setattr(executors, "choose", spy)  # the decoder calls executors.choose at each step
             out = self.model(self.ids[:, self.t : self.t + 1], self.cache.step(1))
         self.t += 1
         return out
