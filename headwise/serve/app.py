@@ -28,6 +28,7 @@ from .errors import APIError
 from .gateway import Gateway
 from .local import LocalRuntime, Loader, default_loader, load_all
 from .metrics import Metrics
+from .openai import responses as responses_api
 from .middleware import ApiKeyAuth, BodySizeLimit, install_log_filters
 from .tensor_parallel import check as check_tensor_parallel
 from .schemas import (
@@ -193,6 +194,8 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERRORS)
     async def create_embeddings(req: EmbeddingRequest, request: Request):
         return await dispatch("embeddings", req, request)
+
+    responses_api.install(app, state)  # /v1/responses: translated to chat, through the same gateway
 
     def openapi() -> dict:
         """FastAPI's schema, plus the Bearer scheme on /v1 when keys are required (the auth

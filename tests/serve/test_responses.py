@@ -1,0 +1,170 @@
+"""/v1/responses through the official openai client against a live `headwise serve`; each answer
+checked against the same messages sent to /v1/chat/completions by the same client at temperature 0."""
+
+import openai
+import pytest
+
+from .conftest import ServeProcess
+
+CHAT = [{"role": "user", "content": "Name three colors."}]
+
+
+def chat_text(client, messages, model="smollm2", max_tokens=24):
+    res = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0)
+    return res.choices[0].message.content, res.choices[0].finish_reason, res.usage
+
+
+def test_create_equals_chat(client):
+    ref, reason, usage = chat_text(client, CHAT)
+    res = client.responses.create(model="smollm2", input="Name three colors.", max_output_tokens=24, temperature=0)
+    assert res.output_text == ref
+    assert res.object == "response" and res.id.startswith("resp_") and res.model == "smollm2"
+    assert res.status == ("completed" if reason == "stop" else "incomplete")
+    (item,) = res.output
+    assert item.type == "message" and item.role == "assistant" and item.id.startswith("msg_")
+    assert [c.type for c in item.content] == ["output_text"] and item.content[0].annotations == []
+    assert res.usage.input_tokens == usage.prompt_tokens and res.usage.output_tokens == usage.completion_tokens
+    assert res.usage.total_tokens == usage.total_tokens
+    # the same as a list of messages with input_text parts
+    listed = client.responses.create(
+        model="smollm2",
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Name three colors."}]}],
+        max_output_tokens=24,
+        temperature=0,
+    )
+    assert listed.output_text == ref
+
+
+def test_instructions_are_the_system_message(client):
+    system = "You answer in French."
+    ref, _, _ = chat_text(client, [{"role": "system", "content": system}, *CHAT])
+    plain, _, _ = chat_text(client, CHAT)
+    res = client.responses.create(model="smollm2", instructions=system, input=CHAT, max_output_tokens=24, temperature=0)
+    assert res.output_text == ref and ref != plain
+    assert res.instructions == system
+
+
+def test_max_output_tokens_is_incomplete(client):
+    res = client.responses.create(model="smollm2", input="Tell me a long story.", max_output_tokens=5, temperature=0)
+    assert res.status == "incomplete" and res.incomplete_details.reason == "max_output_tokens"
+    assert res.usage.output_tokens == 5
+    assert res.output_text == chat_text(client, [{"role": "user", "content": "Tell me a long story."}], max_tokens=5)[0]
+
+
+def test_stream_events_in_order(client):
+    whole = client.responses.create(model="smollm2", input=CHAT, max_output_tokens=24, temperature=0)
+    with client.responses.stream(model="smollm2", input=CHAT, max_output_tokens=24, temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    head = ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    tail = [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert kinds[:4] == head and kinds[-4:] == tail
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text == final.output_text == events[-4].text
+    assert final.status == whole.status == "completed" and final.usage.output_tokens == whole.usage.output_tokens
+    assert final.usage.input_tokens == whole.usage.input_tokens
+    assert final.output[0].content[0].text == whole.output[0].content[0].text
+
+
+def test_stream_create_true_incomplete(client):
+    events = list(client.responses.create(model="smollm2", input=CHAT, max_output_tokens=3, temperature=0, stream=True))
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+    assert events[-1].response.output_text == chat_text(client, CHAT, max_tokens=3)[0]
+
+
+def test_store_and_previous_response_id(client):
+    first = client.responses.create(model="smollm2", input=CHAT, max_output_tokens=16, temperature=0, store=True)
+    follow = "And three more?"
+    second = client.responses.create(
+        model="smollm2", input=follow, previous_response_id=first.id, max_output_tokens=16, temperature=0, store=True
+    )
+    convo = [*CHAT, {"role": "assistant", "content": first.output_text}, {"role": "user", "content": follow}]
+    ref, _, usage = chat_text(client, convo, max_tokens=16)
+    assert second.output_text == ref and second.previous_response_id == first.id
+    assert second.usage.input_tokens == usage.prompt_tokens
+    got = client.responses.retrieve(first.id)
+    assert got.id == first.id and got.output_text == first.output_text
+    # a third turn chains through the second
+    third = client.responses.create(
+        model="smollm2", input="Thanks.", previous_response_id=second.id, max_output_tokens=8, temperature=0
+    )
+    convo += [{"role": "assistant", "content": second.output_text}, {"role": "user", "content": "Thanks."}]
+    assert third.output_text == chat_text(client, convo, max_tokens=8)[0]
+    # stateless by default: the third was not stored
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(third.id)
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+
+
+def test_through_the_gateway_to_an_upstream(client):
+    """peer/tiny is a provider: the gateway sends it an ordinary chat completion request."""
+    ref, _, _ = chat_text(client, CHAT, model="peer/tiny", max_tokens=8)
+    res = client.responses.create(model="peer/tiny", input=CHAT, max_output_tokens=8, temperature=0)
+    assert res.output_text == ref
+    with client.responses.stream(model="peer/tiny", input=CHAT, max_output_tokens=8, temperature=0) as stream:
+        last = list(stream)[-1]  # a random tiny model: 8 tokens end it, response.incomplete as OpenAI sends
+    assert last.type == "response." + res.status and last.response.output_text == ref
+
+
+def test_errors(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model="smollm2", input="Hi", previous_response_id="resp_nope")
+    assert e.value.body["param"] == "previous_response_id" and e.value.body["code"] == "previous_response_not_found"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model="no-such-model", input="Hi")
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="smollm2", input=42)
+    assert e.value.body["param"] == "input"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(
+            model="smollm2", input="Hi", tools=[{"type": "function", "name": "f", "parameters": {}}]
+        )
+    assert e.value.body["param"] == "tools" and "not supported yet" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="smollm2", input="Hi", text={"format": {"type": "yaml"}})
+    assert e.value.body["param"] == "text.format"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="smollm2", input=[{"role": "user", "content": [{"type": "input_image"}]}])
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_nope")
+
+
+@pytest.fixture(scope="module")
+def small_store(tiny_dir, servers_dir):
+    server = ServeProcess(
+        {"server": {"api_key_env": ""}, "models": {"tiny": {"source": str(tiny_dir)}}},
+        servers_dir,
+        "responses-store",
+        env={"HEADWISE_RESPONSES_STORE_MAX": "2"},
+    )
+    yield server.wait_ready()
+    server.stop()
+
+
+def test_bounded_store_evicts_least_recently_used(small_store):
+    client = openai.OpenAI(base_url=small_store.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+    def make():
+        return client.responses.create(model="tiny", input="Hi", max_output_tokens=2, store=True).id
+
+    a, b = make(), make()
+    client.responses.retrieve(a)  # a is now the most recently used: b goes first
+    c = make()
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(b)
+    assert {client.responses.retrieve(x).id for x in (a, c)} == {a, c}
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model="tiny", input="Hi", previous_response_id=b)
+    assert e.value.status_code == 404 and e.value.body["param"] == "previous_response_id"
