@@ -44,6 +44,39 @@ def test_instructions_are_the_system_message(client):
     assert res.instructions == system
 
 
+def test_text_format_takes_chats_response_format_path(client):
+    """text.format json_schema is chat's response_format json_schema: the same answer, or the same refusal."""
+    schema = {"type": "object", "properties": {"color": {"type": "string"}}, "required": ["color"]}
+    msgs = [{"role": "user", "content": "Give a color as JSON."}]
+    plain = client.responses.create(
+        model="smollm2", input=msgs, text={"format": {"type": "text"}}, max_output_tokens=12, temperature=0
+    )
+    assert plain.output_text == chat_text(client, msgs, max_tokens=12)[0]
+
+    def chat():
+        fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": schema, "strict": True}}
+        res = client.chat.completions.create(
+            model="smollm2", messages=msgs, max_tokens=24, temperature=0, response_format=fmt
+        )
+        return res.choices[0].message.content
+
+    def responses():
+        fmt = {"type": "json_schema", "name": "c", "schema": schema, "strict": True}
+        res = client.responses.create(
+            model="smollm2", input=msgs, max_output_tokens=24, temperature=0, text={"format": fmt}
+        )
+        return res.output_text
+
+    try:
+        ref = chat()
+    except openai.BadRequestError as e:
+        with pytest.raises(openai.BadRequestError) as got:
+            responses()
+        assert got.value.body["message"] == e.body["message"] and got.value.body["param"] == "text.format"
+    else:
+        assert responses() == ref
+
+
 def test_max_output_tokens_is_incomplete(client):
     res = client.responses.create(model="smollm2", input="Tell me a long story.", max_output_tokens=5, temperature=0)
     assert res.status == "incomplete" and res.incomplete_details.reason == "max_output_tokens"
