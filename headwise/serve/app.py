@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from . import errors
+from .anthropic.schemas import MessagesRequest
 from .config import ServeConfig
 from .errors import APIError
 from .gateway import Gateway
@@ -186,6 +187,10 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
     )
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         return await dispatch("chat", req, request)
+
+    @app.post("/v1/messages", responses=ERRORS)  # Anthropic's Messages API: serve/anthropic/messages.py
+    async def create_message(req: MessagesRequest, request: Request):
+        return await dispatch("messages", req, request)
 
     @app.post("/v1/completions", response_model=Completion, responses={**sse_docs(Completion), **ERRORS})
     async def completions(req: CompletionRequest, request: Request):

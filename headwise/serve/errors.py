@@ -18,6 +18,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .anthropic import envelope as anthropic_envelope
+
 log = logging.getLogger("headwise.serve")
 
 # status -> OpenAI's error type for it
@@ -80,6 +82,15 @@ def error_response(status: int, message: str, **kw) -> JSONResponse:
     return APIError(status, message, **kw).response()
 
 
+def body_for(path: str, err: APIError) -> dict:
+    """The envelope the path's clients read: Anthropic's on /v1/messages, OpenAI's elsewhere."""
+    return anthropic_envelope.body(err.status, err.message) if anthropic_envelope.is_anthropic(path) else err.body()
+
+
+def _respond(request: Request, err: APIError, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(body_for(request.url.path, err), status_code=err.status, headers=headers or err.headers())
+
+
 # pydantic names the member of a union it tried in the location: ('stop', 'constrained-str'),
 # ('input', 'list[constrained-int]', 0), ('content', 'list[TextPart]', 0, 'type'). Field names
 # here are snake_case, so a part with brackets, a dash, a capital or a bare type name is a tag.
@@ -133,12 +144,12 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return exc.response()
+        return _respond(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         message, param = validation_message(exc)
-        return error_response(400, message, param=param)
+        return _respond(request, APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
@@ -147,13 +158,9 @@ def install(app: FastAPI) -> None:
             path = request.url.path
             hint = f" (did you mean {path.rstrip('/')}?)" if path.endswith("/") and len(path) > 1 else ""
             message = f"no route {request.method} {path}{hint}; see /docs for the API"
-        return JSONResponse(
-            APIError(exc.status_code, message).body(),
-            status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
-        )
+        return _respond(request, APIError(exc.status_code, message), getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, f"internal error ({type(exc).__name__}); the server log has details")
+        return _respond(request, APIError(500, f"internal error ({type(exc).__name__}); the server log has details"))

@@ -30,12 +30,18 @@ from fastapi.responses import Response
 from .config import Route, ServeConfig, Target
 from .errors import APIError
 from .failover import ReplicaTarget
+from .anthropic import messages
 from .openai import chat, completions, embeddings
 from .openai.streams import until_disconnect
 from .replicas import ReplicaPool
 from .upstream import UpstreamTarget
 
-HANDLERS = {"chat": chat.create, "completions": completions.create, "embeddings": embeddings.create}
+HANDLERS = {
+    "chat": chat.create,
+    "completions": completions.create,
+    "embeddings": embeddings.create,
+    "messages": messages.create,
+}
 
 
 class LocalTarget:
@@ -152,6 +158,14 @@ class Gateway:
         last: APIError | None = None
         for name in self.plan(route):
             target = self.targets[name]
+            if endpoint == "messages" and not isinstance(target, LocalTarget):  # not translated for upstreams yet
+                raise APIError(
+                    501,
+                    f"/v1/{endpoint} is served only by headwise's local models so far; {name!r} is an upstream "
+                    "target: send it to /v1/chat/completions",
+                    param="model",
+                    code="not_supported",
+                )
             later = getattr(target, "settles_streams", False) and bool(body.get("stream"))  # settles when it ends
             try:
                 resp = await target.handle(

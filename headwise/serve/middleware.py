@@ -12,7 +12,7 @@ import json
 import logging
 import re
 
-from .errors import APIError
+from .errors import APIError, body_for
 
 OPEN_PATHS = ("/health", "/metrics", "/docs", "/redoc", "/openapi.json")
 SECRET_PARAM = re.compile(r"key|token|secret|passw|pwd|auth|credential|signature", re.IGNORECASE)
@@ -71,8 +71,8 @@ def install_log_filters() -> None:
             logger.addFilter(cls())
 
 
-async def _send_error(send, err: APIError, extra_headers: list | None = None) -> None:
-    body = json.dumps(err.body()).encode()
+async def _send_error(send, err: APIError, extra_headers: list | None = None, path: str = "") -> None:
+    body = json.dumps(body_for(path, err)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in err.headers().items()] + (extra_headers or [])
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
@@ -102,9 +102,9 @@ class BodySizeLimit:
         if declared is not None:
             try:
                 if int(declared) > self.max_bytes:
-                    return await _send_error(send, self._too_large(), [(b"connection", b"close")])
+                    return await _send_error(send, self._too_large(), [(b"connection", b"close")], scope["path"])
             except ValueError:
-                return await _send_error(send, APIError(400, "Content-Length is not a number"))
+                return await _send_error(send, APIError(400, "Content-Length is not a number"), path=scope["path"])
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -113,7 +113,7 @@ class BodySizeLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                return await _send_error(send, self._too_large(), [(b"connection", b"close")])
+                return await _send_error(send, self._too_large(), [(b"connection", b"close")], scope["path"])
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
@@ -132,7 +132,8 @@ class BodySizeLimit:
 class ApiKeyAuth:
     """Bearer keys, compared in constant time (hmac.compare_digest, against every key,
     so timing reveals neither a key nor which one matched). Keys are never logged:
-    the error says only that the key is missing or wrong."""
+    the error says only that the key is missing or wrong. Anthropic's clients send the key
+    as `x-api-key: <key>` instead: taken when there is no Authorization header."""
 
     def __init__(self, app, keys: tuple[str, ...], protect_metrics: bool = False):
         self.app = app
@@ -148,12 +149,17 @@ class ApiKeyAuth:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not self.keys or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
-        auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+        headers = dict(scope.get("headers") or [])
+        auth = headers.get(b"authorization", b"")
         scheme, _, token = auth.partition(b" ")
+        if not auth and headers.get(b"x-api-key"):
+            scheme, token = b"bearer", headers[b"x-api-key"]
         if scheme.lower() != b"bearer" or not token.strip():
-            err = APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+            err = APIError(
+                401, "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'", code="invalid_api_key"
+            )
         elif not self._ok(token.strip()):
             err = APIError(401, "invalid API key", code="invalid_api_key")
         else:
             return await self.app(scope, receive, send)
-        await _send_error(send, err, [(b"www-authenticate", b"Bearer")])
+        await _send_error(send, err, [(b"www-authenticate", b"Bearer")], scope["path"])

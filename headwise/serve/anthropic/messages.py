@@ -1,0 +1,229 @@
+"""POST /v1/messages on a local model: the Anthropic request becomes the chat request that
+/v1/chat/completions serves (the same chat template, tokenizer, context check and sampling:
+openai/chat.py's `prepare`), runs on the same engine streams, and comes back as an Anthropic
+message or as its SSE events:
+
+    message_start, content_block_start, ping, content_block_delta (text_delta)...,
+    content_block_stop, message_delta (stop_reason, usage), message_stop
+
+An error after the stream began travels as `event: error` in Anthropic's envelope.
+stop_reason: "max_tokens" (the limit), "end_turn" (the model's own end-of-turn / EOS id) or
+"stop_sequence" (one of stop_sequences, named in `stop_sequence`). A last assistant message is
+a prefill: the answer continues it and leaves it out, as Anthropic's does.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from ..errors import APIError
+from ..openai import chat
+from ..openai.common import check_chars, check_context, off_loop, tokenize
+from ..openai.streams import ABORTED, Streams, stream_error, until_disconnect
+from ..schemas import ChatCompletionRequest
+from . import envelope
+from .schemas import Block, MessagesRequest
+
+_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
+
+def event(kind: str, data: dict) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + _ENCODE(data).encode() + b"\n\n"
+
+
+def _unsupported(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param, code="unsupported_parameter")
+
+
+def _reject_unsupported(req: MessagesRequest) -> None:
+    if req.tools:
+        raise _unsupported("tools", "tools are not supported yet by headwise's local models on /v1/messages")
+    if req.tool_choice and req.tool_choice.get("type") not in ("auto", "none"):
+        raise _unsupported("tool_choice", "tool_choice needs tools, which are not supported yet here")
+    if req.thinking is not None and req.thinking.type == "enabled":
+        raise _unsupported("thinking", "extended thinking is not supported by headwise's local models")
+    if req.output_config is not None and req.output_config.format is not None:
+        raise _unsupported("output_config.format", "structured output (output_config.format) is not supported yet here")
+    for param in ("mcp_servers", "container", "context_management"):
+        if getattr(req, param):
+            raise _unsupported(param, f"{param} is not supported by headwise")
+
+
+def _text_parts(blocks: list[Block], where: str) -> list[dict]:
+    parts = []
+    for j, b in enumerate(blocks):
+        if b.type != "text":
+            raise APIError(
+                400,
+                f"{where}.content[{j}]: content blocks of type {b.type!r} are not supported yet; "
+                "headwise's /v1/messages serves text blocks",
+                param=f"{where}.content",
+                code="unsupported_content",
+            )
+        if b.text is None:
+            raise APIError(400, f"{where}.content[{j}].text: Field required", param=f"{where}.content")
+        parts.append({"type": "text", "text": b.text})
+    return parts
+
+
+def to_chat(req: MessagesRequest) -> tuple[ChatCompletionRequest, str]:
+    """-> (the chat request the local chat path serves, the assistant prefill or "")."""
+    _reject_unsupported(req)
+    messages = []
+    if req.system:
+        system = req.system if isinstance(req.system, str) else [{"type": "text", "text": b.text} for b in req.system]
+        messages.append({"role": "system", "content": system})
+    for i, m in enumerate(req.messages):
+        text = isinstance(m.content, str)
+        parts = [{"type": "text", "text": m.content}] if text else _text_parts(m.content, f"messages[{i}]")
+        if messages and messages[-1]["role"] == m.role:  # consecutive turns of one role are one turn
+            messages[-1]["content"] += parts
+        else:
+            messages.append({"role": m.role, "content": parts})
+    prefill = ""
+    if req.messages[-1].role == "assistant":  # the answer continues this text
+        prefill = "\n".join(p["text"] for p in messages.pop()["content"])
+        if prefill != prefill.rstrip():
+            raise APIError(
+                400, "final assistant content cannot end with trailing whitespace", param="messages", code="invalid"
+            )
+        if not any(m["role"] == "user" for m in messages):
+            raise APIError(400, "messages: the conversation needs a user turn before the assistant's", param="messages")
+    fields = {"model": req.model, "messages": messages, "max_tokens": req.max_tokens, "stream": bool(req.stream)}
+    if req.stop_sequences:
+        fields["stop"] = req.stop_sequences
+    for name in ("temperature", "top_p", "top_k"):
+        if getattr(req, name) is not None:
+            fields[name] = getattr(req, name)
+    try:
+        return ChatCompletionRequest.model_validate(fields), prefill
+    except ValidationError as e:  # our own fields passed our checks: should not happen
+        raise APIError(400, f"the request cannot be served as a chat: {e.errors()[0].get('msg')}") from None
+
+
+def _prepare(runtime, chat_req: ChatCompletionRequest, prefill: str):
+    """Off the loop: the chat template (chat.prepare), then the prefill's ids after it."""
+    prompt, sampling, _ = chat.prepare(runtime, chat_req)
+    if prefill:
+        prompt = prompt + tokenize(runtime.tokenizer, prefill, special=False)
+        check_context([len(prompt)], sampling.max_new_tokens, runtime.max_model_len, "messages")
+    return prompt, sampling
+
+
+def stop_reason(tok, sampling, reason: str | None, text: str, ids: list[int]) -> tuple[str, str | None]:
+    """-> (stop_reason, stop_sequence). The engine says "stop" for an end-of-turn id and for a
+    stop string alike: the last id tells them apart. The text was cut where the stop string
+    began, so the stop that ended it is the one the full decode has there."""
+    from ...runtime.output import stop_ids
+
+    if reason == "abort":
+        raise APIError(503, ABORTED, code="aborted")
+    if reason != "stop":
+        return "max_tokens", None
+    if not sampling.stop or (ids and ids[-1] in stop_ids(tok, sampling)):
+        return "end_turn", None
+    full = tok.decode(ids)
+    here = [s for s in sampling.stop if full.startswith(s, len(text))]
+    if here:
+        return "stop_sequence", min(here, key=len)  # of two that start here, the shorter ended first
+    found = [(full.find(s), s) for s in sampling.stop if s in full]
+    return "stop_sequence", min(found)[1] if found else sampling.stop[0]
+
+
+def message(rid, model, text, reason, sequence, input_tokens, output_tokens) -> dict:
+    return {
+        "id": rid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [{"type": "text", "text": text}] if text is not None else [],
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": {
+            "input_tokens": input_tokens,
+            "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+        },
+    }
+
+
+async def create(runtime, req: MessagesRequest, model: str, request: Request, *, timeout=None, metrics=None):
+    runtime.require("generate", "/v1/messages")
+    chat_req, prefill = to_chat(req)
+    check_chars([*chat.message_texts(chat_req), prefill], runtime.spec.max_input_chars, "messages")
+    prompt, sampling = await off_loop(_prepare, runtime, chat_req, prefill)
+    rid = f"msg_{uuid.uuid4().hex[:24]}"
+    streams = Streams(runtime, rid, 1)
+    await streams.start([prompt], sampling, timeout)  # errors until the first piece are HTTP errors
+    run = _Run(streams, rid, model, len(prompt), runtime.tokenizer, sampling, metrics)
+    if req.stream:
+        return StreamingResponse(
+            run.events(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    return JSONResponse(await until_disconnect(run.collect(), request))
+
+
+class _Run:
+    """One request's engine stream, read to its end as one message or as SSE events."""
+
+    def __init__(self, streams, rid, model, input_tokens, tok, sampling, metrics):
+        self.streams, self.rid, self.model, self.input_tokens = streams, rid, model, input_tokens
+        self.tok, self.sampling, self.metrics = tok, sampling, metrics
+        self.text, self.ids, self.reason, self.output_tokens = "", [], None, 0
+
+    def _take(self, piece) -> str:
+        if self.metrics:
+            self.metrics.token_piece(self.model, self.streams, piece)
+        self.ids += piece.token_ids
+        self.output_tokens = piece.num_output_tokens
+        self.reason = piece.finish_reason or self.reason
+        if piece.finish_reason == "abort":
+            raise APIError(503, ABORTED, code="aborted")
+        self.text += piece.text
+        return piece.text
+
+    def _finish(self) -> tuple[str, str | None]:
+        if self.metrics:
+            self.metrics.finished(self.model, self.streams)
+        return stop_reason(self.tok, self.sampling, self.reason, self.text, self.ids)
+
+    async def collect(self) -> dict:
+        try:
+            async for _, piece in self.streams:
+                self._take(piece)
+        finally:
+            await self.streams.close()
+        reason, sequence = self._finish()
+        return message(self.rid, self.model, self.text, reason, sequence, self.input_tokens, self.output_tokens)
+
+    async def events(self):
+        try:
+            start = message(self.rid, self.model, None, None, None, self.input_tokens, 0)
+            yield event("message_start", {"type": "message_start", "message": start})
+            block = {"type": "text", "text": ""}
+            yield event("content_block_start", {"type": "content_block_start", "index": 0, "content_block": block})
+            yield event("ping", {"type": "ping"})
+            async for _, piece in self.streams:
+                text = self._take(piece)
+                if text:
+                    delta = {"type": "text_delta", "text": text}
+                    yield event("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta})
+            reason, sequence = self._finish()
+            yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
+            usage = {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens}
+            delta = {"stop_reason": reason, "stop_sequence": sequence}
+            yield event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
+            yield event("message_stop", {"type": "message_stop"})
+        except Exception as e:
+            err = stream_error(e)
+            yield event("error", envelope.body(err.status, err.message))
+        finally:
+            await self.streams.close()

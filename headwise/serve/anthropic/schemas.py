@@ -1,0 +1,90 @@
+"""The Messages API request (https://docs.anthropic.com/en/api/messages), the subset headwise serves.
+
+As Anthropic's API does, an unknown field is a 400 ("Extra inputs are not permitted" there,
+"unknown field" here), and `max_tokens` is required. Fields Anthropic documents that cannot
+change a local model's answer yet (tools, tool_choice, thinking, MCP servers, containers) are
+accepted only at their neutral value and otherwise rejected with a message naming them;
+bookkeeping (metadata, service_tier) is accepted and ignored. Content blocks other than text
+(images, documents, tool_use / tool_result) are a 400 "not supported yet" from messages.py,
+not a schema error, so the message can say so.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import ConfigDict, Field
+
+from ..schemas import NonEmpty, StopString, Strict
+from ...runtime.sampling import MAX_STOPS
+
+
+class Block(Strict):
+    """A content block. Only {"type": "text", "text": ...} is served; the fields of other types are
+    kept (extra="allow") so the handler can name the type it does not serve."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: NonEmpty
+    text: Optional[str] = None
+    cache_control: Optional[dict] = None  # prompt caching hints: nothing to do here
+    citations: Optional[list] = None
+
+
+class TextBlock(Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: Optional[dict] = None
+    citations: Optional[list] = None
+
+
+class Message(Strict):
+    role: Literal["user", "assistant"]  # the system prompt is the top-level `system`
+    content: Union[str, list[Block]]
+
+
+class Metadata(Strict):
+    user_id: Optional[str] = None
+
+
+class Thinking(Strict):
+    # adaptive / between_tools: the model decides whether to think; a local model without a
+    # thinking mode answering straight away is such a decision. enabled asks for thinking blocks: 400
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
+    budget_tokens: Optional[int] = None
+    display: Optional[str] = None
+
+
+class OutputConfig(Strict):
+    effort: Optional[str] = None  # how hard Claude tries: nothing to choose here, ignored
+    format: Optional[dict] = None  # structured output: not served on /v1/messages yet (a 400)
+
+
+class MessagesRequest(Strict):
+    """The fields of anthropic-python 2.17's messages.create, plus temperature / top_p / top_k,
+    which the API documents for the models that take them (that SDK sends them via extra_body)."""
+
+    model: NonEmpty
+    max_tokens: Annotated[int, Field(ge=1)]  # required, as Anthropic's API requires it
+    messages: Annotated[list[Message], Field(min_length=1)]
+    system: Union[str, list[TextBlock], None] = None
+    stop_sequences: Optional[Annotated[list[StopString], Field(max_length=MAX_STOPS)]] = None
+    temperature: Optional[Annotated[float, Field(ge=0, le=1)]] = None  # Anthropic's range; default 1
+    top_p: Optional[Annotated[float, Field(gt=0, le=1)]] = None
+    top_k: Optional[Annotated[int, Field(ge=0)]] = None
+    stream: Optional[bool] = False
+    # bookkeeping and hints with nothing to change here: accepted, ignored
+    metadata: Optional[Metadata] = None
+    service_tier: Optional[str] = None
+    cache_control: Optional[dict] = None
+    diagnostics: Optional[dict] = None
+    inference_geo: Optional[str] = None
+    speed: Optional[str] = None
+    # served only at their neutral value (messages.py says why otherwise)
+    output_config: Optional[OutputConfig] = None
+    thinking: Optional[Thinking] = None
+    tools: Optional[list[dict]] = None
+    tool_choice: Optional[dict] = None
+    mcp_servers: Optional[list[dict]] = None
+    container: Optional[Union[str, dict]] = None
+    context_management: Optional[dict] = None
