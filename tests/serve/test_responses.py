@@ -1,10 +1,14 @@
 """/v1/responses through the official openai client against a live `headwise serve`; each answer
 checked against the same messages sent to /v1/chat/completions by the same client at temperature 0."""
 
+import httpx
 import openai
 import pytest
 
-from .conftest import ServeProcess
+from headwise.serve.openai import response_store
+
+from .conftest import ServeProcess, auth
+from .test_disconnect import engine_gauge, wait_idle
 
 CHAT = [{"role": "user", "content": "Name three colors."}]
 
@@ -201,3 +205,32 @@ def test_bounded_store_evicts_least_recently_used(small_store):
     with pytest.raises(openai.NotFoundError) as e:
         client.responses.create(model="tiny", input="Hi", previous_response_id=b)
     assert e.value.status_code == 404 and e.value.body["param"] == "previous_response_id"
+
+
+def test_stream_disconnect_aborts_the_engine_request(main):
+    aborted = engine_gauge(main.url, "requests_aborted")
+    body = {"model": "smollm2", "input": "Tell me a long story.", "max_output_tokens": 400, "stream": True}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", main.url + "/v1/responses", json=body, headers=auth()) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()  # kept alive: dropping it would close the connection already
+            deltas = 0
+            while deltas < 3:
+                deltas += next(lines) == "event: response.output_text.delta"
+            assert engine_gauge(main.url, "running") == 1
+        # leaving the block closes the connection mid-stream
+    wait_idle(main.url)
+    assert engine_gauge(main.url, "requests_aborted") == aborted + 1
+
+
+def test_store_expires_by_age(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(response_store.time, "monotonic", lambda: now[0])
+    store = response_store.ResponseStore(max_items=10, max_age=60)
+    store.put("a", {"id": "a"}, [])
+    now[0] += 30
+    store.put("b", {"id": "b"}, [])
+    now[0] += 31  # a is 61 s old, b 31 s
+    assert store.get("a") is None and store.get("b").response == {"id": "b"} and len(store) == 1
+    with pytest.raises(ValueError, match="max_items >= 0"):
+        response_store.ResponseStore(max_items=-1)

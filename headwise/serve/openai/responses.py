@@ -162,7 +162,7 @@ def _usage(chat_usage: dict | None) -> dict | None:
     }
 
 
-def response_object(req: ResponsesRequest, rid: str, created: float, status: str, output: list, usage=None) -> dict:
+def response_object(req: ResponsesRequest, rid: str, created: int, status: str, output: list, usage=None) -> dict:
     incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
     return {
         "id": rid,
@@ -232,7 +232,7 @@ def install(app: FastAPI, state) -> ResponseStore:
                 )
             history = prev.messages
         chat, messages = chat_request(req, history)
-        rid, mid, created = _new_id("resp"), _new_id("msg"), time.time()
+        rid, mid, created = _new_id("resp"), _new_id("msg"), int(time.time())
         resp = await dispatch(req, chat, request)
         target = {"x-headwise-target": resp.headers["x-headwise-target"]} if "x-headwise-target" in resp.headers else {}
 
@@ -284,7 +284,7 @@ async def _chunks(body):
             yield None if data == b"[DONE]" else json.loads(data)
 
 
-async def _events(req: ResponsesRequest, body, rid: str, mid: str, created: float, keep):
+async def _events(req: ResponsesRequest, body, rid: str, mid: str, created: int, keep):
     seq = 0
 
     def event(kind: str, **fields) -> bytes:
@@ -294,14 +294,14 @@ async def _events(req: ResponsesRequest, body, rid: str, mid: str, created: floa
         return b"event: " + kind.encode() + b"\ndata: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
 
     where = {"item_id": mid, "output_index": 0, "content_index": 0}
-    empty = response_object(req, rid, created, "in_progress", [])
-    yield event("response.created", response=empty)
-    yield event("response.in_progress", response=empty)
-    item = _message(mid, "", "in_progress")
-    yield event("response.output_item.added", output_index=0, item={**item, "content": []})
-    yield event("response.content_part.added", **where, part=item["content"][0])
     text, finish, usage = "", None, None
     try:
+        empty = response_object(req, rid, created, "in_progress", [])
+        yield event("response.created", response=empty)
+        yield event("response.in_progress", response=empty)
+        item = _message(mid, "", "in_progress")
+        yield event("response.output_item.added", output_index=0, item={**item, "content": []})
+        yield event("response.content_part.added", **where, part=item["content"][0])
         async for chunk in _chunks(body):
             if chunk is None:
                 break
