@@ -1,9 +1,14 @@
 """/v1/responses through the official openai client against a live `headwise serve`; each answer
 checked against the same messages sent to /v1/chat/completions by the same client at temperature 0."""
 
+import os
+
 import httpx
 import openai
 import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, settings
+from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from headwise.serve.openai import response_store
 
@@ -234,3 +239,34 @@ def test_store_expires_by_age(monkeypatch):
     assert store.get("a") is None and store.get("b").response == {"id": "b"} and len(store) == 1
     with pytest.raises(ValueError, match="max_items >= 0"):
         response_store.ResponseStore(max_items=-1)
+
+
+# schemathesis over /v1/responses (and GET / DELETE of a stored one): valid and invalid bodies, no 5xx,
+# every answer as the schema says; valid bodies go to the random tiny Llama so they reach the handler
+fuzzed = schemathesis.pytest.from_fixture("responses_schema").include(path_regex=r"^/v1/responses")
+
+
+@pytest.fixture
+def responses_schema(main):
+    config = schemathesis.Config.from_dict({"generation": {"with-security-parameters": False}})
+    return schemathesis.openapi.from_url(main.url + "/openapi.json", config=config)
+
+
+@fuzzed.parametrize()
+@settings(
+    max_examples=int(os.environ.get("HEADWISE_FUZZ_EXAMPLES", "40")),
+    deadline=None,
+    derandomize=True,
+    phases=[Phase.generate, Phase.shrink],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.filter_too_much,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,
+    ],
+)
+def test_fuzzed_requests_get_no_server_error(case):
+    if case.meta.generation.mode.is_positive and isinstance(case.body, dict):
+        case.body["model"] = "tiny"
+        case.body.pop("previous_response_id", None)  # a random id is a 404 by design
+    case.call_and_validate(headers=auth(), excluded_checks=[positive_data_acceptance], timeout=60)

@@ -195,6 +195,21 @@ def _status(finish_reason: str | None) -> str:
 
 
 # ---------------------------------------------------------------- the routes
+_STREAMED = {  # the 200 of POST /v1/responses: JSON, or with stream: true these events
+    200: {
+        "content": {
+            "text/event-stream": {
+                "schema": {
+                    "type": "string",
+                    "description": "stream=true: `event: <type>` / `data: {type, sequence_number, ...}` events, "
+                    "from response.created to response.completed (or response.incomplete, or an error event)",
+                }
+            }
+        }
+    }
+}
+
+
 def install(app: FastAPI, state) -> ResponseStore:
     """Add the routes to the app; `state` is app.py's ServeState (its gateway, metrics)."""
     store = ResponseStore.from_env()
@@ -215,7 +230,7 @@ def install(app: FastAPI, state) -> ResponseStore:
         state.metrics.request(req.model, "responses", resp.status_code)
         return resp
 
-    @app.post("/v1/responses", responses=ERRORS)
+    @app.post("/v1/responses", responses={**_STREAMED, **ERRORS})
     async def create_response(req: ResponsesRequest, request: Request):
         _unsupported(req)
         history: list[dict] = []
