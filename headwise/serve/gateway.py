@@ -31,6 +31,7 @@ from .config import Route, ServeConfig, Target
 from .errors import APIError
 from .failover import ReplicaTarget
 from .anthropic import messages
+from .anthropic.via_chat import ViaChat
 from .openai import chat, completions, embeddings
 from .openai.streams import until_disconnect
 from .replicas import ReplicaPool
@@ -158,14 +159,8 @@ class Gateway:
         last: APIError | None = None
         for name in self.plan(route):
             target = self.targets[name]
-            if endpoint == "messages" and not isinstance(target, LocalTarget):  # not translated for upstreams yet
-                raise APIError(
-                    501,
-                    f"/v1/{endpoint} is served only by headwise's local models so far; {name!r} is an upstream "
-                    "target: send it to /v1/chat/completions",
-                    param="model",
-                    code="not_supported",
-                )
+            if endpoint == "messages" and not isinstance(target, LocalTarget):
+                target = ViaChat(target)  # an OpenAI-style target: Anthropic's request as chat, and back
             later = getattr(target, "settles_streams", False) and bool(body.get("stream"))  # settles when it ends
             try:
                 resp = await target.handle(

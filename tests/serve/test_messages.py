@@ -13,6 +13,7 @@ import pytest
 
 import headwise
 
+from . import conftest
 from .conftest import ServeProcess, free_port
 
 KEY = "sk-msg-" + secrets.token_hex(12)
@@ -24,18 +25,25 @@ CHAT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}
 GREEDY = {"temperature": 0}
 
 
+KEY_ENV = "HEADWISE_TEST_MESSAGES_KEY"
+
+
 @pytest.fixture(scope="module")
 def server(servers_dir):
-    proc = ServeProcess(
-        {
-            "server": {"api_keys": [KEY], "api_key_env": ""},
-            "models": {"smollm2": {"source": "smollm2-135m-instruct", "weights": "fp32", "max_num_seqs": 4}},
-            # an upstream target: /v1/messages is not translated for upstreams yet (a 501 before any connection)
-            "providers": {"up": {"base_url": f"http://127.0.0.1:{free_port()}/v1", "models": ["tiny"], "timeout": 5}},
+    port = free_port()
+    config = {
+        "server": {"api_keys": [KEY], "api_key_env": ""},
+        "models": {"smollm2": {"source": "smollm2-135m-instruct", "weights": "fp32", "max_num_seqs": 4}},
+        "providers": {
+            # the server itself as an OpenAI-style upstream: /v1/messages on self/smollm2 goes out as a
+            # /v1/chat/completions request (via_chat.py) to the same engine
+            "self": {"base_url": f"http://127.0.0.1:{port}/v1", "api_key_env": KEY_ENV, "models": ["smollm2"]},
+            "down": {"base_url": f"http://127.0.0.1:{free_port()}/v1", "models": ["tiny"], "timeout": 5},
         },
-        servers_dir,
-        "messages",
-    )
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(conftest, "free_port", lambda: port)  # ServeProcess takes the port the config names
+        proc = ServeProcess(config, servers_dir, "messages", env={KEY_ENV: KEY})
     proc.wait_ready()
     yield proc
     proc.stop()
@@ -214,9 +222,10 @@ def test_errors_in_anthropic_envelope(claude, server):
         claude.messages.create(model="smollm2", max_tokens=4, messages=user, tools=[tool])
     assert "tools" in _envelope(e.value)["message"]
 
-    with pytest.raises(anthropic.APIStatusError) as e:
-        claude.messages.create(model="up/tiny", max_tokens=4, messages=user)
-    assert e.value.status_code == 501 and "local models" in _envelope(e.value)["message"]
+    with pytest.raises(anthropic.InternalServerError) as e:  # an upstream with nothing listening
+        claude.messages.create(model="down/tiny", max_tokens=4, messages=user)
+    err = _envelope(e.value)
+    assert e.value.status_code == 502 and err["type"] == "api_error" and "unreachable" in err["message"]
 
 
 def test_wrong_key_is_authentication_error_and_never_logged(server):
@@ -228,3 +237,33 @@ def test_wrong_key_is_authentication_error_and_never_logged(server):
     r = httpx.post(server.url + "/v1/messages", json={}, timeout=30)
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert KEY not in server.log() and wrong not in server.log()
+
+
+def test_upstream_target_translated_through_chat(claude, server):
+    """self/smollm2 is an OpenAI-style upstream (this very server): the gateway sends it a chat
+    request and turns the answer back into a message, equal to the local model's."""
+    kw = dict(max_tokens=24, extra_body=GREEDY, system=SYSTEM, messages=[{"role": "user", "content": USER}])
+    local = claude.messages.create(model="smollm2", **kw)
+    via = claude.messages.with_raw_response.create(model="self/smollm2", **kw)
+    assert via.headers["x-headwise-target"] == "self/smollm2"
+    msg = via.parse()
+    assert msg.content[0].text == local.content[0].text and msg.model == "self/smollm2"
+    assert msg.stop_reason == local.stop_reason and msg.usage.output_tokens == local.usage.output_tokens
+    assert msg.usage.input_tokens == local.usage.input_tokens
+
+    with claude.messages.stream(model="self/smollm2", **kw) as stream:
+        names = [e.type for e in stream if e.type != "text"]  # the SDK's own "text" events left out; it drops pings
+        final = stream.get_final_message()
+    assert final.content[0].text == local.content[0].text and final.stop_reason == local.stop_reason
+    assert final.usage.output_tokens == local.usage.output_tokens
+    assert final.usage.input_tokens == local.usage.input_tokens
+    assert names[:2] == ["message_start", "content_block_start"] and "content_block_delta" in names
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+
+    short = claude.messages.create(model="self/smollm2", **{**kw, "max_tokens": 3})
+    assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 3
+
+    prefill = [{"role": "user", "content": USER}, {"role": "assistant", "content": "Red,"}]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="self/smollm2", max_tokens=4, messages=prefill)
+    assert "prefill" in _envelope(e.value)["message"]
