@@ -12,7 +12,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from headwise.serve.openai import response_store
 
-from .conftest import ServeProcess, auth
+from .conftest import ServeProcess, auth, metrics_values
 from .test_disconnect import engine_gauge, wait_idle
 
 CHAT = [{"role": "user", "content": "Name three colors."}]
@@ -149,11 +149,22 @@ def test_store_and_previous_response_id(client):
         client.responses.retrieve(first.id)
 
 
-def test_through_the_gateway_to_an_upstream(client):
+def counted(url: str, model: str, endpoint: str) -> float:
+    """Requests the server at url answered 200 for `model` on `endpoint` (its own counter)."""
+    want = {"model": model, "endpoint": endpoint, "status": "200"}
+    return sum(v for labels, v in metrics_values(url, "headwise_requests_total").items() if dict(labels) == want)
+
+
+def test_through_the_gateway_to_an_upstream(client, main, peer):
     """peer/tiny is a provider: the gateway sends it an ordinary chat completion request."""
     ref, _, _ = chat_text(client, CHAT, model="peer/tiny", max_tokens=8)
+    before = counted(peer.url, "tiny", "chat"), counted(main.url, "peer/tiny", "responses")
     res = client.responses.create(model="peer/tiny", input=CHAT, max_output_tokens=8, temperature=0)
     assert res.output_text == ref
+    assert (counted(peer.url, "tiny", "chat"), counted(main.url, "peer/tiny", "responses")) == (
+        before[0] + 1,
+        before[1] + 1,
+    )
     with client.responses.stream(model="peer/tiny", input=CHAT, max_output_tokens=8, temperature=0) as stream:
         last = list(stream)[-1]  # a random tiny model: 8 tokens end it, response.incomplete as OpenAI sends
     assert last.type == "response." + res.status and last.response.output_text == ref
