@@ -192,6 +192,13 @@ def test_errors(client):
         client.responses.create(model="smollm2", input=[{"role": "user", "content": [{"type": "input_image"}]}])
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve("resp_nope")
+    # chat's context check, in the Responses API's field names ("tiny" holds 96 tokens)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="tiny", input="word " * 200)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "input"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="tiny", input="Hi", max_output_tokens=500)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "max_output_tokens"
 
 
 @pytest.fixture(scope="module")

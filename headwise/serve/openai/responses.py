@@ -27,7 +27,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from ..direct import SCOPE_KEY
 from ..errors import APIError
@@ -136,7 +136,10 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> tuple[ChatComple
         body["response_format"] = fmt
     if req.user is not None:
         body["user"] = req.user
-    return ChatCompletionRequest.model_validate(body), messages
+    try:
+        return ChatCompletionRequest.model_validate(body), messages
+    except ValidationError as e:  # chat's schema refuses what ours let through: the client's request still
+        raise APIError(400, f"the request cannot be served as a chat completion: {e.errors()[0]['msg']}") from None
 
 
 # ---------------------------------------------------------------- response objects
@@ -224,8 +227,10 @@ def install(app: FastAPI, state) -> ResponseStore:
             resp = await state.gateway.dispatch("chat", chat, Request(scope, request.receive))
         except APIError as e:
             state.metrics.request(req.model if known else "unknown", "responses", e.status)
-            if e.param == "response_format":
-                e.param = "text.format"
+            # chat's field names -> ours (context_length_exceeded names messages / max_tokens)
+            e.param = {"response_format": "text.format", "messages": "input", "max_tokens": "max_output_tokens"}.get(
+                e.param, e.param
+            )
             raise
         state.metrics.request(req.model, "responses", resp.status_code)
         return resp
