@@ -88,9 +88,22 @@ class ChatMessage(Strict):
     tool_call_id: Optional[str] = None
 
 
+class JSONSchemaFormat(Strict):
+    """OpenAI's response_format.json_schema; the schema is enforced whatever `strict` says
+    (docs/structured-outputs.md), a feature the grammar library lacks is a 400 naming it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, serialize_by_alias=True)  # dumps "schema"
+    name: Optional[Annotated[str, Field(min_length=1, max_length=64)]] = None  # OpenAI's clients always send it
+    description: Optional[str] = None
+    schema_: Optional[dict] = Field(None, alias="schema")  # `schema` would shadow BaseModel.schema
+    strict: Optional[bool] = None
+
+
 class ResponseFormat(Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: Optional[dict] = None
+    # "regex" (with `pattern`) is headwise's extension; json_object / json_schema as OpenAI
+    type: Literal["text", "json_object", "json_schema", "regex"]
+    json_schema: Optional[JSONSchemaFormat] = None
+    pattern: Optional[Annotated[str, Field(min_length=1, max_length=4096)]] = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -122,6 +135,7 @@ class CompletionRequest(SamplingFields):
     echo: Optional[bool] = None  # only false is served
     suffix: Optional[str] = None  # only null is served
     best_of: Optional[Annotated[int, Field(ge=1, le=16)]] = None  # only == n is served
+    response_format: Optional[ResponseFormat] = None  # headwise's extension: OpenAI has it on chat only
 
 
 # ---------------------------------------------------------------- embeddings

@@ -21,6 +21,7 @@ from .common import (
     resume_of,
     sampling_params,
     tokenize,
+    with_response_format,
 )
 from .streams import Streams, Usage, collect, sse_events, until_disconnect
 
@@ -74,10 +75,6 @@ def prepare(runtime, req: ChatCompletionRequest):
                 req.tool_choice in (None, "none", "auto"),
                 "tool_choice needs tools, which are not supported here",
             ),
-            "response_format": (
-                req.response_format is None or req.response_format.type == "text",
-                'only response_format {"type": "text"} is supported',
-            ),
             "top_logprobs": (req.top_logprobs is None or req.logprobs, "top_logprobs needs logprobs: true"),
         },
     )
@@ -87,7 +84,8 @@ def prepare(runtime, req: ChatCompletionRequest):
     done = len(resume.token_ids) if resume else 0
     max_tokens = check_context([len(prompt) + done], requested, runtime.max_model_len, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return prompt, sampling_params(req, max_tokens, logprobs), resume
+    params = with_response_format(runtime, sampling_params(req, max_tokens, logprobs), req.response_format)
+    return prompt, params, resume
 
 
 async def create(runtime, req: ChatCompletionRequest, model: str, request: Request, *, timeout=None, metrics=None):

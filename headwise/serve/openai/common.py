@@ -103,6 +103,36 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None):
         raise APIError(400, str(e), code="invalid_sampling") from None
 
 
+def with_response_format(runtime, params, fmt):
+    """params plus the grammar processor enforcing response_format (docs/structured-outputs.md);
+    params unchanged for none or "text". A schema that is wrong, or uses a feature the grammar
+    library does not implement, is a 400 naming it (param response_format), never ignored."""
+    if fmt is None or fmt.type == "text":
+        return params
+    import dataclasses
+
+    from ...runtime.grammar import grammar_processor
+
+    def bad(message: str) -> APIError:
+        return APIError(400, f"response_format: {message}", param="response_format", code="invalid_response_format")
+
+    if fmt.type == "json_schema" and (fmt.json_schema is None or fmt.json_schema.schema_ is None):
+        raise bad('{"type": "json_schema"} needs json_schema.schema, the JSON Schema the output must match')
+    if fmt.type == "regex" and not fmt.pattern:
+        raise bad('{"type": "regex"} needs a pattern')
+    if runtime.tokenizer is None:
+        raise bad("this model has no tokenizer, which a grammar needs")
+    try:
+        proc = grammar_processor(
+            runtime.tokenizer, fmt.model_dump(by_alias=True), vocab_size=runtime.model.config.vocab_size
+        )
+    except ValueError as e:
+        raise bad(str(e)) from None
+    except ImportError as e:  # the [structured] extra is not installed on this server
+        raise bad(f"{fmt.type} is not available here ({e})") from None
+    return dataclasses.replace(params, logits_processors=(*params.logits_processors, proc))
+
+
 def check_context(prompt_lens: list[int], max_tokens: int | None, limit: int, what: str = "prompt") -> int:
     """-> max_tokens (defaulting to what is left of the context); 400 context_length_exceeded
     when a prompt plus max_tokens does not fit."""

@@ -22,6 +22,7 @@ from .common import (
     resume_of,
     sampling_params,
     tokenize,
+    with_response_format,
 )
 from .streams import Streams, Usage, collect, sse_events, until_disconnect
 
@@ -63,7 +64,8 @@ def prepare(runtime, req: CompletionRequest):
     resume, requested = resume_of(req, prompts, vocab, req.max_tokens or DEFAULT_MAX_TOKENS)
     done = len(resume.token_ids) if resume else 0
     max_tokens = check_context([len(p) + done for p in prompts], requested, runtime.max_model_len)
-    return prompts, sampling_params(req, max_tokens, req.logprobs), resume
+    params = with_response_format(runtime, sampling_params(req, max_tokens, req.logprobs), req.response_format)
+    return prompts, params, resume
 
 
 async def create(runtime, req: CompletionRequest, model: str, request: Request, *, timeout=None, metrics=None):
