@@ -23,7 +23,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from . import errors
-from .anthropic.schemas import MessagesRequest
+from .anthropic import schemas as anthropic_api  # Anthropic's Messages API: serve/anthropic/messages.py
+from .anthropic.schemas import MessageResponse, MessagesRequest
 from .config import ServeConfig
 from .errors import APIError
 from .gateway import Gateway
@@ -188,7 +189,9 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         return await dispatch("chat", req, request)
 
-    @app.post("/v1/messages", responses=ERRORS)  # Anthropic's Messages API: serve/anthropic/messages.py
+    @app.post(
+        "/v1/messages", response_model=MessageResponse, responses={**anthropic_api.STREAM, **anthropic_api.ERRORS}
+    )
     async def create_message(req: MessagesRequest, request: Request):
         return await dispatch("messages", req, request)
 

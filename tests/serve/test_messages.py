@@ -4,6 +4,7 @@ same conversation through /v1/chat/completions with the official `openai` client
 headwise.generate on the same messages in this process."""
 
 import json
+import os
 import secrets
 
 import anthropic
@@ -212,6 +213,10 @@ def test_errors_in_anthropic_envelope(claude, server):
         claude.messages.create(model="smollm2", max_tokens=4, messages=user, extra_body={"max_token": 3})
     assert "max_token" in _envelope(e.value)["message"]
 
+    with pytest.raises(anthropic.BadRequestError) as e:  # as Anthropic's API answers an empty turn
+        claude.messages.create(model="smollm2", max_tokens=4, messages=[{"role": "user", "content": []}])
+    assert "non-empty content" in _envelope(e.value)["message"]
+
     block = {"type": "tool_result", "tool_use_id": "t1", "content": "42"}
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model="smollm2", max_tokens=4, messages=[{"role": "user", "content": [block]}])
@@ -267,3 +272,38 @@ def test_upstream_target_translated_through_chat(claude, server):
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model="self/smollm2", max_tokens=4, messages=prefill)
     assert "prefill" in _envelope(e.value)["message"]
+
+
+# ---------------------------------------------------------------- schema fuzzing
+# schemathesis against /openapi.json, as tests/serve/test_schema_fuzz.py does for the OpenAI routes:
+# generated valid and invalid bodies for /v1/messages; no answer may be a 5xx, and every answer must
+# match the declared schema (Anthropic's message, or Anthropic's error envelope)
+schemathesis = pytest.importorskip("schemathesis")
+from hypothesis import HealthCheck, Phase, settings  # noqa: E402
+from schemathesis.specs.openapi.checks import positive_data_acceptance  # noqa: E402
+
+fuzzed = schemathesis.pytest.from_fixture("messages_schema").include(path_regex=r"^/v1/messages$")
+
+
+@pytest.fixture
+def messages_schema(server):
+    config = schemathesis.Config.from_dict({"generation": {"with-security-parameters": False}})
+    return schemathesis.openapi.from_url(server.url + "/openapi.json", config=config)
+
+
+@fuzzed.parametrize()
+@settings(
+    max_examples=int(os.environ.get("HEADWISE_FUZZ_EXAMPLES", "40")),
+    deadline=None,
+    derandomize=True,
+    phases=[Phase.generate, Phase.shrink],
+    suppress_health_check=list(HealthCheck),
+)
+def test_fuzzed_bodies_get_no_server_errors_and_match_the_schema(case):
+    if case.meta.generation.mode.is_positive and isinstance(case.body, dict):
+        case.body["model"] = "smollm2"  # reach the handler, not the 404
+        case.body["max_tokens"] = min(case.body.get("max_tokens", 1), 4)  # SmolLM2 fp32 on 2 cores: short
+    # Bearer, the scheme /openapi.json declares: schemathesis drops it to check that auth is enforced
+    case.call_and_validate(
+        headers={"Authorization": f"Bearer {KEY}"}, excluded_checks=[positive_data_acceptance], timeout=60
+    )

@@ -79,6 +79,13 @@ def to_chat(req: MessagesRequest) -> tuple[ChatCompletionRequest, str]:
         system = req.system if isinstance(req.system, str) else [{"type": "text", "text": b.text} for b in req.system]
         messages.append({"role": "system", "content": system})
     for i, m in enumerate(req.messages):
+        if not m.content and not (i == len(req.messages) - 1 and m.role == "assistant"):
+            raise APIError(
+                400,
+                f"messages.{i}: all messages must have non-empty content except for the optional final assistant "
+                "message",
+                param="messages",
+            )
         text = isinstance(m.content, str)
         parts = [{"type": "text", "text": m.content}] if text else _text_parts(m.content, f"messages[{i}]")
         if messages and messages[-1]["role"] == m.role:  # consecutive turns of one role are one turn

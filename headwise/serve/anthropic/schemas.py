@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..schemas import NonEmpty, StopString, Strict
 from ...runtime.sampling import MAX_STOPS
@@ -88,3 +88,52 @@ class MessagesRequest(Strict):
     mcp_servers: Optional[list[dict]] = None
     container: Optional[Union[str, dict]] = None
     context_management: Optional[dict] = None
+
+
+# ---------------------------------------------------------------- answers (for /openapi.json)
+class TextContent(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class MessageUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: Optional[int] = None
+    cache_read_input_tokens: Optional[int] = None
+
+
+class MessageResponse(BaseModel):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[TextContent]
+    stop_reason: Optional[Literal["end_turn", "max_tokens", "stop_sequence"]] = None
+    stop_sequence: Optional[str] = None
+    usage: MessageUsage
+
+
+class ErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    type: Literal["error"]
+    error: ErrorDetail
+
+
+ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 500, 502, 503, 504)}
+STREAM = {
+    200: {
+        "content": {
+            "text/event-stream": {
+                "schema": {
+                    "type": "string",
+                    "description": "stream=true: Anthropic's events (`event: message_start` ... `event: message_stop`)",
+                }
+            }
+        }
+    }
+}
