@@ -16,6 +16,7 @@ import headwise
 
 from . import conftest
 from .conftest import ServeProcess, free_port
+from .test_disconnect import engine_gauge, wait_idle
 
 KEY = "sk-msg-" + secrets.token_hex(12)
 SYSTEM = "You are brief."
@@ -272,6 +273,28 @@ def test_upstream_target_translated_through_chat(claude, server):
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model="self/smollm2", max_tokens=4, messages=prefill)
     assert "prefill" in _envelope(e.value)["message"]
+
+
+def test_client_that_leaves_aborts_its_engine_request(server):
+    """Streamed or not, a client that hangs up mid-answer frees the engine at once (as chat's do:
+    tests/serve/test_disconnect.py)."""
+    aborted = engine_gauge(server.url, "requests_aborted")
+    body = {"model": "smollm2", "max_tokens": 400, "messages": [{"role": "user", "content": "Tell me a long story."}]}
+    with httpx.Client(timeout=60) as c:
+        with c.stream(
+            "POST", server.url + "/v1/messages", json={**body, "stream": True}, headers={"x-api-key": KEY}
+        ) as r:
+            lines, deltas = r.iter_lines(), 0  # kept alive: dropping it would close the connection already
+            while deltas < 4:
+                deltas += next(lines) == "event: content_block_delta"
+            assert engine_gauge(server.url, "running") == 1  # it really is generating
+        # leaving the block closes the connection mid-stream
+    wait_idle(server.url)
+    assert engine_gauge(server.url, "requests_aborted") == aborted + 1
+    with pytest.raises(httpx.ReadTimeout):  # 400 tokens take longer than this
+        httpx.post(server.url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=1.5)
+    wait_idle(server.url)
+    assert engine_gauge(server.url, "requests_aborted") == aborted + 2
 
 
 # ---------------------------------------------------------------- schema fuzzing
