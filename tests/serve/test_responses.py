@@ -1,13 +1,17 @@
 """/v1/responses through the official openai client against a live `headwise serve`; each answer
 checked against the same messages sent to /v1/chat/completions by the same client at temperature 0."""
 
+import json
 import os
+from typing import Literal
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, settings
+from pydantic import BaseModel
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from headwise.serve.openai import response_store
@@ -84,6 +88,38 @@ def test_text_format_takes_chats_response_format_path(client):
         assert got.value.body["message"] == e.body["message"] and got.value.body["param"] == "text.format"
     else:
         assert responses() == ref
+
+
+class Pet(BaseModel):
+    name: str
+    kind: Literal["cat", "dog", "bird"]
+    age: int
+
+
+def test_parse_with_a_pydantic_model(client):
+    """openai's responses.parse(text_format=Model): the schema reaches chat's grammar; the answer is the
+    object chat.completions.parse(response_format=Model) gives for the same messages."""
+    msgs = [{"role": "user", "content": "Describe a pet as JSON."}]
+    res = client.responses.parse(model="smollm2", input=msgs, text_format=Pet, max_output_tokens=60, temperature=0)
+    assert res.status == "completed" and isinstance(res.output_parsed, Pet)
+    jsonschema.validate(json.loads(res.output_text), Pet.model_json_schema())
+    ref = client.chat.completions.parse(
+        model="smollm2", messages=msgs, max_tokens=60, temperature=0, response_format=Pet
+    )
+    assert res.output_parsed == ref.choices[0].message.parsed
+    assert res.output_text == ref.choices[0].message.content
+    # streamed: the deltas make the same text, and the stream helper parses it
+    with client.responses.stream(
+        model="smollm2", input=msgs, text_format=Pet, max_output_tokens=60, temperature=0
+    ) as stream:
+        deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert deltas == res.output_text and final.output_parsed == res.output_parsed
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(
+            model="smollm2", input=msgs, text={"format": {"type": "json_schema", "name": "x", "schema": {"type": 5}}}
+        )
+    assert e.value.body["param"] == "text.format"
 
 
 def test_max_output_tokens_is_incomplete(client):
