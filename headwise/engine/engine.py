@@ -136,6 +136,9 @@ class Engine(Frontends):
                 r.text.resume(resume)
                 if r.generator is not None and not params.greedy:
                     skip_draws(r.generator, len(resume.token_ids), self.model.config.vocab_size)
+                if r.output_counts is not None:  # the penalties count what was generated before too
+                    for t in resume.token_ids:
+                        r.output_counts[t] += 1
             group.children.append(r)
         with self._lock:
             self._check_alive()

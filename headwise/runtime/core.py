@@ -81,6 +81,9 @@ class Core:
         bad = [t for t in ids if not 0 <= t < V]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are out of range for this model's vocabulary of {V}")
+        bad = [t for t in params.logit_bias or () if t >= V]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is out of range for this model's vocabulary of {V}")
         check_context(len(ids), params.max_new_tokens, self.max_model_len, self.limit_source())
 
     def limit_source(self) -> str:
@@ -99,7 +102,10 @@ class Core:
             seen = torch.zeros(self.model.config.vocab_size, dtype=torch.bool, device=self.device)
             seen[torch.tensor(ids, device=self.device)] = True
         text = self.output.sequence(ids, params)
-        return Request(group, index, gen, seen, token_ids=list(ids), text=text)
+        r = Request(group, index, gen, seen, token_ids=list(ids), text=text)
+        if params.penalized:
+            r.output_counts = torch.zeros(self.model.config.vocab_size, device=self.device)
+        return r
 
     def add(self, request: Request) -> None:
         with self.lock:
@@ -174,6 +180,8 @@ class Core:
         r.output_token_ids.append(token)
         if r.seen is not None:
             r.seen[token] = True
+        if r.output_counts is not None:
+            r.output_counts[token] += 1
         if lp is not None:
             r.logprobs.append(lp)
         self.counts["output_tokens"] += 1

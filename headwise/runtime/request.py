@@ -118,6 +118,8 @@ class Request:
     index: int
     generator: torch.Generator | None = None  # per-request seed: sampling.seed + index
     seen: torch.Tensor | None = None  # (V,) bool, for the repetition penalty: prompt + output ids
+    # (V,) float32, for the presence/frequency penalties: times each id was generated, kept as tokens come
+    output_counts: torch.Tensor | None = None
     token_ids: list[int] = field(default_factory=list)  # prompt + generated ids
     num_computed_tokens: int = 0  # leading token_ids whose K/V the cache holds
     num_cached_tokens: int = 0  # of those, found by prefix on first admission

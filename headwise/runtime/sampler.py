@@ -7,10 +7,16 @@ The chain, in order (transformers' and vLLM's):
 1. each request's own processors (`SamplingParams.logits_processors`: `LogitsProcessor`s
    that see the tokens so far, e.g. a grammar mask or logit_bias), one call per processor
    over all the rows that carry it;
-2. the repetition penalty (CTRL) on the tokens seen so far;
-3. greedy rows take the argmax here; the others go on:
-4. temperature, then the top-k, top-p and min-p filters;
-5. a draw from the softmax: one per row from the request's own seeded generator (so a
+2. logit_bias (OpenAI): each request's biases added to its row, all rows in one scatter-add;
+3. the penalties, as vLLM's `apply_penalties`: the repetition penalty (CTRL) on the tokens seen
+   so far, then OpenAI's frequency and presence penalties on the tokens generated so far
+   (`logits - frequency * count - presence * (count > 0)`; the counts live on the request and
+   grow by one per token, never recounted). vLLM v1 runs logit_bias (a built-in logits
+   processor) before its penalties too; bias and these two penalties are additions, so their
+   order matters only next to a repetition penalty, which then divides the biased logit;
+4. greedy rows take the argmax here; the others go on:
+5. temperature, then the top-k, top-p and min-p filters;
+6. a draw from the softmax: one per row from the request's own seeded generator (so a
    seeded request draws the same tokens whatever else shares the step), the unseeded rows
    in one batched draw.
 
@@ -29,7 +35,14 @@ import torch
 from torch import Tensor
 
 from ..kernels import argmax_rows
-from .sampling import SamplingParams, TokenLogprobs, apply_repetition_penalty, filter_logits, token_logprobs
+from .sampling import (
+    SamplingParams,
+    TokenLogprobs,
+    apply_penalties,
+    apply_repetition_penalty,
+    filter_logits,
+    token_logprobs,
+)
 
 
 class LogitsProcessor(Protocol):
@@ -48,6 +61,7 @@ class Row(NamedTuple):
     generator: torch.Generator | None = None
     token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    output_counts: Tensor | None = None  # (V,) float: times each id was generated; None: from output_token_ids
 
 
 def sample(
@@ -84,9 +98,7 @@ class Sampler:
         """logits (R, V), row i for requests[i] -> (token id per row, logprobs per row or None)."""
         R = logits.shape[0]
         params = [r.params for r in requests]
-        plain = [
-            i for i, p in enumerate(params) if p.greedy and p.repetition_penalty == 1.0 and not p.logits_processors
-        ]
+        plain = [i for i, p in enumerate(params) if p.greedy and p.plain]
         tokens: list[int | None] = [None] * R
         if plain:  # the common case, alone at batch 1: one argmax, no copies
             picked = argmax_rows(logits if len(plain) == R else logits[plain]).tolist()
@@ -109,7 +121,18 @@ class Sampler:
                 by_proc.setdefault(id(proc), (proc, []))[1].append(i)
         for proc, idx in by_proc.values():
             logits = _apply(logits, idx, lambda x, proc=proc, idx=idx: proc(x, [requests[i] for i in idx]))
-        # 2. repetition penalty; an extreme one can overflow: keep every logit finite
+        # 2. logit_bias: one scatter-add over every biased row
+        biased = [i for i in rows if params[i].logit_bias]
+        if biased:
+            at = [(i, t, b) for i in biased for t, b in params[i].logit_bias.items()]
+            r_idx, t_idx, bias = zip(*at)
+            dev = logits.device
+            logits.index_put_(
+                (torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
+                torch.tensor(bias, dtype=logits.dtype, device=dev),
+                accumulate=True,
+            )
+        # 3. repetition penalty; an extreme one can overflow: keep every logit finite
         big = torch.finfo(torch.float32).max
         for penalty, idx in _groups(
             [i for i in rows if requests[i].seen is not None], lambda i: params[i].repetition_penalty
@@ -118,12 +141,23 @@ class Sampler:
             logits = _apply(
                 logits, idx, lambda x, p=penalty, s=seen: apply_repetition_penalty(x, s, p).clamp(-big, big)
             )
-        # 3. greedy rows
+        # ... then frequency and presence, each row with its own values (elementwise: a row's bits
+        # are the same in any batch)
+        penalized = [i for i in rows if params[i].penalized]
+        if penalized:
+            counts = torch.stack([self._counts(requests[i], logits) for i in penalized])  # (r, V)
+            presence, frequency = torch.tensor(
+                [[params[i].presence_penalty, params[i].frequency_penalty] for i in penalized],
+                dtype=logits.dtype,
+                device=logits.device,
+            ).split(1, dim=1)  # (r, 1) each
+            logits = _apply(logits, penalized, lambda x: apply_penalties(x, counts, presence, frequency))
+        # 4. greedy rows
         greedy = [i for i in rows if params[i].greedy]
         if greedy:
             for i, t in zip(greedy, argmax_rows(logits[greedy]).tolist()):
                 tokens[i] = t
-        # 4-5. temperature and filters per group of equal settings, then the draws
+        # 5-6. temperature and filters per group of equal settings, then the draws
         drawn = [i for i in rows if not params[i].greedy]
         settings = _groups(drawn, lambda i: (params[i].temperature, params[i].top_k, params[i].top_p, params[i].min_p))
         for (temp, top_k, top_p, min_p), idx in settings.items():
@@ -140,6 +174,15 @@ class Sampler:
             for j, i in enumerate(idx):
                 if requests[i].generator is not None:
                     tokens[i] = int(torch.multinomial(probs[j : j + 1], 1, generator=requests[i].generator))
+
+    @staticmethod
+    def _counts(request, logits: Tensor) -> Tensor:
+        """(V,) times each id was generated: the request's running counts, or (a bare Row without
+        them) counted from its output ids."""
+        if request.output_counts is not None:
+            return request.output_counts.to(logits.dtype)
+        ids = torch.tensor(list(request.output_token_ids), dtype=torch.long, device=logits.device)
+        return torch.bincount(ids, minlength=logits.shape[-1]).to(logits.dtype)
 
     @staticmethod
     def _logprobs(logits: Tensor, params: list, tokens: list[int]) -> list[TokenLogprobs | None]:

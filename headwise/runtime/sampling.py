@@ -1,8 +1,9 @@
 """Sampling: one description of how to pick tokens (`SamplingParams`), and the
 operations the sampler's chain (sampler.py) is made of.
 
-The order follows Hugging Face transformers and vLLM: repetition penalty, then
-temperature, then top-k, top-p and min-p filters, then a draw from the softmax.
+The order follows Hugging Face transformers and vLLM: logit_bias, then the repetition,
+frequency and presence penalties, then temperature, then top-k, top-p and min-p filters,
+then a draw from the softmax.
 temperature == 0 means greedy. Filters never remove the most likely token, so
 at least one candidate always survives.
 """
@@ -30,6 +31,13 @@ class SamplingParams:
     top_p: float = 1.0  # keep the smallest set with cumulative probability >= top_p
     min_p: float = 0.0  # keep tokens with p >= min_p * p_max (Nguyen et al. 2024)
     repetition_penalty: float = 1.0  # CTRL (Keskar et al. 2019): divide positive logits of seen tokens
+    # OpenAI's penalties, on the generated tokens only (as OpenAI and vLLM): logit -= presence * (count > 0)
+    # + frequency * count, count = times the id was generated so far; in [-2, 2], 0 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # OpenAI's logit_bias: token id -> value in [-100, 100] added to its logit (-100 bans, +100 forces);
+    # not hashed (a dict), compared
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)
     stop: tuple[str, ...] = ()  # stop strings; the text is cut before them
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -46,6 +54,11 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", dict(self.logit_bias) or None)  # a copy: params are frozen
+        bias = self.logit_bias or {}
+        bad_id = next((t for t in bias if isinstance(t, bool) or not isinstance(t, int) or t < 0), None)
+        bad_bias = next((t for t, v in bias.items() if not -100 <= v <= 100), None)
         checks = [
             (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
@@ -54,6 +67,13 @@ class SamplingParams:
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
+            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (bad_id is None, f"logit_bias keys must be token ids (ints >= 0), got {bad_id!r}"),
+            (
+                bad_bias is None,
+                f"logit_bias values must be in [-100, 100], got {bias.get(bad_bias)} for token {bad_bias}",
+            ),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
             (all(s for s in self.stop), "stop strings must be non-empty"),
             (all(callable(p) for p in self.logits_processors), "logits_processors must be callables"),
@@ -69,6 +89,16 @@ class SamplingParams:
                 raise ValueError(msg)
 
     @property
+    def penalized(self) -> bool:
+        """Whether the frequency or presence penalty is on (the request then counts its output ids)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def plain(self) -> bool:
+        """Nothing but the raw logits decides the token: no processor, penalty or bias."""
+        return not (self.logits_processors or self.logit_bias or self.repetition_penalty != 1.0 or self.penalized)
+
+    @property
     def greedy(self) -> bool:
         # As vLLM: below 1e-5 sampling is argmax anyway, and 1/T would overflow float32.
         return self.temperature < GREEDY_BELOW
@@ -80,6 +110,12 @@ def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Te
         return logits
     penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
     return torch.where(seen, penalized, logits)
+
+
+def apply_penalties(logits: Tensor, counts: Tensor, presence: Tensor, frequency: Tensor) -> Tensor:
+    """OpenAI's presence and frequency penalties: logits (B, V) - frequency (B, 1) * counts
+    - presence (B, 1) * (counts > 0); counts (B, V): times each id was generated so far."""
+    return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
 
 
 def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> Tensor:
