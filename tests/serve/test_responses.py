@@ -191,6 +191,17 @@ def counted(url: str, model: str, endpoint: str) -> float:
     return sum(v for labels, v in metrics_values(url, "headwise_requests_total").items() if dict(labels) == want)
 
 
+def test_a_streamed_response_is_stored_too(client):
+    with client.responses.stream(model="smollm2", input=CHAT, max_output_tokens=12, temperature=0, store=True) as s:
+        first = s.get_final_response()
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    follow = client.responses.create(
+        model="smollm2", input="Why?", previous_response_id=first.id, max_output_tokens=12, temperature=0
+    )
+    convo = [*CHAT, {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "Why?"}]
+    assert follow.output_text == chat_text(client, convo, max_tokens=12)[0]
+
+
 def test_through_the_gateway_to_an_upstream(client, main, peer):
     """peer/tiny is a provider: the gateway sends it an ordinary chat completion request."""
     ref, _, _ = chat_text(client, CHAT, model="peer/tiny", max_tokens=8)
