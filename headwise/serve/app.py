@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from . import errors
+from .anthropic import messages as anthropic_messages
 from .anthropic import schemas as anthropic_api  # Anthropic's Messages API: serve/anthropic/messages.py
 from .anthropic.schemas import MessageResponse, MessagesRequest
 from .config import ServeConfig
@@ -194,6 +195,10 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
     )
     async def create_message(req: MessagesRequest, request: Request):
         return await dispatch("messages", req, request)
+
+    @app.post("/v1/messages/count_tokens", response_model=anthropic_api.TokensCount, responses=anthropic_api.ERRORS)
+    async def count_message_tokens(req: anthropic_api.CountTokensRequest):
+        return JSONResponse(await anthropic_messages.count_tokens(state.runtimes, state.gateway, req))
 
     @app.post("/v1/completions", response_model=Completion, responses={**sse_docs(Completion), **ERRORS})
     async def completions(req: CompletionRequest, request: Request):

@@ -275,6 +275,22 @@ def test_upstream_target_translated_through_chat(claude, server):
     assert "prefill" in _envelope(e.value)["message"]
 
 
+def test_count_tokens_equals_the_prompt_create_reads(claude, smol):
+    ref = headwise.generate(smol, CHAT, max_new_tokens=1, temperature=0)
+    user = [{"role": "user", "content": USER}]
+    counted = claude.messages.count_tokens(model="smollm2", system=SYSTEM, messages=user)
+    assert counted.input_tokens == len(ref.prompt_token_ids)
+    prefill = [*user, {"role": "assistant", "content": "Red,"}]
+    made = claude.messages.create(model="smollm2", max_tokens=1, messages=prefill)
+    assert claude.messages.count_tokens(model="smollm2", messages=prefill).input_tokens == made.usage.input_tokens
+    with pytest.raises(anthropic.NotFoundError) as e:
+        claude.messages.count_tokens(model="no-such-model", messages=user)
+    assert _envelope(e.value)["type"] == "not_found_error"
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.count_tokens(model="self/smollm2", messages=user)
+    assert "local models" in _envelope(e.value)["message"]
+
+
 def test_client_that_leaves_aborts_its_engine_request(server):
     """Streamed or not, a client that hangs up mid-answer frees the engine at once (as chat's do:
     tests/serve/test_disconnect.py)."""
@@ -299,13 +315,13 @@ def test_client_that_leaves_aborts_its_engine_request(server):
 
 # ---------------------------------------------------------------- schema fuzzing
 # schemathesis against /openapi.json, as tests/serve/test_schema_fuzz.py does for the OpenAI routes:
-# generated valid and invalid bodies for /v1/messages; no answer may be a 5xx, and every answer must
-# match the declared schema (Anthropic's message, or Anthropic's error envelope)
+# generated valid and invalid bodies for /v1/messages and /v1/messages/count_tokens; no answer may be a
+# 5xx, and every answer must match the declared schema (Anthropic's answer, or its error envelope)
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 from schemathesis.specs.openapi.checks import positive_data_acceptance  # noqa: E402
 
-fuzzed = schemathesis.pytest.from_fixture("messages_schema").include(path_regex=r"^/v1/messages$")
+fuzzed = schemathesis.pytest.from_fixture("messages_schema").include(path_regex=r"^/v1/messages(/count_tokens)?$")
 
 
 @pytest.fixture
@@ -325,7 +341,8 @@ def messages_schema(server):
 def test_fuzzed_bodies_get_no_server_errors_and_match_the_schema(case):
     if case.meta.generation.mode.is_positive and isinstance(case.body, dict):
         case.body["model"] = "smollm2"  # reach the handler, not the 404
-        case.body["max_tokens"] = min(case.body.get("max_tokens", 1), 4)  # SmolLM2 fp32 on 2 cores: short
+        if case.path.endswith("/messages"):
+            case.body["max_tokens"] = min(case.body.get("max_tokens", 1), 4)  # SmolLM2 fp32 on 2 cores: short
     # Bearer, the scheme /openapi.json declares: schemathesis drops it to check that auth is enforced
     case.call_and_validate(
         headers={"Authorization": f"Bearer {KEY}"}, excluded_checks=[positive_data_acceptance], timeout=60

@@ -27,7 +27,7 @@ from ..openai.common import check_chars, check_context, off_loop, tokenize
 from ..openai.streams import ABORTED, Streams, stream_error, until_disconnect
 from ..schemas import ChatCompletionRequest
 from . import envelope
-from .schemas import Block, MessagesRequest
+from .schemas import Block, CountTokensRequest, MessagesRequest
 
 _ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
@@ -234,3 +234,26 @@ class _Run:
             yield event("error", envelope.body(err.status, err.message))
         finally:
             await self.streams.close()
+
+
+async def count_tokens(runtimes: dict, gateway, req: CountTokensRequest) -> dict:
+    """POST /v1/messages/count_tokens on a local model: the ids the same request would prefill,
+    counted (chat's template and tokenizer, the prefill after it)."""
+    runtime = runtimes.get(req.model)
+    if runtime is None:
+        gateway.route(req.model)  # an unknown name: its 404
+        raise APIError(
+            400,
+            f"count_tokens is served for headwise's local models; {req.model!r} is a route or an upstream target",
+            param="model",
+        )
+    runtime.require("generate", "/v1/messages/count_tokens")
+    full = MessagesRequest.model_validate({**req.model_dump(exclude_unset=True), "max_tokens": 1})
+    chat_req, prefill = to_chat(full)
+    check_chars([*chat.message_texts(chat_req), prefill], runtime.spec.max_input_chars, "messages")
+
+    def count() -> int:
+        prompt = chat.render_prompt(runtime.tokenizer, chat_req)
+        return len(prompt) + (len(tokenize(runtime.tokenizer, prefill, special=False)) if prefill else 0)
+
+    return {"input_tokens": await off_loop(count)}

@@ -137,3 +137,21 @@ STREAM = {
         }
     }
 }
+
+
+class CountTokensRequest(Strict):
+    """POST /v1/messages/count_tokens: the prompt part of a Messages request."""
+
+    model: NonEmpty
+    messages: Annotated[list[Message], Field(min_length=1)]
+    system: Union[str, list[TextBlock], None] = None
+    cache_control: Optional[dict] = None
+    speed: Optional[str] = None
+    output_config: Optional[OutputConfig] = None
+    thinking: Optional[Thinking] = None
+    tools: Optional[list[dict]] = None
+    tool_choice: Optional[dict] = None
+
+
+class TokensCount(BaseModel):
+    input_tokens: int
