@@ -3,7 +3,7 @@
 Requests forbid unknown fields: a typo ("max_token") or a field that tries to point
 the server elsewhere ("base_url") is a 400 naming it, not silently ignored. Bounds
 live in the fields, so /openapi.json states them and FastAPI enforces them. Fields
-that are accepted but cannot change the answer here (tools, penalties, logit_bias,
+that are accepted but cannot change the answer here (tools,
 json response formats) are rejected with a message when set to anything but their
 neutral value; bookkeeping fields (user, metadata, store) are accepted and ignored.
 Types are strict, as OpenAI's are: `"logprobs": "yes"` or `"max_tokens": "5"` is a 400 naming
@@ -62,9 +62,10 @@ class SamplingFields(Strict):
     stream_options: Optional[StreamOptions] = None
     stop: Stop = None
     seed: Optional[Annotated[int, Field(ge=0, le=2**63 - 1)]] = None
-    presence_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None  # only 0 is served
-    frequency_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None  # only 0 is served
-    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None  # only {} is served
+    presence_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None  # on the output's ids, as OpenAI
+    frequency_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None
+    # token id (a string, as JSON keys are) -> bias; ids are checked against the model's vocabulary
+    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None
     user: Optional[str] = None
     # vLLM-style extensions
     top_k: Optional[Annotated[int, Field(ge=0)]] = None

@@ -84,7 +84,9 @@ def prepare(runtime, req: ChatCompletionRequest):
     done = len(resume.token_ids) if resume else 0
     max_tokens = check_context([len(prompt) + done], requested, runtime.max_model_len, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = with_response_format(runtime, sampling_params(req, max_tokens, logprobs), req.response_format)
+    params = with_response_format(
+        runtime, sampling_params(req, max_tokens, logprobs, runtime.model.config.vocab_size), req.response_format
+    )
     return prompt, params, resume
 
 

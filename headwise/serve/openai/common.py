@@ -60,24 +60,26 @@ SAMPLING_EPS = 1e-5
 
 def reject_unsupported(req: SamplingFields, extra: dict | None = None) -> None:
     """Fields we accept only at their neutral value: say so instead of ignoring them."""
-    checks = {
-        "presence_penalty": (
-            req.presence_penalty in (None, 0),
-            "presence_penalty is not supported; use repetition_penalty",
-        ),
-        "frequency_penalty": (
-            req.frequency_penalty in (None, 0),
-            "frequency_penalty is not supported; use repetition_penalty",
-        ),
-        "logit_bias": (not req.logit_bias, "logit_bias is not supported"),
-        **(extra or {}),
-    }
-    for param, (ok, message) in checks.items():
+    for param, (ok, message) in (extra or {}).items():
         if not ok:
             raise APIError(400, message, param=param, code="unsupported_parameter")
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None):
+def logit_bias_of(req: SamplingFields, vocab: int | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias ({"token id": bias}) -> {id: bias}; a key that is not a token id of
+    this model is a 400 naming it (param logit_bias)."""
+    out = {}
+    for key, bias in (req.logit_bias or {}).items():
+        tid = int(key) if key.isascii() and key.isdigit() else None
+        if tid is None or (vocab is not None and tid >= vocab):
+            why = "is not a token id" if tid is None else f"is outside the vocabulary (size {vocab})"
+            raise APIError(400, f"logit_bias key {key!r} {why}", param="logit_bias", code="invalid_logit_bias")
+        out[tid] = float(bias)
+    return out or None
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, vocab: int | None = None):
+    """vocab: the model's vocabulary size, which logit_bias ids must be under."""
     from ...runtime.sampling import SamplingParams
 
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
@@ -92,6 +94,9 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None):
             top_k=req.top_k or 0,
             min_p=req.min_p or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            logit_bias=logit_bias_of(req, vocab),
             stop=stop,
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=bool(req.ignore_eos),

@@ -64,7 +64,7 @@ def prepare(runtime, req: CompletionRequest):
     resume, requested = resume_of(req, prompts, vocab, req.max_tokens or DEFAULT_MAX_TOKENS)
     done = len(resume.token_ids) if resume else 0
     max_tokens = check_context([len(p) + done for p in prompts], requested, runtime.max_model_len)
-    params = with_response_format(runtime, sampling_params(req, max_tokens, req.logprobs), req.response_format)
+    params = with_response_format(runtime, sampling_params(req, max_tokens, req.logprobs, vocab), req.response_format)
     return prompts, params, resume
 
 
