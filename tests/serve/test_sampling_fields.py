@@ -119,8 +119,13 @@ def test_top_logprobs(client):
         assert len(t.top_logprobs) == 4 and t.token == t.top_logprobs[0].token  # greedy: the top one
         assert t.logprob == pytest.approx(t.top_logprobs[0].logprob)
         assert [x.logprob for x in t.top_logprobs] == sorted((x.logprob for x in t.top_logprobs), reverse=True)
-    c = client.completions.create(model="smollm2", prompt="Hello", max_tokens=3, temperature=0, logprobs=2)
-    assert all(len(d) >= 1 for d in c.choices[0].logprobs.top_logprobs)
+    for k in (0, 2):  # completions: the top k plus the sampled token, which OpenAI always returns
+        c = client.completions.create(
+            model="smollm2", prompt="Hello", max_tokens=6, temperature=0.9, seed=5, logprobs=k
+        )
+        lp = c.choices[0].logprobs
+        for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert top[token] == logprob and max(k, 1) <= len(top) <= k + 1
 
 
 @pytest.mark.parametrize(

@@ -237,7 +237,8 @@ def completion_logprobs(tok, items, offset: int) -> dict:
         text = _token_text(tok, t.token_id)
         tokens.append(text)
         lps.append(t.logprob)
-        tops.append({_token_text(tok, i): lp for i, lp in t.top})
+        # OpenAI: "the logprob of the sampled token is always returned": up to logprobs + 1 entries
+        tops.append({**{_token_text(tok, i): lp for i, lp in t.top}, text: t.logprob})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
