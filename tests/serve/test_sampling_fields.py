@@ -211,3 +211,19 @@ def test_main_gateway_applies_the_fields_upstream(client, main, smol):
     )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == smol.tokenizer.decode([42] * 5)
+
+
+def test_a_resumed_completion_counts_what_was_generated_before(client, smol):
+    """The gateway's failover continues a completion after its ids (headwise.resume): the penalties
+    still count those ids as output, so the rest is what the whole run would have generated."""
+    prompt = smol.tokenizer.encode(PROMPT, add_special_tokens=False)
+    kw = dict(prompt=prompt, max_tokens=12, temperature=0, presence_penalty=0.8, frequency_penalty=0.6)
+    full = token_ids(client, **kw)
+    resume = {"token_ids": full[:5], "text_chars": 0}
+    rest = []
+    stream = client.completions.create(
+        model="smollm2", stream=True, extra_body={"headwise": {"token_ids": True, "resume": resume}}, **kw
+    )
+    for chunk in stream:
+        rest += (chunk.model_extra.get("headwise") or {}).get("token_ids", [])
+    assert full[:5] + rest == full and len(set(full)) > 3
