@@ -175,11 +175,11 @@ class GrammarProcessor:
         for i, m in enumerate(ms):
             if m.is_error():  # the request took a token outside the grammar (cannot happen through the mask)
                 raise ValueError(f"the output left the grammar: {_first_line(m.get_error())}")
-        allowed = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")  # (R, words*32)
-        allowed = torch.from_numpy(allowed[:, :V]).bool()
-        if allowed.shape[1] < V:  # rows of the model's padded vocabulary past the tokenizer's: never legal
-            allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]))
-        return logits.masked_fill_(~allowed, float("-inf"))
+        allowed = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")  # (R, words*32) 0/1
+        banned = torch.from_numpy(allowed[:, :V]) == 0  # one pass: uint8 -> bool
+        if banned.shape[1] < V:  # rows of the model's padded vocabulary past the tokenizer's: never legal
+            banned = torch.nn.functional.pad(banned, (0, V - banned.shape[1]), value=True)
+        return logits.masked_fill_(banned, float("-inf"))
 
     def _drop_finished(self) -> None:
         dead = [k for k, (ref, _, _) in self._matchers.items() if ref() is None]
