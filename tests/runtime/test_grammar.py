@@ -4,6 +4,7 @@ through generate() and with 16 different schemas at once through the Engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -148,3 +149,13 @@ def test_without_llguidance_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "llguidance", None)
     with pytest.raises(ImportError, match=re.escape("pip install headwise[structured]")):
         grammar.compile_grammar("json_object", None)
+
+
+def test_sampled_completions_each_follow_the_grammar(smollm2_fp32):
+    """n > 1 sampled completions share the processor, each with its own matcher (its own tokens)."""
+    item = next(s for s in SCHEMAS if s["name"] == "weather")
+    params = dataclasses.replace(constrained(smollm2_fp32, schema_format(item)), temperature=1.0, seed=0, n=3)
+    results = generate(smollm2_fp32, messages(item), params)
+    assert len({r.text for r in results}) > 1  # sampled: they differ
+    for r in results:
+        check(item, r.text, r.finish_reason)
