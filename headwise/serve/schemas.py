@@ -3,9 +3,8 @@
 Requests forbid unknown fields: a typo ("max_token") or a field that tries to point
 the server elsewhere ("base_url") is a 400 naming it, not silently ignored. Bounds
 live in the fields, so /openapi.json states them and FastAPI enforces them. Fields
-that are accepted but cannot change the answer here (tools,
-json response formats) are rejected with a message when set to anything but their
-neutral value; bookkeeping fields (user, metadata, store) are accepted and ignored.
+that are accepted but cannot change the answer here (tools) are rejected with a message
+when set to anything but their neutral value (response_format: docs/structured-outputs.md); bookkeeping fields (user, metadata, store) are accepted and ignored.
 Types are strict, as OpenAI's are: `"logprobs": "yes"` or `"max_tokens": "5"` is a 400 naming
 the field, not coerced (a number field still takes an integer: 1 for 1.0). Responses are
 declared for the docs and schema checks; handlers build plain dicts.
