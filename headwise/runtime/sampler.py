@@ -84,11 +84,13 @@ def _groups(rows: list[int], key) -> dict:
 
 
 def _apply(logits: Tensor, rows: list[int], fn) -> Tensor:
-    """logits with fn applied to the given rows (all rows: no gather or scatter)."""
+    """logits with fn applied to the given rows (all rows: no gather or scatter). The chain's logits
+    are its own copy (`_chain`), so the rows are written back in place: a copy of every row per call
+    cost 0.09 ms at 16 rows of 49,152 against 0.014 ms (16 grammars: 16 calls a step)."""
     if len(rows) == logits.shape[0]:
         return fn(logits)
-    idx = torch.tensor(rows)
-    return logits.index_copy(0, idx, fn(logits.index_select(0, idx)))
+    idx = torch.tensor(rows, device=logits.device)
+    return logits.index_copy_(0, idx, fn(logits.index_select(0, idx)))
 
 
 class Sampler:
