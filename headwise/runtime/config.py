@@ -116,24 +116,27 @@ class EngineConfig:
         and a chunk each, and the null block)."""
         if self.num_blocks is None:
             raise ValueError("max_model_len needs num_blocks: call resolve(model_config, dtype) first")
-        _, groups = kv_layer_groups(model_config)
-        if all(w is None for w, _ in groups):  # every layer global: a block per block_size tokens
+        groups, windows, glob = self._window_groups(model_config)
+        if not windows:  # every layer global: a block per block_size tokens
             return min(model_config.max_positions, self.num_blocks * self.block_size)
-        bs, chunk = self.block_size, self.max_num_batched_tokens
-        windows = sum(n * (-(-(w - 1 + chunk) // bs) + 1) for w, n in groups if w is not None)
-        glob = sum(n for w, n in groups if w is None)
         left = self.num_blocks - 1 - windows  # 1: the null block
         if glob == 0:  # every layer windowed: the pool bounds the window, not the context
             return model_config.max_positions if left >= 0 else 0
-        return max(0, min(model_config.max_positions, left // glob * bs))
+        return max(0, min(model_config.max_positions, left // glob * self.block_size))
+
+    def _window_groups(self, model_config) -> tuple[list, int, int]:
+        """(the layer groups as (window, count), the blocks the windowed groups hold -- each its window
+        and one chunk -- and the number of global groups)."""
+        _, groups = kv_layer_groups(model_config)
+        bs, chunk = self.block_size, self.max_num_batched_tokens
+        windows = sum(n * (-(-(w - 1 + chunk) // bs) + 1) for w, n in groups if w is not None)
+        return groups, windows, sum(n for w, n in groups if w is None)
 
     def window_blocks(self, model_config) -> str | None:
         """Where the pool is too small for the windowed groups' own blocks (max_model_len 0), what they
         need, in words for an error; None otherwise."""
-        _, groups = kv_layer_groups(model_config)
+        groups, windows, glob = self._window_groups(model_config)
         bs, chunk = self.block_size, self.max_num_batched_tokens
-        windows = sum(n * (-(-(w - 1 + chunk) // bs) + 1) for w, n in groups if w is not None)
-        glob = sum(n for w, n in groups if w is None)
         if not windows or self.num_blocks - 1 - windows >= (glob > 0):
             return None
         kinds = ", ".join(f"{n} group(s) of sliding-{w} layers" for w, n in groups if w is not None)

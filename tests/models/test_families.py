@@ -100,6 +100,18 @@ FAMILIES = {
 }
 
 
+def random_hf(name: str):
+    """A seeded random transformers model of family `name`, its norm weights random too."""
+    torch.manual_seed(1234)
+    config, cls = FAMILIES[name]()
+    hf = cls(config).eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "norm" in n:
+                p.normal_(0.0, 0.3)  # Gemma's norms are 1 + w: w = 0 would hide the +1
+    return hf
+
+
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
     """family(name) -> (HF model, headwise model loaded from HF's saved checkpoint), built once."""
@@ -107,13 +119,7 @@ def family(tmp_path_factory):
 
     def get(name):
         if name not in made:
-            torch.manual_seed(1234)
-            config, cls = FAMILIES[name]()
-            hf = cls(config).eval()
-            with torch.no_grad():
-                for n, p in hf.named_parameters():
-                    if "norm" in n:
-                        p.normal_(0.0, 0.3)  # Gemma's norms are 1 + w: w = 0 would hide the +1
+            hf = random_hf(name)
             made[name] = hf, headwise.load(save_hf(tmp_path_factory, name, hf))
         return made[name]
 

@@ -321,13 +321,14 @@ schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 from schemathesis.specs.openapi.checks import positive_data_acceptance  # noqa: E402
 
+from .fuzzing import openapi_schema  # noqa: E402
+
 fuzzed = schemathesis.pytest.from_fixture("messages_schema").include(path_regex=r"^/v1/messages(/count_tokens)?$")
 
 
 @pytest.fixture
 def messages_schema(server):
-    config = schemathesis.Config.from_dict({"generation": {"with-security-parameters": False}})
-    return schemathesis.openapi.from_url(server.url + "/openapi.json", config=config)
+    return openapi_schema(server.url)
 
 
 @fuzzed.parametrize()

@@ -2,7 +2,6 @@
 checked against the same messages sent to /v1/chat/completions by the same client at temperature 0."""
 
 import json
-import os
 from typing import Literal
 
 import httpx
@@ -10,13 +9,13 @@ import jsonschema
 import openai
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, Phase, settings
 from pydantic import BaseModel
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from headwise.serve.openai import response_store
 
 from .conftest import ServeProcess, auth, metrics_values
+from .fuzzing import FUZZ_SETTINGS, openapi_schema
 from .test_disconnect import engine_gauge, wait_idle
 
 CHAT = [{"role": "user", "content": "Name three colors."}]
@@ -313,23 +312,11 @@ fuzzed = schemathesis.pytest.from_fixture("responses_schema").include(path_regex
 
 @pytest.fixture
 def responses_schema(main):
-    config = schemathesis.Config.from_dict({"generation": {"with-security-parameters": False}})
-    return schemathesis.openapi.from_url(main.url + "/openapi.json", config=config)
+    return openapi_schema(main.url)
 
 
 @fuzzed.parametrize()
-@settings(
-    max_examples=int(os.environ.get("HEADWISE_FUZZ_EXAMPLES", "40")),
-    deadline=None,
-    derandomize=True,
-    phases=[Phase.generate, Phase.shrink],
-    suppress_health_check=[
-        HealthCheck.too_slow,
-        HealthCheck.filter_too_much,
-        HealthCheck.data_too_large,
-        HealthCheck.function_scoped_fixture,
-    ],
-)
+@FUZZ_SETTINGS
 def test_fuzzed_requests_get_no_server_error(case):
     if case.meta.generation.mode.is_positive and isinstance(case.body, dict):
         case.body["model"] = "tiny"

@@ -12,15 +12,13 @@ HEADWISE_FUZZ_EXAMPLES sets the examples per operation (40 by default, for `make
     HEADWISE_FUZZ_EXAMPLES=300 .venv/bin/python -m pytest tests/serve/test_schema_fuzz.py -q
 """
 
-import os
-
 import pytest
-from hypothesis import HealthCheck, Phase, settings
 
 schemathesis = pytest.importorskip("schemathesis")
 from schemathesis.specs.openapi.checks import positive_data_acceptance  # noqa: E402
 
 from .conftest import auth  # noqa: E402
+from .fuzzing import FUZZ_SETTINGS, openapi_schema  # noqa: E402
 
 # the filter goes on the lazy schema: it replaces any filter set on the fixture's schema
 schema = schemathesis.pytest.from_fixture("api_schema").include(
@@ -30,27 +28,11 @@ schema = schemathesis.pytest.from_fixture("api_schema").include(
 
 @pytest.fixture
 def api_schema(main):
-    # the key is ours to send (auth has its own tests); fuzzed headers would only meet uvicorn's
-    # HTTP parser, which answers malformed ones in plain text before any app sees them
-    config = schemathesis.Config.from_dict({"generation": {"with-security-parameters": False}})
-    return schemathesis.openapi.from_url(main.url + "/openapi.json", config=config)
+    return openapi_schema(main.url)
 
 
 @schema.parametrize()
-# Phase.generate only (+ shrink on failure): with Phase.explicit, schemathesis adds its coverage
-# phase, ~700 boundary cases that take two minutes here
-@settings(
-    max_examples=int(os.environ.get("HEADWISE_FUZZ_EXAMPLES", "40")),
-    deadline=None,
-    derandomize=True,
-    phases=[Phase.generate, Phase.shrink],
-    suppress_health_check=[
-        HealthCheck.too_slow,
-        HealthCheck.filter_too_much,
-        HealthCheck.data_too_large,
-        HealthCheck.function_scoped_fixture,
-    ],
-)
+@FUZZ_SETTINGS
 def test_no_server_errors_and_responses_match_the_schema(case):
     if case.meta.generation.mode.is_positive and isinstance(case.body, dict):
         case.body["model"] = "minilm" if case.path.endswith("embeddings") else "tiny"
