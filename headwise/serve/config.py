@@ -11,10 +11,11 @@ a model; the gateway resolves that name to a route (an alias, a local model, or
     weights = "auto"            # auto (a GGUF computed as stored) | fp32 | bf16 | int8 | int4 | q4_0 | ... | q6_k | q4_k_m | ...
     max_num_seqs = 64           # the engine's limits: any headwise.EngineConfig field but kv_dtype
     tensor_parallel = 1         # N > 1: heads split over N local processes (this one leads; one such model)
-    [providers.peer]            # an upstream OpenAI-compatible server
+    [providers.peer]            # an upstream OpenAI-compatible server (config_providers.py)
     base_url = "http://10.0.0.2:8000/v1"
     api_key_env = "PEER_KEY"    # the key itself never sits in the file
     models = ["smollm2-135m-instruct"]
+    api = "openai"              # or "anthropic": /v1/messages passed straight to <base_url>/messages
     [replicas.pool]             # other `headwise serve` processes serving the same models
     urls = ["http://10.0.0.3:8000", "http://10.0.0.4:8000"]   # their root URLs (/health, /v1)
     models = ["smollm2-135m-instruct"]                        # clients send "pool/smollm2-135m-instruct"
@@ -32,17 +33,14 @@ import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-from urllib.parse import urlparse
 
 from ..runtime.config import EngineConfig
+from .config_providers import ConfigError, Provider, ReplicaSet, from_table, parse_providers, parse_replicas
+
+__all__ = ["ConfigError", "Provider", "ReplicaSet", "LocalModel", "Route", "Target", "ServeConfig", "ServerSettings"]
 
 CACHE_KINDS = ("paged", "int8")  # the engine's block pool, fp32/model dtype or int8 K/V
 METRICS_AUTH = ("auto", "always", "never")
-
-
-class ConfigError(ValueError):
-    """The config file is wrong; the message names the table and key."""
 
 
 # [models.NAME] keys that are the engine's limits (EngineConfig fields; its kv_dtype comes from `cache`)
@@ -115,74 +113,7 @@ def _local_model(name: str, table: dict) -> LocalModel:
         engine = EngineConfig(**{k: t.pop(k) for k in ENGINE_KEYS if k in t})
     except ValueError as e:
         raise ConfigError(f"{where} {e}") from None
-    return _take(t, LocalModel, where, name=name, engine=engine)
-
-
-@dataclass(frozen=True)
-class Provider:
-    name: str
-    base_url: str  # ".../v1": endpoints are appended ("/chat/completions")
-    models: tuple[str, ...]
-    api_key_env: str | None = None  # env var holding the upstream key
-    timeout: float = 60.0
-
-    def __post_init__(self):
-        url = urlparse(self.base_url)
-        if url.scheme not in ("http", "https") or not url.netloc:
-            raise ConfigError(f"[providers.{self.name}] base_url = {self.base_url!r} is not an http(s) URL")
-        if not self.models:
-            raise ConfigError(f'[providers.{self.name}] lists no models; add models = ["..."]')
-
-    @property
-    def api_key(self) -> str | None:
-        return os.environ.get(self.api_key_env) if self.api_key_env else None
-
-
-@dataclass(frozen=True)
-class ReplicaSet:
-    """`headwise serve` processes that serve the same models (same weights: a stream that one
-    of them began, another finishes). Routing and failover: serve/replicas.py, serve/failover.py."""
-
-    name: str
-    urls: tuple[str, ...]  # root URLs ("http://host:port"): /health and /v1/... are appended
-    models: tuple[str, ...]  # model names each replica serves; targets "NAME/model"
-    api_key_env: str | None = None  # env var holding the replicas' API key
-    timeout: float = 60.0  # seconds to wait for a replica's first byte, and then between two events
-    health_interval: float = 2.0  # seconds between two polls of each replica's /health
-    # requests whose prompt shares its first affinity_chars characters (an agent's system prompt,
-    # a long document) go to the same replica, whose prefix cache holds it; 0: no affinity
-    affinity_chars: int = 256
-    # ... unless that replica has this many more requests in flight than the least busy one
-    affinity_slack: int = 4
-    failovers: int = 2  # replicas a stream may move to after the one it started on dies
-
-    def __post_init__(self):
-        where = f"[replicas.{self.name}]"
-        if not self.urls:
-            raise ConfigError(f'{where} lists no urls; add urls = ["http://host:port", ...]')
-        for u in self.urls:
-            url = urlparse(u)
-            if url.scheme not in ("http", "https") or not url.netloc:
-                raise ConfigError(f"{where} url {u!r} is not an http(s) URL")
-            if url.path.rstrip("/") not in ("",):
-                raise ConfigError(
-                    f"{where} url {u!r} has a path; give the server's root URL (http://host:port), "
-                    "the gateway adds /health and /v1/..."
-                )
-        if len(set(self.urls)) != len(self.urls):
-            raise ConfigError(f"{where} lists a url twice; each replica once")
-        if not self.models:
-            raise ConfigError(f'{where} lists no models; add models = ["..."] (names the replicas serve)')
-        if not (self.timeout > 0 and self.health_interval > 0):
-            raise ConfigError(f"{where} needs timeout > 0 and health_interval > 0 (seconds)")
-        for key in ("affinity_chars", "affinity_slack", "failovers"):
-            v = getattr(self, key)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ConfigError(f"{where} {key} must be an integer >= 0, got {v!r}")
-
-    @property
-    def api_key(self) -> str | None:
-        return os.environ.get(self.api_key_env) if self.api_key_env else None
+    return from_table(t, LocalModel, where, name=name, engine=engine)
 
 
 @dataclass(frozen=True)
@@ -333,17 +264,6 @@ def models_config(
     return ServeConfig(server=server, models=models)
 
 
-def _take(table: dict, cls, where: str, **fixed) -> Any:
-    known = set(cls.__dataclass_fields__) - set(fixed)
-    unknown = sorted(set(table) - known)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    try:
-        return cls(**fixed, **table)
-    except TypeError as e:
-        raise ConfigError(f"{where}: {e}") from None
-
-
 def parse_config(data: dict) -> ServeConfig:
     """A parsed TOML document -> ServeConfig (errors name the table and key)."""
     unknown = sorted(set(data) - {"server", "models", "providers", "routes", "replicas"})
@@ -353,31 +273,20 @@ def parse_config(data: dict) -> ServeConfig:
     if "api_keys" in server:
         server["api_keys"] = tuple(server["api_keys"])
     models = {name: _local_model(name, t) for name, t in data.get("models", {}).items()}
-    providers = {}
-    for name, t in data.get("providers", {}).items():
-        t = dict(t)
-        t["models"] = tuple(t.get("models", ()))
-        providers[name] = _take(t, Provider, f"[providers.{name}]", name=name)
-    replicas = {}
-    for name, t in data.get("replicas", {}).items():
-        t = dict(t)
-        for key in ("urls", "models"):
-            if not isinstance(t.get(key, []), list):
-                raise ConfigError(f'[replicas.{name}] {key} must be a list, e.g. {key} = ["..."]')
-            t[key] = tuple(x.rstrip("/") if key == "urls" and isinstance(x, str) else x for x in t.get(key, ()))
-        replicas[name] = _take(t, ReplicaSet, f"[replicas.{name}]", name=name)
+    providers = parse_providers(data.get("providers", {}))
+    replicas = parse_replicas(data.get("replicas", {}))
     routes = {}
     for name, t in data.get("routes", {}).items():
         t = dict(t)
         raw = t.get("targets", ())
         t["targets"] = tuple(
-            Target(x) if isinstance(x, str) else _take(x, Target, f"[routes.{name}] targets") for x in raw
+            Target(x) if isinstance(x, str) else from_table(x, Target, f"[routes.{name}] targets") for x in raw
         )
         t["fallbacks"] = tuple(t.get("fallbacks", ()))
-        routes[name] = _take(t, Route, f"[routes.{name}]", name=name)
+        routes[name] = from_table(t, Route, f"[routes.{name}]", name=name)
     if not models and not providers and not replicas:
         raise ConfigError("the config serves nothing: add a [models.NAME], [providers.NAME] or [replicas.NAME] table")
-    return ServeConfig(_take(server, ServerSettings, "[server]"), models, providers, routes, replicas)
+    return ServeConfig(from_table(server, ServerSettings, "[server]"), models, providers, routes, replicas)
 
 
 def load_config(path: str | os.PathLike, host: str | None = None, port: int | None = None) -> ServeConfig:
