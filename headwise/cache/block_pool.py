@@ -201,6 +201,15 @@ class BlockPool:
         self._key_of[block] = key
         return True
 
+    def forget(self, block: int) -> None:
+        """Make `block` unfindable by prefix (its holder is about to overwrite it); no-op without a key."""
+        key = self._key_of.pop(block, None)
+        if key is not None:
+            del self._block_of[key]
+            if block in self._free_cached:
+                del self._free_cached[block]
+                self._free_plain[block] = None
+
     def key_of(self, block: int) -> PrefixKey | None:
         return self._key_of.get(block)
 

@@ -183,6 +183,35 @@ class PagedKVCache(Reservations, PagedStorage):
         if self.journal is not None:
             self.journal("free", seq_id)
 
+    def truncate(self, seq_id: Hashable, length: int, token_ids: Sequence[int] | None = None) -> None:
+        """Keep the first `length` tokens of `seq_id` and drop the rest (the K/V of draft tokens a
+        speculative step computed and rejected, runtime/predict.py): blocks past the new end go
+        back to the pool and the slots after it are written again by the next step. token_ids:
+        the sequence's ids (at least its first `length`), to keep its prefix hashes going; without
+        them, blocks it fills from here on are not findable by prefix. Blocks holding dropped
+        tokens become unfindable by prefix, as their slots will be overwritten."""
+        seq, bs = self._seq(seq_id), self.block_size
+        if self.window is not None:
+            raise ValueError("truncate does not run on a windowed cache (blocks out of the window are gone)")
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= seq.length:
+            raise ValueError(f"truncate length must be an int in [0, {seq.length}] for {seq_id!r}, got {length!r}")
+        if length == seq.length:
+            return
+        keep, full = -(-length // bs), length // bs
+        for b in seq.blocks[full:]:  # written past the new end: their keys would name the dropped tokens
+            self.pool.forget(b)
+        for b in reversed(seq.blocks[keep:]):
+            self.pool.release(b)
+        del seq.blocks[keep:]
+        seq.length = length
+        if seq.hashable and token_ids is not None and len(token_ids) >= length and len(seq.hashes) >= full:
+            del seq.hashes[full:]
+            seq.partial = [int(t) for t in token_ids[full * bs : length]]
+        else:
+            seq.hashable, seq.partial = False, []
+        if self.journal is not None:
+            self.journal("truncate", seq_id, length, None if token_ids is None else list(token_ids[:length]))
+
     def blocks_needed(self, seq_id: Hashable, num_new: int) -> int:
         """Free blocks that appending `num_new` tokens to `seq_id` takes (copy-on-write included)."""
         return self._needed([self._seq(seq_id)], [self._count(num_new, seq_id)])

@@ -267,21 +267,26 @@ class Engine(Frontends):
         """The step's tokens -> text and stream pieces for the outbox (under the lock, before the
         next step); -> the requests that finished (the core's finish rule has run)."""
         finished, now = [], time.perf_counter()
+        tokens: dict = {}  # request -> [(token, logprobs)]: a decode with a draft gives several at once
         for r, token, lp in outputs:
+            tokens.setdefault(r, []).append((token, lp))
+        for r, taken in tokens.items():
             if r.first_token_at is None:
                 r.first_token_at = now
                 self._ttft.append(now - r.group.arrival)
             else:
                 self._itl.append(now - r.last_token_at)
             r.last_token_at = now
+            lps = [lp for _, lp in taken]
             piece = StreamPiece(
                 r.text.new_text(),
-                [token],
+                [t for t, _ in taken],
                 r.index,
-                [lp] if lp is not None else None,
+                lps if lps[0] is not None else None,
                 r.finish_reason,
                 r.num_prompt_tokens,
                 r.num_output_tokens,
+                *r.prediction_counts,
             )
             self._outbox.append((r.group, piece))
             if r.status is Status.FINISHED and r.group.finished:

@@ -34,6 +34,11 @@ class StaticBatch:
         self.waiting: list[Request] = []  # always empty: every request runs from the first step
 
     def add(self, request: Request) -> None:
+        if request.params.prediction is not None:
+            raise ValueError(
+                "prediction (Predicted Outputs) runs in the Engine, whose paged cache drops the K/V of rejected "
+                "drafts; generate() has no use for it: use headwise.Engine, or leave prediction unset"
+            )
         request.status = Status.RUNNING
         self.running.append(request)
 

@@ -33,6 +33,7 @@ import torch
 
 from ..models.executors import check_weights, model_version
 from .output import OutputProcessor, check_context
+from .predict import Prediction
 from .request import Request, RequestGroup, Status
 from .sampler import Sampler
 from .sampling import SamplingParams, TokenLogprobs
@@ -66,6 +67,8 @@ class Core:
         self.model, self.scheduler, self.runner = model, scheduler, runner
         self.device = next(model.parameters()).device
         self.max_model_len = max_model_len
+        if hasattr(scheduler, "max_model_len"):
+            scheduler.max_model_len = max_model_len  # the positions a draft may reach
         self.output = OutputProcessor(getattr(model, "tokenizer", None))
         self.sampler = Sampler()
         self.lock = lock if lock is not None else threading.RLock()
@@ -84,6 +87,9 @@ class Core:
         bad = [t for t in params.logit_bias or () if t >= V]
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} is out of range for this model's vocabulary of {V}")
+        bad = [t for t in params.prediction or () if t >= V]
+        if bad:
+            raise ValueError(f"prediction token id {bad[0]} is out of range for this model's vocabulary of {V}")
         check_context(len(ids), params.max_new_tokens, self.max_model_len, self.limit_source())
 
     def limit_source(self) -> str:
@@ -105,6 +111,8 @@ class Core:
         r = Request(group, index, gen, seen, token_ids=list(ids), text=text)
         if params.penalized:
             r.output_counts = torch.zeros(self.model.config.vocab_size, device=self.device)
+        if params.prediction is not None:
+            r.prediction = Prediction(params.prediction)
         return r
 
     def add(self, request: Request) -> None:
@@ -140,28 +148,53 @@ class Core:
             dt = t2 - t1
             self.rate = 0.8 * self.rate + 0.2 * (batch.num_tokens / dt) if self.rate else batch.num_tokens / dt
             self.counts["steps"] += 1
+            picked, drafted, row = [], [], 0  # (logits row, request), (first row, chunk)
             for c in batch.chunks:
-                if not (c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens):
+                if c.draft:
+                    self.counts["draft_tokens"] += len(c.draft)
+                elif not (c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens):
                     self.counts["prefill_tokens"] += c.num_tokens  # not a decode: prompt/recompute
-                if c.request.status is Status.RUNNING:
-                    c.request.num_computed_tokens = c.start + c.num_tokens
-            # rows of requests aborted while the forward ran are dropped here
-            picked = [
-                (i, c.request)
-                for i, c in enumerate(c for c in batch.chunks if c.sample)
-                if c.request.status is Status.RUNNING
-            ]
+                if c.request.status is Status.RUNNING:  # rows of requests aborted meanwhile are dropped
+                    c.request.num_computed_tokens = c.start + c.num_tokens - len(c.draft)  # drafts: once verified
+                    if c.sample:
+                        (drafted.append((row, c)) if c.draft else picked.append((row, c.request)))
+                row += 1 + len(c.draft) if c.sample else 0
             outputs = []
-            if picked:
-                with torch.inference_mode():
+            with torch.inference_mode():
+                if picked:
                     sel = logits if len(picked) == logits.shape[0] else logits[[i for i, _ in picked]]
                     tokens, logprobs = self.sampler.sample(sel, [r for _, r in picked])
-                outputs = [self._append(r, tok, lp) for (_, r), tok, lp in zip(picked, tokens, logprobs)]
+                    outputs = [self._append(r, tok, lp) for (_, r), tok, lp in zip(picked, tokens, logprobs)]
+                for first, c in drafted:
+                    outputs += self._verify(c, logits[first : first + 1 + len(c.draft)])
             result = process(outputs) if process is not None else outputs
             self.seconds["schedule"] += t1 - t0
             self.seconds["forward"] += dt
             self.seconds["output"] += time.perf_counter() - t2
         return result
+
+    def _verify(self, c, logits) -> list[TokenOutput]:
+        """A decode with a draft (predict.py): logits (1 + k, V), row i after the chunk's i-th token.
+        Each row is sampled with the request's state as it then is (penalties, grammar, seeded
+        generator: one draw per token, as without a draft) and appended, until a token differs
+        from the draft (or the request ends); the K/V of the drafts after it is dropped."""
+        r, draft = c.request, c.draft
+        if r.params.greedy and r.params.plain:  # a row's token depends on its logits only: one argmax
+            tokens, lps = self.sampler.sample(logits, [r] * logits.shape[0])
+            rows = zip(tokens, lps)
+        else:
+            rows = (tuple(x[0] for x in self.sampler.sample(logits[i : i + 1], [r])) for i in range(len(logits)))
+        out, accepted = [], 0
+        for i, (tok, lp) in enumerate(rows):
+            out.append(self._append(r, tok, lp))
+            if r.status is not Status.RUNNING or i == len(draft) or tok != draft[i]:
+                break
+            accepted += 1
+        r.prediction.verified(len(draft), accepted)
+        if r.status is Status.RUNNING:
+            r.num_computed_tokens = c.start + 1 + accepted
+            self.scheduler.cache.truncate(r.seq_id, r.num_computed_tokens, r.token_ids)
+        return out
 
     def _see_model(self) -> None:
         """Before requests are admitted: if the model changed since this core last looked (weights
@@ -180,6 +213,8 @@ class Core:
         r.output_token_ids.append(token)
         if r.seen is not None:
             r.seen[token] = True
+        if r.prediction is not None:
+            r.prediction.push(token)
         if r.output_counts is not None:
             r.output_counts[token] += 1
         if lp is not None:

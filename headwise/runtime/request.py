@@ -38,6 +38,9 @@ class StreamPiece:
     finish_reason: str | None = None  # None until the last piece: "stop" | "length" | "abort"
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # generated so far by this completion
+    # Predicted Outputs (sampling.prediction): draft tokens kept / computed and dropped, so far
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 @dataclass
@@ -47,6 +50,8 @@ class CompletionOutput:
     token_ids: list[int]  # generated ids (a final stop/EOS id included)
     finish_reason: str | None  # "stop" | "length" | "abort"
     logprobs: list[TokenLogprobs] | None = None
+    accepted_prediction_tokens: int = 0  # Predicted Outputs: draft tokens kept
+    rejected_prediction_tokens: int = 0  # ... and computed but dropped
 
 
 @dataclass
@@ -99,6 +104,7 @@ class RequestGroup:
                 list(c.output_token_ids),
                 c.finish_reason,
                 list(c.logprobs) if self.params.logprobs is not None else None,
+                *c.prediction_counts,
             )
             for c in self.children
         ]
@@ -131,6 +137,7 @@ class Request:
     first_token_at: float | None = None
     last_token_at: float | None = None
     text: object | None = None  # its TextSequence (output.py): detokenizer, stop strings, the finish rule
+    prediction: object | None = None  # its predict.Prediction when sampling.prediction is set
 
     @property
     def seq_id(self) -> tuple[str, int]:
@@ -151,3 +158,9 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def prediction_counts(self) -> tuple[int, int]:
+        """(accepted, rejected) draft tokens of its prediction so far; (0, 0) without one."""
+        p = self.prediction
+        return (p.accepted, p.rejected) if p is not None else (0, 0)

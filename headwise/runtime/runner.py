@@ -27,7 +27,8 @@ from .scheduler import Chunk
 
 @dataclass
 class Batch:
-    """One step's model input. rows[i] is the pack row whose logits sample chunk sampled[i]."""
+    """One step's model input. rows: the pack rows whose logits come back, in chunk order: the
+    last row of each sampled chunk, every row of a chunk with a draft."""
 
     chunks: list[Chunk]
     input_ids: Tensor  # (1, N) long
@@ -46,11 +47,18 @@ class PagedRunner:
 
     def prepare(self, chunks: list[Chunk]) -> Batch:
         """Reserve the chunks' slots in the cache and build the step (call under the engine's lock)."""
-        news = [c.request.token_ids[c.start : c.start + c.num_tokens] for c in chunks]
+        news = [
+            c.request.token_ids[c.start : c.start + c.num_tokens]
+            if not c.draft
+            else [c.request.token_ids[c.start], *c.draft]
+            for c in chunks
+        ]
         rows, off = [], 0
         for c in chunks:
             off += c.num_tokens
-            if c.sample:
+            if c.draft:  # a decode with predicted tokens: every row is a candidate (core.py verifies)
+                rows.extend(range(off - c.num_tokens, off))
+            elif c.sample:
                 rows.append(off - 1)
         input_ids = torch.tensor([[t for new in news for t in new]], dtype=torch.long, device=self.device)  # (1, N)
         seq_ids, counts = [c.request.seq_id for c in chunks], [c.num_tokens for c in chunks]

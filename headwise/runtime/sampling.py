@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .predict import MAX_PREDICTION_TOKENS
+
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 # OpenAI allows 4 stop strings; vLLM any number. 16 of up to 1,000 characters keeps the
@@ -47,6 +49,10 @@ class SamplingParams:
     # per-request links of the sampler's chain, applied first (sampler.LogitsProcessor: a grammar
     # mask, logit_bias); each sees the request's tokens so far, batched across the requests carrying it
     logits_processors: tuple = ()
+    # OpenAI's Predicted Outputs: token ids the output is expected to repeat (the file being edited);
+    # the engine verifies them in chunks instead of generating one token per step (predict.py). The
+    # output is the same as without it; only the speed changes
+    prediction: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -54,6 +60,8 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
+        if self.prediction is not None:
+            object.__setattr__(self, "prediction", tuple(self.prediction) or None)
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", dict(self.logit_bias) or None)  # a copy: params are frozen
         bias = self.logit_bias or {}
@@ -76,6 +84,14 @@ class SamplingParams:
             ),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
             (all(s for s in self.stop), "stop strings must be non-empty"),
+            (
+                all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.prediction or ()),
+                "prediction must be token ids (ints >= 0)",
+            ),
+            (
+                len(self.prediction or ()) <= MAX_PREDICTION_TOKENS,
+                f"a prediction may have at most {MAX_PREDICTION_TOKENS} tokens, got {len(self.prediction or ())}",
+            ),
             (all(callable(p) for p in self.logits_processors), "logits_processors must be callables"),
             (len(self.stop) <= MAX_STOPS, f"at most {MAX_STOPS} stop strings are allowed, got {len(self.stop)}"),
             (

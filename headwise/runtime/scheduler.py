@@ -39,12 +39,15 @@ class QueueFull(RuntimeError):
 
 class Chunk(NamedTuple):
     """Tokens [start, start + num_tokens) of `request` computed this step; `sample`: the chunk
-    reaches the end of the request's tokens, so the next token is drawn from its last row."""
+    reaches the end of the request's tokens, so the next token is drawn from its last row.
+    `draft`: a decode that also computes these predicted tokens after its one (num_tokens is
+    1 + len(draft)); every row is sampled, in order, until one differs (predict.py)."""
 
     request: Request
     start: int
     num_tokens: int
     sample: bool
+    draft: tuple = ()
 
 
 @dataclass
@@ -66,6 +69,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queries = 0  # tokens looked up in the prefix table on admission
         self.prefix_hits = 0  # of those, found (not recomputed)
+        # Predicted Outputs: decodes draft ahead where the cache can drop rejected K/V (not a hybrid
+        # cache of windowed layers yet); max_model_len: set by the core, bounds a draft's positions
+        self.drafts = hasattr(cache, "truncate")
+        self.max_model_len = 0
 
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> None:
@@ -113,14 +120,20 @@ class Scheduler:
             if r.status is not Status.RUNNING:  # preempted as a victim below
                 continue
             left = r.num_tokens - r.num_computed_tokens
+            draft = ()
             if left == 1:
                 decodes_left -= 1
-                n = 1
+                if r.prediction is not None and self.drafts:
+                    draft = r.prediction.draft(min(budget - decodes_left - 1, self._room(r)))
+                n = 1 + len(draft)
             else:
                 n = min(left, budget - decodes_left)
             if n <= 0:
                 continue
             need = cache.blocks_needed(r.seq_id, n)
+            if draft and reserved + need > cache.num_free_blocks:  # a draft never preempts anyone
+                draft, n = (), 1
+                need = cache.blocks_needed(r.seq_id, n)
             while reserved + need > cache.num_free_blocks:
                 victim = self.running[-1]  # the newest; never one already scheduled
                 if victim is not r and victim.num_tokens - victim.num_computed_tokens == 1:
@@ -131,7 +144,10 @@ class Scheduler:
                     break
             if r.status is not Status.RUNNING:
                 continue
-            (decodes if left == 1 else prefills).append(Chunk(r, r.num_computed_tokens, n, n == left))
+            if left == 1:
+                decodes.append(Chunk(r, r.num_computed_tokens, n, True, draft))
+            else:
+                prefills.append(Chunk(r, r.num_computed_tokens, n, n == left))
             budget -= n
             reserved += need
         if not preempted:
@@ -143,6 +159,12 @@ class Scheduler:
                 f"free ({cache.num_free_blocks} of {cache.num_blocks}); this is a bug"
             )
         return SchedulerOutput(decodes + prefills, preempted)
+
+    def _room(self, r: Request) -> int:
+        """Draft tokens a decode of `r` may add: the output it may still take after this step's
+        token, and the context left (max_model_len; the core sets it) for their K/V."""
+        out = r.params.max_new_tokens - r.num_output_tokens - 1
+        return min(out, self.max_model_len - r.num_tokens) if self.max_model_len else out
 
     def _admit(self, budget: int, reserved: int, chunks: list[Chunk]) -> tuple[int, int]:
         cache = self.cache
