@@ -329,6 +329,8 @@ class Engine(Frontends):
                     else None
                 ),
                 weight_bytes=weight_bytes(self.model),
+                draft_tokens=core["draft_tokens"],
+                draft_tokens_accepted=core["draft_accepted"],
             )
 
     def kv_pool_line(self) -> str:

@@ -55,6 +55,10 @@ class EngineStats:
     decode_tokens_per_second: float | None  # tokens after each request's first / the time they took,
     # over finished/aborted requests; None before any had 2 tokens
     weight_bytes: dict[str, int]  # the model's weights by storage format ("q4_1", "q8_0", "float32", ...)
+    # Predicted Outputs (runtime/predict.py): draft tokens computed beside decodes, and of those the
+    # ones the output took (the rest was computed for nothing)
+    draft_tokens: int = 0
+    draft_tokens_accepted: int = 0
 
     def as_dict(self) -> dict:
         """Plain numbers: the latency samples as {"count", "p50", "p90", "p99"}."""

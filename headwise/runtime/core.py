@@ -72,7 +72,7 @@ class Core:
         self.output = OutputProcessor(getattr(model, "tokenizer", None))
         self.sampler = Sampler()
         self.lock = lock if lock is not None else threading.RLock()
-        self.counts = collections.Counter()  # steps, prefill_tokens, output_tokens
+        self.counts = collections.Counter()  # steps, prefill_tokens, output_tokens, draft_tokens, draft_accepted
         self.seconds = {"schedule": 0.0, "forward": 0.0, "output": 0.0}
         self.rate = 0.0  # tokens computed per second, smoothed (a queue's retry hint)
         self.model_version = None  # executors.model_version when requests were last admitted (_see_model)
@@ -191,6 +191,7 @@ class Core:
                 break
             accepted += 1
         r.prediction.verified(len(draft), accepted)
+        self.counts["draft_accepted"] += accepted
         if r.status is Status.RUNNING:
             r.num_computed_tokens = c.start + 1 + accepted
             self.scheduler.cache.truncate(r.seq_id, r.num_computed_tokens, r.token_ids)
