@@ -218,15 +218,15 @@ def test_errors_in_anthropic_envelope(claude, server):
         claude.messages.create(model="smollm2", max_tokens=4, messages=[{"role": "user", "content": []}])
     assert "non-empty content" in _envelope(e.value)["message"]
 
-    block = {"type": "tool_result", "tool_use_id": "t1", "content": "42"}
+    block = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model="smollm2", max_tokens=4, messages=[{"role": "user", "content": [block]}])
-    assert "'tool_result'" in _envelope(e.value)["message"] and "not supported yet" in _envelope(e.value)["message"]
+    assert "'image'" in _envelope(e.value)["message"] and "not supported" in _envelope(e.value)["message"]
 
-    tool = {"name": "f", "input_schema": {"type": "object"}}
-    with pytest.raises(anthropic.BadRequestError) as e:
+    tool = {"type": "web_search_20250305", "name": "web_search", "max_uses": 2}
+    with pytest.raises(anthropic.BadRequestError) as e:  # a server tool: Anthropic runs it, not the model
         claude.messages.create(model="smollm2", max_tokens=4, messages=user, tools=[tool])
-    assert "tools" in _envelope(e.value)["message"]
+    assert "'web_search_20250305'" in _envelope(e.value)["message"]
 
     with pytest.raises(anthropic.InternalServerError) as e:  # an upstream with nothing listening
         claude.messages.create(model="down/tiny", max_tokens=4, messages=user)

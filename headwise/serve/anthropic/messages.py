@@ -1,7 +1,7 @@
 """POST /v1/messages on a local model: the Anthropic request becomes the chat request that
-/v1/chat/completions serves (the same chat template, tokenizer, context check and sampling:
-openai/chat.py's `prepare`), runs on the same engine streams, and comes back as an Anthropic
-message or as its SSE events:
+/v1/chat/completions serves (translate.py; the same chat template, tokenizer, context check and
+sampling: openai/chat.py's `prepare`), runs on the same engine streams, and comes back as an
+Anthropic message or as its SSE events:
 
     message_start, content_block_start, ping, content_block_delta (text_delta)...,
     content_block_stop, message_delta (stop_reason, usage), message_stop
@@ -10,107 +10,28 @@ An error after the stream began travels as `event: error` in Anthropic's envelop
 stop_reason: "max_tokens" (the limit), "end_turn" (the model's own end-of-turn / EOS id) or
 "stop_sequence" (one of stop_sequences, named in `stop_sequence`). A last assistant message is
 a prefill: the answer continues it and leaves it out, as Anthropic's does.
+
+A request with tools goes through the local chat path whole (chat.create: the template's tool
+format, the constrained calls) and is translated back as an upstream's answer is (via_chat.py):
+stop_reason "tool_use", tool_use blocks, input_json_delta events. A prefill with tools is a 400.
 """
 
 from __future__ import annotations
 
-import json
 import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
 
+from ..direct import SCOPE_KEY
 from ..errors import APIError
 from ..openai import chat
 from ..openai.common import check_chars, check_context, off_loop, tokenize
 from ..openai.streams import ABORTED, Streams, stream_error, until_disconnect
 from ..schemas import ChatCompletionRequest
-from . import envelope
-from .schemas import Block, CountTokensRequest, MessagesRequest
-
-_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
-
-
-def event(kind: str, data: dict) -> bytes:
-    return b"event: " + kind.encode() + b"\ndata: " + _ENCODE(data).encode() + b"\n\n"
-
-
-def _unsupported(param: str, message: str) -> APIError:
-    return APIError(400, message, param=param, code="unsupported_parameter")
-
-
-def _reject_unsupported(req: MessagesRequest) -> None:
-    if req.tools:
-        raise _unsupported("tools", "tools are not supported yet by headwise's local models on /v1/messages")
-    if req.tool_choice and req.tool_choice.get("type") not in ("auto", "none"):
-        raise _unsupported("tool_choice", "tool_choice needs tools, which are not supported yet here")
-    if req.thinking is not None and req.thinking.type == "enabled":
-        raise _unsupported("thinking", "extended thinking is not supported by headwise's local models")
-    if req.output_config is not None and req.output_config.format is not None:
-        raise _unsupported("output_config.format", "structured output (output_config.format) is not supported yet here")
-    for param in ("mcp_servers", "container", "context_management"):
-        if getattr(req, param):
-            raise _unsupported(param, f"{param} is not supported by headwise")
-
-
-def _text_parts(blocks: list[Block], where: str) -> list[dict]:
-    parts = []
-    for j, b in enumerate(blocks):
-        if b.type != "text":
-            raise APIError(
-                400,
-                f"{where}.content[{j}]: content blocks of type {b.type!r} are not supported yet; "
-                "headwise's /v1/messages serves text blocks",
-                param=f"{where}.content",
-                code="unsupported_content",
-            )
-        if b.text is None:
-            raise APIError(400, f"{where}.content[{j}].text: Field required", param=f"{where}.content")
-        parts.append({"type": "text", "text": b.text})
-    return parts
-
-
-def to_chat(req: MessagesRequest) -> tuple[ChatCompletionRequest, str]:
-    """-> (the chat request the local chat path serves, the assistant prefill or "")."""
-    _reject_unsupported(req)
-    messages = []
-    if req.system:
-        system = req.system if isinstance(req.system, str) else [{"type": "text", "text": b.text} for b in req.system]
-        messages.append({"role": "system", "content": system})
-    for i, m in enumerate(req.messages):
-        if not m.content and not (i == len(req.messages) - 1 and m.role == "assistant"):
-            raise APIError(
-                400,
-                f"messages.{i}: all messages must have non-empty content except for the optional final assistant "
-                "message",
-                param="messages",
-            )
-        text = isinstance(m.content, str)
-        parts = [{"type": "text", "text": m.content}] if text else _text_parts(m.content, f"messages[{i}]")
-        if messages and messages[-1]["role"] == m.role:  # consecutive turns of one role are one turn
-            messages[-1]["content"] += parts
-        else:
-            messages.append({"role": m.role, "content": parts})
-    prefill = ""
-    if req.messages[-1].role == "assistant":  # the answer continues this text
-        prefill = "\n".join(p["text"] for p in messages.pop()["content"])
-        if prefill != prefill.rstrip():
-            raise APIError(
-                400, "final assistant content cannot end with trailing whitespace", param="messages", code="invalid"
-            )
-        if not any(m["role"] == "user" for m in messages):
-            raise APIError(400, "messages: the conversation needs a user turn before the assistant's", param="messages")
-    fields = {"model": req.model, "messages": messages, "max_tokens": req.max_tokens, "stream": bool(req.stream)}
-    if req.stop_sequences:
-        fields["stop"] = req.stop_sequences
-    for name in ("temperature", "top_p", "top_k"):
-        if getattr(req, name) is not None:
-            fields[name] = getattr(req, name)
-    try:
-        return ChatCompletionRequest.model_validate(fields), prefill
-    except ValidationError as e:  # our own fields passed our checks: should not happen
-        raise APIError(400, f"the request cannot be served as a chat: {e.errors()[0].get('msg')}") from None
+from . import envelope, via_chat
+from .schemas import CountTokensRequest, MessagesRequest
+from .translate import event, message, to_chat
 
 
 def _prepare(runtime, chat_req: ChatCompletionRequest, prefill: str):
@@ -142,27 +63,28 @@ def stop_reason(tok, sampling, reason: str | None, text: str, ids: list[int]) ->
     return "stop_sequence", min(found)[1] if found else sampling.stop[0]
 
 
-def message(rid, model, text, reason, sequence, input_tokens, output_tokens) -> dict:
-    return {
-        "id": rid,
-        "type": "message",
-        "role": "assistant",
-        "model": model,
-        "content": [{"type": "text", "text": text}] if text is not None else [],
-        "stop_reason": reason,
-        "stop_sequence": sequence,
-        "usage": {
-            "input_tokens": input_tokens,
-            "output_tokens": output_tokens,
-            "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 0,
-        },
-    }
+async def _with_tools(runtime, req, chat_req, model: str, request: Request, timeout, metrics):
+    """A request with tools: the local chat path serves it (the template's tool format, the grammar
+    of the calls, chat's parsing of them), and its answer is translated as an upstream's is."""
+    # chat must not write its chunks to the socket itself (serve/direct.py): they are translated here
+    scope = {**request.scope, "extensions": {**(request.scope.get("extensions") or {}), SCOPE_KEY: None}}
+    resp = await chat.create(
+        runtime, chat_req, model, Request(scope, request.receive), timeout=timeout, metrics=metrics
+    )
+    return via_chat.respond(req, resp, model)
 
 
 async def create(runtime, req: MessagesRequest, model: str, request: Request, *, timeout=None, metrics=None):
     runtime.require("generate", "/v1/messages")
     chat_req, prefill = to_chat(req)
+    if chat_req.tools:
+        if prefill:
+            raise APIError(
+                400,
+                "a last assistant turn (prefill) cannot be continued with tools: end with a user turn",
+                param="messages",
+            )
+        return await _with_tools(runtime, req, chat_req, model, request, timeout, metrics)
     check_chars([*chat.message_texts(chat_req), prefill], runtime.spec.max_input_chars, "messages")
     prompt, sampling = await off_loop(_prepare, runtime, chat_req, prefill)
     rid = f"msg_{uuid.uuid4().hex[:24]}"

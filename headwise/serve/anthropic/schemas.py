@@ -2,11 +2,12 @@
 
 As Anthropic's API does, an unknown field is a 400 ("Extra inputs are not permitted" there,
 "unknown field" here), and `max_tokens` is required. Fields Anthropic documents that cannot
-change a local model's answer yet (tools, tool_choice, thinking, MCP servers, containers) are
-accepted only at their neutral value and otherwise rejected with a message naming them;
-bookkeeping (metadata, service_tier) is accepted and ignored. Content blocks other than text
-(images, documents, tool_use / tool_result) are a 400 "not supported yet" from messages.py,
-not a schema error, so the message can say so.
+change a local model's answer (thinking, MCP servers, containers) are accepted only at their
+neutral value and otherwise rejected with a message naming them; bookkeeping (metadata,
+service_tier) is accepted and ignored. Client tools (`tools`, `tool_choice`, `tool_use` and
+`tool_result` blocks) are served: translate.py. Content blocks other than text, tool_use and
+tool_result (images, documents) and Anthropic's server tools are a 400 "not supported" from
+translate.py, not a schema error, so the message can say so.
 """
 
 from __future__ import annotations
@@ -41,6 +42,50 @@ class TextBlock(Strict):
 class Message(Strict):
     role: Literal["user", "assistant"]  # the system prompt is the top-level `system`
     content: Union[str, list[Block]]
+
+
+class ToolUseIn(Strict):
+    """An assistant turn's call, sent back: {"type": "tool_use", "id", "name", "input"}."""
+
+    type: Literal["tool_use"]
+    id: NonEmpty
+    name: NonEmpty
+    input: dict
+    cache_control: Optional[dict] = None
+    caller: Optional[dict] = None  # who called it (Anthropic's programmatic tool calling): direct here
+
+
+class ToolResultIn(Strict):
+    """A user turn's result for one call: {"type": "tool_result", "tool_use_id", "content", "is_error"}."""
+
+    type: Literal["tool_result"]
+    tool_use_id: NonEmpty
+    content: Union[str, list[Block]] = ""  # text blocks served; other types: a 400 naming them
+    is_error: Optional[bool] = None
+    cache_control: Optional[dict] = None
+
+
+class CustomTool(Strict):
+    """A client tool (https://docs.anthropic.com/en/docs/agents-and-tools/tool-use): the model writes its
+    `input` as JSON matching input_schema; the application runs it. Server tools (web_search_..., bash_...,
+    text_editor_..., computer_...) carry a dated `type` instead: a 400 from translate.py."""
+
+    type: Optional[Literal["custom"]] = None
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Optional[str] = None
+    input_schema: dict  # a JSON Schema of the input object
+    strict: Optional[bool] = None  # the input always matches here, strict or not
+    cache_control: Optional[dict] = None
+    eager_input_streaming: Optional[bool] = None  # input_json_delta pieces stream as written anyway
+    input_examples: Optional[list[dict]] = None  # not shown to the model
+
+
+class ToolChoice(Strict):
+    """auto: the model decides; any: some tool; tool: the one named; none: no tool."""
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: Optional[NonEmpty] = None  # type "tool" only
+    disable_parallel_tool_use: Optional[bool] = None  # true: at most one tool_use block
 
 
 class Metadata(Strict):
@@ -80,11 +125,11 @@ class MessagesRequest(Strict):
     diagnostics: Optional[dict] = None
     inference_geo: Optional[str] = None
     speed: Optional[str] = None
-    # served only at their neutral value (messages.py says why otherwise)
+    tools: Optional[Annotated[list[dict], Field(max_length=128)]] = None  # CustomTool each (translate.py)
+    tool_choice: Optional[ToolChoice] = None
+    # served only at their neutral value (translate.py says why otherwise)
     output_config: Optional[OutputConfig] = None
     thinking: Optional[Thinking] = None
-    tools: Optional[list[dict]] = None
-    tool_choice: Optional[dict] = None
     mcp_servers: Optional[list[dict]] = None
     container: Optional[Union[str, dict]] = None
     context_management: Optional[dict] = None
@@ -103,13 +148,20 @@ class MessageUsage(BaseModel):
     cache_read_input_tokens: Optional[int] = None
 
 
+class ToolUseContent(BaseModel):
+    type: Literal["tool_use"]
+    id: str  # "toolu_..."; a tool_result block answers it by tool_use_id
+    name: str
+    input: dict
+
+
 class MessageResponse(BaseModel):
     id: str
     type: Literal["message"]
     role: Literal["assistant"]
     model: str
-    content: list[TextContent]
-    stop_reason: Optional[Literal["end_turn", "max_tokens", "stop_sequence"]] = None
+    content: list[Union[TextContent, ToolUseContent]]
+    stop_reason: Optional[Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]] = None
     stop_sequence: Optional[str] = None
     usage: MessageUsage
 
@@ -149,8 +201,8 @@ class CountTokensRequest(Strict):
     speed: Optional[str] = None
     output_config: Optional[OutputConfig] = None
     thinking: Optional[Thinking] = None
-    tools: Optional[list[dict]] = None
-    tool_choice: Optional[dict] = None
+    tools: Optional[Annotated[list[dict], Field(max_length=128)]] = None
+    tool_choice: Optional[ToolChoice] = None
 
 
 class TokensCount(BaseModel):

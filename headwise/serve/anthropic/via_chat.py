@@ -1,6 +1,16 @@
-"""/v1/messages on an OpenAI-style target (an upstream provider, a replica set): the request goes
-out as the chat request a local model would serve (messages.to_chat), and chat's answer comes
-back as an Anthropic message, or chat's SSE chunks as Anthropic's events.
+"""/v1/messages answered by OpenAI's chat: an OpenAI-style target (an upstream provider, a replica
+set) gets the chat request (translate.to_chat), and chat's answer comes back as an Anthropic
+message, or chat's SSE chunks as Anthropic's events. messages.py serves a local model's tool
+requests this way too, through the local chat path.
+
+    message.content                 -> a text block (left out when the answer only calls tools)
+    message.tool_calls              -> tool_use blocks {id: "toolu_...", name, input: the arguments parsed}
+    finish_reason tool_calls        -> stop_reason "tool_use"; length -> "max_tokens"; stop -> "end_turn"
+
+Streamed, a block opens when its first piece arrives (content_block_start; a tool_use block with
+input {}), its pieces follow as text_delta or input_json_delta (partial_json: chat's argument
+fragments as they come), and it stops when the next opens or the answer ends; ping follows the
+first block's start, as Anthropic sends it.
 
 What an OpenAI answer cannot say: which stop sequence ended it. finish_reason "stop" is
 "stop_sequence" only where the upstream names the string (vLLM's `stop_reason`), else
@@ -16,14 +26,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..errors import APIError
 from . import envelope
-from .messages import event, message, to_chat
 from .schemas import MessagesRequest
+from .translate import event, max_tool_uses, message, to_chat, tool_use_id
 
 
 def _stop(req: MessagesRequest, choice: dict) -> tuple[str, str | None]:
     finish = choice.get("finish_reason")
     if finish == "length":
         return "max_tokens", None
+    if finish == "tool_calls":
+        return "tool_use", None
     named = choice.get("stop_reason")  # vLLM: the stop string that matched (an int: a stop token id)
     if isinstance(named, str) and named in (req.stop_sequences or ()):
         return "stop_sequence", named
@@ -35,19 +47,46 @@ def _tokens(usage: dict | None) -> tuple[int, int]:
     return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
 
 
-async def _chunks(body):
-    """Chat's SSE bytes (upstream.py frames every event as `data: ...` + a blank line) -> its JSON
-    objects, until data: [DONE]."""
-    buf = b""
-    async for piece in body:
-        buf += piece.encode() if isinstance(piece, str) else piece
-        while b"\n\n" in buf:
-            raw, buf = buf.split(b"\n\n", 1)
-            data = b"\n".join(line[5:].strip() for line in raw.splitlines() if line.startswith(b"data:"))
-            if data == b"[DONE]":
-                return
-            if data:
-                yield json.loads(data)
+def _input(name: str, arguments: str) -> dict:
+    """A call's arguments (JSON text) -> tool_use's input object."""
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise APIError(
+            502, f"the model's call of tool {name!r} has arguments that are not a JSON object: {arguments[:200]!r}"
+        )
+    return value
+
+
+def answer_message(req: MessagesRequest, answer: dict, rid: str, model: str) -> dict:
+    """A chat completion (JSON) -> an Anthropic message."""
+    choice = answer["choices"][0]
+    msg = choice.get("message") or {}
+    calls = (msg.get("tool_calls") or [])[: max_tool_uses(req)]
+    text = msg.get("content") or ""
+    blocks = [{"type": "text", "text": text}] if text or not calls else []
+    for c in calls:
+        fn = c.get("function") or {}
+        name = fn.get("name") or ""
+        blocks.append(
+            {"type": "tool_use", "id": tool_use_id(), "name": name, "input": _input(name, fn.get("arguments"))}
+        )
+    reason, sequence = _stop(req, choice)
+    return message(rid, model, blocks, reason, sequence, *_tokens(answer.get("usage")))
+
+
+def respond(req: MessagesRequest, resp, model: str):
+    """Chat's response (JSON, or a stream of chunks) -> Anthropic's."""
+    rid = f"msg_{uuid.uuid4().hex[:24]}"
+    if not req.stream:
+        return JSONResponse(answer_message(req, json.loads(resp.body), rid, model))
+    return StreamingResponse(
+        _events(req, resp.body_iterator, rid, model),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 class ViaChat:
@@ -67,31 +106,70 @@ class ViaChat:
                 param="messages",
             )
         chat_body = chat_req.model_dump(mode="json", exclude_unset=True)
-        if req.stream:
-            chat_body["stream_options"] = {"include_usage": True}  # the usage message_delta reports
         resp = await self.target.handle("chat", chat_req, chat_body, request, model, timeout, metrics, settle)
-        rid = f"msg_{uuid.uuid4().hex[:24]}"
-        if not req.stream:
-            answer = json.loads(resp.body)
-            choice = answer["choices"][0]
-            text = (choice.get("message") or {}).get("content") or ""
-            reason, sequence = _stop(req, choice)
-            return JSONResponse(message(rid, model, text, reason, sequence, *_tokens(answer.get("usage"))))
-        return StreamingResponse(
-            _events(req, resp.body_iterator, rid, model),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        return respond(req, resp, model)
+
+
+async def _chunks(body):
+    """Chat's SSE bytes (upstream.py frames every event as `data: ...` + a blank line) -> its JSON
+    objects, until data: [DONE]."""
+    buf = b""
+    async for piece in body:
+        buf += piece.encode() if isinstance(piece, str) else piece
+        while b"\n\n" in buf:
+            raw, buf = buf.split(b"\n\n", 1)
+            data = b"\n".join(line[5:].strip() for line in raw.splitlines() if line.startswith(b"data:"))
+            if data == b"[DONE]":
+                return
+            if data:
+                yield json.loads(data)
+
+
+class _Blocks:
+    """The content blocks of one streamed answer, as they open and stop."""
+
+    def __init__(self, limit: int | None):
+        self.index, self.kind = -1, None  # the open block: its index and type (None: none open)
+        self.calls: dict[int, int] = {}  # chat's tool_calls index -> block index
+        self.limit = limit
+
+    def open(self, block: dict):
+        yield from self.stop()
+        self.index += 1
+        self.kind = block["type"]
+        yield event("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})
+        if self.index == 0:
+            yield event("ping", {"type": "ping"})
+
+    def stop(self):
+        if self.kind is not None:
+            yield event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+            self.kind = None
+
+    def _delta(self, delta: dict):
+        yield event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+
+    def text(self, text: str):
+        if self.kind != "text":
+            yield from self.open({"type": "text", "text": ""})
+        yield from self._delta({"type": "text_delta", "text": text})
+
+    def call(self, delta: dict):
+        k, fn = delta.get("index", 0), delta.get("function") or {}
+        if k not in self.calls:
+            if self.limit is not None and len(self.calls) >= self.limit:
+                return  # disable_parallel_tool_use: the first call only
+            yield from self.open({"type": "tool_use", "id": tool_use_id(), "name": fn.get("name") or "", "input": {}})
+            self.calls[k] = self.index
+        if self.calls[k] == self.index and self.kind == "tool_use" and fn.get("arguments"):
+            yield from self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]})
 
 
 async def _events(req: MessagesRequest, body, rid: str, model: str):
-    choice, usage = {}, None
+    choice, usage, blocks = {}, None, _Blocks(max_tool_uses(req))
     try:
         start = message(rid, model, None, None, None, 0, 0)
         yield event("message_start", {"type": "message_start", "message": start})
-        block = {"type": "text", "text": ""}
-        yield event("content_block_start", {"type": "content_block_start", "index": 0, "content_block": block})
-        yield event("ping", {"type": "ping"})
         async for chunk in _chunks(body):
             if "error" in chunk:  # the upstream's error after the start (already our own words: upstream.py)
                 err = chunk["error"] if isinstance(chunk["error"], dict) else {}
@@ -99,15 +177,22 @@ async def _events(req: MessagesRequest, body, rid: str, model: str):
                 return
             usage = chunk.get("usage") or usage
             for c in chunk.get("choices") or ():
-                text = (c.get("delta") or {}).get("content")
-                if text:
-                    delta = {"type": "text_delta", "text": text}
-                    yield event("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta})
+                delta = c.get("delta") or {}
+                if delta.get("content"):
+                    for e in blocks.text(delta["content"]):
+                        yield e
+                for call in delta.get("tool_calls") or ():
+                    for e in blocks.call(call):
+                        yield e
                 if c.get("finish_reason"):
                     choice = c
+        if blocks.index < 0:  # an empty answer: one empty text block, as Anthropic sends it
+            for e in blocks.open({"type": "text", "text": ""}):
+                yield e
+        for e in blocks.stop():
+            yield e
         reason, sequence = _stop(req, choice)
         input_tokens, output_tokens = _tokens(usage)
-        yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
         delta = {"stop_reason": reason, "stop_sequence": sequence}
         usage_out = {"input_tokens": input_tokens, "output_tokens": output_tokens}
         yield event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage_out})
