@@ -1,4 +1,4 @@
-"""The FastAPI app: routes (thin: schema -> gateway -> response), lifespan, guards.
+"""The FastAPI app: routes (thin: body -> gateway -> response), lifespan, guards.
 
     app = create_app(load_config("gateway.toml"))     # or default_config()
     uvicorn.run(app, host="127.0.0.1", port=8000)
@@ -8,6 +8,8 @@ until every local model has loaded or failed, then 200 ("degraded", with each fa
 model's reason, when some failed). If every local model fails, the server stops and
 `headwise serve` exits 1 with the reasons. Shutdown (SIGTERM, after uvicorn has let
 in-flight requests finish) stops the engines.
+The four generating routes take their body raw: the gateway validates it with our schemas only
+for the targets that need them (passthrough.py); /openapi.json documents the schemas all the same.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ import time
 
 import httpx
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 
 from . import errors
 from .anthropic import messages as anthropic_messages
 from .anthropic import schemas as anthropic_api  # Anthropic's Messages API: serve/anthropic/messages.py
-from .anthropic.schemas import MessageResponse, MessagesRequest
+from .anthropic.schemas import MessageResponse
 from .config import ServeConfig
 from .errors import APIError
 from .gateway import Gateway
@@ -33,19 +36,9 @@ from .local import LocalRuntime, Loader, default_loader, load_all
 from .metrics import Metrics
 from .openai import responses as responses_api
 from .middleware import ApiKeyAuth, BodySizeLimit, install_log_filters
+from .passthrough import documented, read
 from .tensor_parallel import check as check_tensor_parallel
-from .schemas import (
-    ERRORS,
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    Completion,
-    CompletionRequest,
-    EmbeddingRequest,
-    EmbeddingResponse,
-    ModelList,
-    sse_docs,
-)
+from .schemas import ERRORS, ChatCompletion, ChatCompletionChunk, Completion, EmbeddingResponse, ModelList, sse_docs
 
 log = logging.getLogger("headwise.serve")
 
@@ -174,7 +167,8 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
             data.append(entry)
         return JSONResponse({"object": "list", "data": data})
 
-    async def dispatch(endpoint: str, req, request: Request):
+    async def dispatch(endpoint: str, request: Request):
+        req = await read(request, endpoint)  # the body as sent: JSON, `model`, `stream` checked
         known = req.model in config.model_names()
         try:
             resp = await state.gateway.dispatch(endpoint, req, request)
@@ -184,29 +178,38 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
         state.metrics.request(req.model, endpoint, resp.status_code)
         return resp
 
-    @app.post(
-        "/v1/chat/completions", response_model=ChatCompletion, responses={**sse_docs(ChatCompletionChunk), **ERRORS}
-    )
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
-        return await dispatch("chat", req, request)
+    twins = {}  # path -> the typed route /openapi.json shows for a raw one
 
-    @app.post(
-        "/v1/messages", response_model=MessageResponse, responses={**anthropic_api.STREAM, **anthropic_api.ERRORS}
-    )
-    async def create_message(req: MessagesRequest, request: Request):
-        return await dispatch("messages", req, request)
+    def raw_post(path: str, endpoint: str, **docs):
+        def register(handler):
+            twins[path] = documented(path, endpoint, handler.__name__, **docs)
+            return app.post(path, include_in_schema=False)(handler)
+
+        return register
+
+    chat_docs = {"response_model": ChatCompletion, "responses": {**sse_docs(ChatCompletionChunk), **ERRORS}}
+
+    @raw_post("/v1/chat/completions", "chat", **chat_docs)
+    async def chat_completions(request: Request):
+        return await dispatch("chat", request)
+
+    messages_docs = {"response_model": MessageResponse, "responses": {**anthropic_api.STREAM, **anthropic_api.ERRORS}}
+
+    @raw_post("/v1/messages", "messages", **messages_docs)
+    async def create_message(request: Request):
+        return await dispatch("messages", request)
 
     @app.post("/v1/messages/count_tokens", response_model=anthropic_api.TokensCount, responses=anthropic_api.ERRORS)
     async def count_message_tokens(req: anthropic_api.CountTokensRequest):
         return JSONResponse(await anthropic_messages.count_tokens(state.runtimes, state.gateway, req))
 
-    @app.post("/v1/completions", response_model=Completion, responses={**sse_docs(Completion), **ERRORS})
-    async def completions(req: CompletionRequest, request: Request):
-        return await dispatch("completions", req, request)
+    @raw_post("/v1/completions", "completions", response_model=Completion, responses={**sse_docs(Completion), **ERRORS})
+    async def completions(request: Request):
+        return await dispatch("completions", request)
 
-    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=ERRORS)
-    async def create_embeddings(req: EmbeddingRequest, request: Request):
-        return await dispatch("embeddings", req, request)
+    @raw_post("/v1/embeddings", "embeddings", response_model=EmbeddingResponse, responses=ERRORS)
+    async def create_embeddings(request: Request):
+        return await dispatch("embeddings", request)
 
     responses_api.install(app, state)  # /v1/responses: translated to chat, through the same gateway
 
@@ -214,7 +217,15 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
         """FastAPI's schema, plus the Bearer scheme on /v1 when keys are required (the auth
         middleware is invisible to FastAPI)."""
         if app.openapi_schema is None:
-            schema = FastAPI.openapi(app)
+            routes = [twins.get(getattr(r, "path", None), r) for r in app.routes]  # typed twins in place
+            schema = app.openapi_schema = get_openapi(
+                title=app.title,
+                version=app.version,
+                openapi_version=app.openapi_version,
+                description=app.description,
+                routes=routes,
+                separate_input_output_schemas=app.separate_input_output_schemas,
+            )
             if config.server.keys():
                 schema.setdefault("components", {})["securitySchemes"] = {
                     "bearer": {"type": "http", "scheme": "bearer"}

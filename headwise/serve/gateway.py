@@ -14,10 +14,17 @@ A plain model name is a route of one target with no retries and no cooldown.
 A replica set's target ("NAME/model", failover.py) picks a replica itself (replicas.py) and
 moves a stream that breaks mid-way to another replica; to a route it is one target.
 Upstream URLs and keys come only from the config.
+What each target receives (passthrough.py): an upstream provider, the body as the client sent it;
+a local model or a replica set, the body validated by our strict schemas, checked when that target
+is drawn. /v1/messages goes as it came to local models and to api = "anthropic" providers
+(anthropic_upstream.py), translated to chat (ViaChat) for other targets. A route's targets that
+cannot serve the endpoint (an Anthropic provider on /v1/chat/completions) are left out of its draw;
+a route with none left is a 400 naming why.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 import time
@@ -32,8 +39,10 @@ from .errors import APIError
 from .failover import ReplicaTarget
 from .anthropic import messages
 from .anthropic.via_chat import ViaChat
+from .anthropic_upstream import AnthropicUpstream
 from .openai import chat, completions, embeddings
 from .openai.streams import until_disconnect
+from .passthrough import Incoming
 from .replicas import ReplicaPool
 from .upstream import UpstreamTarget
 
@@ -47,6 +56,7 @@ HANDLERS = {
 
 class LocalTarget:
     owner = "headwise"
+    messages_native = True  # serves /v1/messages itself (anthropic/messages.py)
 
     def __init__(self, name: str, runtime):
         self.name, self.runtime = name, runtime
@@ -78,7 +88,8 @@ class Gateway:
         self.targets: dict = {name: LocalTarget(name, rt) for name, rt in runtimes.items()}
         for p in config.providers.values():
             for m in p.models:
-                self.targets[f"{p.name}/{m}"] = UpstreamTarget(f"{p.name}/{m}", p, m, client)
+                kind = AnthropicUpstream if p.api == "anthropic" else UpstreamTarget
+                self.targets[f"{p.name}/{m}"] = kind(f"{p.name}/{m}", p, m, client)
         self.pools = {s.name: ReplicaPool(s, client, self.rng, metrics) for s in config.replicas.values()}
         for s in config.replicas.values():
             for m in s.models:
@@ -110,6 +121,24 @@ class Gateway:
             param="model",
             code="model_not_found",
         )
+
+    def servable(self, route: Route, endpoint: str) -> Route:
+        """`route` without the targets that cannot serve `endpoint`; a 400 when none can."""
+
+        def serves(name: str) -> bool:
+            return endpoint in getattr(self.targets[name], "endpoints", (endpoint,))
+
+        targets = tuple(t for t in route.targets if serves(t.target))
+        fallbacks = tuple(f for f in route.fallbacks if serves(f))
+        if len(targets) == len(route.targets) and len(fallbacks) == len(route.fallbacks):
+            return route
+        if not targets and not fallbacks:
+            why = "; ".join(dict.fromkeys(self.targets[t.target].refusal(endpoint) for t in route.targets))
+            where = f"route {route.name!r}: " if route.name in self.config.routes else ""
+            raise APIError(400, where + why, param="model", code="unsupported_endpoint")
+        if not targets:
+            targets, fallbacks = (Target(fallbacks[0]),), fallbacks[1:]
+        return dataclasses.replace(route, targets=targets, fallbacks=fallbacks)
 
     def cooling(self, target: str, now: float) -> bool:
         return self.health[target].cooled_until > now
@@ -149,26 +178,32 @@ class Gateway:
         if self.metrics:
             self.metrics.cooldown(target, h.cooled_until > time.monotonic())
 
-    async def dispatch(self, endpoint: str, req, request: Request) -> Response:
+    async def dispatch(self, endpoint: str, req: Incoming, request: Request) -> Response:
+        """req: the body as the client sent it (passthrough.read), or a request model validated
+        already (responses.py's chat request)."""
         if self.draining:
             raise APIError(503, "the server is shutting down; retry on another instance", code="draining")
-        route = self.route(req.model)
+        incoming = req if isinstance(req, Incoming) else Incoming.of(endpoint, req)
+        route = self.servable(self.route(incoming.model), endpoint)
         configured = route.name in self.config.routes
         timeout = route.timeout if configured else None
-        body = req.model_dump(mode="json", exclude_unset=True)  # what the client set, validated
         last: APIError | None = None
         for name in self.plan(route):
             target = self.targets[name]
-            if endpoint == "messages" and not isinstance(target, LocalTarget):
+            if endpoint == "messages" and not getattr(target, "messages_native", False):
                 target = ViaChat(target)  # an OpenAI-style target: Anthropic's request as chat, and back
+            if getattr(target, "takes_raw", False):
+                valid, body = None, incoming.raw  # an upstream decides what it accepts
+            else:  # ours (local, replicas, the translation): the strict schema; its 400 is not retried
+                valid, body = incoming.validated(), incoming.strict_body()
             later = getattr(target, "settles_streams", False) and bool(body.get("stream"))  # settles when it ends
             try:
                 resp = await target.handle(
                     endpoint,
-                    req,
+                    valid,
                     body,
                     request,
-                    req.model,
+                    incoming.model,
                     timeout,
                     self.metrics,
                     settle=functools.partial(self._health, route, name),

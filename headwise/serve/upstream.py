@@ -8,6 +8,8 @@ embeddings); a stream, SSE events whose data is a JSON object, ended by `data: [
 A fault found before the first byte is a 502 (retryable: the route may try elsewhere); one
 found later ends the stream with an error event and `data: [DONE]`. Either way the target
 is told (`settle(False)`), so faults count toward its cooldown as a 5xx does.
+The body goes out as the client sent it, `model` renamed (passthrough.py): the upstream, not our
+schema, decides which fields it accepts. anthropic_upstream.py is the same for Anthropic's Messages.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class Fault(Exception):
 class Events:
     """SSE events from an upstream's bytes, each checked; yields them framed anew (data
     lines only; comments and other fields become a bare `:` keep-alive)."""
+
+    END = "data: [DONE]"  # what a whole stream ends with
 
     def __init__(self, chunks, secret: str | None):
         self.chunks, self.secret, self.buf, self.done = chunks, secret, b"", False
@@ -113,6 +117,8 @@ class UpstreamTarget:
     first byte (for a stream, its first event): for a non-streamed answer, the whole answer."""
 
     settles_streams = True  # a stream's outcome is known at its end: the gateway's settle(ok)
+    takes_raw = True  # the client's body as sent, not our schema's validated copy (passthrough.py)
+    endpoints = ("chat", "completions", "embeddings", "messages")  # messages: translated (ViaChat)
 
     def __init__(self, name: str, provider: Provider, model: str, client: httpx.AsyncClient):
         self.name, self.provider, self.model, self.client = name, provider, model, client
@@ -137,6 +143,8 @@ class UpstreamTarget:
                 param=fields.get("param"),
                 type=fields.get("type"),
             )
+        if status == 529:  # Anthropic's "overloaded"
+            return APIError(503, f"{where} is overloaded (529); retry later", code="upstream_overloaded")
         if status == 429:
             retry = headers.get("retry-after")
             return APIError(
@@ -175,18 +183,30 @@ class UpstreamTarget:
             raise Fault("bad_shape", f"answered 200 with JSON that has no {SHAPE[endpoint]!r} list")
         return content
 
+    # ---- what differs between the APIs an upstream may speak (anthropic_upstream.py) ----------
+    def url(self, endpoint: str) -> str:
+        return self.provider.base_url.rstrip("/") + PATHS[endpoint]
+
+    def headers(self, request: Request) -> dict:
+        key = self.provider.api_key  # ours, from the config; the client's never goes out
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def events(self, chunks) -> Events:
+        return Events(chunks, self.provider.api_key)
+
+    def tail(self, error: APIError) -> bytes:
+        """How a stream that broke after its first byte ends."""
+        return sse(error.body()) + SSE_DONE
+
     async def handle(self, endpoint: str, req, body: dict, request: Request, model: str, timeout, metrics, settle=None):
         """-> the answer. A stream reports how it ended through settle(ok); a client that
         hangs up reports nothing."""
-        url = self.provider.base_url.rstrip("/") + PATHS[endpoint]
-        key = self.provider.api_key
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
         limit = timeout or self.provider.timeout
         upstream = self.client.build_request(
             "POST",
-            url,
+            self.url(endpoint),
             json={**body, "model": self.model},
-            headers=headers,
+            headers=self.headers(request),
             timeout=httpx.Timeout(self.provider.timeout, connect=limit),
         )
         resp, streaming = None, False
@@ -197,7 +217,7 @@ class UpstreamTarget:
                     raise self._error(resp.status_code, await resp.aread(), resp.headers)
                 if not body.get("stream"):
                     return Response(self._checked(endpoint, await resp.aread()), media_type="application/json")
-                events = Events(resp.aiter_bytes(), key)  # decoded: the upstream may gzip, our answer does not
+                events = self.events(resp.aiter_bytes())  # decoded: the upstream may gzip, our answer does not
                 head = [await events.next()]
                 while head[-1] == b":\n\n":
                     head.append(await events.next())
@@ -226,21 +246,16 @@ class UpstreamTarget:
                 while not events.done:
                     event = await events.next()
                     if event is None:
-                        raise Fault("truncated", "ended the stream without data: [DONE]", code="upstream_truncated")
+                        raise Fault("truncated", f"ended the stream without {events.END}", code="upstream_truncated")
                     yield event
                 ended = ok = True
             except Fault as f:
                 ended = True
-                yield sse(self._fault(f, metrics).body())
-                yield SSE_DONE
+                yield self.tail(self._fault(f, metrics))
             except httpx.HTTPError as e:
                 ended = True
-                yield sse(
-                    self._fault(
-                        Fault("broken", f"broke off the stream ({type(e).__name__})", code="upstream_error"), metrics
-                    ).body()
-                )
-                yield SSE_DONE
+                broken = Fault("broken", f"broke off the stream ({type(e).__name__})", code="upstream_error")
+                yield self.tail(self._fault(broken, metrics))
             finally:
                 await resp.aclose()  # a client that hangs up closes the upstream stream too
                 if ended and settle:
