@@ -45,6 +45,11 @@ def test_default_serves_the_builtin_models_on_loopback():
         ({}, "serves nothing"),
         ({"providers": {"p": {"base_url": "ftp://x", "models": ["a"]}}}, "not an http(s) URL"),
         ({"providers": {"p": {"base_url": "http://x/v1", "models": []}}}, "lists no models"),
+        (
+            {"providers": {"p": {"base_url": "http://x/v1", "models": ["a"], "api": "grpc"}}},
+            "[providers.p] api = 'grpc'; choose one of openai, anthropic",
+        ),
+        ({"providers": {"p": {"base_url": "http://x/v1", "models": ["a"], "timeout": 0}}}, "timeout must be > 0"),
         ({"models": {"m": {}}, "routes": {"r": {"targets": ["nope"]}}}, "target 'nope' is neither"),
         ({"models": {"m": {}}, "routes": {"r": {"targets": [{"target": "m", "weight": 0}]}}}, "weights must be > 0"),
         ({"models": {"m": {}}, "routes": {"m": {"targets": ["m"]}}}, "hide models of the same name"),
@@ -54,6 +59,21 @@ def test_config_errors_name_the_problem(data, message):
     with pytest.raises(ConfigError) as e:
         parse_config(data)
     assert message in str(e.value)
+
+
+def test_provider_api():
+    """api names what the provider speaks; config.py still exports what moved to config_providers.py."""
+    from headwise.serve.config import Provider
+
+    providers = {
+        "o": {"base_url": "http://x/v1", "models": ["a"]},
+        "c": {"base_url": "https://api.anthropic.com/v1", "models": ["m"], "api": "anthropic"},
+    }
+    config = parse_config({"providers": providers})
+    assert isinstance(config.providers["c"], Provider)
+    assert config.providers["o"].api == "openai" and config.providers["c"].api == "anthropic"
+    assert config.providers["c"].anthropic_version == "2023-06-01"
+    assert config.model_names() == ["o/a", "c/m"]
 
 
 def test_keys_come_from_the_env(monkeypatch):
