@@ -6,6 +6,7 @@ passed straight through, as upstream.py passes OpenAI's endpoints.
     anthropic-version               the client's, else [providers.NAME] anthropic_version (2023-06-01)
     anthropic-beta                  the client's, when it sent one (betas enable the fields it sends)
     body                            as the client sent it, `model` renamed
+    /v1/messages/count_tokens       the same, to <base_url>/messages/count_tokens
 
 A 200 must be a JSON object of type "message" with a `content` list; a stream, SSE events that each
 have an `event:` line and a JSON object as data, starting with message_start and ending with
@@ -26,7 +27,7 @@ from .anthropic import envelope
 from .errors import APIError
 from .upstream import _LINE, Events, Fault, UpstreamTarget, plain_fields
 
-_VERSION = re.compile(r"[A-Za-z0-9._,\-]{1,128}")  # 2023-06-01; betas: "a-2025-01-01,b-2025-02-02"
+_VERSION = re.compile(r"[A-Za-z0-9._, \-]{1,256}")  # 2023-06-01; betas: "a-2025-01-01,b-2025-02-02"
 
 
 class MessagesEvents(Events):
@@ -68,11 +69,12 @@ class MessagesEvents(Events):
 
 
 class AnthropicUpstream(UpstreamTarget):
-    endpoints = ("messages",)
+    endpoints = ("messages", "count_tokens")
     messages_native = True  # the gateway hands it /v1/messages as it came (no ViaChat)
 
     def url(self, endpoint: str) -> str:
-        return self.provider.base_url.rstrip("/") + "/messages"
+        path = "/messages/count_tokens" if endpoint == "count_tokens" else "/messages"
+        return self.provider.base_url.rstrip("/") + path
 
     def headers(self, request: Request) -> dict:
         version = request.headers.get("anthropic-version") or self.provider.anthropic_version
@@ -100,6 +102,10 @@ class AnthropicUpstream(UpstreamTarget):
             answer = json.loads(content)
         except ValueError:
             raise Fault("invalid_json", "answered 200 with a body that is not JSON") from None
+        if endpoint == "count_tokens":
+            if not isinstance(answer, dict) or type(answer.get("input_tokens")) is not int:
+                raise Fault("bad_shape", "answered 200 with JSON that has no input_tokens count")
+            return content
         if (
             not isinstance(answer, dict)
             or answer.get("type") != "message"

@@ -167,8 +167,8 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
             data.append(entry)
         return JSONResponse({"object": "list", "data": data})
 
-    async def dispatch(endpoint: str, request: Request):
-        req = await read(request, endpoint)  # the body as sent: JSON, `model`, `stream` checked
+    async def dispatch(endpoint: str, request: Request, req=None):
+        req = req or await read(request, endpoint)  # the body as sent: JSON, `model`, `stream` checked
         known = req.model in config.model_names()
         try:
             resp = await state.gateway.dispatch(endpoint, req, request)
@@ -199,9 +199,17 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
     async def create_message(request: Request):
         return await dispatch("messages", request)
 
-    @app.post("/v1/messages/count_tokens", response_model=anthropic_api.TokensCount, responses=anthropic_api.ERRORS)
-    async def count_message_tokens(req: anthropic_api.CountTokensRequest):
-        return JSONResponse(await anthropic_messages.count_tokens(state.runtimes, state.gateway, req))
+    @raw_post(
+        "/v1/messages/count_tokens",
+        "count_tokens",
+        response_model=anthropic_api.TokensCount,
+        responses=anthropic_api.ERRORS,
+    )
+    async def count_message_tokens(request: Request):
+        req = await read(request, "count_tokens")
+        if "count_tokens" in getattr(state.gateway.targets.get(req.model), "endpoints", ()):  # api = "anthropic"
+            return await dispatch("count_tokens", request, req)
+        return JSONResponse(await anthropic_messages.count_tokens(state.runtimes, state.gateway, req.validated()))
 
     @raw_post("/v1/completions", "completions", response_model=Completion, responses={**sse_docs(Completion), **ERRORS})
     async def completions(request: Request):

@@ -29,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
-from .anthropic.schemas import MessagesRequest
+from .anthropic.schemas import CountTokensRequest, MessagesRequest
 from .errors import APIError
 from .schemas import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
@@ -38,6 +38,7 @@ SCHEMAS: dict[str, type[BaseModel]] = {
     "completions": CompletionRequest,
     "embeddings": EmbeddingRequest,
     "messages": MessagesRequest,
+    "count_tokens": CountTokensRequest,
 }
 
 

@@ -112,6 +112,8 @@ def _recorder_app(seen: list):
                 return StreamingResponse(_chat_stream(), media_type="text/event-stream")
             return JSONResponse(_chat_answer())
         echo = json.dumps(dict(request.headers))  # x-api-key included: must never reach anyone
+        if request.url.path.endswith("/count_tokens"):
+            return JSONResponse({"input_tokens": 11 + len(json.dumps(body["messages"]))})
         if model == "overloaded":
             error = {"type": "overloaded_error", "message": f"busy; you sent {echo}"}
             return JSONResponse({"type": "error", "error": error}, status_code=529)
@@ -299,6 +301,15 @@ def test_anthropic_stream_passes_through(claude, seen):
         final = stream.get_final_message()
     assert text == TEXT and final.content[0].text == TEXT and final.usage.output_tokens == 2
     assert last(seen, "/v1/messages")["body"]["stream"] is True
+
+
+def test_count_tokens_goes_to_the_anthropic_upstream(claude, seen):
+    messages = [{"role": "user", "content": "How many tokens is this?"}]
+    count = claude.messages.count_tokens(model="claude/sonnet", messages=messages, system="Be brief.")
+    assert count.input_tokens == 11 + len(json.dumps(messages))  # the fake's count: it was asked
+    hit = last(seen, "/v1/messages/count_tokens")
+    assert hit["body"] == {"model": "sonnet", "messages": messages, "system": "Be brief."}
+    assert hit["headers"]["x-api-key"] == ANT_KEY
 
 
 def test_anthropic_version_defaults_and_passes_through(gw, seen):
