@@ -88,6 +88,8 @@ def parse(raw: bytes, endpoint: str) -> Incoming:
         body = json.loads(raw, parse_constant=_no_constant)
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise APIError(400, f"the body is not valid JSON ({e})") from None
+    except RecursionError:
+        raise APIError(400, "the body's JSON is nested too deeply") from None
     if (
         isinstance(body, dict)
         and isinstance(body.get("model"), str)

@@ -262,6 +262,7 @@ def test_a_local_model_keeps_the_strict_schema(oai, seen):
         (b'{"model": "", "messages": []}', "model", "at least 1 character"),
         (b'{"model": "rec/gpt", "stream": "yes"}', "stream", "valid boolean"),
         (b'["rec/gpt"]', None, "valid dictionary"),
+        (b'{"model": "rec/gpt", "x": ' + b"[" * 50_000, None, "nested too deeply"),
     ],
 )
 def test_what_the_gateway_itself_needs_is_checked(gw, seen, body, param, what):
