@@ -60,20 +60,28 @@ def _input(name: str, arguments: str) -> dict:
     return value
 
 
+def _parses(arguments) -> bool:
+    try:
+        return isinstance(json.loads(arguments or "{}"), dict)
+    except ValueError:
+        return False
+
+
 def answer_message(req: MessagesRequest, answer: dict, rid: str, model: str) -> dict:
     """A chat completion (JSON) -> an Anthropic message."""
     choice = answer["choices"][0]
     msg = choice.get("message") or {}
     calls = (msg.get("tool_calls") or [])[: max_tool_uses(req)]
     text = msg.get("content") or ""
-    blocks = [{"type": "text", "text": text}] if text or not calls else []
-    for c in calls:
-        fn = c.get("function") or {}
-        name = fn.get("name") or ""
-        blocks.append(
-            {"type": "tool_use", "id": tool_use_id(), "name": name, "input": _input(name, fn.get("arguments"))}
-        )
+    blocks = [{"type": "text", "text": text}] if text else []
     reason, sequence = _stop(req, choice)
+    for k, c in enumerate(calls):
+        fn = c.get("function") or {}
+        name, arguments = fn.get("name") or "", fn.get("arguments")
+        if reason == "max_tokens" and k == len(calls) - 1 and not _parses(arguments):
+            break  # the call max_tokens cut short: its input is not all there
+        blocks.append({"type": "tool_use", "id": tool_use_id(), "name": name, "input": _input(name, arguments)})
+    blocks = blocks or [{"type": "text", "text": ""}]  # no text and no whole call: one empty text block
     return message(rid, model, blocks, reason, sequence, *_tokens(answer.get("usage")))
 
 

@@ -115,13 +115,11 @@ def output_items(req: ResponsesRequest, answer: dict) -> tuple[list[dict], str]:
     text = msg.get("content") or ""
     calls = (msg.get("tool_calls") or [])[: req.max_tool_calls]
     items = [message_item(new_id("msg"), text, status)] if text or not calls else []
-    for c in calls:
+    for k, c in enumerate(calls):
         fn = c.get("function") or {}
-        items.append(
-            call_item(
-                new_id("fc"), c.get("id") or new_id("call"), fn.get("name", ""), fn.get("arguments") or "", "completed"
-            )
-        )
+        cut = status == "incomplete" and k == len(calls) - 1  # max_output_tokens ended the last call
+        call_id, args = c.get("id") or new_id("call"), fn.get("arguments") or ""
+        items.append(call_item(new_id("fc"), call_id, fn.get("name", ""), args, "incomplete" if cut else "completed"))
     return items, status
 
 
