@@ -77,6 +77,18 @@ def render_chat_template(
         _BUDGET.reset(token)
 
 
+def template_variables(template: str) -> set[str]:
+    """The names a template reads from its context (messages, tools, add_generation_prompt, ...),
+    found by parsing, not running it; an empty set for a template Jinja cannot parse."""
+    import jinja2
+    import jinja2.meta
+
+    try:
+        return set(jinja2.meta.find_undeclared_variables(_environment().parse(template)))
+    except jinja2.TemplateError:
+        return set()
+
+
 class _Refused(Exception):
     """The template ran over its budget (not a TemplateError, so `{% try %}`-like tricks cannot hide it)."""
 

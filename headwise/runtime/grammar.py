@@ -103,14 +103,45 @@ def grammar_processor(tok, response_format: dict, *, vocab_size: int | None = No
         spec = ""
     else:
         raise ValueError(f"response_format type {kind!r} has no grammar; expected json_object, json_schema or regex")
-    key = (id(tok), vocab_size, kind, spec)
+    what = "regex" if kind == "regex" else "JSON schema"
+    return _cached(tok, vocab_size, (kind, spec), lambda: compile_grammar(kind, spec), what)
+
+
+def lark_processor(tok, lark: str, *, vocab_size: int | None = None, what: str = "grammar") -> "GrammarProcessor":
+    """A Lark grammar in llguidance's dialect (runtime/tool_grammar.py writes them) -> its processor,
+    cached as grammar_processor's. ValueError names what llguidance cannot compile."""
+    llg = _llg()
+
+    def build():
+        try:
+            return llg.LLMatcher.grammar_from_lark(lark)
+        except ValueError as e:
+            raise ValueError(f"unsupported {what}: {_first_line(str(e))}") from None
+
+    return _cached(tok, vocab_size, ("lark", lark), build, what)
+
+
+def schema_error(tok, schema, *, vocab_size: int | None = None) -> str | None:
+    """Why llguidance cannot enforce this JSON schema (a feature it lacks, a malformed schema), or None."""
+    llg = _llg()
+    try:
+        grammar = compile_grammar("json_schema", schema)
+    except ValueError as e:
+        return str(e)
+    err = llg.LLMatcher.validate_grammar(grammar, llg_tokenizer(tok, vocab_size))
+    if not err or err.startswith("WARNING"):
+        return None
+    return " ".join(line.strip() for line in err.strip().splitlines() if line.strip())[:400]
+
+
+def _cached(tok, vocab_size, spec: tuple, build, what: str) -> "GrammarProcessor":
+    key = (id(tok), vocab_size, *spec)
     with _lock:
         hit = _cache.get(key)
         if hit is not None and hit.tok_ref() is tok:
             _cache.move_to_end(key)
             return hit
-    what = "regex" if kind == "regex" else "JSON schema"
-    proc = GrammarProcessor(tok, compile_grammar(kind, spec), vocab_size=vocab_size, what=what)
+    proc = GrammarProcessor(tok, build(), vocab_size=vocab_size, what=what)
     with _lock:
         _cache[key] = proc
         while len(_cache) > CACHE_SIZE:

@@ -185,9 +185,10 @@ class OutputProcessor:
     def __init__(self, tokenizer=None):
         self.tokenizer = tokenizer
 
-    def chat_text(self, messages) -> str:
-        """Chat messages -> the prompt text of the model's template, ready for the assistant's turn."""
-        return self._tok("chat messages").apply_chat_template(list(messages), add_generation_prompt=True)
+    def chat_text(self, messages, **context) -> str:
+        """Chat messages -> the prompt text of the model's template, ready for the assistant's turn.
+        context reaches the template (tools=[...] for a template that renders tools)."""
+        return self._tok("chat messages").apply_chat_template(list(messages), add_generation_prompt=True, **context)
 
     def encode(self, prompt) -> list[int]:
         """One text or chat prompt -> token ids (a template writes its own BOS/role tokens)."""

@@ -2,9 +2,8 @@
 
 Requests forbid unknown fields: a typo ("max_token") or a field that tries to point
 the server elsewhere ("base_url") is a 400 naming it, not silently ignored. Bounds
-live in the fields, so /openapi.json states them and FastAPI enforces them. Fields
-that are accepted but cannot change the answer here (tools) are rejected with a message
-when set to anything but their neutral value (response_format: docs/structured-outputs.md); bookkeeping fields (user, metadata, store) are accepted and ignored.
+live in the fields, so /openapi.json states them and FastAPI enforces them. Tools and
+tool_choice: docs/tools.md; response_format: docs/structured-outputs.md; bookkeeping fields (user, metadata, store) are accepted and ignored.
 Types are strict, as OpenAI's are: `"logprobs": "yes"` or `"max_tokens": "5"` is a 400 naming
 the field, not coerced (a number field still takes an integer: 1 for 1.0). Responses are
 declared for the docs and schema checks; handlers build plain dicts.
@@ -81,11 +80,49 @@ class TextPart(Strict):
     text: str
 
 
+# OpenAI's rule for function names (their API rejects others)
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class FunctionDefinition(Strict):
+    name: FunctionName
+    description: Optional[str] = None
+    parameters: Optional[dict] = None  # a JSON Schema of the arguments object; none: no arguments
+    strict: Optional[bool] = None  # the arguments always match here, strict or not (docs/tools.md)
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: NonEmpty
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(Strict):
+    name: NonEmpty
+    arguments: str  # the arguments object as JSON text
+
+
+class ToolCall(Strict):
+    id: NonEmpty
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
-    tool_call_id: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # assistant turns that called tools
+    tool_call_id: Optional[str] = None  # role "tool": the call this is the result of
+    refusal: Optional[str] = None  # echoed back by clients that resend an assistant message; unused
 
 
 class JSONSchemaFormat(Strict):
@@ -112,8 +149,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: Optional[bool] = None
     top_logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
     response_format: Optional[ResponseFormat] = None
-    tools: Optional[list[dict]] = None  # only [] is served: no tool calling here
-    tool_choice: Optional[Union[Literal["none", "auto"], dict]] = None
+    tools: Optional[Annotated[list[Tool], Field(max_length=128)]] = None  # OpenAI's limit too
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[bool] = None
     metadata: Optional[dict[str, str]] = None
     store: Optional[bool] = None
@@ -176,9 +213,10 @@ class ChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # ids "call_<hex>"; arguments: JSON text
 
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class _ChatChoiceBase(BaseModel):
@@ -203,9 +241,22 @@ class ChatCompletion(_ResponseBase):
     choices: list[ChatChoice]
 
 
+class FunctionDelta(BaseModel):
+    name: Optional[str] = None  # in a call's first delta
+    arguments: Optional[str] = None  # "" first, then fragments that join into the arguments' JSON
+
+
+class ToolCallDelta(BaseModel):
+    index: int  # which call of the message
+    id: Optional[str] = None  # first delta of the call only
+    type: Optional[Literal["function"]] = None
+    function: Optional[FunctionDelta] = None
+
+
 class ChatDelta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallDelta]] = None
 
 
 class ChatChunkChoice(_ChatChoiceBase):

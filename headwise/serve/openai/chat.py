@@ -1,5 +1,6 @@
 """POST /v1/chat/completions on a local model: messages -> the model's chat template ->
-token ids -> the engine; the answer as one JSON or as SSE chunks."""
+token ids -> the engine; the answer as one JSON or as SSE chunks. Tools: tools.py (the plan, the
+prompt, the grammar) and tool_calls.py (the calls read back from the text), docs/tools.md."""
 
 from __future__ import annotations
 
@@ -24,21 +25,22 @@ from .common import (
     with_response_format,
 )
 from .streams import Streams, Usage, collect, sse_events, until_disconnect
+from .tool_calls import CallParser, delta_chunks
+from .tools import ToolPlan, plan, template_messages, text_grammar_of, with_tools
+
+_PLAN = object()  # render_prompt's default: plan the request's tools from the tokenizer
 
 
-def render_prompt(tok, req: ChatCompletionRequest) -> list[int]:
+def render_prompt(tok, req: ChatCompletionRequest, tools: ToolPlan | None = _PLAN) -> list[int]:  # type: ignore[assignment]
+    """The request's messages (and tools) through the model's chat template, as token ids."""
     from ...runtime.output import OutputProcessor
     from ...models.chat_template import ChatTemplateError
 
-    messages = []
-    for m in req.messages:
-        content = (
-            m.content if isinstance(m.content, str) or m.content is None else "\n".join(part.text for part in m.content)
-        )
-        # "developer" is OpenAI's newer name for "system"; templates know only the latter
-        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    if tools is _PLAN:
+        tools = plan(tok, req)
+    messages, context = template_messages(req, tools)
     try:
-        text = OutputProcessor(tok).chat_text(messages)  # the template generate() uses
+        text = OutputProcessor(tok).chat_text(messages, **context)  # the template generate() uses
     except ChatTemplateError as e:
         raise APIError(400, str(e), param="messages", code="invalid_messages") from None
     except ValueError:  # no template at all (Gemma 3 270M's GGUF, base models): no guessed default
@@ -66,34 +68,36 @@ def message_texts(req: ChatCompletionRequest):
 def prepare(runtime, req: ChatCompletionRequest):
     """-> (prompt ids, SamplingParams, Resume or None). CPU work (template, tokenizer): call it off
     the loop. A resumed completion (headwise.resume) continues after the chat-templated prompt
-    plus the ids generated so far, its max_tokens reduced by them."""
+    plus the ids generated so far, its max_tokens reduced by them. With tools: prepare_tools."""
+    return prepare_tools(runtime, req)[:3]
+
+
+def prepare_tools(runtime, req: ChatCompletionRequest):
+    """-> (prompt ids, SamplingParams, Resume or None, ToolPlan or None): prepare, plus the plan of
+    the request's tools (its `calls`: whether the text holds calls to read with tool_calls.CallParser)."""
     reject_unsupported(
-        req,
-        {
-            "tools": (not req.tools, "tool calling is not supported by headwise's local models"),
-            "tool_choice": (
-                req.tool_choice in (None, "none", "auto"),
-                "tool_choice needs tools, which are not supported here",
-            ),
-            "top_logprobs": (req.top_logprobs is None or req.logprobs, "top_logprobs needs logprobs: true"),
-        },
+        req, {"top_logprobs": (req.top_logprobs is None or req.logprobs, "top_logprobs needs logprobs: true")}
     )
-    prompt = render_prompt(runtime.tokenizer, req)
+    tools = plan(runtime.tokenizer, req, runtime=runtime)
+    if tools is not None and tools.calls and req.headwise and req.headwise.resume:
+        raise APIError(400, "headwise.resume cannot continue a completion with tool calls", param="headwise.resume")
+    prompt = render_prompt(runtime.tokenizer, req, tools)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     resume, requested = resume_of(req, [prompt], runtime.model.config.vocab_size, requested)
     done = len(resume.token_ids) if resume else 0
     max_tokens = check_context([len(prompt) + done], requested, runtime.max_model_len, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = with_response_format(
-        runtime, sampling_params(req, max_tokens, logprobs, runtime.model.config.vocab_size), req.response_format
-    )
-    return prompt, params, resume
+    params = sampling_params(req, max_tokens, logprobs, runtime.model.config.vocab_size)
+    if tools is not None and tools.calls:  # the tool grammar holds the response_format's for auto's text
+        return prompt, with_tools(runtime, params, tools, text_grammar_of(req.response_format)), resume, tools
+    return prompt, with_response_format(runtime, params, req.response_format), resume, tools
 
 
 async def create(runtime, req: ChatCompletionRequest, model: str, request: Request, *, timeout=None, metrics=None):
     runtime.require("generate", "/v1/chat/completions")
     check_chars(message_texts(req), runtime.spec.max_input_chars, "messages")
-    prompt, sampling, resume = await off_loop(prepare, runtime, req)
+    prompt, sampling, resume, tools = await off_loop(prepare_tools, runtime, req)
+    calls = tools.fmt if tools is not None and tools.calls else None  # the format to read calls in
     rid, created = new_id("chatcmpl"), int(time.time())
     streams = Streams(runtime, rid, sampling.n)
     await streams.start([prompt], sampling, timeout, resume, DirectWriter.of(request.scope) if req.stream else None)
@@ -104,30 +108,43 @@ async def create(runtime, req: ChatCompletionRequest, model: str, request: Reque
         ids = bool(req.headwise and req.headwise.token_ids)
         return StreamingResponse(
             _events(
-                streams, rid, created, model, sampling.n, usage, tok, top, include_usage, metrics, ids, resume is None
+                streams,
+                rid,
+                created,
+                model,
+                sampling.n,
+                usage,
+                tok,
+                top,
+                include_usage,
+                metrics,
+                ids,
+                resume is None,
+                calls,
             ),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    body = await until_disconnect(_collect(streams, rid, created, model, sampling.n, usage, tok, top, metrics), request)
+    body = await until_disconnect(
+        _collect(streams, rid, created, model, sampling.n, usage, tok, top, metrics, calls), request
+    )
     return JSONResponse(body)
 
 
-async def _collect(streams, rid, created, model, n, usage, tok, top, metrics):
+async def _collect(streams, rid, created, model, n, usage, tok, top, metrics, calls=None):
     texts, reasons, lps = await collect(streams, n, usage, metrics, model)
     # thousands of tokens x 21 alternatives to detokenize: off the loop
     logprobs = (
         await off_loop(lambda: [chat_logprobs(tok, lps[i], top) for i in range(n)]) if top is not None else [None] * n
     )
-    choices = [
-        {
-            "index": i,
-            "message": {"role": "assistant", "content": texts[i]},
-            "logprobs": logprobs[i],
-            "finish_reason": reasons[i] or "length",
-        }
-        for i in range(n)
-    ]
+    choices = []
+    for i in range(n):
+        message, reason = {"role": "assistant", "content": texts[i]}, reasons[i] or "length"
+        if calls is not None:
+            parser = CallParser(calls)
+            parser.feed(texts[i], final=True)
+            message, reason = parser.message(reason)
+        choices.append({"index": i, "message": message, "logprobs": logprobs[i], "finish_reason": reason})
     return {
         "id": rid,
         "object": "chat.completion",
@@ -138,17 +155,27 @@ async def _collect(streams, rid, created, model, n, usage, tok, top, metrics):
     }
 
 
-def _events(streams, rid, created, model, n, usage, tok, top, include_usage, metrics, token_ids=False, roles=True):
-    """roles: the first chunk names the assistant (not when resuming a stream that already did)."""
+def _events(
+    streams, rid, created, model, n, usage, tok, top, include_usage, metrics, token_ids=False, roles=True, calls=None
+):
+    """roles: the first chunk names the assistant (not when resuming a stream that already did).
+    calls: the tool-call format to read the text in (tool_calls deltas), None: plain text."""
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    parsers = {}
 
     def choice(i, piece):
-        return {
-            "index": i,
-            "delta": {"content": piece.text} if piece.text else {},
-            "logprobs": chat_logprobs(tok, piece.logprobs or [], top) if top is not None else None,
-            "finish_reason": piece.finish_reason,
-        }
+        lps = chat_logprobs(tok, piece.logprobs or [], top) if top is not None else None
+        if calls is None:
+            delta = {"content": piece.text} if piece.text else {}
+            return {"index": i, "delta": delta, "logprobs": lps, "finish_reason": piece.finish_reason}
+        parser = parsers.setdefault(i, CallParser(calls))
+        made = delta_chunks(parser, piece.text, piece.finish_reason)
+        if not made and piece.logprobs and lps is not None:
+            made = [({}, None)]
+        out = [{"index": i, "delta": d, "logprobs": None, "finish_reason": r} for d, r in made]
+        if out:
+            out[0]["logprobs"] = lps
+        return out
 
     first = [
         {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}

@@ -147,7 +147,8 @@ async def sse_events(
     streams, head: dict, usage, metrics, model: str, include_usage: bool, choice, first=None, token_ids=False
 ):
     """A streamed answer as SSE chunks: `first` (a list of choices, sent before any piece),
-    then `choice(i, piece)` for each piece that carries text, logprobs or a finish reason,
+    then `choice(i, piece)` for each piece that carries text, logprobs or a finish reason (a list
+    of choices: one chunk each, the first with the piece's logprobs; [] sends nothing),
     then the usage chunk (if asked for) and [DONE]. An error after the start travels as an
     error event. token_ids (headwise.token_ids, asked for by a gateway): every piece's ids ride
     along as "headwise": {"token_ids": [...]}, also in pieces whose text is held back."""
@@ -161,10 +162,18 @@ async def sse_events(
             metrics.token_piece(model, streams, piece)
         if piece.finish_reason == "abort":
             raise APIError(503, ABORTED, code="aborted")
+        made = choice(i, piece)
+        if isinstance(made, list):  # several chunks for one piece (tool-call deltas), or none (held back)
+            if not made and token_ids and piece.token_ids:  # the ids travel even while text is held back
+                made = [{"index": i, "delta": {}, "logprobs": None, "finish_reason": None}]
+            if not made:
+                return None
+            extra = {"headwise": {"token_ids": piece.token_ids}} if token_ids and piece.token_ids else {}
+            return b"".join(sse({**head, "choices": [c], **(extra if k == 0 else {})}) for k, c in enumerate(made))
         if token_ids and piece.token_ids:
-            return sse({**head, "choices": [choice(i, piece)], "headwise": {"token_ids": piece.token_ids}})
+            return sse({**head, "choices": [made], "headwise": {"token_ids": piece.token_ids}})
         if piece.text or piece.finish_reason or piece.logprobs:
-            return sse({**head, "choices": [choice(i, piece)]})
+            return sse({**head, "choices": [made]})
         return None
 
     try:
