@@ -11,7 +11,7 @@ declared for the docs and schema checks; handlers build plain dicts.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -108,6 +108,8 @@ class NamedToolChoice(Strict):
 class FunctionCall(Strict):
     name: NonEmpty
     arguments: str  # the arguments object as JSON text
+    # openai-python's parse() keeps its pydantic object here and sends it back with the message: ignored
+    parsed_arguments: Optional[Any] = None
 
 
 class ToolCall(Strict):
@@ -123,6 +125,7 @@ class ChatMessage(Strict):
     tool_calls: Optional[list[ToolCall]] = None  # assistant turns that called tools
     tool_call_id: Optional[str] = None  # role "tool": the call this is the result of
     refusal: Optional[str] = None  # echoed back by clients that resend an assistant message; unused
+    parsed: Optional[Any] = None  # openai-python's parse() result, resent the same way; unused
 
 
 class JSONSchemaFormat(Strict):

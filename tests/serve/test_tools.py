@@ -19,9 +19,9 @@ import pytest
 from pydantic import BaseModel, Field
 
 from headwise.runtime.grammar import llg_tokenizer
-from headwise.runtime.tool_grammar import HERMES, tool_grammar
+from headwise.runtime.tool_grammar import HERMES, LLAMA3, tool_grammar
 from headwise.serve.openai import chat
-from headwise.serve.openai.tool_calls import CallParser
+from headwise.serve.openai.tool_calls import CallParser, delta_chunks
 from headwise.serve.schemas import ChatCompletionRequest
 
 from .conftest import auth
@@ -177,6 +177,30 @@ def test_auto_grammar_constrains_a_call_once_it_starts(smol):
     assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris", "unit": "c"}
 
 
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3])
+def test_calls_read_back_one_character_at_a_time(fmt):
+    """Streamed a character at a time, the deltas join into the calls json reads from the text."""
+    args = ['{"city":"Pa}ris","n":[1,{"x":"}"}]}', "{}"]
+    calls = [f"{fmt.open}f{k}{fmt.mid}{a}{fmt.close}" for k, a in enumerate(args if fmt.parallel else args[:1])]
+    text = ("Let me check. " if fmt.anywhere else "") + fmt.sep.join(calls)
+    parser, chunks = CallParser(fmt), []
+    for k, ch in enumerate(text):
+        chunks += delta_chunks(parser, ch, "stop" if k == len(text) - 1 else None)
+    content = "".join(d.get("content", "") for d, _ in chunks)
+    got: dict[int, list] = {}
+    for d, _ in chunks:
+        for tc in d.get("tool_calls", ()):
+            got.setdefault(tc["index"], [tc["function"].get("name"), ""])[1] += tc["function"]["arguments"]
+    assert content == ("Let me check. " if fmt.anywhere else "") and chunks[-1][1] == "tool_calls"
+    assert [(n, json.loads(a)) for n, a in got.values()] == [(f"f{k}", json.loads(a)) for k, a in enumerate(args)][
+        : len(calls)
+    ]
+    plain = CallParser(fmt)  # text that is no call stays content, even when it starts like one
+    assert "".join(d.get("content", "") for d, _ in delta_chunks(plain, "<tool_ca{not a call", "stop")) == (
+        "<tool_ca{not a call"
+    )
+
+
 def test_streamed_parallel_calls_arrive_as_openai_deltas(client):
     kw = dict(model="smollm2", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=56, temperature=0)
     whole = client.chat.completions.create(**kw)
@@ -234,10 +258,12 @@ class Reservation(BaseModel):
 
 
 def test_parse_with_pydantic_function_tool(client):
+    messages = [{"role": "user", "content": "Book a table for 4 people under the name Ada."}]
+    tools = [openai.pydantic_function_tool(Reservation)]
     res = client.chat.completions.parse(
         model="smollm2",
-        messages=[{"role": "user", "content": "Book a table for 4 people under the name Ada."}],
-        tools=[openai.pydantic_function_tool(Reservation)],
+        messages=messages,
+        tools=tools,
         tool_choice="required",
         parallel_tool_calls=False,
         max_tokens=40,
@@ -246,6 +272,10 @@ def test_parse_with_pydantic_function_tool(client):
     call = res.choices[0].message.tool_calls[0]
     assert isinstance(call.function.parsed_arguments, Reservation)
     assert call.function.parsed_arguments == Reservation.model_validate_json(call.function.arguments)
+    # the parsed message goes back as it is (agents append it to the conversation), then the result
+    convo = [*messages, res.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "Booked."}]
+    again = client.chat.completions.create(model="smollm2", messages=convo, tools=tools, max_tokens=2)
+    assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
 @pytest.mark.parametrize(
