@@ -9,6 +9,7 @@ import secrets
 
 import anthropic
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -273,6 +274,34 @@ def test_upstream_target_translated_through_chat(claude, server):
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model="self/smollm2", max_tokens=4, messages=prefill)
     assert "prefill" in _envelope(e.value)["message"]
+
+
+def test_upstream_target_translates_tool_use(claude, server):
+    """Tools through self/smollm2 (an OpenAI-style upstream): chat's tools and tool_calls on the wire,
+    the same tool_use blocks as the local model's, streamed or not."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 16}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    tool = {"name": "get_weather", "description": "Current weather in a city", "input_schema": schema}
+    kw = dict(
+        max_tokens=40,
+        extra_body=GREEDY,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[tool],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+    )
+    local = claude.messages.create(model="smollm2", **kw)
+    via = claude.messages.create(model="self/smollm2", **kw)
+    assert local.stop_reason == via.stop_reason == "tool_use"
+    uses = [(b.name, b.input) for b in via.content if b.type == "tool_use"]
+    assert uses == [(b.name, b.input) for b in local.content if b.type == "tool_use"] and len(uses) == 1
+    jsonschema.validate(uses[0][1], schema)
+    with claude.messages.stream(model="self/smollm2", **kw) as stream:
+        final = stream.get_final_message()
+    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == uses
 
 
 def test_count_tokens_equals_the_prompt_create_reads(claude, smol):
