@@ -221,6 +221,7 @@ def test_responses_stream_with_tool_calls(oai):
         ({"tools": [{"type": "function", "name": "bad name", "parameters": {}}]}, "tools[0].name", "pattern"),
         ({"tools": FN_TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "'nope'"),
         ({"tool_choice": "required"}, "tool_choice", "needs at least one"),
+        ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input", "not served"),
         (
             {"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}], "tools": FN_TOOLS},
             "input[0].call_id",

@@ -74,7 +74,12 @@ InputItem = Annotated[
         Annotated[FunctionCall, Tag("function_call")],
         Annotated[FunctionCallOutput, Tag("function_call_output")],
     ],
-    Discriminator(_kind),
+    Discriminator(
+        _kind,
+        custom_error_type="unsupported_item",
+        custom_error_message="an input item's type is message (the default), function_call or function_call_output; "
+        "other items (reasoning, item_reference, built-in tool calls) are not served here",
+    ),
 ]
 
 
