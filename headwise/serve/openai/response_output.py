@@ -98,7 +98,7 @@ def assistant_message(output: list[dict]) -> dict:
     calls = [
         {"id": c["call_id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
         for c in output
-        if c["type"] == "function_call"
+        if c["type"] == "function_call" and c["status"] != "incomplete"  # a call cut short: not replayed
     ]
     return (
         {"role": "assistant", "content": text or None, "tool_calls": calls}
