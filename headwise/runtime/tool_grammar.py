@@ -16,6 +16,7 @@ the call. `parallel` allows several calls (separated by `sep`), else exactly one
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 
@@ -44,6 +45,15 @@ JSON_OPTIONS = {"whitespace_flexible": False}
 
 def _lit(s: str) -> str:
     return json.dumps(s)  # a Lark string literal has JSON's escapes
+
+
+def _seq(s: str, special: frozenset[str]) -> str:
+    """Text as a Lark sequence: literals, and special tokens by name (`<tool_call>` where the
+    tokenizer has it as one special token: its bytes alone never match a special token)."""
+    if not special:
+        return _lit(s)
+    parts = re.split("(" + "|".join(re.escape(t) for t in sorted(special)) + ")", s)
+    return " ".join(p if p in special else _lit(p) for p in parts if p)
 
 
 def arguments_schema(parameters: dict | None) -> dict:
@@ -81,11 +91,18 @@ def _closed(schema):
 
 
 def tool_grammar(
-    fmt: CallFormat, tools: list[tuple[str, dict | None]], *, choice: str, parallel: bool, text: str | None = None
+    fmt: CallFormat,
+    tools: list[tuple[str, dict | None]],
+    *,
+    choice: str,
+    parallel: bool,
+    text: str | None = None,
+    special: frozenset[str] = frozenset(),
 ) -> str:
     """The Lark grammar of an answer. tools: (name, parameters schema) pairs; choice: "auto" (text or
     calls), "required" (calls only) or a tool's name (calls of that tool only). text: a Lark
-    expression auto's text must match (a response_format's `%json {...}`), else any text."""
+    expression auto's text must match (a response_format's `%json {...}`), else any text.
+    special: the format's markers that are special tokens of the tokenizer (written as tokens)."""
     if choice not in ("auto", "required"):
         tools = [t for t in tools if t[0] == choice]
         if not tools:
@@ -96,20 +113,23 @@ def tool_grammar(
         schema = {**arguments_schema(params)}
         if isinstance(schema, dict):
             schema["x-guidance"] = {**JSON_OPTIONS, **schema.get("x-guidance", {})}
-        lines.append(f"call_{i}: {_lit(name + fmt.mid)} %json {json.dumps(schema)} {_lit(fmt.close)}")
+        lines.append(f"call_{i}: {_lit(name + fmt.mid)} %json {json.dumps(schema)} {_seq(fmt.close, special)}")
         alts.append(f"call_{i}")
     lines.append("body: " + " | ".join(alts))
     many = parallel and fmt.parallel
-    rest = f" ({_lit(fmt.sep + fmt.open)} body)*" if many else ""
+    opening = _seq(fmt.open, special)
+    rest = f" ({_seq(fmt.sep + fmt.open, special)} body)*" if many else ""
     if choice != "auto":
-        lines.append(f"start: {_lit(fmt.open)} body{rest}")
+        lines.append(f"start: {opening} body{rest}")
     elif text is not None:  # a structured answer or calls
-        lines.append(f"start: {text} | {_lit(fmt.open)} body{rest}")
+        lines.append(f"start: {text} | {opening} body{rest}")
     elif fmt.anywhere:  # text, or text up to the first trigger and then calls (llguidance's lazy lexeme)
-        lines += [f"start: TEXT | trigger body{rest}", f"trigger[lazy]: TEXT {_lit(fmt.open)}", r"TEXT: /(.|\n)*/"]
+        # a special-token trigger never occurs in TEXT, so it needs no laziness (llguidance's StructTag)
+        lazy = "" if opening.startswith("<") else "[lazy]"
+        lines += [f"start: TEXT | trigger body{rest}", f"trigger{lazy}: TEXT {opening}", r"TEXT: /(.|\n)*/"]
     else:  # text that does not begin the way a call does, or a call
         first = fmt.open[0]
-        lines += [f"start: PLAIN | {_lit(fmt.open)} body{rest}", f"PLAIN: /([^{_regex_char(first)}](.|\\n)*)?/"]
+        lines += [f"start: PLAIN | {opening} body{rest}", f"PLAIN: /([^{_regex_char(first)}](.|\\n)*)?/"]
     return "\n".join(lines) + "\n"
 
 

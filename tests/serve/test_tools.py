@@ -360,3 +360,36 @@ def test_tool_template_renders_as_transformers(family, template):
     assert chat.plan(ours, req).native and chat.plan(ours, req).fmt.name == (
         "hermes" if family == "qwen2" else "llama3"
     )
+
+
+def test_special_token_markers_are_matched_as_tokens(tmp_path):
+    """A tokenizer whose <tool_call> / </tool_call> are special tokens: the grammar takes the tokens
+    (the model's own way to call), not the same characters spelled out."""
+    import llguidance
+    import transformers
+
+    from headwise.models.tokenizer import Tokenizer
+    from headwise.runtime.grammar import llg_tokenizer
+
+    hf = transformers.AutoTokenizer.from_pretrained(FIXTURES / "families" / "qwen2")
+    hf.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    hf.save_pretrained(tmp_path)
+    tok = Tokenizer.from_dir(tmp_path)
+    special = frozenset(["<tool_call>", "</tool_call>"])
+    assert all(tok.token_to_id(t) in tok.special_token_ids for t in special)
+    call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    as_tokens = tok.encode(call, add_special_tokens=False)
+    spelled = [i for ch in call for i in tok.encode(ch, add_special_tokens=False)]  # no special token in it
+    assert tok.token_to_id("<tool_call>") in as_tokens and tok.token_to_id("<tool_call>") not in spelled
+    for choice in ("required", "auto"):
+        lark = tool_grammar(HERMES, [("get_time", None)], choice=choice, parallel=False, special=special)
+        lt = llg_tokenizer(tok, None)
+
+        def accepts(ids):
+            m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
+            return m.consume_tokens(ids) and not m.is_error() and m.is_accepting()
+
+        assert accepts(as_tokens) and not accepts(spelled[:-1] + as_tokens[-1:])
+        parser = CallParser(HERMES)
+        parser.feed(tok.decode(as_tokens), final=True)
+        assert parser.message("stop")[0]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": "{}"}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 
 from ...runtime.tool_grammar import HERMES, LLAMA3, CallFormat, arguments_schema, tool_grammar
@@ -234,9 +235,17 @@ def with_tools(runtime, params, tools: ToolPlan | None, text_grammar: str | None
         return params
     from ...runtime.grammar import lark_processor
 
+    tok = runtime.tokenizer
+    marks = {m for t in (tools.fmt.open, tools.fmt.close) for m in re.findall(r"<[^<>\s]+>", t)}
+    special = frozenset(m for m in marks if tok.token_to_id(m) in tok.special_token_ids)
     try:
         lark = tool_grammar(
-            tools.fmt, list(tools.tools), choice=tools.choice, parallel=tools.parallel, text=text_grammar
+            tools.fmt,
+            list(tools.tools),
+            choice=tools.choice,
+            parallel=tools.parallel,
+            text=text_grammar,
+            special=special,
         )
         proc = lark_processor(runtime.tokenizer, lark, vocab_size=runtime.model.config.vocab_size, what="tool grammar")
     except ValueError as e:
