@@ -225,6 +225,26 @@ def test_streamed_parallel_calls_arrive_as_openai_deltas(client):
         check_call(c)
 
 
+def test_streamed_calls_of_two_choices(client):
+    """n = 2 (not the engine thread's direct stream): each choice's deltas assemble its own call."""
+    chunks = client.chat.completions.create(
+        model="smollm2", messages=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, n=2,
+        max_tokens=40, temperature=0.8, seed=7, stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    calls, reasons = {}, {}
+    for c in chunks:
+        for ch in c.choices:
+            reasons[ch.index] = ch.finish_reason or reasons.get(ch.index)
+            for d in ch.delta.tool_calls or ():
+                entry = calls.setdefault((ch.index, d.index), {"name": d.function.name, "arguments": ""})
+                entry["arguments"] += d.function.arguments
+    assert sorted(calls) == [(0, 0), (1, 0)] and reasons == {0: "tool_calls", 1: "tool_calls"}
+    for entry in calls.values():
+        assert entry["name"] == "get_weather"
+        jsonschema.validate(json.loads(entry["arguments"]), PARAMS["get_weather"])
+    assert c.usage is not None and c.usage.completion_tokens > 0  # the last chunk: usage
+
+
 def test_tool_results_are_fed_back_and_answered(client):
     def answer(result: str) -> str:
         call = {
