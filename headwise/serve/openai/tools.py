@@ -202,6 +202,7 @@ def render_call(fmt: CallFormat, name: str, arguments: str) -> str:
 def _plain_turns(messages: list[dict], tools: ToolPlan | None) -> list[dict]:
     """Our preamble in the system turn; calls as the assistant's text; results as a user turn."""
     out: list[dict] = []
+    results = False  # the last turn holds tool results
     for m in messages:
         if m.get("tool_calls"):
             calls = [render_call(HERMES, c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
@@ -209,14 +210,13 @@ def _plain_turns(messages: list[dict], tools: ToolPlan | None) -> list[dict]:
             out.append({"role": "assistant", "content": f"{m['content']}\n{text}" if m["content"] else text})
         elif m["role"] == "tool":
             result = f"<tool_response>\n{m['content']}\n</tool_response>"
-            if out and out[-1].get("_results"):  # consecutive results: one user turn, as Qwen's template does
+            if results:  # consecutive results: one user turn, as Qwen's template does
                 out[-1]["content"] += "\n" + result
             else:
-                out.append({"role": "user", "content": result, "_results": True})
+                out.append({"role": "user", "content": result})
         else:
             out.append(dict(m))
-    for m in out:
-        m.pop("_results", None)
+        results = m["role"] == "tool"
     if tools is not None:
         listing = "\n".join(json.dumps(s, ensure_ascii=False) for s in tools.specs)
         preamble = PREAMBLE.format(tools=listing)
