@@ -139,7 +139,7 @@ def test_required_picks_a_tool_and_parallel_false_gives_one_call(client):
     # streamed, the client's own stream helper assembles the same call from the deltas
     with client.chat.completions.stream(**kw, parallel_tool_calls=False, temperature=0) as stream:
         final = stream.get_final_completion()
-    assert final.choices[0].finish_reason == "tool_calls"
+    assert final.choices[0].finish_reason == "tool_calls" and final.choices[0].message.content is None
     got = [(c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls]
     assert got == [(c.function.name, c.function.arguments) for c in calls]
 

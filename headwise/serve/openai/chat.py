@@ -4,6 +4,7 @@ prompt, the grammar) and tool_calls.py (the calls read back from the text), docs
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from fastapi import Request
@@ -65,6 +66,11 @@ def message_texts(req: ChatCompletionRequest):
             yield from (part.text for part in m.content)
 
 
+def prediction_text(req: ChatCompletionRequest) -> str:
+    content = req.prediction.content
+    return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
 def prepare(runtime, req: ChatCompletionRequest):
     """-> (prompt ids, SamplingParams, Resume or None). CPU work (template, tokenizer): call it off
     the loop. A resumed completion (headwise.resume) continues after the chat-templated prompt
@@ -88,6 +94,10 @@ def prepare_tools(runtime, req: ChatCompletionRequest):
     max_tokens = check_context([len(prompt) + done], requested, runtime.max_model_len, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens, logprobs, runtime.model.config.vocab_size)
+    if req.prediction is not None:  # Predicted Outputs: the text as token ids (docs/predicted-outputs.md)
+        text = prediction_text(req)
+        ids = tokenize(runtime.tokenizer, text, special=False) if text else []
+        params = dataclasses.replace(params, prediction=tuple(ids) or None)
     if tools is not None and tools.calls:  # the tool grammar holds the response_format's for auto's text
         return prompt, with_tools(runtime, params, tools, text_grammar_of(req.response_format)), resume, tools
     return prompt, with_response_format(runtime, params, req.response_format), resume, tools
@@ -96,12 +106,16 @@ def prepare_tools(runtime, req: ChatCompletionRequest):
 async def create(runtime, req: ChatCompletionRequest, model: str, request: Request, *, timeout=None, metrics=None):
     runtime.require("generate", "/v1/chat/completions")
     check_chars(message_texts(req), runtime.spec.max_input_chars, "messages")
+    if req.prediction is not None:
+        check_chars([prediction_text(req)], runtime.spec.max_input_chars, "prediction")
     prompt, sampling, resume, tools = await off_loop(prepare_tools, runtime, req)
-    calls = tools.fmt if tools is not None and tools.calls else None  # the format to read calls in
+    calls = tools if tools is not None and tools.calls else None  # the text holds calls to read
     rid, created = new_id("chatcmpl"), int(time.time())
     streams = Streams(runtime, rid, sampling.n)
     await streams.start([prompt], sampling, timeout, resume, DirectWriter.of(request.scope) if req.stream else None)
-    usage = Usage(prompt_tokens=len(prompt), resumed=len(resume.token_ids) if resume else 0)
+    usage = Usage(
+        prompt_tokens=len(prompt), resumed=len(resume.token_ids) if resume else 0, predicted=req.prediction is not None
+    )
     tok, top = runtime.tokenizer, sampling.logprobs  # None: no logprobs asked for
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -141,7 +155,7 @@ async def _collect(streams, rid, created, model, n, usage, tok, top, metrics, ca
     for i in range(n):
         message, reason = {"role": "assistant", "content": texts[i]}, reasons[i] or "length"
         if calls is not None:
-            parser = CallParser(calls)
+            parser = CallParser(calls.fmt)
             parser.feed(texts[i], final=True)
             message, reason = parser.message(reason)
         choices.append({"index": i, "message": message, "logprobs": logprobs[i], "finish_reason": reason})
@@ -159,7 +173,7 @@ def _events(
     streams, rid, created, model, n, usage, tok, top, include_usage, metrics, token_ids=False, roles=True, calls=None
 ):
     """roles: the first chunk names the assistant (not when resuming a stream that already did).
-    calls: the tool-call format to read the text in (tool_calls deltas), None: plain text."""
+    calls: the ToolPlan whose calls the text holds (tool_calls deltas), None: plain text."""
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     parsers = {}
 
@@ -168,7 +182,7 @@ def _events(
         if calls is None:
             delta = {"content": piece.text} if piece.text else {}
             return {"index": i, "delta": delta, "logprobs": lps, "finish_reason": piece.finish_reason}
-        parser = parsers.setdefault(i, CallParser(calls))
+        parser = parsers.setdefault(i, CallParser(calls.fmt))
         made = delta_chunks(parser, piece.text, piece.finish_reason)
         if not made and piece.logprobs and lps is not None:
             made = [({}, None)]
@@ -177,8 +191,9 @@ def _events(
             out[0]["logprobs"] = lps
         return out
 
+    content = None if calls is not None and calls.choice != "auto" else ""  # calls only: null, as OpenAI
     first = [
-        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        {"index": i, "delta": {"role": "assistant", "content": content}, "logprobs": None, "finish_reason": None}
         for i in range(n)
     ]
     return sse_events(
