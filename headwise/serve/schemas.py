@@ -146,12 +146,20 @@ class ResponseFormat(Strict):
     pattern: Optional[Annotated[str, Field(min_length=1, max_length=4096)]] = None
 
 
+class Prediction(Strict):
+    """OpenAI's Predicted Outputs: text the answer is expected to repeat (docs/predicted-outputs.md)."""
+
+    type: Literal["content"]
+    content: Union[str, list[TextPart]]
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Optional[Annotated[int, Field(ge=1)]] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
     response_format: Optional[ResponseFormat] = None
+    prediction: Optional[Prediction] = None
     tools: Optional[Annotated[list[Tool], Field(max_length=128)]] = None  # OpenAI's limit too
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[bool] = None
@@ -193,10 +201,16 @@ class EmbeddingRequest(Strict):
 
 
 # ---------------------------------------------------------------- responses
+class PredictionUsage(BaseModel):
+    accepted_prediction_tokens: int  # output tokens that followed the request's prediction
+    rejected_prediction_tokens: int  # predicted tokens computed and dropped
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int = 0
     total_tokens: int
+    completion_tokens_details: Optional[PredictionUsage] = None  # only when the request sent a prediction
 
 
 class TopLogprob(BaseModel):

@@ -25,10 +25,25 @@ class Usage:
     prompt_tokens: int = 0
     completion: dict[int, int] = field(default_factory=dict)  # choice index -> tokens generated
     resumed: int = 0  # tokens another server generated before this one resumed (headwise.resume)
+    predicted: bool = False  # the request sent a prediction: usage says what became of it, as OpenAI's
+    prediction: dict[int, tuple[int, int]] = field(default_factory=dict)  # choice -> (accepted, rejected)
+
+    def take(self, i: int, piece) -> None:
+        """Choice i's counts as of this piece (each piece carries the totals so far)."""
+        self.completion[i] = piece.num_output_tokens
+        if self.predicted:
+            self.prediction[i] = (piece.accepted_prediction_tokens, piece.rejected_prediction_tokens)
 
     def as_dict(self) -> dict:
         c = sum(self.completion.values()) + self.resumed
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": c, "total_tokens": self.prompt_tokens + c}
+        out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": c, "total_tokens": self.prompt_tokens + c}
+        if self.predicted:
+            accepted, rejected = (sum(x) for x in zip((0, 0), *self.prediction.values()))
+            out["completion_tokens_details"] = {
+                "accepted_prediction_tokens": accepted,
+                "rejected_prediction_tokens": rejected,
+            }
+        return out
 
 
 class Streams:
@@ -131,7 +146,7 @@ async def collect(streams, total: int, usage, metrics, model: str):
             texts[i] += piece.text
             lps[i].extend(piece.logprobs or [])
             reasons[i] = piece.finish_reason or reasons[i]
-            usage.completion[i] = piece.num_output_tokens
+            usage.take(i, piece)
             if metrics:
                 metrics.token_piece(model, streams, piece)
     finally:
@@ -157,7 +172,7 @@ async def sse_events(
 
     def chunk(i, piece) -> bytes | None:
         """A piece's chunk (None: it sends nothing), counted; here or in the engine's thread (direct)."""
-        usage.completion[i] = piece.num_output_tokens
+        usage.take(i, piece)
         if metrics:
             metrics.token_piece(model, streams, piece)
         if piece.finish_reason == "abort":
