@@ -177,6 +177,33 @@ def test_auto_grammar_constrains_a_call_once_it_starts(smol):
     assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris", "unit": "c"}
 
 
+def test_auto_with_a_response_format_is_that_schema_or_calls(smol, main):
+    """The OpenAI Agents SDK sends an output schema and tools: the answer is the object or a call."""
+    import llguidance
+
+    from headwise.serve.openai.tools import text_grammar_of
+    from headwise.serve.schemas import ResponseFormat
+
+    answer = {"type": "object", "properties": {"temp": {"type": "integer"}}, "required": ["temp"]}
+    fmt = ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"name": "a", "schema": answer}})
+    lark = tool_grammar(HERMES, [("get_weather", PARAMS["get_weather"])], choice="auto", parallel=False,
+                        text=text_grammar_of(fmt))  # fmt: skip
+    lt = llg_tokenizer(smol.tokenizer, smol.config.vocab_size)
+
+    def accepts(text: str) -> bool:
+        m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
+        ok = m.consume_tokens(smol.tokenizer.encode(text, add_special_tokens=False))
+        return ok and not m.is_error() and m.is_accepting()
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris","unit":"c"}}\n</tool_call>'
+    assert accepts('{"temp":21}') and accepts(call)
+    assert not accepts("It is warm.") and not accepts('{"temp":"warm"}')
+    body = {"model": "smollm2", "messages": ASK, "tools": [WEATHER], "max_tokens": 4,
+            "response_format": {"type": "regex", "pattern": "[a-z]+"}}  # fmt: skip
+    r = httpx.post(main.url + "/v1/chat/completions", json=body, headers=auth(), timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+
+
 @pytest.mark.parametrize("fmt", [HERMES, LLAMA3])
 def test_calls_read_back_one_character_at_a_time(fmt):
     """Streamed a character at a time, the deltas join into the calls json reads from the text."""
