@@ -8,7 +8,7 @@ llguidance Lark grammar that makes a call parse and match its tool's parameters 
 
 A call is `open + name + mid + arguments + close`: the name is one of the tools' (an alternative per
 tool, so each name carries its own arguments schema), the arguments a `%json{...}` of that schema.
-"required" (or one named tool) is calls only; "auto" is free text, and once the text reaches the
+"required" is calls only (a named tool: "required" over that one); "auto" is free text, and once the text reaches the
 format's trigger (`<tool_call>`; for Llama 3.x's bare JSON, a `{` that opens the answer) the rest is
 the call. `parallel` allows several calls (separated by `sep`), else exactly one.
 """
@@ -99,14 +99,13 @@ def tool_grammar(
     text: str | None = None,
     special: frozenset[str] = frozenset(),
 ) -> str:
-    """The Lark grammar of an answer. tools: (name, parameters schema) pairs; choice: "auto" (text or
-    calls), "required" (calls only) or a tool's name (calls of that tool only). text: a Lark
+    """The Lark grammar of an answer. tools: (name, parameters schema) pairs, the ones that may be
+    called (one, for OpenAI's named tool_choice); choice: "auto" (text or calls) or "required"
+    (calls only). text: a Lark
     expression auto's text must match (a response_format's `%json {...}`), else any text.
     special: the format's markers that are special tokens of the tokenizer (written as tokens)."""
-    if choice not in ("auto", "required"):
-        tools = [t for t in tools if t[0] == choice]
-        if not tools:
-            raise ValueError(f"tool_choice names {choice!r}, which is not among the tools")
+    if choice not in ("auto", "required") or not tools:
+        raise ValueError(f"a tool grammar needs tools and a choice of auto or required, got {choice!r}")
     lines = ["%llguidance {}"]
     alts = []
     for i, (name, params) in enumerate(tools):

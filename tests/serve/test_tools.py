@@ -440,3 +440,17 @@ def test_special_token_markers_are_matched_as_tokens(tmp_path):
         parser = CallParser(HERMES)
         parser.feed(tok.decode(as_tokens), final=True)
         assert parser.message("stop")[0]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": "{}"}
+
+
+def test_a_function_named_like_a_choice_is_still_a_named_choice(smol):
+    tools = [fn("auto", "", None), fn("none", "", None)]
+    req = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": ASK,
+            "tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": "none"}},
+        }
+    )
+    p = chat.plan(smol.tokenizer, req)
+    assert (p.choice, p.named, p.calls) == ("required", "none", True)

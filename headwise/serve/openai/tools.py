@@ -33,13 +33,14 @@ PREAMBLE = (
 @dataclass(frozen=True)
 class ToolPlan:
     """What a request's tools mean for this model: the call format, the tools (name, parameters
-    schema), the choice ("none", "auto", "required" or a tool's name), several calls or one, and
+    schema), the choice ("none", "auto" or "required"; `named`: required, of that tool), several calls or one, and
     whether the template renders the tools itself (native) or our preamble does."""
 
     fmt: CallFormat
     tools: tuple[tuple[str, dict | None], ...]
     specs: tuple[dict, ...]  # the tools as OpenAI's JSON ({"type": "function", "function": {...}})
     choice: str
+    named: str | None  # tool_choice {"type": "function", "function": {"name": ...}}
     parallel: bool
     native: bool
 
@@ -106,7 +107,8 @@ def plan(tok, req: ChatCompletionRequest, *, runtime=None) -> ToolPlan | None:
         fmt=fmt or HERMES,
         tools=tuple((t.function.name, t.function.parameters) for t in req.tools),
         specs=tuple(t.model_dump(exclude_none=True) for t in req.tools),
-        choice=named or choice or "auto",  # OpenAI: "auto" when tools are given
+        choice="required" if named else choice or "auto",  # OpenAI: "auto" when tools are given
+        named=named,
         parallel=req.parallel_tool_calls is not False,
         native=fmt is not None,
     )
@@ -241,7 +243,7 @@ def with_tools(runtime, params, tools: ToolPlan | None, text_grammar: str | None
     try:
         lark = tool_grammar(
             tools.fmt,
-            list(tools.tools),
+            [t for t in tools.tools if tools.named in (None, t[0])],
             choice=tools.choice,
             parallel=tools.parallel,
             text=text_grammar,
