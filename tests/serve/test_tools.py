@@ -177,6 +177,23 @@ def test_auto_grammar_constrains_a_call_once_it_starts(smol):
     assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris", "unit": "c"}
 
 
+def test_llama3_auto_is_a_call_or_text_that_is_not_one(smol):
+    """Llama 3.x calls are bare JSON: the answer is one call (its template allows one) or text."""
+    import llguidance
+
+    lark = tool_grammar(LLAMA3, [("get_weather", PARAMS["get_weather"])], choice="auto", parallel=True)
+    lt = llg_tokenizer(smol.tokenizer, smol.config.vocab_size)
+
+    def accepts(text: str) -> bool:
+        m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
+        ok = m.consume_tokens(smol.tokenizer.encode(text, add_special_tokens=False))
+        return ok and not m.is_error() and m.is_accepting()
+
+    call = '{"name": "get_weather", "parameters": {"city":"Paris","unit":"f"}}'
+    assert accepts(call) and accepts("It is sunny.") and accepts("")
+    assert not accepts(call + call) and not accepts('{"name": "get_weather", "parameters": {"city":"Paris"}}')
+
+
 def test_auto_with_a_response_format_is_that_schema_or_calls(smol, main):
     """The OpenAI Agents SDK sends an output schema and tools: the answer is the object or a call."""
     import llguidance
