@@ -80,6 +80,8 @@ def headwise_commands(code: str) -> list[list[str]]:
     joined = re.sub(r"\\\n\s*", " ", code)
     out = []
     for line in joined.splitlines():
+        if not line.lstrip().startswith("headwise"):  # curl with a JSON body over lines, cd, pip...
+            continue
         argv = shlex.split(line, comments=True)
         if argv and argv[0] == "headwise":
             out.append(argv[1:])
