@@ -1,4 +1,10 @@
-"""Bad command lines: one line on stderr naming the problem and the fix, exit 2, and no model loaded."""
+"""Bad command lines: one line on stderr naming the problem and the fix, exit 2, and no model loaded.
+
+Each case is its own `python -m headwise.cli` process, as a user runs it; they start together (one a
+core at a time), since each spends ~1.5 s importing torch: 22 one after the other took 36 s."""
+
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -39,9 +45,17 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("args,expected", CASES.values(), ids=CASES.keys())
-def test_bad_input_is_one_line_and_exit_2(args, expected):
-    r = headwise(*args, timeout=120)
+@pytest.fixture(scope="module")
+def ran():
+    """case -> its CompletedProcess, every case run once, os.cpu_count() at a time."""
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        futures = {case: pool.submit(headwise, *args, timeout=120) for case, (args, _) in CASES.items()}
+        return {case: f.result() for case, f in futures.items()}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_is_one_line_and_exit_2(case, ran):
+    (args, expected), r = CASES[case], ran[case]
     assert r.returncode == 2, (r.returncode, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr  # no traceback, no usage block

