@@ -14,6 +14,7 @@ feature llguidance does not implement is a ValueError naming it, never silently 
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import threading
 import weakref
@@ -39,6 +40,8 @@ def _llg():
     return llguidance
 
 
+# One thread computes the masks of the next step while the model runs (GrammarProcessor.prefetch)
+_AHEAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="headwise-mask")
 _tokenizers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _cache: OrderedDict = OrderedDict()
 _lock = threading.Lock()
@@ -165,6 +168,8 @@ class GrammarProcessor:
         self._matchers: dict[int, tuple] = {}  # id(request) -> (weakref to request, matcher, consumed)
         self._executor = llg.LLExecutor()
         self._lock = threading.Lock()
+        self.vocab_size = vocab_size  # the model's (the logits' width), when known
+        self._ahead = None  # (keys, requests, future) of prefetch()
 
     def new_matcher(self):
         m = _llg().LLMatcher(self.llg_tok, self.grammar, log_level=0)
@@ -189,9 +194,38 @@ class GrammarProcessor:
             self._matchers[id(req)] = (ref, m, len(out))
         return m
 
+    def prefetch(self, requests: Sequence) -> None:
+        """Start computing these requests' next masks (each has just taken a token) on a thread of
+        its own, so that they are ready when the next step's forward ends (the core calls this after
+        a step; llguidance works without the GIL). The next call uses them for the requests whose
+        output has not moved since; otherwise it computes its masks itself."""
+        reqs = list(requests)  # held until used: ids stay unique
+        keys = {(id(r), len(r.output_token_ids)): j for j, r in enumerate(reqs)}
+        self._ahead = (keys, reqs, _AHEAD.submit(self._banned, reqs, self.vocab_size))
+
     def __call__(self, logits: Tensor, requests: Sequence) -> Tensor:
         """logits (R, V), requests[i] owns row i -> logits with every token the grammar forbids at -inf."""
-        R, V = logits.shape
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            keys, _, job = ahead
+            rows = [keys.get((id(r), len(r.output_token_ids))) for r in requests]
+            if None not in rows:  # every mask was computed during the forward
+                banned = job.result()
+                banned = banned if rows == list(range(len(banned))) else banned[rows]
+                return logits.masked_fill_(self._pad(banned, logits.shape[1]), float("-inf"))
+            job.result()  # not for this call (the batch changed): let it finish with the matchers
+        return logits.masked_fill_(self._banned(requests, logits.shape[1]), float("-inf"))
+
+    @staticmethod
+    def _pad(banned: Tensor, V: int) -> Tensor:
+        if banned.shape[1] < V:  # rows of the model's padded vocabulary past the tokenizer's: never legal
+            banned = torch.nn.functional.pad(banned, (0, V - banned.shape[1]), value=True)
+        return banned[:, :V]
+
+    def _banned(self, requests: Sequence, V: int | None) -> Tensor:
+        """(R, V) bool: True where requests[i]'s grammar forbids the token next."""
+        R = len(requests)
+        V = V or self.llg_tok.vocab_size
         with self._lock:
             self._drop_finished()
             ms = [self._matcher(r) for r in requests]
@@ -207,10 +241,7 @@ class GrammarProcessor:
             if m.is_error():  # the request took a token outside the grammar (cannot happen through the mask)
                 raise ValueError(f"the output left the grammar: {_first_line(m.get_error())}")
         allowed = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")  # (R, words*32) 0/1
-        banned = torch.from_numpy(allowed[:, :V]) == 0  # one pass: uint8 -> bool
-        if banned.shape[1] < V:  # rows of the model's padded vocabulary past the tokenizer's: never legal
-            banned = torch.nn.functional.pad(banned, (0, V - banned.shape[1]), value=True)
-        return logits.masked_fill_(banned, float("-inf"))
+        return self._pad(torch.from_numpy(allowed[:, :V]) == 0, V)  # one pass: uint8 -> bool
 
     def _drop_finished(self) -> None:
         dead = [k for k, (ref, _, _) in self._matchers.items() if ref() is None]

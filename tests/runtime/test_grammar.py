@@ -159,3 +159,54 @@ def test_sampled_completions_each_follow_the_grammar(smollm2_fp32):
     assert len({r.text for r in results}) > 1  # sampled: they differ
     for r in results:
         check(item, r.text, r.finish_reason)
+
+
+def test_masks_computed_during_the_forward_are_the_masks(smollm2_fp32, monkeypatch):
+    """The core starts each grammar's next masks after a step (prefetch); the masks used are those a
+    call computes itself: same constrained outputs as with prefetching off, and the prefetched
+    masks were the ones used (a changed batch falls back to computing)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # a core left over: the core prefetches
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    items = SCHEMAS[:4]
+    fmts = [schema_format(item) for item in items]
+    proc_type = grammar.GrammarProcessor
+    used, calls = [0], [0]
+    inner_call = proc_type.__call__
+
+    def counting(self, logits, requests):
+        calls[0] += 1
+        used[0] += self._ahead is not None
+        return inner_call(self, logits, requests)
+
+    def run(prefetch: bool):
+        engine = Engine(smollm2_fp32, max_num_seqs=4, num_blocks=64, block_size=16)
+        saved = proc_type.prefetch
+        if not prefetch:
+            proc_type.prefetch = lambda self, requests: None
+        proc_type.__call__ = counting
+        try:
+            outs = engine.generate([messages(i) for i in items], [constrained(smollm2_fp32, f, 24) for f in fmts])
+        finally:
+            proc_type.prefetch, proc_type.__call__ = saved, inner_call
+        return [o.outputs[0].token_ids for o in outs]
+
+    plain = run(prefetch=False)
+    assert used[0] == 0
+    calls[0] = 0
+    assert run(prefetch=True) == plain
+    assert used[0] > calls[0] / 2  # most steps found their masks ready
+    # a prefetch for another batch is not used for this one; either way the masks are the call's own
+    V = smollm2_fp32.config.vocab_size
+    proc = grammar_processor(smollm2_fp32.tokenizer, fmts[0], vocab_size=V)
+
+    class Req:  # what a processor reads of a request
+        def __init__(self, out):
+            self.output_token_ids = out
+
+    r1, r2 = Req([]), Req(smollm2_fp32.tokenizer.encode('{"', add_special_tokens=False))
+    want = proc(torch.zeros(2, V), [r1, r2])
+    assert not torch.equal(want[0], want[1]) and torch.isinf(want).any()
+    proc.prefetch([r1])
+    assert torch.equal(proc(torch.zeros(2, V), [r1, r2]), want)  # r2 was not prefetched: computed
+    proc.prefetch([r2, r1])
+    assert torch.equal(proc(torch.zeros(2, V), [r1, r2]), want)  # prefetched in another order
