@@ -63,8 +63,13 @@ class PackedStep(PackedReads, Step):
         *,
         defer_prefix: bool = False,
         logits_indices: Tensor | None = None,
+        as_rows: bool = False,
     ):
         dev, bs = cache.device, cache.block_size
+        # as_rows: every token may run as a decode row of its sequence (decode_rows): a decode with
+        # a few draft tokens (runtime/predict.py), which the decode stack reads as rows at positions
+        # start, start + 1, ... of one block table; the prefill route's kernels cost far more there
+        self.as_rows = as_rows
         self.cache, self.seq_ids, self.num_new, self.starts = cache, list(seq_ids), list(counts), list(starts)
         self.B, self.N = len(seq_ids), sum(counts)
         self.offsets = [0]
@@ -184,11 +189,11 @@ class PackedStep(PackedReads, Step):
         return part.reads
 
     def _block_tables(self, seqs: list[int]) -> tuple[list[list[int]], Tensor]:
-        """Sequences `seqs` (indices into this step): each one's blocks holding keys 0 .. its new
+        """Sequences `seqs` (indices into this step): each one's blocks holding keys 0 .. its last new
         one, and those tables padded into one (len(seqs), width) int64 tensor (padding: block 0,
         never read)."""
         bs = self.cache.block_size
-        used = [self._tables[b][: self.starts[b] // bs + 1] for b in seqs]
+        used = [self._tables[b][: (self.starts[b] + self.num_new[b] - 1) // bs + 1] for b in seqs]
         width = max(len(t) for t in used)
         return used, torch.tensor([t + [0] * (width - len(t)) for t in used], dtype=torch.int64)
 
@@ -254,22 +259,25 @@ class PackedStep(PackedReads, Step):
 
     def decode_rows(self, rows: int) -> tuple | None:
         """For a step in which every sequence adds one token to an fp32 (or int8) cache (rows of
-        them), what every layer's one-call decode reads, built once per step: (run starts in
-        elements, new keys) where every table is one run, else (None, new keys, tables (B, width)
-        int64, block size). None otherwise (prefill chunks, not fp32)."""
+        them), or an `as_rows` step (each token a row of its sequence), what every layer's one-call
+        decode reads, built once per step: (run starts in elements, new keys) per row where every
+        table is one run, else (None, new keys, tables (rows, width) int64, block size). None
+        otherwise (prefill chunks, not fp32)."""
         cache = self.cache
-        if rows != self.N or self.N != self.B or cache.dtype is not torch.float32:
+        if rows != self.N or cache.dtype is not torch.float32 or (self.N != self.B and not self.as_rows):
             return None
         # A windowed group's tables hold the null block before the window: the decode stack reads
         # a windowed layer's keys from pos - W + 1 on (the layer's plan carries its window)
         claim = self._decode_rows
         if claim is None:
-            bs, pos = cache.block_size, torch.tensor(self.starts, dtype=torch.int64)
+            bs, pos = cache.block_size, self._positions[0].to("cpu", torch.int64)  # (N,) each row's new key
             used, table = self._block_tables(list(range(self.B)))
+            per_row = torch.tensor(self.num_new) if self.N != self.B else None  # a sequence's rows share its table
             if all(t[i + 1] == t[i] + 1 for t in used for i in range(len(t) - 1)):
-                claim = torch.tensor([t[0] * bs for t in used], dtype=torch.int64) * cache.head_dim, pos
+                runs = torch.tensor([t[0] * bs for t in used], dtype=torch.int64) * cache.head_dim
+                claim = (runs if per_row is None else runs.repeat_interleave(per_row)), pos
             else:
-                claim = None, pos, table, bs
+                claim = None, pos, (table if per_row is None else table.repeat_interleave(per_row, dim=0)), bs
             self._decode_rows = claim
         return claim
 

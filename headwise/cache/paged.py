@@ -289,6 +289,7 @@ class PagedKVCache(Reservations, PagedStorage):
         *,
         defer_prefix: bool = False,
         logits_indices=None,
+        as_rows: bool = False,
     ):
         """Like `batch`, but the step's tokens are packed on one axis, with no padding: the
         model gets input_ids (1, N), N = sum(num_new), sequence 0's new tokens first, and
@@ -300,14 +301,31 @@ class PagedKVCache(Reservations, PagedStorage):
         pool bookkeeping on one thread while the forward runs on another.
         logits_indices: pack rows whose logits the model should return (the engine: the last
         row of each sequence that samples a token), a `Step` field.
+        as_rows: each new token may run as a decode row of its sequence (a decode with draft
+        tokens, runtime/predict.py): the decode stack then takes the step (packed.py decode_rows).
         """
         ids, tables, starts, counts, pending = self._reserve(seq_ids, num_new, token_ids, "packed")
         step = PackedStep(
-            self, ids, tables, starts, counts, pending, defer_prefix=defer_prefix, logits_indices=logits_indices
+            self,
+            ids,
+            tables,
+            starts,
+            counts,
+            pending,
+            defer_prefix=defer_prefix,
+            logits_indices=logits_indices,
+            as_rows=as_rows,
         )
         if self.journal is not None:
             self.journal(
-                "packed", step, ids, num_new, token_ids, defer_prefix=defer_prefix, logits_indices=logits_indices
+                "packed",
+                step,
+                ids,
+                num_new,
+                token_ids,
+                defer_prefix=defer_prefix,
+                logits_indices=logits_indices,
+                as_rows=as_rows,
             )
         return step
 

@@ -65,7 +65,13 @@ class PagedRunner:
         # A step of prefill chunks only samples nothing, but the model must run for the K/V it
         # writes: ask for one row (the last) rather than all N, and drop it. (A list: the model
         # checks it in Python, where a tensor would cost reductions and syncs every step.)
-        step = self.cache.packed(seq_ids, counts, news, defer_prefix=True, logits_indices=rows or [off - 1])
+        # decodes with drafts (and plain decodes beside them) run as rows of the decode stack
+        rows_kw = (
+            {"as_rows": True}
+            if any(c.draft for c in chunks) and all(c.draft or c.num_tokens == 1 for c in chunks)
+            else {}
+        )
+        step = self.cache.packed(seq_ids, counts, news, defer_prefix=True, logits_indices=rows or [off - 1], **rows_kw)
         return Batch(chunks, input_ids, step, rows)
 
     def run(self, batch: Batch) -> Tensor | None:
