@@ -1,5 +1,7 @@
 """OpenMP's wait policy, as libgomp itself reports it (OMP_DISPLAY_ENV=VERBOSE prints what it
-parsed when torch loads it), in fresh processes: the policy can only be set before torch loads."""
+parsed when torch loads it), in fresh processes: the policy can only be set before torch loads.
+The 11 processes start together in a module fixture (one a core at a time: each spends ~1.4 s
+importing torch); each test reads the ones it names."""
 
 from __future__ import annotations
 
@@ -7,7 +9,10 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import pytest
 
 import headwise
 
@@ -38,55 +43,78 @@ def spin_count(proc: subprocess.CompletedProcess) -> str:
     return found[0]
 
 
-def python(code: str, **env: str) -> subprocess.CompletedProcess:
-    return run([sys.executable, "-c", code], **env)
+def python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
 
 
-def test_import_headwise_then_torch_spins_briefly():
-    proc = python("import headwise, torch; torch.ones(64, 64) @ torch.ones(64, 64)")
+RUNS = {  # name -> (argv, environment added)
+    "headwise then torch": (python("import headwise, torch; torch.ones(64, 64) @ torch.ones(64, 64)"), {}),
+    "library entry": (
+        python("import headwise; headwise.MultiHeadAttention(64, 4)(__import__('torch').randn(1, 3, 64))"),
+        {},
+    ),
+    "cli help": ([str(HEADWISE_CLI), "--help"], {}),
+    "cli plan": ([sys.executable, "-m", "headwise.cli", "plan", "gpt2"], {}),
+    "serve help": ([str(HEADWISE_CLI), "serve", "--help"], {}),
+    "serve help, user's count": ([str(HEADWISE_CLI), "serve", "--help"], {"GOMP_SPINCOUNT": "1000"}),
+    "user's active": (python("import headwise, torch"), {"OMP_WAIT_POLICY": "ACTIVE"}),
+    "user's count": (python("import headwise, torch"), {"GOMP_SPINCOUNT": "1000"}),
+    "user's passive": (python("import headwise, torch"), {"OMP_WAIT_POLICY": "PASSIVE"}),
+    "torch first": (python("import torch, headwise, importlib; importlib.reload(headwise)"), {}),
+    "torch first, passive": (python("import torch, headwise"), {"OMP_WAIT_POLICY": "PASSIVE"}),
+}
+
+
+@pytest.fixture(scope="module")
+def ran():
+    """name -> the finished process of RUNS[name], os.cpu_count() running at a time."""
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        futures = {name: pool.submit(run, argv, **env) for name, (argv, env) in RUNS.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def test_import_headwise_then_torch_spins_briefly(ran):
+    proc = ran["headwise then torch"]
     assert spin_count(proc) == SPIN_OURS and wait_policy(proc) == "PASSIVE"  # libgomp prints unset as PASSIVE
     assert "ThreadWaitWarning" not in proc.stderr
 
 
-def test_library_entry_points_spin_briefly():
+def test_library_entry_points_spin_briefly(ran):
     # the library's own first import of torch (headwise.load -> models) happens after the policy is set
-    proc = python("import headwise; headwise.MultiHeadAttention(64, 4)(__import__('torch').randn(1, 3, 64))")
-    assert spin_count(proc) == SPIN_OURS
+    assert spin_count(ran["library entry"]) == SPIN_OURS
 
 
-def test_cli_entry_spins_briefly():
+def test_cli_entry_spins_briefly(ran):
     # `headwise --help` builds the full parser, which imports torch; every subcommand gets the policy
-    proc = run([str(HEADWISE_CLI), "--help"])
-    assert spin_count(proc) == SPIN_OURS
-    proc = run([sys.executable, "-m", "headwise.cli", "plan", "gpt2"])
-    assert spin_count(proc) == SPIN_OURS
+    assert spin_count(ran["cli help"]) == SPIN_OURS
+    assert spin_count(ran["cli plan"]) == SPIN_OURS
 
 
-def test_serve_adds_active_beside_the_count():
+def test_serve_adds_active_beside_the_count(ran):
     # the server's engines step in their own threads: without ACTIVE, libgomp cuts the count to 1,000
     # once it runs more threads than cores, which sleeps inside a decode step
-    proc = run([str(HEADWISE_CLI), "serve", "--help"])
+    proc = ran["serve help"]
     assert spin_count(proc) == SPIN_OURS and wait_policy(proc) == "ACTIVE"
-    proc = run([str(HEADWISE_CLI), "serve", "--help"], GOMP_SPINCOUNT="1000")  # a choice of the user's stays
+    proc = ran["serve help, user's count"]  # a choice of the user's stays
     assert spin_count(proc) == "1000" and wait_policy(proc) == "PASSIVE"
 
 
-def test_users_choice_wins():
-    assert spin_count(python("import headwise, torch", OMP_WAIT_POLICY="ACTIVE")) == SPIN_ACTIVE
-    proc = python("import headwise, torch", GOMP_SPINCOUNT="1000")
+def test_users_choice_wins(ran):
+    assert spin_count(ran["user's active"]) == SPIN_ACTIVE
+    proc = ran["user's count"]
     assert spin_count(proc) == "1000" and wait_policy(proc) == "PASSIVE"  # nothing added to a choice
-    assert spin_count(python("import headwise, torch", OMP_WAIT_POLICY="PASSIVE")) == SPIN_PASSIVE
+    assert spin_count(ran["user's passive"]) == SPIN_PASSIVE
 
 
-def test_torch_first_warns_once_with_the_fix():
-    proc = python("import torch, headwise, importlib; importlib.reload(headwise)")
+def test_torch_first_warns_once_with_the_fix(ran):
+    proc = ran["torch first"]
     assert spin_count(proc) == SPIN_DEFAULT  # too late to change from Python: libgomp read it
     assert proc.stderr.count("ThreadWaitWarning") == 1
     assert "import headwise` before torch" in proc.stderr and "GOMP_SPINCOUNT=2000" in proc.stderr
 
 
-def test_torch_first_with_a_chosen_policy_is_silent():
-    proc = python("import torch, headwise", OMP_WAIT_POLICY="PASSIVE")
+def test_torch_first_with_a_chosen_policy_is_silent(ran):
+    proc = ran["torch first, passive"]
     assert spin_count(proc) == SPIN_PASSIVE
     assert "ThreadWaitWarning" not in proc.stderr
 

@@ -8,6 +8,7 @@ tiny Llama with room for a 4 MiB prompt, MiniLM, and a MiniLM variant with small
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -152,21 +153,32 @@ def raw(srv, data: bytes, wait: float) -> tuple[bytes, float]:
         return got, time.perf_counter() - t0
 
 
-@pytest.mark.parametrize(
-    "data, limit",
-    [
-        (b"", HEADER_TIMEOUT),  # connect, say nothing
-        (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl", HEADER_TIMEOUT),  # slowloris
-        (
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b'Content-Length: 100\r\n\r\n{"model": "ti',
-            BODY_TIMEOUT,
-        ),  # a body cut short
-    ],
-    ids=["silent", "partial-headers", "partial-body"],
-)
-def test_slow_clients_get_408_and_a_closed_connection(srv, data, limit):
-    got, seconds = raw(srv, data, wait=limit + 20)
+SLOW_CLIENTS = {
+    "silent": (b"", HEADER_TIMEOUT),  # connect, say nothing
+    "partial-headers": (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl",
+        HEADER_TIMEOUT,
+    ),  # slowloris
+    "partial-body": (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 100\r\n\r\n{"model": "ti',
+        BODY_TIMEOUT,
+    ),  # a body cut short
+}
+
+
+@pytest.fixture(scope="module")
+def slow_clients(srv):
+    """name -> (what the server sent, seconds until it closed) for each of SLOW_CLIENTS, all three
+    connected at once (each only waits on the server's clock: one after the other took 7 s)."""
+    with ThreadPoolExecutor(max_workers=len(SLOW_CLIENTS)) as pool:
+        futures = {name: pool.submit(raw, srv, data, limit + 20) for name, (data, limit) in SLOW_CLIENTS.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+@pytest.mark.parametrize("name", SLOW_CLIENTS)
+def test_slow_clients_get_408_and_a_closed_connection(srv, slow_clients, name):
+    (_, limit), (got, seconds) = SLOW_CLIENTS[name], slow_clients[name]
     assert seconds < limit + 5, "the server kept a silent connection open"
     assert seconds >= limit - 0.5, seconds
     assert got.startswith(b"HTTP/1.1 408"), got
