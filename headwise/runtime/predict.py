@@ -24,8 +24,8 @@ from collections import defaultdict
 MAX_PREDICTION_TOKENS = 32768  # what a request may carry; the n-gram index is built once per request
 # Draft lengths, climbed one rung per draft accepted whole and back to the first after a miss. A
 # decode with k drafts runs k + 1 rows through the decode stack: 3 rows cost ~1.3 decodes, 8 rows
-# ~2.8, 16 ~4.4 (SmolLM2 Q4_1, AMD Zen 4, 1 thread; the quantized kernels take x 3-4 rows per pass
-# over the weights), and each step also pays ~3 ms of scheduling and sampling: short drafts where a
+# ~2.8, 16 ~4.4 (SmolLM2 Q4_1, AMD Zen 4, 1 thread; a step up at 4 rows, where the AVX-512 quantized
+# kernel changes tiles), and each step also pays ~3 ms of scheduling and sampling: short drafts where a
 # miss is likely, long ones once the output has followed the prediction for a while. Measured on the
 # edit task of benchmarks/predicted.py (fp32, 1 thread): (2, 7, 15) 2.16x, (2, 7, 15, 31) 2.11x, (2,) 1.66x.
 DRAFT_SIZES = (2, 7, 15)
