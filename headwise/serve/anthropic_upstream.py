@@ -25,7 +25,8 @@ from fastapi import Request
 
 from .anthropic import envelope
 from .errors import APIError
-from .upstream import _LINE, Events, Fault, UpstreamTarget, plain_fields
+from .upstream import _LINE, KEEPALIVE, Events, Fault, UpstreamTarget, plain_fields
+from .upstream_body import REDACTED, parsed, scrubbed
 
 _VERSION = re.compile(r"[A-Za-z0-9._, \-]{1,256}")  # 2023-06-01; betas: "a-2025-01-01,b-2025-02-02"
 
@@ -45,14 +46,11 @@ class MessagesEvents(Events):
         names = [line[6:].strip() for line in lines if line.startswith(b"event:")]
         data = [line[5:].removeprefix(b" ") for line in lines if line.startswith(b"data:")]
         if not data:
-            return b":\n\n"
+            return KEEPALIVE
         if not names or not names[-1]:
             raise Fault("bad_shape", "sent a stream event without an event: line")
         name, payload = names[-1], b"\n".join(data)
-        try:
-            event = json.loads(payload)
-        except ValueError:
-            raise Fault("invalid_json", "sent a stream event that is not JSON") from None
+        event = parsed(payload, "sent a stream event")
         if not isinstance(event, dict):
             raise Fault("invalid_json", "sent a stream event that is not a JSON object")
         self.event = event
@@ -65,6 +63,9 @@ class MessagesEvents(Events):
             self.started = True
         if name == b"message_stop":
             self.done = True
+        if self.secret and self.secret.encode() in name:
+            name = name.replace(self.secret.encode(), REDACTED.encode())
+        payload = scrubbed(payload, event, self.secret)
         return b"event: " + name + b"\ndata: " + payload.replace(b"\n", b"") + b"\n\n"
 
 
@@ -97,22 +98,17 @@ class AnthropicUpstream(UpstreamTarget):
         body = json.dumps(envelope.body(error.status, error.message)).encode()
         return b"event: error\ndata: " + body + b"\n\n"
 
-    def _checked(self, endpoint: str, content: bytes) -> bytes:
-        try:
-            answer = json.loads(content)
-        except ValueError:
-            raise Fault("invalid_json", "answered 200 with a body that is not JSON") from None
+    def _checked(self, endpoint: str, answer) -> None:
         if endpoint == "count_tokens":
             if not isinstance(answer, dict) or type(answer.get("input_tokens")) is not int:
                 raise Fault("bad_shape", "answered 200 with JSON that has no input_tokens count")
-            return content
+            return
         if (
             not isinstance(answer, dict)
             or answer.get("type") != "message"
             or not isinstance(answer.get("content"), list)
         ):
             raise Fault("bad_shape", 'answered 200 with JSON that is not a message (type "message", a content list)')
-        return content
 
     def refusal(self, endpoint: str) -> str:
         """Why a request to `endpoint` cannot go here (the gateway's 400)."""

@@ -44,7 +44,12 @@ class Provider:
     base_url: str  # ".../v1": endpoints are appended ("/chat/completions")
     models: tuple[str, ...]
     api_key_env: str | None = None  # env var holding the upstream key
-    timeout: float = 60.0
+    timeout: float = 60.0  # seconds until the first byte (a stream: its first event); a whole non-streamed answer
+    # a body held whole (a non-streamed answer), counted after decoding; 256 MiB because a 2,048-input
+    # embeddings answer at 3,072 dimensions is ~130 MB of JSON, and a 1.5 GB or gzip-bomb body is a 502
+    max_response_bytes: int = 256 << 20
+    idle_timeout: float = 60.0  # seconds a stream may go without an event (`:` keep-alives do not count)
+    total_timeout: float = 3600.0  # seconds a whole request may take: a long reasoning stream, not forever
     # the API it speaks: "openai" (chat, completions, embeddings; /v1/messages translated to chat) or
     # "anthropic" (/v1/messages only, sent as it came to <base_url>/messages with x-api-key)
     api: str = "openai"
@@ -59,8 +64,13 @@ class Provider:
             raise ConfigError(f'{where} lists no models; add models = ["..."]')
         if self.api not in PROVIDER_APIS:
             raise ConfigError(f"{where} api = {self.api!r}; choose one of {', '.join(PROVIDER_APIS)}")
-        if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
-            raise ConfigError(f"{where} timeout must be > 0 seconds, got {self.timeout!r}")
+        for key in ("timeout", "idle_timeout", "total_timeout"):
+            v = getattr(self, key)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
+                raise ConfigError(f"{where} {key} must be > 0 seconds, got {v!r}")
+        v = self.max_response_bytes
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1024):
+            raise ConfigError(f"{where} max_response_bytes must be an integer >= 1024 (bytes), got {v!r}")
 
     @property
     def api_key(self) -> str | None:

@@ -8,6 +8,10 @@ embeddings); a stream, SSE events whose data is a JSON object, ended by `data: [
 A fault found before the first byte is a 502 (retryable: the route may try elsewhere); one
 found later ends the stream with an error event and `data: [DONE]`. Either way the target
 is told (`settle(False)`), so faults count toward its cooldown as a 5xx does.
+What is relayed has our key scrubbed from every JSON string (upstream_body.py); a body held whole
+is read under [providers.NAME] max_response_bytes (after decoding: no gzip bomb); a stream ends
+with an error event when no event came for idle_timeout (`:` keep-alives do not count) or the
+request passed total_timeout.
 The body goes out as the client sent it, `model` renamed (passthrough.py): the upstream, not our
 schema, decides which fields it accepts. anthropic_upstream.py is the same for Anthropic's Messages.
 """
@@ -15,7 +19,6 @@ schema, decides which fields it accepts. anthropic_upstream.py is the same for A
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 
@@ -26,12 +29,15 @@ from fastapi.responses import Response, StreamingResponse
 from .config import Provider
 from .errors import APIError
 from .openai.common import SSE_DONE, sse
+from .upstream_body import ACCEPT_ENCODING, Fault, decoded, parsed, read_capped, scrubbed
 
 log = logging.getLogger("headwise.serve")
 
 PATHS = {"chat": "/chat/completions", "completions": "/completions", "embeddings": "/embeddings"}
 SHAPE = {"chat": "choices", "completions": "choices", "embeddings": "data"}  # the list a 200 must have
 MAX_EVENT_BYTES = 1 << 20  # one SSE event; beyond this the upstream is not sending events
+MAX_ERROR_BYTES = 1 << 20  # an error body: its type / code / param are all we keep
+KEEPALIVE = b":\n\n"
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_.\[\]]{0,63}")  # context_length_exceeded, messages[0].content
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _LINE = re.compile(rb"\r\n|\n|\r")
@@ -50,26 +56,43 @@ def plain_fields(error, secret: str | None) -> dict:
     return out
 
 
-class Fault(Exception):
-    """The upstream answered 200 but not what it should have."""
-
-    def __init__(self, kind: str, what: str, code: str = "upstream_invalid_response", **fields):
-        super().__init__(what)
-        self.kind, self.what, self.code, self.fields = kind, what, code, fields
-
-
 class Events:
-    """SSE events from an upstream's bytes, each checked; yields them framed anew (data
-    lines only; comments and other fields become a bare `:` keep-alive)."""
+    """SSE events from an upstream's bytes, each checked and scrubbed of `secret`; yields them
+    framed anew (data lines only; comments and other fields become a bare `:` keep-alive)."""
 
     END = "data: [DONE]"  # what a whole stream ends with
 
     def __init__(self, chunks, secret: str | None):
         self.chunks, self.secret, self.buf, self.done = chunks, secret, b"", False
         self.event: dict | None = None
+        self.idle = self.end = self.heard = None
+
+    def deadlines(self, idle: float, total: float, start: float, where: str) -> None:
+        """From now on next() raises Fault when no event (a keep-alive is none) came for `idle`
+        seconds or `total` seconds passed since `start` (the loop's clock); `where` names the
+        settings ("[providers.x] ")."""
+        self.idle, self.total, self.end, self.where = idle, total, start + total, where
+        self.heard = asyncio.get_running_loop().time()
 
     async def next(self) -> bytes | None:
         """The next event, or None when the upstream's stream ends. Raises Fault."""
+        if self.idle is None:
+            return await self._read()
+        idle_end = self.heard + self.idle
+        try:
+            async with asyncio.timeout_at(min(idle_end, self.end)):
+                event = await self._read()
+        except TimeoutError:
+            if idle_end <= self.end:
+                what = f"sent no event for {self.idle:g} s ({self.where}idle_timeout)"
+            else:
+                what = f"did not end its stream within {self.total:g} s ({self.where}total_timeout)"
+            raise Fault("timeout", what, code="upstream_timeout") from None
+        if event != KEEPALIVE:
+            self.heard = asyncio.get_running_loop().time()
+        return event
+
+    async def _read(self) -> bytes | None:
         while True:
             m = _EVENT_END.search(self.buf)
             if m:
@@ -88,15 +111,12 @@ class Events:
     def _check(self, raw: bytes) -> bytes:
         data = [line[5:].removeprefix(b" ") for line in _LINE.split(raw) if line.startswith(b"data:")]
         if not data:
-            return b":\n\n"
+            return KEEPALIVE
         payload = b"\n".join(data)
         if payload.strip() == b"[DONE]":
             self.done = True
             return SSE_DONE
-        try:
-            event = json.loads(payload)
-        except ValueError:
-            raise Fault("invalid_json", "sent a stream event that is not JSON") from None
+        event = parsed(payload, "sent a stream event")
         if not isinstance(event, dict):
             raise Fault("invalid_json", "sent a stream event that is not a JSON object")
         self.event = event  # the parsed object, for a reader that looks inside (failover.py)
@@ -108,13 +128,17 @@ class Events:
                 code=fields.pop("code", "upstream_error"),
                 **fields,
             )
+        clean = scrubbed(payload, event, self.secret)
+        if clean is not payload:  # one data line: what it says, the key replaced
+            return b"data: " + clean + b"\n\n"
         return b"".join(b"data: " + d + b"\n" for d in data) + b"\n"
 
 
 class UpstreamTarget:
     """An OpenAI-compatible server; requests are forwarded with `model` renamed, answers
     checked and passed back (streams event for event). The timeout covers the wait for the
-    first byte (for a stream, its first event): for a non-streamed answer, the whole answer."""
+    first byte (for a stream, its first event): for a non-streamed answer, the whole answer;
+    after the first event, a stream has its provider's idle_timeout and total_timeout."""
 
     settles_streams = True  # a stream's outcome is known at its end: the gateway's settle(ok)
     takes_raw = True  # the client's body as sent, not our schema's validated copy (passthrough.py)
@@ -126,8 +150,8 @@ class UpstreamTarget:
 
     def _error(self, status: int, content: bytes, headers) -> APIError:
         try:
-            body = json.loads(content)
-        except ValueError:
+            body = parsed(content, "sent an error")
+        except Fault:  # too large, not JSON: the status alone says what happened
             body = None
         fields = plain_fields(body.get("error") if isinstance(body, dict) else None, self.provider.api_key)
         log.warning("upstream %s answered %d (%d bytes; its text is not relayed)", self.name, status, len(content))
@@ -174,14 +198,18 @@ class UpstreamTarget:
             metrics.fault(self.name, fault.kind)
         return APIError(status, f"upstream {self.name} {fault.what}", code=fault.code, **fault.fields)
 
-    def _checked(self, endpoint: str, content: bytes) -> bytes:
-        try:
-            answer = json.loads(content)
-        except ValueError:
-            raise Fault("invalid_json", "answered 200 with a body that is not JSON") from None
+    def _checked(self, endpoint: str, answer) -> None:
+        """Raises Fault when a 200's parsed JSON is not what `endpoint` promises."""
         if not isinstance(answer, dict) or not isinstance(answer.get(SHAPE[endpoint]), list):
             raise Fault("bad_shape", f"answered 200 with JSON that has no {SHAPE[endpoint]!r} list")
-        return content
+
+    async def _answer(self, endpoint: str, resp) -> bytes:
+        """A non-streamed 200's body: read under the cap, checked, scrubbed."""
+        setting = f"[providers.{self.provider.name}] max_response_bytes"
+        content = await read_capped(decoded(resp), self.provider.max_response_bytes, setting)
+        answer = parsed(content, "answered 200 with a body")
+        self._checked(endpoint, answer)
+        return scrubbed(content, answer, self.provider.api_key)
 
     # ---- what differs between the APIs an upstream may speak (anthropic_upstream.py) ----------
     def url(self, endpoint: str) -> str:
@@ -201,12 +229,13 @@ class UpstreamTarget:
     async def handle(self, endpoint: str, req, body: dict, request: Request, model: str, timeout, metrics, settle=None):
         """-> the answer. A stream reports how it ended through settle(ok); a client that
         hangs up reports nothing."""
-        limit = timeout or self.provider.timeout
+        limit = min(timeout or self.provider.timeout, self.provider.total_timeout)
+        start = asyncio.get_running_loop().time()
         upstream = self.client.build_request(
             "POST",
             self.url(endpoint),
             json={**body, "model": self.model},
-            headers=self.headers(request),
+            headers={**self.headers(request), "Accept-Encoding": ACCEPT_ENCODING},  # what decoded() reads
             timeout=httpx.Timeout(self.provider.timeout, connect=limit),
         )
         resp, streaming = None, False
@@ -214,16 +243,22 @@ class UpstreamTarget:
             async with asyncio.timeout(limit):  # until the first byte
                 resp = await self.client.send(upstream, stream=True)
                 if resp.status_code != 200:
-                    raise self._error(resp.status_code, await resp.aread(), resp.headers)
+                    try:
+                        content = await read_capped(decoded(resp), MAX_ERROR_BYTES, "an error body")
+                    except Fault:
+                        content = b""
+                    raise self._error(resp.status_code, content, resp.headers)
                 if not body.get("stream"):
-                    return Response(self._checked(endpoint, await resp.aread()), media_type="application/json")
-                events = self.events(resp.aiter_bytes())  # decoded: the upstream may gzip, our answer does not
+                    return Response(await self._answer(endpoint, resp), media_type="application/json")
+                events = self.events(decoded(resp))  # the upstream may gzip, our answer does not
                 head = [await events.next()]
-                while head[-1] == b":\n\n":
+                while head[-1] == KEEPALIVE:
                     head.append(await events.next())
                 if head[-1] is None:
                     raise Fault("truncated", "ended the stream before its first event")
                 streaming = True
+                p = self.provider
+                events.deadlines(p.idle_timeout, p.total_timeout, start, f"[providers.{p.name}] ")
         except Fault as f:
             raise self._fault(f, metrics) from None
         except TimeoutError:
