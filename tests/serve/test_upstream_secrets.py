@@ -147,6 +147,14 @@ def _upstream_app():
         if model in ("bomb", "bomb-500"):
             headers = {"content-encoding": "gzip"}
             return Response(BOMB, status_code=500 if model == "bomb-500" else 200, headers=headers)
+        if model in ("gzip", "deflate", "rawdeflate"):  # a real provider's compression: decoded as before
+            events = [_data(_chunk(t, pad=" " * 70_000)) for t in ("hel", "lo")] + [b"data: [DONE]\n\n"]
+            plain = b"".join(events) if body.get("stream") else json.dumps(_answer()).encode()
+            wbits = {"gzip": 31, "deflate": 15, "rawdeflate": -15}[model]
+            c = zlib.compressobj(6, zlib.DEFLATED, wbits)
+            media = "text/event-stream" if body.get("stream") else "application/json"
+            headers = {"content-encoding": model.removeprefix("raw")}
+            return Response(c.compress(plain) + c.flush(), media_type=media, headers=headers)
         if model in ("drip", "slow"):
             return StreamingResponse(drip(model == "slow"), media_type="text/event-stream")
         return JSONResponse(_answer())
@@ -170,7 +178,18 @@ def gw():
                 "fake": {
                     "base_url": upstream.url + "/v1",
                     "api_key_env": KEY_ENV,
-                    "models": ["ok", "echo", "huge", "bomb", "bomb-500", "drip", "slow"],
+                    "models": [
+                        "ok",
+                        "echo",
+                        "huge",
+                        "bomb",
+                        "bomb-500",
+                        "drip",
+                        "slow",
+                        "gzip",
+                        "deflate",
+                        "rawdeflate",
+                    ],
                     **limits,
                 },
                 "claude": {
@@ -287,6 +306,17 @@ def test_a_too_big_answer_is_a_502_naming_the_cap(gw, model):
     assert error["code"] == "upstream_too_large", error
     assert f"{CAP} bytes" in error["message"] and "max_response_bytes" in error["message"], error
     assert growth.mb < 50, f"{model}: resident memory grew {growth.mb:.0f} MB"
+
+
+@pytest.mark.parametrize("model", ["gzip", "deflate", "rawdeflate"])
+def test_compressed_answers_still_pass(gw, model):
+    """What real providers send (OpenAI gzips): decoded, each stream event over several zlib steps."""
+    oai = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=15)
+    answer = oai.chat.completions.create(model=f"fake/{model}", messages=MSG)
+    assert answer.choices[0].message.content == "hello"
+    chunks = list(oai.chat.completions.create(model=f"fake/{model}", messages=MSG, stream=True))
+    assert [c.choices[0].delta.content for c in chunks] == ["hel", "lo"]
+    assert chunks[0].model_extra["pad"] == " " * 70_000
 
 
 def test_a_bomb_in_an_error_body_is_bounded(gw):
