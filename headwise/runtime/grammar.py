@@ -224,24 +224,12 @@ class GrammarProcessor:
 
     def _banned(self, requests: Sequence, V: int | None) -> Tensor:
         """(R, V) bool: True where requests[i]'s grammar forbids the token next."""
-        R = len(requests)
-        V = V or self.llg_tok.vocab_size
-        with self._lock:
-            self._drop_finished()
-            ms = [self._matcher(r) for r in requests]
-            words = (self.llg_tok.vocab_size + 31) // 32
-            bits = torch.zeros(R, words, dtype=torch.int32)  # (R, V/32): bit t of the row = token t allowed
-            live = [(m, i) for i, m in enumerate(ms) if not m.is_error()]
-            if len(live) == 1:
-                m, i = live[0]
-                m.unsafe_compute_mask_ptr(bits[i].data_ptr(), words * 4)
-            elif live:  # every request's mask at once, across llguidance's threads
-                self._executor.unsafe_compute_mask_ptr(live, bits.data_ptr(), words * 4, R)
-        for i, m in enumerate(ms):
-            if m.is_error():  # the request took a token outside the grammar (cannot happen through the mask)
-                raise ValueError(f"the output left the grammar: {_first_line(m.get_error())}")
-        allowed = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")  # (R, words*32) 0/1
-        return self._pad(torch.from_numpy(allowed[:, :V]) == 0, V)  # one pass: uint8 -> bool
+        return banned_many([(self, requests)], V)[0]
+
+    @property
+    def batch_key(self) -> tuple:
+        """Processors with equal keys mask together (`banned_many`): grammars over one tokenizer."""
+        return ("llguidance", id(self.llg_tok))
 
     def _drop_finished(self) -> None:
         dead = [k for k, (ref, _, _) in self._matchers.items() if ref() is None]
@@ -257,3 +245,40 @@ class GrammarProcessor:
 
 def _first_line(msg: str) -> str:
     return msg.strip().splitlines()[0] if msg.strip() else msg
+
+
+def banned_many(groups: Sequence[tuple], V: int | None) -> list[Tensor]:
+    """[(GrammarProcessor, requests)] of processors over one tokenizer (equal `batch_key`) -> for each,
+    (len(requests), V) bool, True where that grammar forbids the token next: every mask of every
+    grammar in ONE llguidance executor call (across its threads), where a call per grammar was a
+    call per grammar per step (16 schemas in a batch: 16 calls)."""
+    procs = list({id(p): p for p, _ in groups}.values())
+    first = procs[0]
+    V = V or first.llg_tok.vocab_size
+    sizes = [len(reqs) for _, reqs in groups]
+    R, words = sum(sizes), (first.llg_tok.vocab_size + 31) // 32
+    locks = [p._lock for p in sorted(procs, key=id)]  # one order, so two callers never deadlock
+    for lock in locks:
+        lock.acquire()
+    try:
+        ms = []
+        for p in procs:
+            p._drop_finished()
+        for p, reqs in groups:
+            ms += [p._matcher(r) for r in reqs]
+        bits = torch.zeros(R, words, dtype=torch.int32)  # (R, V/32): bit t of the row = token t allowed
+        live = [(m, i) for i, m in enumerate(ms) if not m.is_error()]
+        if len(live) == 1:
+            m, i = live[0]
+            m.unsafe_compute_mask_ptr(bits[i].data_ptr(), words * 4)
+        elif live:  # every request's mask at once, across llguidance's threads
+            first._executor.unsafe_compute_mask_ptr(live, bits.data_ptr(), words * 4, R)
+    finally:
+        for lock in locks:
+            lock.release()
+    for m in ms:
+        if m.is_error():  # the request took a token outside the grammar (cannot happen through the mask)
+            raise ValueError(f"the output left the grammar: {_first_line(m.get_error())}")
+    allowed = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")  # (R, words*32) 0/1
+    banned = GrammarProcessor._pad(torch.from_numpy(allowed[:, :V]) == 0, V)  # one pass: uint8 -> bool
+    return list(banned.split(sizes))

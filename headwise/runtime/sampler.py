@@ -116,13 +116,29 @@ class Sampler:
         logits = raw.float()
         if logits is raw:
             logits = logits.clone()  # the processors below write in place; logprobs read raw
-        # 1. per-request processors, each once over the rows that carry it
+        # 1. per-request processors, each once over the rows that carry it; grammars over one tokenizer
+        # (equal batch_key) in one call for all their rows (grammar.banned_many)
         by_proc: dict[int, tuple[object, list[int]]] = {}
         for i in rows:
             for proc in params[i].logits_processors:
                 by_proc.setdefault(id(proc), (proc, []))[1].append(i)
+        together: dict[tuple, list] = {}
         for proc, idx in by_proc.values():
-            logits = _apply(logits, idx, lambda x, proc=proc, idx=idx: proc(x, [requests[i] for i in idx]))
+            key = getattr(proc, "batch_key", None)
+            if key is not None and getattr(proc, "_ahead", None) is None:  # a prefetched mask: its own call
+                together.setdefault(key, []).append((proc, idx))
+            else:
+                logits = _apply(logits, idx, lambda x, proc=proc, idx=idx: proc(x, [requests[i] for i in idx]))
+        for group in together.values():
+            if len(group) == 1:
+                ((proc, idx),) = group
+                logits = _apply(logits, idx, lambda x, proc=proc, idx=idx: proc(x, [requests[i] for i in idx]))
+                continue
+            from .grammar import banned_many
+
+            masks = banned_many([(proc, [requests[i] for i in idx]) for proc, idx in group], logits.shape[1])
+            for (_, idx), banned in zip(group, masks):
+                logits = _apply(logits, idx, lambda x, banned=banned: x.masked_fill_(banned, float("-inf")))
         # 2. logit_bias: one scatter-add over every biased row
         biased = [i for i in rows if params[i].logit_bias]
         if biased:

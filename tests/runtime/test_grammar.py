@@ -210,3 +210,23 @@ def test_masks_computed_during_the_forward_are_the_masks(smollm2_fp32, monkeypat
     assert torch.equal(proc(torch.zeros(2, V), [r1, r2]), want)  # r2 was not prefetched: computed
     proc.prefetch([r2, r1])
     assert torch.equal(proc(torch.zeros(2, V), [r1, r2]), want)  # prefetched in another order
+
+
+def test_several_grammars_mask_in_one_call_as_each_alone(smollm2_fp32):
+    """The sampler hands every grammar of a step to llguidance in one call (grammar.banned_many):
+    each row's mask is the mask its own processor computes alone."""
+    V = smollm2_fp32.config.vocab_size
+    procs = [grammar_processor(smollm2_fp32.tokenizer, schema_format(item), vocab_size=V) for item in SCHEMAS[:3]]
+    assert len({p.batch_key for p in procs}) == 1
+
+    class Req:
+        def __init__(self, out):
+            self.output_token_ids = out
+
+    enc = smollm2_fp32.tokenizer.encode
+    groups = [(procs[0], [Req([]), Req(enc('{"', add_special_tokens=False))]), (procs[1], [Req([])]), (procs[2], [])]
+    together = grammar.banned_many(groups, V)
+    alone = [p(torch.zeros(len(reqs), V), reqs) == float("-inf") for p, reqs in groups]
+    assert [m.shape for m in together] == [(2, V), (1, V), (0, V)]
+    assert all(torch.equal(a, b) for a, b in zip(together, alone))
+    assert not torch.equal(together[0][0], together[0][1])
