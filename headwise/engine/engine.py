@@ -275,7 +275,8 @@ class Engine(Frontends):
                 r.first_token_at = now
                 self._ttft.append(now - r.group.arrival)
             else:
-                self._itl.append(now - r.last_token_at)
+                gap = (now - r.last_token_at) / len(taken)  # a drafted step's tokens share its interval
+                self._itl.extend([gap] * len(taken))
             r.last_token_at = now
             lps = [lp for _, lp in taken]
             piece = StreamPiece(
