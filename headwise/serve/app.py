@@ -34,11 +34,12 @@ from .errors import APIError
 from .gateway import Gateway
 from .local import LocalRuntime, Loader, default_loader, load_all
 from .metrics import Metrics
+from . import models_api
 from .openai import responses as responses_api
 from .middleware import ApiKeyAuth, BodySizeLimit, install_log_filters
 from .passthrough import documented, read
 from .tensor_parallel import check as check_tensor_parallel
-from .schemas import ERRORS, ChatCompletion, ChatCompletionChunk, Completion, EmbeddingResponse, ModelList, sse_docs
+from .schemas import ERRORS, ChatCompletion, ChatCompletionChunk, Completion, EmbeddingResponse, sse_docs
 
 log = logging.getLogger("headwise.serve")
 
@@ -151,24 +152,11 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.get("/v1/models", response_model=ModelList, responses={401: ERRORS[401]})
-    async def list_models():
-        data = []
-        for name, owner in state.gateway.names():
-            entry = {"id": name, "object": "model", "created": state.started, "owned_by": owner}
-            rt = state.runtimes.get(name)
-            if rt is not None:  # local: loading | ready | failed (+ why)
-                entry["status"] = rt.state
-                if rt.state == "failed":
-                    entry["error"] = rt.error
-                card = rt.card()
-                if card is not None:  # an extension field: OpenAI clients keep it as an extra
-                    entry["headwise"] = card
-            data.append(entry)
-        return JSONResponse({"object": "list", "data": data})
+    models_api.install(app, state)  # GET /v1/models, /v1/models/{id}
 
     async def dispatch(endpoint: str, request: Request, req=None):
-        req = req or await read(request, endpoint)  # the body as sent: JSON, `model`, `stream` checked
+        # the body as sent: JSON, `model` (the one served, if none is named), `stream` checked
+        req = req or models_api.read_body(state, await request.body(), endpoint)
         known = req.model in config.model_names()
         try:
             resp = await state.gateway.dispatch(endpoint, req, request)
@@ -250,7 +238,12 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
     # touches a response's body: streamed chunks may bypass `send` (direct.py), so a middleware
     # that rewrites bodies (compression) would need DirectWriter off.
     app.add_middleware(BodySizeLimit, max_bytes=config.server.max_body_bytes)
-    app.add_middleware(ApiKeyAuth, keys=config.server.keys(), protect_metrics=protect_metrics)
+    app.add_middleware(
+        ApiKeyAuth,
+        keys=config.server.keys(),
+        protect_metrics=protect_metrics,
+        accept_resume=config.server.accept_resume,
+    )
     return app
 
 

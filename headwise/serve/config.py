@@ -41,6 +41,7 @@ __all__ = ["ConfigError", "Provider", "ReplicaSet", "LocalModel", "Route", "Targ
 
 CACHE_KINDS = ("paged", "int8")  # the engine's block pool, fp32/model dtype or int8 K/V
 METRICS_AUTH = ("auto", "always", "never")
+ACCEPT_RESUME = ("keyed", "always", "never")  # [server] accept_resume (middleware.ApiKeyAuth)
 
 
 # [models.NAME] keys that are the engine's limits (EngineConfig fields; its kv_dtype comes from `cache`)
@@ -155,6 +156,9 @@ class ServerSettings:
     body_timeout: float = 60.0
     metrics_auth: str = "auto"  # /metrics needs a key: auto (with keys, beyond loopback) | always | never
     direct_streams: bool = True  # a one-choice stream's chunks written by the engine's thread (direct.py)
+    # who may send headwise.resume (a gateway moving a stream here from a dead replica): keyed (a
+    # request with one of the API keys) | always (replicas on a private network, no keys) | never
+    accept_resume: str = "keyed"
 
     def __post_init__(self):
         if not isinstance(self.direct_streams, bool):
@@ -162,6 +166,10 @@ class ServerSettings:
         for key in ("header_timeout", "body_timeout"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"[server] {key} must be > 0 seconds, got {getattr(self, key)}")
+        if self.accept_resume not in ACCEPT_RESUME:
+            raise ConfigError(
+                f"[server] accept_resume = {self.accept_resume!r}; choose one of {', '.join(ACCEPT_RESUME)}"
+            )
         if self.metrics_auth not in METRICS_AUTH:
             raise ConfigError(f"[server] metrics_auth = {self.metrics_auth!r}; choose one of {', '.join(METRICS_AUTH)}")
 

@@ -19,6 +19,8 @@ too (the resumed request skips the random draws already made); unseeded sampling
 from the same text but draws afresh. One completion per stream only: n > 1 and a batch of
 prompts end with an error event, as before. The replicas are headwise servers configured here,
 so their error messages are passed on (an upstream provider's never are: upstream.py).
+A replica accepts `resume` only from a request with its key ([server] accept_resume); the
+gateway passes on a client's own `resume` only where it would accept it itself.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from .config import ReplicaSet
 from .errors import APIError
-from .openai.common import SSE_DONE, sse
+from .openai.common import SSE_DONE, require_peer, sse
 from .replicas import Replica, ReplicaPool, affinity_key
 from .upstream import PATHS, Events, Fault
 
@@ -220,6 +222,8 @@ class ReplicaTarget:
         stream = bool(body.get("stream")) and endpoint != "embeddings"
         key = affinity_key(endpoint, body, self.spec.affinity_chars)
         own = dict(body.get("headwise") or {})
+        if own.get("resume") is not None:  # the replica trusts our key: pass on only what we would accept
+            require_peer()
         send = {**body, "model": self.model}
         if stream:
             send["headwise"] = {**own, "token_ids": True}

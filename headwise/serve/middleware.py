@@ -7,28 +7,62 @@ messages pass through untouched.
 
 from __future__ import annotations
 
+import contextvars
 import hmac
 import json
 import logging
 import re
+import urllib.parse
 
 from .errors import APIError, body_for
 
 OPEN_PATHS = ("/health", "/metrics", "/docs", "/redoc", "/openapi.json")
-SECRET_PARAM = re.compile(r"key|token|secret|passw|pwd|auth|credential|signature", re.IGNORECASE)
-_QUERY = re.compile(r"\?([^\s\"'#]*)")
+# a parameter name holding any of these is a secret (api_key, X-Amz-Signature, session_id, id_token) ...
+SECRET_PARAM = re.compile(
+    r"key|token|secret|passw|pwd|auth|credential|signature|session|bearer|jwt|cookie", re.IGNORECASE
+)
+# ... and so is one whose name has one of these as a word (sig=, sid=, code= of OAuth, otp=)
+SECRET_WORDS = frozenset(("sig", "sid", "code", "otp", "sas", "pin"))
+# the query runs to the end of the URL: quotes and other punctuation are part of it
+# (`?api_key="sk-1"` once left the key after the quote in the log)
+_QUERY = re.compile(r"\?([^\s#]*)")
+
+# Whether this request may use headwise's internal request fields (headwise.resume): set by
+# ApiKeyAuth from [server] accept_resume, read by the endpoints (openai/common.py require_peer).
+PEER: contextvars.ContextVar[bool] = contextvars.ContextVar("headwise_peer", default=False)
+
+
+def _unquoted(text: str) -> str:
+    """URL-decoded until it no longer changes (twice-encoded names too), at most 3 rounds."""
+    for _ in range(3):
+        plain = urllib.parse.unquote_plus(text)
+        if plain == text:
+            break
+        text = plain
+    return text
+
+
+def secret_name(name: str) -> bool:
+    name = _unquoted(name)
+    return bool(SECRET_PARAM.search(name)) or any(w in SECRET_WORDS for w in re.split(r"[^a-z0-9]+", name.lower()))
 
 
 def redact_query(text: str) -> str:
     """'/v1/models?api_key=sk-1&limit=3' -> '/v1/models?api_key=[redacted]&limit=3': the value of
-    every query parameter whose name looks like a credential (key, token, secret, password, ...)."""
+    every query parameter whose name looks like a credential (secret_name), however its name is
+    encoded (api%5Fkey) and whatever its value holds (quotes, an encoded '=': api_key%3Dsk-1)."""
 
     def params(m: re.Match) -> str:
         parts = []
-        for part in m.group(1).split("&"):
+        for part in re.split(r"([&;])", m.group(1)):
+            if part in ("&", ";"):
+                parts.append(part)
+                continue
             name, eq, _ = part.partition("=")
-            parts.append(f"{name}=[redacted]" if eq and SECRET_PARAM.search(name) else part)
-        return "?" + "&".join(parts)
+            if not eq:  # the '=' itself may be encoded
+                name, eq, _ = _unquoted(part).partition("=")
+            parts.append(f"{_unquoted(name)}=[redacted]" if eq and secret_name(name) else part)
+        return "?" + "".join(parts)
 
     return _QUERY.sub(params, text) if "?" in text else text
 
@@ -133,12 +167,19 @@ class ApiKeyAuth:
     """Bearer keys, compared in constant time (hmac.compare_digest, against every key,
     so timing reveals neither a key nor which one matched). Keys are never logged:
     the error says only that the key is missing or wrong. Anthropic's clients send the key
-    as `x-api-key: <key>` instead: taken when there is no Authorization header."""
+    as `x-api-key: <key>` instead: taken when there is no Authorization header.
 
-    def __init__(self, app, keys: tuple[str, ...], protect_metrics: bool = False):
+    accept_resume ([server] accept_resume) says who may send headwise.resume, the gateway's field
+    for moving a stream between replicas (failover.py), which makes the server read the ids sent
+    as output so far and replay a seed's draws: "keyed" (default) a request with one of the keys
+    (the gateway's [replicas] api_key_env), so a server without keys refuses it; "always" anyone
+    (replicas on a private network without keys); "never" no one."""
+
+    def __init__(self, app, keys: tuple[str, ...], protect_metrics: bool = False, accept_resume: str = "keyed"):
         self.app = app
         self.keys = [k.encode() for k in keys]
         self.open_paths = tuple(p for p in OPEN_PATHS if not (protect_metrics and p == "/metrics"))
+        self.accept_resume = accept_resume
 
     def _ok(self, given: bytes) -> bool:
         match = False
@@ -147,7 +188,10 @@ class ApiKeyAuth:
         return match
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not self.keys or scope["path"] in self.open_paths:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        PEER.set(self.accept_resume == "always")  # this request's task only
+        if not self.keys or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         auth = headers.get(b"authorization", b"")
@@ -161,5 +205,6 @@ class ApiKeyAuth:
         elif not self._ok(token.strip()):
             err = APIError(401, "invalid API key", code="invalid_api_key")
         else:
+            PEER.set(self.accept_resume != "never")
             return await self.app(scope, receive, send)
         await _send_error(send, err, [(b"www-authenticate", b"Bearer")], scope["path"])

@@ -3,7 +3,9 @@
 Requests forbid unknown fields: a typo ("max_token") or a field that tries to point
 the server elsewhere ("base_url") is a 400 naming it, not silently ignored. Bounds
 live in the fields, so /openapi.json states them and FastAPI enforces them. Tools and
-tool_choice: docs/tools.md; response_format: docs/structured-outputs.md; bookkeeping fields (user, metadata, store) are accepted and ignored.
+tool_choice: docs/tools.md; response_format: docs/structured-outputs.md; bookkeeping fields (user, metadata, store,
+prompt_cache_key, safety_identifier, verbosity, modalities ["text"]) are accepted and ignored;
+reasoning_effort only as "none".
 Types are strict, as OpenAI's are: `"logprobs": "yes"` or `"max_tokens": "5"` is a 400 naming
 the field, not coerced (a number field still takes an integer: 1 for 1.0). Responses are
 declared for the docs and schema checks; handlers build plain dicts.
@@ -65,6 +67,10 @@ class SamplingFields(Strict):
     # token id (a string, as JSON keys are) -> bias; ids are checked against the model's vocabulary
     logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None
     user: Optional[str] = None
+    # OpenAI's bookkeeping, accepted and ignored: they do not change the answer (a prompt cache
+    # here is keyed by the prompt's tokens; abuse reports are the operator's)
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
     # vLLM-style extensions
     top_k: Optional[Annotated[int, Field(ge=0)]] = None
     min_p: Optional[Annotated[float, Field(ge=0, le=1)]] = None
@@ -166,6 +172,12 @@ class ChatCompletionRequest(SamplingFields):
     metadata: Optional[dict[str, str]] = None
     store: Optional[bool] = None
     service_tier: Optional[str] = None
+    # accepted and ignored: text is the only output modality ("audio" is a 400 naming it), and
+    # verbosity is a hint to reasoning models (gpt-5), which the served models are not
+    modalities: Optional[list[Literal["text"]]] = None
+    verbosity: Optional[Literal["low", "medium", "high"]] = None
+    # changes a reasoning model's answer: only "none" is served (openai/common.py reject_unsupported)
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = None
 
 
 # ---------------------------------------------------------------- completions

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import functools
 import json
 import logging
 import uuid
 
 from ..errors import APIError
+from ..middleware import PEER
 from ..schemas import SamplingFields
 
 log = logging.getLogger("headwise.serve")
@@ -24,8 +26,10 @@ _CPU = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="
 
 
 async def off_loop(fn, *args, **kwargs):
-    """fn(*args, **kwargs) on a worker thread; its exceptions (APIError included) re-raised here."""
-    return await asyncio.get_running_loop().run_in_executor(_CPU, functools.partial(fn, *args, **kwargs))
+    """fn(*args, **kwargs) on a worker thread, in this request's context (middleware.PEER); its
+    exceptions (APIError included) re-raised here."""
+    call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(_CPU, call)
 
 
 def check_chars(texts, limit: int, param: str) -> None:
@@ -59,8 +63,19 @@ SAMPLING_EPS = 1e-5
 
 
 def reject_unsupported(req: SamplingFields, extra: dict | None = None) -> None:
-    """Fields we accept only at their neutral value: say so instead of ignoring them."""
-    for param, (ok, message) in (extra or {}).items():
+    """Fields we accept only at their neutral value: say so instead of ignoring them.
+    reasoning_effort changes what a reasoning model answers; no model served here reasons, so
+    only "none" is neutral (OpenAI answers the same 400 for a model that does not reason)."""
+    effort = getattr(req, "reasoning_effort", None)
+    extra = {
+        **(extra or {}),
+        "reasoning_effort": (
+            effort in (None, "none"),
+            f"reasoning_effort={effort!r} is not supported: the models served here do not reason, to them it "
+            'is an unknown field; omit it or send "none"',
+        ),
+    }
+    for param, (ok, message) in extra.items():
         if not ok:
             raise APIError(400, message, param=param, code="unsupported_parameter")
 
@@ -171,6 +186,7 @@ def resume_of(req: SamplingFields, prompts: list[list[int]], vocab: int, request
     hw = req.headwise
     if hw is None or hw.resume is None:
         return None, requested
+    require_peer()
     from ...runtime.output import Resume
 
     ids = hw.resume.token_ids
@@ -190,6 +206,20 @@ def resume_of(req: SamplingFields, prompts: list[list[int]], vocab: int, request
                 param="max_tokens",
             )
     return Resume(tuple(ids), hw.resume.text_chars), left
+
+
+def require_peer() -> None:
+    """headwise.resume is for a gateway's replicas only ([server] accept_resume, middleware.py):
+    400 for anyone else. It costs the server work a client should not be able to ask for (the
+    ids are read as output so far, a seed's draws replayed)."""
+    if not PEER.get():
+        raise APIError(
+            400,
+            "headwise.resume is internal to headwise's replica failover; this server accepts it only from "
+            "a request with one of its API keys ([server] accept_resume); remove it",
+            param="headwise.resume",
+            code="internal_field",
+        )
 
 
 def tokenize(tok, text: str, *, special: bool = True) -> list[int]:

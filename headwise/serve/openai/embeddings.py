@@ -1,5 +1,6 @@
 """POST /v1/embeddings on a local encoder: headwise.embed (mean pooled, L2-normalized,
-truncated to the model's max_seq_length as sentence-transformers does).
+truncated to the model's max_seq_length as sentence-transformers does). Input is text or token
+ids (the model's own: `token_inputs`).
 
 Bounded as OpenAI bounds it: at most 2,048 inputs, none longer than the model's positions
 (a 400 naming the input, not a silent cut), at most max_embedding_tokens in all. The model
@@ -16,15 +17,32 @@ from fastapi.responses import Response
 
 from ..errors import APIError
 from ..schemas import EmbeddingRequest
-from .common import check_chars, off_loop, tokenize_many
+from .common import check_chars, check_ids, off_loop, tokenize_many
 from .streams import until_disconnect
+
+
+MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
+
+
+def token_inputs(runtime, given) -> list[list[int]]:
+    """Token-id input (one list of ids, or a list of them: what LangChain's OpenAIEmbeddings
+    sends) -> the ids, checked against this model's vocabulary. The ids are read
+    as this model's own, as vLLM and llama-server read them (LangChain counts with tiktoken's
+    unless told `check_embedding_ctx_length=False`, which sends text instead)."""
+    items = [given] if isinstance(given[0], int) else given
+    if len(items) > MAX_INPUTS:
+        raise APIError(400, f"input has {len(items):,} token lists; at most {MAX_INPUTS:,} per request", param="input")
+    vocab = runtime.model.config.vocab_size
+    for i, ids in enumerate(items):
+        check_ids(ids, vocab, "input" if items is not given else f"input[{i}]")
+    return [list(ids) for ids in items]
 
 
 async def create(runtime, req: EmbeddingRequest, model: str, request: Request, *, timeout=None, metrics=None):
     runtime.require("embed", "/v1/embeddings")
-    texts = [req.input] if isinstance(req.input, str) else req.input
-    if not all(isinstance(t, str) for t in texts):
-        raise APIError(400, "token-id input is not supported for embeddings here; send text", param="input")
+    text = isinstance(req.input, str) or isinstance(req.input[0], str)
+    given = None if text else await off_loop(token_inputs, runtime, req.input)  # 2,048 x 512 ids to check
+    texts = given or ([req.input] if isinstance(req.input, str) else req.input)
     width = runtime.model.config.d_model
     if req.dimensions is not None and req.dimensions != width:
         raise APIError(
@@ -32,12 +50,14 @@ async def create(runtime, req: EmbeddingRequest, model: str, request: Request, *
             f"{model} gives {width}-dimensional embeddings; dimensions={req.dimensions} is not supported (omit it)",
             param="dimensions",
         )
-    check_chars(texts, runtime.spec.max_input_chars, "input")
-    ids = await off_loop(tokenize_many, runtime.tokenizer, texts)
+    if given is None:
+        check_chars(texts, runtime.spec.max_input_chars, "input")
+    ids = given or await off_loop(tokenize_many, runtime.tokenizer, texts)
     positions = runtime.max_model_len
     for i, t in enumerate(ids):
         if len(t) > positions:
-            where = f"input[{i}]" if len(texts) > 1 or not isinstance(req.input, str) else "input"
+            one = isinstance(req.input, str) or isinstance(req.input[0], int)
+            where = "input" if one else f"input[{i}]"
             raise APIError(
                 400,
                 f"{where} has {len(t)} tokens; {model} takes at most {positions} tokens per input. Shorten or split it",
