@@ -168,7 +168,13 @@ class LocalRuntime:
         from ..engine import QueueFull
 
         engine = self.engine
-        gen = engine.stream(prompt, sampling, request_id=request_id, resume=resume, direct=direct)
+        if resume is not None and sampling.seed is not None and not sampling.greedy:
+            # the engine replays the seed's draws for the ids sent (runtime/sampling.py skip_draws):
+            # 8,100 ids held this loop, /health and every stream, 8.7 s. Queued from a loop of its
+            # own instead; direct writes off (their order rests on this loop reading every piece)
+            gen = _on_own_loop(lambda: engine.stream(prompt, sampling, request_id=request_id, resume=resume))
+        else:
+            gen = engine.stream(prompt, sampling, request_id=request_id, resume=resume, direct=direct)
         try:
             while True:
                 try:
@@ -278,6 +284,42 @@ class LocalRuntime:
         if self.engine is None or self.state != "ready":
             return {}
         return self.engine.stats().as_dict()
+
+
+async def _on_own_loop(make: Callable[[], AsyncIterator]) -> AsyncIterator:
+    """The items of the async iterator make() returns, which runs on an event loop of its own in a
+    worker thread (for what would hold this loop); its exception is raised here. Once this
+    generator is closed, the worker stops at the next item (closing make()'s iterator)."""
+    loop, queue, stop, end = asyncio.get_running_loop(), asyncio.Queue(), threading.Event(), object()
+
+    def hand(item, error=None) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, (item, error))
+        except RuntimeError:  # the server's loop is closed: no one reads any more
+            stop.set()
+
+    async def drain() -> None:
+        try:
+            async for item in make():
+                hand(item)
+                if stop.is_set():
+                    break  # leaving the loop closes make()'s iterator (an engine stream: aborted)
+        except BaseException as e:  # QueueFull, ValueError, an engine failure: the reader's to map
+            hand(end, e)
+            return
+        hand(end)
+
+    threading.Thread(target=asyncio.run, args=(drain(),), name="headwise-own-loop", daemon=True).start()
+    try:
+        while True:
+            item, error = await queue.get()
+            if item is end:
+                if error is not None:
+                    raise error
+                return
+            yield item
+    finally:
+        stop.set()
 
 
 def load_all(

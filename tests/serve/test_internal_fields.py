@@ -4,7 +4,10 @@ API keys), and a gateway never lends its replica key to a client's resume. Secre
 strings never reach the access log, however they are quoted or encoded."""
 
 import asyncio
+import json
 import logging
+import threading
+import time
 import urllib.parse
 
 import httpx
@@ -132,3 +135,51 @@ def test_a_quoted_key_never_reaches_the_access_log(gateway_factory):
         asyncio.run(asyncio.sleep(0.05))
     logged = LOG.getvalue()[start:]
     assert "/v1/models?" in logged and "limit=3" in logged and SECRET not in logged
+
+
+def _stream_ids(url: str, body: dict) -> list[int]:
+    """A streamed completion's token ids (headwise.token_ids: the replicas' own extension)."""
+    ids = []
+    hw = {**body.get("headwise", {}), "token_ids": True}
+    with httpx.stream("POST", url, json={**body, "stream": True, "headwise": hw}, headers=auth(), timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                ids += (json.loads(line[6:]).get("headwise") or {}).get("token_ids", [])
+    return ids
+
+
+def test_a_seeded_resume_draws_what_the_whole_run_drew(main):
+    """Seeded sampling resumed after k ids goes on as the uninterrupted run (the draws replayed,
+    now on a loop of the resume's own: serve/local.py)."""
+    url = main.url + "/v1/completions"
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 7}
+    full = _stream_ids(url, body)
+    rest = _stream_ids(url, {**body, **_resume(full[:5])})
+    assert len(full) == 12 and full[:5] + rest == full
+
+
+def test_a_long_seeded_resume_does_not_hold_the_loop(main):
+    """1,500 ids and a seed: the engine replays 1,500 draws over SmolLM2's 49,152 ids (~1.5 s of
+    CPU) before the request is queued; /health keeps answering meanwhile."""
+    body = {
+        "model": "smollm2",
+        "prompt": "Hi",
+        "max_tokens": 1502,
+        "temperature": 1.0,
+        "seed": 3,
+        **_resume([42] * 1500),
+    }
+    done = []
+    worker = threading.Thread(
+        target=lambda: done.append(httpx.post(main.url + "/v1/completions", json=body, headers=auth(), timeout=120))
+    )
+    worker.start()
+    slowest = 0.0
+    while worker.is_alive():
+        t0 = time.perf_counter()
+        assert httpx.get(main.url + "/health", timeout=30).status_code == 200
+        slowest = max(slowest, time.perf_counter() - t0)
+        time.sleep(0.02)
+    assert done[0].status_code == 200, done[0].text
+    assert slowest < 0.5, f"/health took {slowest:.2f} s while the resume was queued"
