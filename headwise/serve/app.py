@@ -37,7 +37,8 @@ from .metrics import Metrics
 from . import models_api
 from .openai import responses as responses_api
 from .middleware import ApiKeyAuth, BodySizeLimit, install_log_filters
-from .passthrough import documented, read
+from .openai.common import require_peer
+from .passthrough import Incoming, documented, read
 from .tensor_parallel import check as check_tensor_parallel
 from .schemas import ERRORS, ChatCompletion, ChatCompletionChunk, Completion, EmbeddingResponse, sse_docs
 
@@ -157,6 +158,9 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
     async def dispatch(endpoint: str, request: Request, req=None):
         # the body as sent: JSON, `model` (the one served, if none is named), `stream` checked
         req = req or models_api.read_body(state, await request.body(), endpoint)
+        internal = req.raw.get("headwise") if isinstance(req, Incoming) else None
+        if isinstance(internal, dict) and internal.get("resume") is not None:
+            require_peer()  # before any target: a provider or replica would take it on our key
         known = req.model in config.model_names()
         try:
             resp = await state.gateway.dispatch(endpoint, req, request)

@@ -25,11 +25,14 @@ SECRET = "s3cr3t-0f-the-query-9d1c"
 
 @pytest.fixture(scope="module")
 def gw(tiny_dir, main):
-    """No API keys of its own; a local tiny model; `main` as its replica set, behind main's key."""
+    """No API keys of its own; a local tiny model; `main` as its replica set and as a provider,
+    behind main's key."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(KEY_ENV, MAIN_KEY)
         pool = {"urls": [main.url], "models": ["tiny"], "api_key_env": KEY_ENV, "health_interval": 0.2}
+        up = {"base_url": main.url + "/v1", "models": ["tiny"], "api_key_env": KEY_ENV}  # main as a provider
         config = {
+            "providers": {"up": up},
             "server": {"api_key_env": ""},
             "models": {"tiny": {"source": str(tiny_dir)}},
             "replicas": {"pool": pool},
@@ -46,12 +49,12 @@ def _resume(ids):
 BODY = {"prompt": "Hello there", "max_tokens": 4, "temperature": 0}
 
 
-@pytest.mark.parametrize("model", ["tiny", "pool/tiny"])
+@pytest.mark.parametrize("model", ["tiny", "pool/tiny", "up/tiny"])
 def test_a_client_without_a_key_cannot_resume(gw, model):
     ok = httpx.post(gw.url + "/v1/completions", json={**BODY, "model": model}, timeout=60)
     assert ok.status_code == 200, ok.text  # the target serves
     r = httpx.post(gw.url + "/v1/completions", json={**BODY, "model": model, **_resume([42] * 3)}, timeout=60)
-    assert r.status_code == 400, r.text  # pool/tiny: not sent on with the gateway's key to main
+    assert r.status_code == 400, r.text  # pool/tiny, up/tiny: not sent on with the gateway's key to main
     err = r.json()["error"]
     assert err["param"] == "headwise.resume" and err["code"] == "internal_field"
     assert "accept_resume" in err["message"]
