@@ -6,10 +6,13 @@ ImmutableSandboxedEnvironment (no `_`-prefixed attributes, so no `__class__`/`__
 escapes; no mutation of lists and dicts; no loader, so no `{% import %}`/`{% include %}` of
 files), sees only plain JSON-like data (`_plain`), and runs on a budget (`Limits`): every loop
 item, call and attribute look-up is a step, checked against a step count and a wall-clock
-deadline; sequence repetition, `**`, `%`-formatting and big integer arguments are refused before
-they allocate; the output stops at a size limit. A template over its budget raises
-`ChatTemplateError` naming the limit. The helpers HF templates call are there: raise_exception,
-strftime_now, tojson, namespace, dict, loop controls and `{% generation %}` blocks.
+deadline; sequence repetition, `**`, `%`-formatting, `+`/`~` concatenation and big integer
+arguments are refused before they allocate; what a render builds in all is counted (many strings,
+each under the limit, are memory too); macro calls nest at most `Limits.depth` deep; the output
+stops at a size limit. A template over its budget, or failing, raises a one-line `ChatTemplateError`
+naming the limit or the fault and the template's file (`TemplateText.source`, `source=`). The
+helpers HF templates call are there: raise_exception, strftime_now, tojson, namespace, dict, loop
+controls and `{% generation %}` blocks.
 """
 
 from __future__ import annotations
@@ -28,6 +31,18 @@ class ChatTemplateError(ValueError):
     """The chat template refused the conversation (its `raise_exception`), failed, or ran over its budget."""
 
 
+class TemplateText(str):
+    """A template's text that knows the file it came from (read_gguf makes the GGUF's templates so),
+    so that its errors name the file wherever the text is rendered."""
+
+    source: str | None = None
+
+    def __new__(cls, text: str, source: str | None = None):
+        self = super().__new__(cls, text)
+        self.source = source
+        return self
+
+
 @dataclass(frozen=True)
 class Limits:
     """What one render may spend. A real template renders a long conversation in a few thousand
@@ -36,6 +51,9 @@ class Limits:
     steps: int = 2_000_000  # loop items + calls + attribute/item look-ups
     seconds: float = 5.0
     output_chars: int = 8_000_000  # also caps any one string or list a template builds
+    built_chars: int = 64_000_000  # all the strings and lists it builds, together: 8x the largest output
+    depth: int = 64  # macro calls inside macro calls (a template's own recursion stays far under)
+    format_chars: int = 200  # strftime_now's format: real ones are "%d %b %Y"; '%c' expands 12x
 
 
 DEFAULT_LIMITS = Limits()
@@ -47,12 +65,16 @@ def render_chat_template(
     *,
     add_generation_prompt: bool = True,
     limits: Limits = DEFAULT_LIMITS,
+    source: str | None = None,
     **context: Any,
 ) -> str:
     """The conversation as text; context: the special tokens and whatever else the template reads
-    (tools=..., documents=..., enable_thinking=...)."""
+    (tools=..., documents=..., enable_thinking=...). source: the template's file, for errors
+    (default: `template.source` of a TemplateText)."""
     import jinja2
 
+    where = source or getattr(template, "source", None)
+    where = f"chat template of {where}" if where else "chat template"
     data = {k: _plain(v) for k, v in context.items()}
     budget = _Budget(limits)
     token = _BUDGET.set(budget)
@@ -68,11 +90,13 @@ def render_chat_template(
             parts.append(piece)
         return "".join(parts)
     except _Refused as e:
-        raise ChatTemplateError(f"chat template stopped: {e} (headwise.models.chat_template.Limits)") from None
-    except jinja2.TemplateError as e:
-        raise ChatTemplateError(f"chat template failed: {e}") from e
-    except (ArithmeticError, RecursionError, MemoryError, TypeError, ValueError, LookupError) as e:
-        raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
+        raise ChatTemplateError(f"{where} stopped: {e} (headwise.models.chat_template.Limits)") from None
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"{where} does not parse: {_line(e.message)} (line {e.lineno})") from None
+    except jinja2.TemplateError as e:  # raise_exception's message, a sandbox refusal, an undefined name
+        raise ChatTemplateError(f"{where} failed: {_line(e.message)}") from None
+    except Exception as e:  # noqa: BLE001 -- untrusted code: whatever it raises is its failure, in one line
+        raise ChatTemplateError(f"{where} failed: {type(e).__name__}: {_line(str(e))}") from None
     finally:
         _BUDGET.reset(token)
 
@@ -89,6 +113,12 @@ def template_variables(template: str) -> set[str]:
         return set()
 
 
+def _line(message: str | None, cap: int = 300) -> str:
+    """A message the template may have written (raise_exception's): one line, of bounded length."""
+    text = " ".join(str(message or "").split())
+    return text if len(text) <= cap else text[:cap] + f"... ({len(text)} characters)"
+
+
 class _Refused(Exception):
     """The template ran over its budget (not a TemplateError, so `{% try %}`-like tricks cannot hide it)."""
 
@@ -97,6 +127,8 @@ class _Budget:
     def __init__(self, limits: Limits):
         self.limits = limits
         self.steps = 0
+        self.built = 0  # items of the strings and lists made so far (Limits.built_chars)
+        self.depth = 0  # calls in progress (Limits.depth)
         self.deadline = time.monotonic() + limits.seconds
 
     def step(self, n: int = 1) -> None:
@@ -107,8 +139,13 @@ class _Budget:
             raise _Refused(f"longer than {self.limits.seconds} s")
 
     def size(self, value: Any) -> Any:
-        if isinstance(value, (str, list, tuple, dict)) and len(value) > self.limits.output_chars:
-            raise _Refused(f"a value of {len(value)} items passed {self.limits.output_chars}")
+        """A value the template made: refused past the one-value limit, counted towards all it built."""
+        if isinstance(value, (str, list, tuple, dict)):
+            if len(value) > self.limits.output_chars:
+                raise _Refused(f"a value of {len(value)} items passed {self.limits.output_chars}")
+            self.built += len(value)
+            if self.built > self.limits.built_chars:
+                raise _Refused(f"the strings and lists it built passed {self.limits.built_chars} items in all")
         return value
 
 
@@ -207,13 +244,17 @@ def _environment():
             return nodes.Scope(body).set_lineno(lineno)
 
     class Env(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset({"*", "**", "%"})
+        intercepted_binops = frozenset({"*", "**", "%", "+"})
 
         def _parse(self, source, name, filename):
             # every `{% for %}` iterates through the budget: an empty nested loop costs steps too
             tree = super()._parse(source, name, filename)
             for loop in tree.find_all(nodes.For):
                 loop.iter = nodes.Filter(loop.iter, "_budgeted", [], [], None, None, lineno=loop.lineno)
+            # and every `a ~ b ~ c` is sized before it is joined (Jinja joins Concat nodes in place)
+            for concat in list(tree.find_all(nodes.Concat)):
+                parts = nodes.List(concat.nodes, lineno=concat.lineno)
+                concat.nodes = [nodes.Filter(parts, "_concat", [], [], None, None, lineno=concat.lineno)]
             return tree
 
         def unsafe_undefined(self, obj, attribute):
@@ -232,7 +273,13 @@ def _environment():
                 if name == "join" and args and not isinstance(args[0], str):
                     args = (list(b.size(list(args[0]))), *args[1:])  # sized before the join
                 _check_growth(name, owner, args)
-            return b.size(super().call(__context, __obj, *args, **kwargs))
+            b.depth += 1
+            try:
+                if b.depth > b.limits.depth:
+                    raise _Refused(f"calls nested more than {b.limits.depth} deep (a macro calling itself?)")
+                return b.size(super().call(__context, __obj, *args, **kwargs))
+            finally:
+                b.depth -= 1
 
         def getattr(self, obj, attribute):
             _budget().step()
@@ -244,7 +291,11 @@ def _environment():
 
         def call_binop(self, context, operator, left, right):
             cap = _budget().limits.output_chars
-            if operator == "*":
+            if operator == "+":
+                sized = (str, list, tuple)
+                if isinstance(left, sized) and isinstance(right, sized) and len(left) + len(right) > cap:
+                    raise _Refused(f"adding {len(left)} and {len(right)} items passes {cap}")
+            elif operator == "*":
                 seq, n = (left, right) if isinstance(right, int) else (right, left)
                 if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * max(n, 0) > cap:
                     raise _Refused(f"repeating {len(seq)} items {n} times passes {cap}")
@@ -255,7 +306,7 @@ def _environment():
                 for m in _FORMAT_WIDTH.finditer(left):
                     if any(g and int(g) > cap for g in m.groups()):
                         raise _Refused(f"a format width in {left[:40]!r} passes {cap}")
-            return self.binop_table[operator](left, right)
+            return _budget().size(self.binop_table[operator](left, right))
 
     class NoFiles(jinja2.BaseLoader):
         def get_source(self, environment, template):
@@ -264,6 +315,19 @@ def _environment():
             )
 
     env = Env(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols], loader=NoFiles())
+
+    def concat(parts):  # `a ~ b`: each part as Jinja makes it (str), their sum checked before the join
+        texts = [p if isinstance(p, str) else _budget().size(str(p)) for p in parts]
+        total = sum(len(t) for t in texts)
+        if total > _budget().limits.output_chars:
+            raise _Refused(f"joining {total} characters with ~ passes {_budget().limits.output_chars}")
+        return _budget().size("".join(texts))
+
+    def strftime_now(fmt):
+        fmt = str(fmt)
+        if len(fmt) > _budget().limits.format_chars:
+            raise _Refused(f"strftime_now's format has {len(fmt)} characters, past {_budget().limits.format_chars}")
+        return datetime.now().strftime(fmt)
 
     def budgeted(iterable):
         b = _budget()
@@ -320,11 +384,7 @@ def _environment():
     env.filters = {name: guard(name, f) for name, f in env.filters.items()}
     env.filters["tojson"] = guard("tojson", tojson)
     env.filters["_budgeted"] = budgeted
+    env.filters["_concat"] = concat
     env.globals.pop("lipsum", None)  # generates text in a loop no template needs
-    env.globals.update(
-        raise_exception=raise_exception,
-        strftime_now=lambda fmt: datetime.now().strftime(fmt),
-        namespace=Namespace,
-        dict=plain_dict,
-    )
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, namespace=Namespace, dict=plain_dict)
     return env

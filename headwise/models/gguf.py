@@ -15,6 +15,7 @@ cache (`gguf_cache.py`) and reads that on later loads.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import warnings
 from pathlib import Path
@@ -24,11 +25,12 @@ import torch
 from torch import Tensor
 
 from . import gguf_cache
+from .chat_template import TemplateText
 from .gguf_cache import cache_entry, default_cache_dir  # noqa: F401 -- part of this module's API
 from .linear import FORMAT_OF_GGML, quantize, row_bytes
 from .quantized_load import flatten, unflatten
 from .quants import AS_FORMAT, FLOATS, UnsupportedQuantType, dequantize, supported_types, type_name
-from .gguf_arch import ARCHS, Meta, expected_shape, hf_name, is_norm
+from .gguf_arch import ARCHS, Meta, check_layers, check_sizes, expected_shape, hf_name, is_norm
 from .gguf_meta import GGUFError, gguf_tokenizer, read_metadata
 from .tokenizer import Tokenizer
 
@@ -93,7 +95,17 @@ def read_gguf(
         )
     if dtype is not None:
         tensors = {name: t.to(dtype) if isinstance(t, Tensor) else t for name, t in tensors.items()}
+    _name_templates(tokenizer, path.name)
     return config, tensors, tokenizer
+
+
+def _name_templates(tokenizer: Tokenizer, source: str) -> None:
+    """The file's chat templates as TemplateText naming it: a template is untrusted code, and its
+    errors should say whose (the name only: a server's 400 should not show its paths)."""
+    if tokenizer.chat_template is not None:
+        tokenizer.chat_template = TemplateText(tokenizer.chat_template, source)
+    if named := tokenizer.config.get("chat_templates"):
+        tokenizer.config["chat_templates"] = {k: TemplateText(v, source) for k, v in named.items()}
 
 
 # ---- parsing ------------------------------------------------------------------------
@@ -139,7 +151,8 @@ def open_gguf(path: str | os.PathLike):
     try:
         try:
             # "c": a private (copy-on-write) map, so tensors viewing it are writable
-            reader = _reader_class()(path, "c")
+            with np.errstate(over="ignore"):  # its offset sums wrap silently; _check_spans redoes them
+                reader = _reader_class()(path, "c")
         except TypeError:  # a future gguf changed `_get`'s signature: the stock reader is slower but fine
             reader = gguf.GGUFReader(path, "c")
     except Exception as e:  # noqa: BLE001 -- numpy/struct/unicode errors all mean the same here
@@ -149,14 +162,39 @@ def open_gguf(path: str | os.PathLike):
             f"{path} ({path.stat().st_size} bytes) cannot be read as GGUF "
             f"({type(e).__name__}: {e}); the file is truncated or corrupt"
         ) from None
-    size = path.stat().st_size
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise GGUFError(
-                f"{path}: tensor {t.name} needs bytes up to {t.data_offset + t.n_bytes} but the "
-                f"file has {size}; it is truncated"
-            )
+    _check_spans(reader, path)
     return reader
+
+
+def _check_spans(reader, path: Path) -> None:
+    """Every tensor's bytes inside the file, aligned, and apart from the others, in Python ints: the
+    reader adds the stored offset to the data start in uint64, so an offset of 2**64 - 32 wraps to a
+    span inside the file (into the metadata), and the product of its dims may wrap alike."""
+    import gguf
+
+    size, start, align = path.stat().st_size, int(reader.data_offset), int(reader.alignment)
+    spans = []
+    for t in reader.tensors:
+        offset = int(t.field.parts[-1][0])  # as stored
+        dims = [int(d) for d in t.field.parts[3]]
+        block, type_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(t.tensor_type))]
+        n_bytes = math.prod(dims) * type_bytes // block
+        end = start + offset + n_bytes
+        if offset % align:
+            raise GGUFError(
+                f"{path}: tensor {t.name} is stored at offset {offset}, not a multiple of the file's "
+                f"alignment {align}; the file is corrupt"
+            )
+        if end > size:
+            raise GGUFError(
+                f"{path}: tensor {t.name} ({n_bytes} bytes at offset {offset} of the data, which starts at "
+                f"byte {start}) needs bytes up to {end} but the file has {size}; it is truncated or corrupt"
+            )
+        spans.append((start + offset, end, t.name))
+    spans.sort()
+    for (_, end, name), (begin, _, other) in zip(spans, spans[1:]):
+        if begin < end:
+            raise GGUFError(f"{path}: tensors {name} and {other} share bytes of the file; it is corrupt")
 
 
 # ---- config and weights, per architecture (gguf_arch.py) ---------------------------
@@ -168,7 +206,9 @@ def gguf_config(reader, meta: dict, path: Path) -> dict:
     if arch not in ARCHS:
         raise GGUFError(f"{path}: architecture {arch!r} is not supported; supported: {', '.join(ARCHS)}")
     shapes = {t.name: tuple(int(s) for s in reversed(t.shape.tolist())) for t in reader.tensors}
-    config = ARCHS[arch].config(Meta(meta, path, set(shapes), shapes))
+    m = Meta(meta, path, set(shapes), shapes)
+    check_sizes(m)
+    config = ARCHS[arch].config(m)
     config["_name_or_path"] = meta.get("general.name", path.stem)
     return config
 
@@ -299,6 +339,7 @@ def gguf_model(
     path = Path(path)
     reader = open_gguf(path)
     meta = read_metadata(reader)
+    check_layers(meta, [t.name for t in reader.tensors], path)
     config = gguf_config(reader, meta, path)
     config["gguf"] = {"file": path.name, "tensor_types": _type_counts(reader)}
     tensors = gguf_tensors(reader, config, path, meta["general.architecture"], keep_quantized=keep_quantized)

@@ -105,6 +105,49 @@ class Meta:
         return self.shapes[tensor][0]
 
 
+# The keys sizes are read from. Each must be a positive int where present: the config divides by
+# the head count (0 was a ZeroDivisionError), and every module is sized from these before a tensor is.
+_SIZES = (
+    "block_count",
+    "embedding_length",
+    "feed_forward_length",
+    "context_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "attention.value_length",
+)
+
+
+def check_sizes(m: Meta) -> None:
+    """Refuse sizes no model has (0 heads, a float, a per-layer array) before anything divides by
+    them or is sized from them."""
+    for key in _SIZES:
+        value = m(key)
+        if isinstance(value, list):
+            raise GGUFError(f"{m.path}: metadata {m.arch}.{key} is a per-layer array, which headwise does not read")
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise GGUFError(f"{m.path}: metadata {m.arch}.{key}={value!r} must be a positive integer")
+
+
+def check_layers(meta: dict, names: list[str], path) -> None:
+    """Refuse a block_count other than the layers whose tensors the file holds (as llama.cpp's loader
+    does), before the model is sized from it: a block_count of 4e9 would otherwise build 4e9 layers'
+    worth of config and modules before a missing tensor is noticed."""
+    arch = meta.get("general.architecture")
+    n = meta.get(f"{arch}.block_count")
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+        return  # check_sizes names it
+    parts = [name.split(".") for name in names]
+    layers = sorted({int(p[1]) for p in parts if p[0] == "blk" and len(p) > 1 and p[1].isascii() and p[1].isdigit()})
+    if len(layers) != n or layers[-1] != n - 1:
+        found = f"{len(layers)} layers (blk.{layers[0]} .. blk.{layers[-1]})" if layers else "no layers"
+        raise GGUFError(
+            f"{path}: metadata {arch}.block_count={n}, but the file's tensors are for {found}; "
+            "the file is corrupt or its metadata was edited"
+        )
+
+
 def _decoder(m: Meta, model_type: str, architecture: str, act: str = "silu") -> dict:
     """The HF fields every RoPE decoder has (Llama's names)."""
     C, H = m.need("embedding_length"), m.need("attention.head_count")
