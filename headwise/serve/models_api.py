@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import APIError
 from .passthrough import Incoming, parse
@@ -78,7 +79,9 @@ def install(app: FastAPI, state) -> None:
 
     # :path: "provider/model" and "replicas/model" ids hold a slash
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={401: ERRORS[401], 404: ERRORS[404]})
-    async def retrieve_model(model_id: str, request: Request):
+    async def retrieve_model(model_id: str):
+        if not model_id:  # GET /v1/models/: the app's 404 for a path with a trailing slash
+            raise StarletteHTTPException(404)
         for name, owner in state.gateway.names():
             if name == model_id:
                 return JSONResponse(card(state, name, owner))
