@@ -34,12 +34,19 @@ def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], types: Sequence
     """-> (backend, spelled tokens). A token stored as raw text ("\\n\\n", "<｜end▁of▁sentence｜>")
     instead of in the ByteLevel alphabet could never come out of BPE: spell it the byte-level way
     (as transformers' GGUF loader does) and mark only tokens that need no respelling as added."""
+    _check_lengths(tokens, types=types)
+    for i, m in enumerate(merges):
+        if " " not in m:  # split at the first space below, as llama.cpp splits them
+            raise ValueError(f"tokenizer.ggml.merges[{i}]={m[:80]!r} is not two tokens separated by a space")
     to_char = gpt2_bytes_to_chars()
     alphabet = set(to_char.values())
     spelled = [t if set(t) <= alphabet else "".join(to_char[b] for b in t.encode("utf-8")) for t in tokens]
     vocab = {token: i for i, token in enumerate(spelled)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    backend = Backend(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
+    try:
+        backend = Backend(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
+    except Exception as e:  # noqa: BLE001 -- tokenizers raises a bare Exception for a merge of unknown tokens
+        raise ValueError(f"tokenizer.ggml.merges do not fit the vocabulary: {' '.join(str(e).split())[:200]}") from None
     backend.pre_tokenizer = byte_level_pre_tokenizer(pre)
     backend.decoder = decoders.ByteLevel()
     _add_typed_tokens(backend, tokens, types, keep=lambda i: spelled[i] == tokens[i])
@@ -62,6 +69,7 @@ def sentencepiece_bpe(
     as the normalized text has it. add_space_prefix: "hi" is read as "▁hi" (Llama 2), where Gemma
     says False. rank_by_position: merges ranked by vocabulary order instead of score.
     prefix_every_piece: the prefix space on every run of text between special tokens (Phi-3)."""
+    _check_lengths(tokens, types=types, scores=scores)
     spelled = list(tokens)
     known = set(tokens)
     for i, t in enumerate(tokens):
@@ -179,6 +187,15 @@ def wordpiece(tokens: Sequence[str], types: Sequence[int], *, unk_id: int | None
     backend.decoder = decoders.WordPiece(prefix="##")
     _add_typed_tokens(backend, spelled, types, keep=lambda i: True)
     return backend, spelled
+
+
+def _check_lengths(tokens: Sequence[str], **arrays) -> None:
+    """A per-token array (token_type, scores) has one entry per token, or is absent: llama.cpp reads
+    entry i for every token i (an untrusted file's shorter or longer array is refused here)."""
+    for name, values in arrays.items():
+        if values is not None and len(values) and len(values) != len(tokens):
+            key = "token_type" if name == "types" else name
+            raise ValueError(f"tokenizer.ggml.{key} has {len(values)} entries for {len(tokens)} tokens")
 
 
 def _add_typed_tokens(backend: Backend, tokens: Sequence[str], types: Sequence[int], keep) -> None:

@@ -22,7 +22,7 @@ TOKENS = ["<unk>", "<s>", "</s>"] + [chr(c) for c in range(ord("a"), ord("z") + 
 PLAIN = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
 
 
-def write_model(path, meta=None, template=PLAIN):
+def write_model(path, meta=None, template=PLAIN, tokens=TOKENS, types=None, merges=()):
     """A 2-layer fp32 llama GGUF (C=64, GQA 4/2) with `meta` overriding its llama.* sizes."""
     rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), "llama")
@@ -39,9 +39,9 @@ def write_model(path, meta=None, template=PLAIN):
     w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt2")
-    w.add_token_list(TOKENS)
-    w.add_token_merges([])
-    w.add_token_types([3, 3, 3] + [1] * (len(TOKENS) - 3))
+    w.add_token_list(tokens)
+    w.add_token_merges(list(merges))
+    w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3) if types is None else types)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_chat_template(template)
@@ -147,6 +147,21 @@ def test_misaligned_and_overlapping_offsets_are_refused(tmp_path):
     path = write_model(tmp_path / "shared.gguf")
     set_offset(path, "blk.0.attn_k.weight", stored_offset(path, "blk.0.attn_q.weight"))
     refused(path, "tensors blk.0.attn_(q|k).weight and blk.0.attn_(k|q).weight share bytes")
+
+
+@pytest.mark.parametrize(
+    "vocab, match",
+    [
+        ({"types": [3] * 5}, "tokenizer.ggml.token_type has 5 entries for 29 tokens"),
+        ({"tokens": TOKENS[:2], "types": [3] * 29}, "tokenizer.ggml.token_type has 29 entries for 2 tokens"),
+        ({"merges": ["a b", "a"]}, r"tokenizer.ggml.merges\[1\]='a' is not two tokens separated by a space"),
+        ({"merges": ["zz qq"]}, "tokenizer.ggml.merges do not fit the vocabulary: .* `zz` out of vocabulary"),
+    ],
+)
+def test_a_vocabulary_that_disagrees_with_itself_is_refused(tmp_path, vocab, match):
+    path = write_model(tmp_path / "vocab.gguf", **vocab)
+    assert len(gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].data) == len(vocab.get("tokens", TOKENS))
+    refused(path, match)
 
 
 # ---- chat templates -----------------------------------------------------------------------
