@@ -83,6 +83,7 @@ def test_embeddings_take_token_ids_as_langchain_sends_them(client, minilm):
     with pytest.raises(openai.BadRequestError) as e:
         client.embeddings.create(model="minilm", input=[ids[0], [101, 10**6, 102]])
     assert e.value.body["param"] == "input[1]" and "vocabulary" in e.value.body["message"]
+    assert "check_embedding_ctx_length=False" in e.value.body["message"]  # what a LangChain user changes
 
 
 def test_completions_take_lists_of_token_ids(client, smol):

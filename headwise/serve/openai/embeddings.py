@@ -34,7 +34,14 @@ def token_inputs(runtime, given) -> list[list[int]]:
         raise APIError(400, f"input has {len(items):,} token lists; at most {MAX_INPUTS:,} per request", param="input")
     vocab = runtime.model.config.vocab_size
     for i, ids in enumerate(items):
-        check_ids(ids, vocab, "input" if items is not given else f"input[{i}]")
+        try:
+            check_ids(ids, vocab, "input" if items is not given else f"input[{i}]")
+        except APIError as e:
+            e.message += (
+                "; token ids are this model's own (LangChain's OpenAIEmbeddings sends tiktoken's unless "
+                "created with check_embedding_ctx_length=False, which sends the text)"
+            )
+            raise
     return [list(ids) for ids in items]
 
 
