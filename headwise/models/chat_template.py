@@ -54,6 +54,7 @@ class Limits:
     built_chars: int = 64_000_000  # all the strings and lists it builds, together: 8x the largest output
     depth: int = 64  # macro calls inside macro calls (a template's own recursion stays far under)
     format_chars: int = 200  # strftime_now's format: real ones are "%d %b %Y"; '%c' expands 12x
+    template_chars: int = 1_000_000  # the template's own text (real ones: < 30k); compiling 1M takes ~3 s
 
 
 DEFAULT_LIMITS = Limits()
@@ -79,6 +80,8 @@ def render_chat_template(
     budget = _Budget(limits)
     token = _BUDGET.set(budget)
     try:
+        if len(template) > limits.template_chars:
+            raise _Refused(f"the template has {len(template)} characters, past {limits.template_chars}")
         parts, size = [], 0
         stream = _compile(template).generate(
             messages=_plain(list(messages)), add_generation_prompt=add_generation_prompt, **data
@@ -107,9 +110,11 @@ def template_variables(template: str) -> set[str]:
     import jinja2
     import jinja2.meta
 
+    if len(template) > DEFAULT_LIMITS.template_chars:
+        return set()  # rendering it says why
     try:
         return set(jinja2.meta.find_undeclared_variables(_environment().parse(template)))
-    except jinja2.TemplateError:
+    except (jinja2.TemplateError, RecursionError):  # RecursionError: nesting deeper than the parser goes
         return set()
 
 

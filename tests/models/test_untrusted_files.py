@@ -178,6 +178,8 @@ HOSTILE = {
     "many-strings": "{% set s = 'a' * 7000000 %}" + "".join(f"{{% set v{i} = s ~ 'x' %}}" for i in range(200)),
     "long-raise": "{{ raise_exception('no\\n' * 100000) }}",
     "syntax": "{% for %}",
+    "deep-parse": "{% if 1 %}" * 5000 + "x" + "{% endif %}" * 5000,
+    "huge-text": "{{ 1 }}" * 200_000,  # 1.4M characters: compiling it alone took ~5 s
 }
 
 
@@ -201,6 +203,14 @@ def test_hostile_templates_fail_in_one_line_within_budget(name):
     assert e.value.__cause__ is None and e.value.__suppress_context__  # no chained traceback to print
     assert seconds < 5, seconds
     assert peak < 200 * 2**20, f"{peak / 2**20:.0f} MiB"
+
+
+def test_template_variables_of_a_hostile_template_is_empty():
+    """The server reads a template's variables (tools or not) before rendering it: no exception there."""
+    from headwise.models.chat_template import template_variables
+
+    assert template_variables("{{ messages }}{{ tools }}") == {"messages", "tools"}
+    assert template_variables(HOSTILE["deep-parse"]) == set() == template_variables(HOSTILE["huge-text"])
 
 
 def test_a_files_template_names_the_file(tmp_path):
