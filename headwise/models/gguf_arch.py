@@ -226,6 +226,11 @@ def _layer_types(m: Meta, every: int) -> list[str]:
     il % n < n - 1), else the architecture's n; "full_attention" / "sliding_attention" as HF names them."""
     n_layers, pattern = m.need("block_count"), m("attention.sliding_window_pattern", every)
     if isinstance(pattern, list):
+        if len(pattern) != n_layers:
+            raise GGUFError(
+                f"{m.path}: metadata {m.arch}.attention.sliding_window_pattern has {len(pattern)} entries "
+                f"for {n_layers} layers"
+            )
         local = [bool(x) for x in pattern]
     else:
         local = [pattern == 0 or i % pattern < pattern - 1 for i in range(n_layers)]

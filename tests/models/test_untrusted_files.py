@@ -129,6 +129,22 @@ def test_zero_sizes_name_their_key(tmp_path, key):
     refused(path, f"llama.{key}=0 must be a positive integer")
 
 
+def test_a_layer_pattern_for_other_layers_is_refused():
+    """Gemma 3's per-layer sliding-window flags: one per layer (the fixture has 6 layers)."""
+    from pathlib import Path
+
+    from headwise.models.gguf import gguf_config, open_gguf
+    from headwise.models.gguf_meta import read_metadata
+
+    path = Path(__file__).parents[1] / "fixtures" / "families" / "gemma3.gguf"
+    reader = open_gguf(path)
+    meta = read_metadata(reader)
+    assert meta["gemma3.block_count"] == 6
+    meta["gemma3.attention.sliding_window_pattern"] = [True, False, True]
+    with pytest.raises(GGUFError, match="sliding_window_pattern has 3 entries for 6 layers"):
+        gguf_config(reader, meta, path)
+
+
 def test_a_wrapping_offset_is_refused(tmp_path):
     """2**64 - 32 added to the data start wraps, in gguf's uint64 sum, to a span inside the file."""
     path = write_model(tmp_path / "wrap.gguf")
