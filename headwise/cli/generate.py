@@ -118,16 +118,23 @@ def _stream_reply(model, prompt, params, kv_dtype: str | None = None) -> tuple[s
 
 
 def run_generate(args) -> int:
+    from ..models.chat_template import ChatTemplateError
+
     model = _load(args, "chat")
     if model is None:
         return 2
     chat = not args.raw and model.tokenizer.chat_template is not None
     prompt = [{"role": "user", "content": args.prompt}] if chat else args.prompt
-    _stream_reply(model, prompt, _sampling(args), _kv_dtype(args))
+    try:
+        _stream_reply(model, prompt, _sampling(args), _kv_dtype(args))
+    except ChatTemplateError as e:  # the model file's template failed: one line naming it
+        return fail("headwise generate", e)
     return 0
 
 
 def run_chat(args) -> int:
+    from ..models.chat_template import ChatTemplateError
+
     model = _load(args, "chat")
     if model is None:
         return 2
@@ -158,7 +165,10 @@ def run_chat(args) -> int:
             continue
         history.append({"role": "user", "content": line})
         print("bot> ", end="", flush=True)
-        text, _ = _stream_reply(model, history, _sampling(args), _kv_dtype(args))
+        try:
+            text, _ = _stream_reply(model, history, _sampling(args), _kv_dtype(args))
+        except ChatTemplateError as e:
+            return fail("headwise chat", e)
         history.append({"role": "assistant", "content": text})  # an interrupted reply stays, as it was shown
 
 

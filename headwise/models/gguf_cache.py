@@ -29,7 +29,7 @@ from torch import Tensor
 from ..core.paths import default_cache_dir
 from .tokenizer import Tokenizer
 
-CACHE_VERSION = 1  # bump when the conversion changes, so old entries are not reused
+CACHE_VERSION = 2  # bump when the conversion changes, so old entries are not reused (2: untrusted-file checks)
 _MANIFEST = "manifest.json"
 
 

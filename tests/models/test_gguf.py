@@ -245,7 +245,7 @@ def write_tiny_llama(path, *, arch="llama", types=TYPES, tied=False, seed=0, ext
     for key, value in {
         "context_length": 128,
         "embedding_length": C,
-        "block_count": L,
+        "block_count": len(types),
         "feed_forward_length": I,
         "attention.head_count": H,
         "attention.head_count_kv": HKV,
