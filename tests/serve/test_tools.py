@@ -153,17 +153,25 @@ def test_auto_answers_in_text_as_plain_decoding_would(client):
     assert msg.content == plain.choices[0].message.content  # the lazy grammar never touched free text
 
 
-def test_auto_grammar_constrains_a_call_once_it_starts(smol):
-    """llguidance's own matcher over the auto grammar: text, then a call that must match its schema."""
+def grammar_accepts(smol, lark: str):
+    """text -> whether llguidance's own matcher over this Lark grammar takes all of it and may end there."""
     import llguidance
 
-    lark = tool_grammar(HERMES, [("get_weather", PARAMS["get_weather"])], choice="auto", parallel=False)
     lt = llg_tokenizer(smol.tokenizer, smol.config.vocab_size)
 
     def accepts(text: str) -> bool:
         m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
         ok = m.consume_tokens(smol.tokenizer.encode(text, add_special_tokens=False))
         return ok and not m.is_error() and m.is_accepting()
+
+    return accepts
+
+
+def test_auto_grammar_constrains_a_call_once_it_starts(smol):
+    """llguidance's own matcher over the auto grammar: text, then a call that must match its schema."""
+    accepts = grammar_accepts(
+        smol, tool_grammar(HERMES, [("get_weather", PARAMS["get_weather"])], choice="auto", parallel=False)
+    )
 
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris","unit":"c"}}\n</tool_call>'
     assert accepts("Just text, no call.") and accepts(call) and accepts("Let me look. " + call)
@@ -179,15 +187,9 @@ def test_auto_grammar_constrains_a_call_once_it_starts(smol):
 
 def test_llama3_auto_is_a_call_or_text_that_is_not_one(smol):
     """Llama 3.x calls are bare JSON: the answer is one call (its template allows one) or text."""
-    import llguidance
-
-    lark = tool_grammar(LLAMA3, [("get_weather", PARAMS["get_weather"])], choice="auto", parallel=True)
-    lt = llg_tokenizer(smol.tokenizer, smol.config.vocab_size)
-
-    def accepts(text: str) -> bool:
-        m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
-        ok = m.consume_tokens(smol.tokenizer.encode(text, add_special_tokens=False))
-        return ok and not m.is_error() and m.is_accepting()
+    accepts = grammar_accepts(
+        smol, tool_grammar(LLAMA3, [("get_weather", PARAMS["get_weather"])], choice="auto", parallel=True)
+    )
 
     call = '{"name": "get_weather", "parameters": {"city":"Paris","unit":"f"}}'
     assert accepts(call) and accepts("It is sunny.") and accepts("")
@@ -196,8 +198,6 @@ def test_llama3_auto_is_a_call_or_text_that_is_not_one(smol):
 
 def test_auto_with_a_response_format_is_that_schema_or_calls(smol, main):
     """The OpenAI Agents SDK sends an output schema and tools: the answer is the object or a call."""
-    import llguidance
-
     from headwise.serve.openai.tools import text_grammar_of
     from headwise.serve.schemas import ResponseFormat
 
@@ -205,12 +205,7 @@ def test_auto_with_a_response_format_is_that_schema_or_calls(smol, main):
     fmt = ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"name": "a", "schema": answer}})
     lark = tool_grammar(HERMES, [("get_weather", PARAMS["get_weather"])], choice="auto", parallel=False,
                         text=text_grammar_of(fmt))  # fmt: skip
-    lt = llg_tokenizer(smol.tokenizer, smol.config.vocab_size)
-
-    def accepts(text: str) -> bool:
-        m = llguidance.LLMatcher(lt, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
-        ok = m.consume_tokens(smol.tokenizer.encode(text, add_special_tokens=False))
-        return ok and not m.is_error() and m.is_accepting()
+    accepts = grammar_accepts(smol, lark)
 
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris","unit":"c"}}\n</tool_call>'
     assert accepts('{"temp":21}') and accepts(call)
