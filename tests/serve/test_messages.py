@@ -321,7 +321,13 @@ def test_client_that_leaves_aborts_its_engine_request(server):
     """Streamed or not, a client that hangs up mid-answer frees the engine at once (as chat's do:
     tests/serve/test_disconnect.py)."""
     aborted = engine_gauge(server.url, "requests_aborted")
-    body = {"model": "smollm2", "max_tokens": 400, "messages": [{"role": "user", "content": "Tell me a long story."}]}
+    # greedy: this prompt runs all 400 tokens (sampled, a story could end within the 1.5 s below)
+    body = {
+        "model": "smollm2",
+        "max_tokens": 400,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+    }
     with httpx.Client(timeout=60) as c:
         with c.stream(
             "POST", server.url + "/v1/messages", json={**body, "stream": True}, headers={"x-api-key": KEY}
