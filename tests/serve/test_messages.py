@@ -321,13 +321,10 @@ def test_client_that_leaves_aborts_its_engine_request(server):
     """Streamed or not, a client that hangs up mid-answer frees the engine at once (as chat's do:
     tests/serve/test_disconnect.py)."""
     aborted = engine_gauge(server.url, "requests_aborted")
-    # greedy: this prompt runs all 400 tokens (sampled, a story could end within the 1.5 s below)
-    body = {
-        "model": "smollm2",
-        "max_tokens": 400,
-        "temperature": 0,
-        "messages": [{"role": "user", "content": "Tell me a long story."}],
-    }
+    # greedy, and a prompt SmolLM2 answers to the last of its 1,000 tokens: the answer outlasts the 1.5 s
+    # below (sampled, "Tell me a long story." could end within it)
+    ask = "List the numbers from 1 to 1000, separated by commas."
+    body = {"model": "smollm2", "max_tokens": 1000, "temperature": 0, "messages": [{"role": "user", "content": ask}]}
     with httpx.Client(timeout=60) as c:
         with c.stream(
             "POST", server.url + "/v1/messages", json={**body, "stream": True}, headers={"x-api-key": KEY}
@@ -339,7 +336,7 @@ def test_client_that_leaves_aborts_its_engine_request(server):
         # leaving the block closes the connection mid-stream
     wait_idle(server.url)
     assert engine_gauge(server.url, "requests_aborted") == aborted + 1
-    with pytest.raises(httpx.ReadTimeout):  # 400 tokens take longer than this
+    with pytest.raises(httpx.ReadTimeout):  # 1,000 tokens take longer than this
         httpx.post(server.url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=1.5)
     wait_idle(server.url)
     assert engine_gauge(server.url, "requests_aborted") == aborted + 2
