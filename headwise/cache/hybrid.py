@@ -199,13 +199,13 @@ class HybridPagedKVCache:
         steps = [c.batch(seq_ids, num_new, token_ids, logits_indices=logits_indices) for c in self.groups]
         return HybridStep(self, steps)
 
-    def packed(self, seq_ids, num_new, token_ids=None, *, defer_prefix=False, logits_indices=None) -> "HybridStep":
+    def packed(
+        self, seq_ids, num_new, token_ids=None, *, defer_prefix=False, logits_indices=None, as_rows=False
+    ) -> "HybridStep":
         """PagedKVCache.packed over every group (all or nothing: CacheFull before any change)."""
         self._check_fits(seq_ids, num_new)
-        steps = [
-            c.packed(seq_ids, num_new, token_ids, defer_prefix=defer_prefix, logits_indices=logits_indices)
-            for c in self.groups
-        ]
+        kw = dict(defer_prefix=defer_prefix, logits_indices=logits_indices, as_rows=as_rows)
+        steps = [c.packed(seq_ids, num_new, token_ids, **kw) for c in self.groups]
         return HybridStep(self, steps)
 
     def __repr__(self) -> str:

@@ -159,7 +159,8 @@ class Core:
                     c.request.num_computed_tokens = c.start + c.num_tokens - len(c.draft)  # drafts: once verified
                     if c.sample:
                         (drafted.append((row, c)) if c.draft else picked.append((row, c.request)))
-                row += 1 + len(c.draft) if c.sample else 0
+                if c.sample:  # the chunk's rows of logits: its last, or every row of a draft
+                    row += 1 + len(c.draft)
             outputs = []
             with torch.inference_mode():
                 if picked:

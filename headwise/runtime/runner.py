@@ -66,12 +66,10 @@ class PagedRunner:
         # writes: ask for one row (the last) rather than all N, and drop it. (A list: the model
         # checks it in Python, where a tensor would cost reductions and syncs every step.)
         # decodes with drafts (and plain decodes beside them) run as rows of the decode stack
-        rows_kw = (
-            {"as_rows": True}
-            if any(c.draft for c in chunks) and all(c.draft or c.num_tokens == 1 for c in chunks)
-            else {}
+        rows_ok = any(c.draft for c in chunks) and all(c.draft or c.num_tokens == 1 for c in chunks)
+        step = self.cache.packed(
+            seq_ids, counts, news, defer_prefix=True, logits_indices=rows or [off - 1], as_rows=rows_ok
         )
-        step = self.cache.packed(seq_ids, counts, news, defer_prefix=True, logits_indices=rows or [off - 1], **rows_kw)
         return Batch(chunks, input_ids, step, rows)
 
     def run(self, batch: Batch) -> Tensor | None:

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import argmax_rows
+from . import grammar
 from .sampling import (
     SamplingParams,
     TokenLogprobs,
@@ -134,9 +135,7 @@ class Sampler:
                 ((proc, idx),) = group
                 logits = _apply(logits, idx, lambda x, proc=proc, idx=idx: proc(x, [requests[i] for i in idx]))
                 continue
-            from .grammar import banned_many
-
-            masks = banned_many([(proc, [requests[i] for i in idx]) for proc, idx in group], logits.shape[1])
+            masks = grammar.banned_many([(proc, [requests[i] for i in idx]) for proc, idx in group], logits.shape[1])
             for (_, idx), banned in zip(group, masks):
                 logits = _apply(logits, idx, lambda x, banned=banned: x.masked_fill_(banned, float("-inf")))
         # 2. logit_bias: one scatter-add over every biased row
