@@ -22,7 +22,8 @@ from ..core.plan import kv_layer_groups, kv_pool_blocks, kv_pool_blocks_per_sequ
 # tokens of SmolLM2-135M in fp32 (46 KiB per token), 64 sequences of ~360 tokens; at most
 # a quarter of the memory available when the engine is built.
 DEFAULT_KV_BUDGET = 1 << 30
-KV_DTYPES = (None, "int8")
+KV_DTYPES = (None, "int8", "bfloat16", "float16")
+KV_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 
 def _positive(value) -> bool:
@@ -37,7 +38,8 @@ class EngineConfig:
     # differ in window: then core.plan.kv_layer_groups' g layers, one block table per group)
     block_size: int = 16  # tokens per KV block: a prefix is shared in whole blocks
     max_num_batched_tokens: int = 512  # tokens computed per step (decodes + prefill chunks)
-    kv_dtype: str | None = None  # None (the model's dtype) or "int8" (~1/4 of fp32's bytes)
+    kv_dtype: str | None = None  # None (the model's dtype), "bfloat16" / "float16" (half of fp32's
+    # bytes) or "int8" (~1/4)
     max_waiting_requests: int = 256  # beyond this add_request raises QueueFull (a server's 429)
     max_waiting_tokens: int | None = None  # prompt tokens waiting; None = 4x what the KV pool holds
     memory_budget_bytes: int | None = None  # bytes for the pool when num_blocks is None (None: 1 GiB, at
@@ -58,9 +60,13 @@ class EngineConfig:
                 f"{self.max_num_seqs}: every running sequence needs a token of the step budget to "
                 f"decode; raise max_num_batched_tokens or lower max_num_seqs"
             )
-        kv = str(self.kv_dtype).removeprefix("torch.") if self.kv_dtype is not None else None
+        kv = str(self.kv_dtype).removeprefix("torch.").lower() if self.kv_dtype is not None else None
+        kv = KV_DTYPE_ALIASES.get(kv, kv)
         if kv not in KV_DTYPES:
-            raise ValueError(f"kv_dtype must be None (store K/V in the compute dtype) or 'int8', got {self.kv_dtype!r}")
+            raise ValueError(
+                f"kv_dtype must be None (store K/V in the compute dtype), 'bfloat16', 'float16' or 'int8', "
+                f"got {self.kv_dtype!r}"
+            )
         object.__setattr__(self, "kv_dtype", kv)
 
     @classmethod
@@ -72,8 +78,9 @@ class EngineConfig:
 
     # ------------------------------------------------------------------ model-dependent sizes
     def kv_pool_dtype(self, dtype) -> str:
-        """The dtype the pool stores, as the planner names it: "int8", or the model's ("float32")."""
-        return "int8" if self.kv_dtype is not None else str(dtype).removeprefix("torch.")
+        """The dtype the pool stores, as the planner names it: kv_dtype ("int8", "bfloat16", ...), or
+        the model's ("float32")."""
+        return self.kv_dtype if self.kv_dtype is not None else str(dtype).removeprefix("torch.")
 
     def blocks_for(self, model_config, dtype) -> int:
         """KV blocks the pool gets for a model (its ModelConfig) computing in `dtype`."""

@@ -27,7 +27,11 @@ from .conftest import ragged_prompts
             "1GiB",
             "memory_budget_bytes must be a positive int or None (sized for you), got '1GiB'",
         ),
-        ("kv_dtype", "fp8", "kv_dtype must be None (store K/V in the compute dtype) or 'int8', got 'fp8'"),
+        (
+            "kv_dtype",
+            "fp8",
+            "kv_dtype must be None (store K/V in the compute dtype), 'bfloat16', 'float16' or 'int8', got 'fp8'",
+        ),
     ],
 )
 def test_each_field_is_checked_and_named(field, value, message):
