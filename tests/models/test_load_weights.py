@@ -482,8 +482,8 @@ def test_stored_blocks_cache_gives_back_what_the_file_gives(tmp_path, monkeypatc
     from headwise.models import gguf as hw_gguf
 
     path = resolve("smollm2")
-    first = hw_gguf.read_gguf(path, keep_quantized=True, cache_dir=tmp_path)  # converts, writes <entry>-stored
-    monkeypatch.setattr(hw_gguf, "convert_gguf", None)  # the second read must come from the cache
+    first = hw_gguf.read_gguf(path, keep_quantized=True, cache_dir=tmp_path)  # parses, writes the metadata entry
+    monkeypatch.setattr(hw_gguf, "open_gguf", None)  # the second read must not parse the file
     again = hw_gguf.read_gguf(path, keep_quantized=True, cache_dir=tmp_path)
     assert first[0] == again[0] and sorted(first[1]) == sorted(again[1])
     for name, t in first[1].items():
@@ -493,11 +493,8 @@ def test_stored_blocks_cache_gives_back_what_the_file_gives(tmp_path, monkeypatc
             assert torch.equal(t, u), name
         else:
             assert (t.fmt, t.shape) == (u.fmt, u.shape) and torch.equal(t.blocks, u.blocks), name
-    names = [p.name for p in (tmp_path / "gguf").iterdir()]
-    assert len(names) == 1 and names[0].endswith(f"-stored-{hw_gguf._KEPT}")  # named by the formats kept
-    monkeypatch.setattr(hw_gguf, "_KEPT", "238ce")  # as before q5_0 / q5_1 were kept: that entry is not it
-    with pytest.raises(TypeError):  # so the file is converted again (convert_gguf is None here)
-        hw_gguf.read_gguf(path, keep_quantized=True, cache_dir=tmp_path)
+    # one entry of metadata serves every weights= (the blocks are read from the file each time)
+    assert [p for p in (tmp_path / "gguf").iterdir()] == [hw_gguf.cache_entry(path, tmp_path)]
 
 
 def llama_quantize_type(mix, role, layer, num_layers):
