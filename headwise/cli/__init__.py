@@ -61,7 +61,13 @@ def run_demo(args) -> int:
     return 0
 
 
-def add_optional_cli(sub, module: str, name: str, help: str) -> None:
+# Subcommands whose module could not be imported here: name -> (missing module, extra to install).
+# main() answers any form of them (`headwise serve --port 8001 FILE`) with the one line that says
+# what to install, before argparse could call their unknown flags "unrecognized arguments".
+_UNAVAILABLE: dict[str, tuple[str, str]] = {}
+
+
+def add_optional_cli(sub, module: str, name: str, help: str, extra: str) -> None:
     """Register a subcommand whose module may need an extra; if it cannot be imported, the
     subcommand still shows in --help and says what to install when run."""
     import importlib
@@ -69,16 +75,17 @@ def add_optional_cli(sub, module: str, name: str, help: str) -> None:
     try:
         importlib.import_module(module).add_cli(sub)
     except ImportError as e:
-        missing = e.name or str(e)
+        _UNAVAILABLE[name] = (e.name or str(e), extra)
+        sub.add_parser(name, help=help + " [unavailable here]", add_help=False)
 
-        def fail(args, _missing=missing) -> int:
-            print(
-                f"headwise {name}: cannot import {_missing!r}; install the extra: pip install 'headwise[serve,viz]'",
-                file=sys.stderr,
-            )
-            return 2
 
-        sub.add_parser(name, help=help + " [unavailable here]").set_defaults(func=fail)
+def unavailable(name: str) -> int:
+    missing, extra = _UNAVAILABLE[name]
+    print(
+        f'headwise {name}: cannot import {missing!r}; install the extra: pip install "headwise[{extra}]"',
+        file=sys.stderr,
+    )
+    return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,9 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     from . import models as models_cli
 
     models_cli.add_cli(sub)
-    add_optional_cli(sub, "headwise.cli.serve", "serve", "serve models behind the OpenAI API (needs headwise[serve])")
     add_optional_cli(
-        sub, "headwise.cli.analyze", "analyze", "head analysis report: patterns, roles, attribution, ablation, pruning"
+        sub, "headwise.cli.serve", "serve", "serve models behind the OpenAI API (needs headwise[serve])", "serve"
+    )
+    add_optional_cli(
+        sub,
+        "headwise.cli.analyze",
+        "analyze",
+        "head analysis report: patterns, roles, attribution, ablation, pruning",
+        "viz",
     )
     demo = sub.add_parser(
         "demo",
@@ -121,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
     configure_wait_policy(threaded=words[:1] == ["serve"])
     parser = build_parser()
+    if words[:1] and words[0] in _UNAVAILABLE:  # any form of it, flags and all: one line naming the extra
+        return unavailable(words[0])
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
