@@ -39,6 +39,13 @@ def _load(args, task: str):
     from ..models.from_path import load
 
     prog = f"headwise {args.command}"
+    if args.threads is not None:  # pinned: the governor (core/governor.py) stays out
+        import torch
+
+        from ..runtime.threads import pin_threads
+
+        pin_threads(args.threads)
+        torch.set_num_threads(args.threads)  # loading and embed, which take no engine step
     t0 = time.perf_counter()
     try:
         model = load(args.model, weights=args.weights, backend=args.backend)
@@ -210,6 +217,13 @@ def _common(p, default_model: str, task: str):
         "that are not whole 256-value blocks take q5_0 / q5_1 / q8_0, as llama-quantize does); q4_k_m, q4_k_s, "
         "q5_k_m, q5_k_s: llama-quantize's mixes of those names (the head in Q6_K, V and down projections in more "
         "bits in some layers), the same blocks llama-quantize writes",
+    )
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="torch threads, pinned (as HEADWISE_THREADS=N); default: the cores other processes leave free, "
+        "looked at again every 0.25 s while decoding",
     )
 
 

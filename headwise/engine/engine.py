@@ -32,6 +32,7 @@ from ..runtime.paged import EngineCore
 from ..runtime.request import RequestGroup, RequestOutput, Status, StreamPiece
 from ..runtime.sampling import SamplingParams, skip_draws
 from ..runtime.scheduler import QueueFull
+from ..runtime.threads import GOVERNOR
 from .frontends import Frontends
 from .stats import SAMPLES, EngineStats, Samples
 
@@ -332,6 +333,7 @@ class Engine(Frontends):
                 weight_bytes=weight_bytes(self.model),
                 draft_tokens=core["draft_tokens"],
                 draft_tokens_accepted=core["draft_accepted"],
+                threads=self.core.threads or GOVERNOR.planned(),  # before the first step: what it will take
             )
 
     def kv_pool_line(self) -> str:

@@ -59,6 +59,8 @@ class EngineStats:
     # ones the output took (the rest was computed for nothing)
     draft_tokens: int = 0
     draft_tokens_accepted: int = 0
+    threads: int = 0  # torch threads the last step ran with: the cores other processes leave, or a
+    # pinned count (HEADWISE_THREADS, --threads); /metrics: headwise_engine_threads
 
     def as_dict(self) -> dict:
         """Plain numbers: the latency samples as {"count", "p50", "p90", "p99"}."""

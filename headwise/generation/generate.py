@@ -32,6 +32,8 @@ class GenerationResult:
     logprobs: list[TokenLogprobs] | None = None
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    threads: int = 0  # torch threads of the last step: the cores other processes leave, or a pinned
+    # count (HEADWISE_THREADS; runtime/threads.py)
 
     @property
     def tokens_per_second(self) -> float | None:
@@ -141,4 +143,5 @@ def _run(
             r.logprobs if params.logprobs is not None else None,
             t_prefill,
             t_decode,
+            core.threads,
         )

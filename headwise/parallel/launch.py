@@ -1,7 +1,8 @@
 """Run a function on N local processes joined in one process group: `spawn(fn, N, *args)`.
 
 torchrun does this (and multi-node rendezvous) from the command line; `spawn` is the same
-for code and tests on one machine: each child sets its thread count, joins a gloo group
+for code and tests on one machine: each child takes its share of the cores (cores // N torch
+threads, fitted below that as other processes' load changes: runtime/threads.py), joins a gloo group
 through a file store (no port to pick, none to collide), calls fn(comm, *args) and sends
 back what it returned. A rank that raises, or exits without answering, is reported with
 its rank and error; the others are not left hanging (their collectives fail with
@@ -73,7 +74,7 @@ def spawn(
     world_size: int,
     *args,
     backend: str = "gloo",
-    threads: int = 1,
+    threads: int | None = None,
     timeout_s: float = 30.0,
     deadline_s: float = 300.0,
     raise_on_failure: bool = True,
@@ -81,7 +82,9 @@ def spawn(
     """fn(comm, *args) on `world_size` new processes -> the list of their return values by rank.
 
     fn must be importable by name (a module-level function) and its arguments and result
-    picklable (ranks start from a fork server, see PRELOAD). threads: torch threads per rank (set before fn runs). timeout_s: the process
+    picklable (ranks start from a fork server, see PRELOAD). threads: the most torch threads a rank
+    runs, set before fn runs; None (the default) and more than its share (cores // world_size) take
+    the share: ranks never oversubscribe the cores. HEADWISE_THREADS pins every rank. timeout_s: the process
     group's timeout, how long a collective waits for a silent rank. deadline_s: the whole
     run's limit, after which ranks still running are killed. raise_on_failure=False returns
     the RankOutcome of every rank instead of raising RanksFailed.
@@ -155,7 +158,13 @@ class RankGroup:
     """
 
     def __init__(
-        self, fn: Callable, world_size: int, *args, backend: str = "gloo", threads: int = 1, timeout_s: float = 60.0
+        self,
+        fn: Callable,
+        world_size: int,
+        *args,
+        backend: str = "gloo",
+        threads: int | None = None,
+        timeout_s: float = 60.0,
     ):
         import torch.distributed as dist
 
@@ -277,9 +286,9 @@ class RankGroup:
 
 def _child(fn, rank, world_size, store, backend, threads, timeout_s, args, answers) -> None:
     t0 = time.perf_counter()
-    import torch
+    from ..runtime.threads import start_rank
 
-    torch.set_num_threads(threads)
+    start_rank(world_size, threads)  # in this, the thread that runs fn's ops
     from .comm import init
 
     try:

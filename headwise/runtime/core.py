@@ -38,6 +38,7 @@ from .predict import Prediction
 from .request import Request, RequestGroup, Status
 from .sampler import Sampler
 from .sampling import SamplingParams, TokenLogprobs
+from .threads import fit_threads
 
 
 class TokenOutput(NamedTuple):
@@ -77,6 +78,7 @@ class Core:
         self.seconds = {"schedule": 0.0, "forward": 0.0, "output": 0.0}
         self.rate = 0.0  # tokens computed per second, smoothed (a queue's retry hint)
         self.model_version = None  # executors.model_version when requests were last admitted (_see_model)
+        self.threads = 0  # torch threads the last step ran with: fitted to the free cores (threads.py)
 
     # ------------------------------------------------------------------ requests
     def check(self, ids: list[int], params: SamplingParams) -> None:
@@ -133,6 +135,7 @@ class Core:
         run under the lock, before anything else can touch the requests (the front end's text).
         Which executor runs the forward (the modules, or the fused C stack) the model decides
         from what it declares (models/executors.py): a hook added between two steps is seen."""
+        self.threads = fit_threads()  # in this thread: OpenMP's count is the calling thread's
         t0 = time.perf_counter()
         with self.lock:
             if self.scheduler.waiting or not self.counts["steps"]:  # requests start: with the model as it is?
