@@ -87,7 +87,7 @@ def run_models(args) -> int:
             print(f"  not installed: {e}")
             continue
         print(f"  installed: {path} ({_fmt(_size(path))}, from the {m.package} package)")
-        if m.kind == "gguf":
+        if path.is_file():  # a GGUF (one file, or joined from parts)
             entry = cache_entry(path)
             state = f"{entry} ({_fmt(_size(entry))})" if entry.is_dir() else "not yet (the first load parses it)"
             print(f"  parsed metadata: {state}; the weights are read from the file in place")

@@ -115,9 +115,13 @@ def test_a_table_that_does_not_fit_the_file_is_rebuilt(tmp_path):
         assert _same(read_gguf(path, cache_dir=cache), want)
 
 
-def test_smollm2_loads_with_no_copy_in_the_cache(tmp_path, monkeypatch):
-    """The real 100 MB file: the cache grows by its metadata only (under 5% of the file), and a load from the cache
-    is the same model as the load that parsed the file (logits to the bit)."""
+def test_smollm2_loads_with_no_copy_in_the_cache(tmp_path, monkeypatch, capsys):
+    """The real 100 MB file: the cache grows by its metadata only (under 5% of the file), a load from the
+    cache is the same model as the load that parsed the file (logits to the bit), and `headwise models`
+    names the entry the load wrote (it said "not yet" while weights="auto" loads wrote one of their own)."""
+    from headwise.cli.models import run_models
+    from headwise.models import builtin
+
     monkeypatch.setenv("HEADWISE_CACHE", str(tmp_path))
     source = resolve("smollm2-135m-instruct")
     first = headwise.load("smollm2-135m-instruct")
@@ -128,3 +132,9 @@ def test_smollm2_loads_with_no_copy_in_the_cache(tmp_path, monkeypatch):
     ids = torch.tensor([first.tokenizer.encode("The capital of France is")])
     with torch.inference_mode():
         assert torch.equal(first(ids), again(ids))
+    # SmolLM2 alone: listing Gemma would join its 253 MB file into this cache first
+    monkeypatch.setattr(builtin, "BUILTIN", {"smollm2-135m-instruct": builtin.BUILTIN["smollm2-135m-instruct"]})
+    capsys.readouterr()
+    assert run_models(None) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "parsed metadata:" in ln)
+    assert str(cache_entry(source, tmp_path)) in line and "not yet" not in line
