@@ -22,6 +22,7 @@ from torch import Tensor
 
 from ..core.formats import PACKABLE, QUANT_FORMATS
 from . import PRO_NONE, _ext, check_call
+from .hugepages import huge_empty
 
 FORMATS = QUANT_FORMATS  # name -> (GGML type id, values per block, bytes per block): headwise/core/formats.py
 QUANTIZE_FORMATS = tuple(FORMATS)  # what `quantize` makes: every format
@@ -81,11 +82,13 @@ def _blocks_ok(blocks: Tensor, fmt: str, out_features: int, in_features: int, pa
 def pack_rows(blocks: Tensor, fmt: str, out_features: int, in_features: int) -> Tensor:
     """Q4_0 / Q4_1 / Q8_0 blocks (O, row_bytes) -> the same bytes in groups of 8 rows, (ceil(O / 8),
     8 row_bytes) (the last group padded with zero rows), the layout run_quant reads fastest:
-    plan it with `plan_quant(..., packed=True)`. `unpack_rows` undoes it bit for bit."""
+    plan it with `plan_quant(..., packed=True)`. `unpack_rows` undoes it bit for bit. The groups sit
+    in 2 MiB pages where the OS allows (kernels/hugepages.py): a decode step reads all of them."""
     _blocks_ok(blocks, fmt, out_features, in_features)
     if fmt not in PACKABLE:
         raise ValueError(f"{fmt} has no packed layout; pack_rows takes {', '.join(PACKABLE)}")
-    out = torch.empty(-(-out_features // 8), 8 * blocks.shape[1], dtype=torch.uint8)
+    groups = -(-out_features // 8)
+    out = huge_empty(groups * 8 * blocks.shape[1]).view(groups, 8 * blocks.shape[1])  # read every token: 2 MiB pages
     _module().repack8(FORMATS[fmt][0], blocks.data_ptr(), out.data_ptr(), out_features, in_features, 1)
     return out
 
