@@ -77,3 +77,20 @@ def test_generate_and_engine_report_the_count_their_steps_ran_with(tiny_llama):
         pin_threads(None)
     # governed again: what the next step would take, within the cores
     assert 1 <= GOVERNOR.planned() <= (os.cpu_count() or 1)
+
+
+def test_changing_the_count_back_and_forth_starts_no_threads():
+    """libgomp keeps one pool per thread and reuses it: 200 changes between 1 and 2 threads, each
+    with a parallel op, leave this process with the threads it had."""
+    x = torch.randn(128, 128)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    x @ x
+    tasks = len(os.listdir("/proc/self/task"))
+    try:
+        for i in range(200):
+            torch.set_num_threads(1 + i % 2)
+            x @ x
+    finally:
+        torch.set_num_threads(before)
+    assert len(os.listdir("/proc/self/task")) == tasks
