@@ -1,4 +1,5 @@
 """OpenMP threads spin briefly, then sleep, so headwise decodes well alone and on a shared machine.
+(How many threads run, fitted to the cores other processes leave: core/governor.py.)
 
 PyTorch's CPU ops, MKL, oneDNN and our C kernel (headwise/kernels) all run on one OpenMP
 runtime (torch's libgomp). Between two parallel regions its worker threads wait: by default
