@@ -20,11 +20,13 @@ CHILD = """
 import json, time
 from headwise.runtime.threads import GOVERNOR, fit_threads
 import torch
+first = torch.get_num_threads()  # torch's own default here (nothing set)
 end = time.monotonic() + 1.0
 while time.monotonic() < end:
     n = fit_threads()
     time.sleep(0.02)
-print(json.dumps({"fit": n, "torch": torch.get_num_threads(), "others": GOVERNOR.others, "cores": GOVERNOR.meter.cores}))
+out = {"fit": n, "torch": torch.get_num_threads(), "others": GOVERNOR.others, "cores": GOVERNOR.meter.cores}
+print(json.dumps({**out, "torch_default": first, "expected_default": GOVERNOR.default}))
 """
 
 
@@ -38,6 +40,7 @@ def test_beside_a_busy_process_fewer_threads_than_cores():
         spinner.wait()
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.splitlines()[-1])
+    assert out["expected_default"] == out["torch_default"], out  # how a count the user set is told apart
     assert out["fit"] == out["torch"], out  # what torch runs in the thread that asked
     assert out["others"] >= 0.6, out  # the spinner's core at least (the machine may be busier still)
     assert out["fit"] == max(1, min(out["cores"] - 1, out["fit"])), out  # fewer than the cores, never 0
