@@ -2,8 +2,8 @@
 
 Beside one busy single-thread process on 2 cores, two OpenMP threads decode SmolLM2 at ~0.23x
 their quiet speed: every parallel region waits for the worker the scheduler parked to let the
-neighbour run. One thread, where one core is left, keeps ~0.5x (benchmarks/busy.py). So the
-count follows what the cores are doing, measured, not guessed:
+neighbour run. One thread beside it decodes about as fast as one thread alone (benchmarks/busy.py,
+1thread). So the count follows what the cores are doing, measured, not guessed:
 
     others  = busy CPU time of the counted CPUs (steal included) - this process's CPU time,
               over the last interval, in cores
