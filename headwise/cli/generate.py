@@ -8,9 +8,12 @@ conversation; Ctrl-C or Ctrl-D at the prompt quits.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
+
+from ..core.governor import ENV, parse_count
 
 from .argtypes import (
     Formatter,
@@ -39,6 +42,12 @@ def _load(args, task: str):
     from ..models.from_path import load
 
     prog = f"headwise {args.command}"
+    if args.threads is None and os.environ.get(ENV):
+        try:
+            parse_count(os.environ[ENV], ENV)
+        except ValueError as e:
+            fail(prog, e)
+            return None
     if args.threads is not None:  # pinned: the governor (core/governor.py) stays out
         import torch
 

@@ -178,7 +178,11 @@ class ThreadGovernor:
     ):
         self._get, self._set = get_threads, set_threads
         self.meter, self.default, self.ceiling, self.interval = meter, default, ceiling, interval
-        self.pinned = parse_count(env[ENV], ENV) if env.get(ENV) else None
+        self.pinned, self.error = None, None
+        try:
+            self.pinned = parse_count(env[ENV], ENV) if env.get(ENV) else None
+        except ValueError as e:  # raised at the first step, not at import: `headwise plan` still runs
+            self.error = str(e)
         self.torch_pin = next((v for v in TORCH_PINS if env.get(v)), None)  # left to torch
         self.target = ceiling  # the process's count, before it is shared among stepping threads
         self.others = 0.0  # the last reading, in cores
@@ -235,6 +239,8 @@ class ThreadGovernor:
         return self._look(tls)
 
     def _look(self, tls) -> int:
+        if self.error is not None:
+            raise ValueError(self.error)
         with self._lock:
             now = self._read() if self.meter is not None else self._clock()
             me = threading.get_ident()

@@ -41,3 +41,10 @@ def test_threads_must_be_positive(capsys):
         main(["generate", "--threads", "0", "--prompt", "Hi"])
     assert e.value.code == 2
     assert "--threads" in capsys.readouterr().err
+
+
+def test_a_bad_headwise_threads_is_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("HEADWISE_THREADS", "0")
+    assert main(["generate", "--prompt", "Hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "HEADWISE_THREADS='0' is not a thread count" in err[0]

@@ -167,8 +167,9 @@ def test_headwise_threads_pins(proc, restore_threads):
     assert in_thread(run) == (1, 1)
     g.pin(2)
     assert in_thread(lambda: (proc.advance(0.3, {0: 1.0, 1: 1.0}), g.fit(), torch.get_num_threads())[1:]) == (2, 2)
+    bad = governor(proc, env={ENV: "two"})  # made (an import does not fail), but no step runs with it
     with pytest.raises(ValueError, match="HEADWISE_THREADS='two' is not a thread count"):
-        governor(proc, env={ENV: "two"})
+        in_thread(bad.fit)
     with pytest.raises(ValueError, match="threads='0'"):
         parse_count("0", "threads")
 
