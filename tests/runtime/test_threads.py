@@ -1,49 +1,66 @@
-"""Threads that fit the machine, end to end: a fresh process beside a spinning one takes fewer
-threads than cores, and the count generate() and the engine report (pinned here, 1 then 2) is
+"""Threads that fit the machine, end to end: beside a spinning process the governor, reading this
+machine's /proc/stat, takes fewer threads than cores, and the count generate() and the engine report (pinned here, 1 then 2) is
 the one torch runs their steps with, read by torch in the stepping thread."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import threading
+import time
 
 import torch
 
 import headwise
+from headwise.core.governor import ThreadGovernor, this_machine
 from headwise.runtime.threads import GOVERNOR, pin_threads
-
-# Fits for 1 s (4 readings), as a decode loop would, then says what it chose and what torch runs.
-CHILD = """
-import json, time
-from headwise.runtime.threads import GOVERNOR, fit_threads
-import torch
-first = torch.get_num_threads()  # torch's own default here (nothing set)
-end = time.monotonic() + 1.0
-while time.monotonic() < end:
-    n = fit_threads()
-    time.sleep(0.02)
-out = {"fit": n, "torch": torch.get_num_threads(), "others": GOVERNOR.others, "cores": GOVERNOR.meter.cores}
-print(json.dumps({**out, "torch_default": first, "expected_default": GOVERNOR.default}))
-"""
 
 
 def test_beside_a_busy_process_fewer_threads_than_cores():
-    env = {k: v for k, v in os.environ.items() if k not in ("HEADWISE_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    """A governor as the process's (this machine's /proc/stat, torch's count), fitting for 1 s
+    (4 readings) in a thread of its own as a decode loop would, beside a spinning process."""
+    meter, default, ceiling = this_machine({})
+    gov = ThreadGovernor(torch.get_num_threads, torch.set_num_threads, meter, default=default, ceiling=ceiling, env={})
+    before = torch.get_num_threads()
     spinner = subprocess.Popen([sys.executable, "-c", "while 1: pass"])
+
+    def fitting():
+        torch.set_num_threads(default)  # as a thread starts where nobody set a count
+        gov.restart(ceiling)  # the reading starts now, with the spinner running
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            n = gov.fit()
+            time.sleep(0.02)
+        return n, torch.get_num_threads()
+
     try:
-        p = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=120)
+        fitted, torch_runs = in_thread(fitting)
     finally:
         spinner.kill()
         spinner.wait()
-    assert p.returncode == 0, p.stderr
-    out = json.loads(p.stdout.splitlines()[-1])
-    assert out["expected_default"] == out["torch_default"], out  # how a count the user set is told apart
-    assert out["fit"] == out["torch"], out  # what torch runs in the thread that asked
-    assert out["others"] >= 0.6, out  # the spinner's core at least (the machine may be busier still)
-    assert out["fit"] == max(1, min(out["cores"] - 1, out["fit"])), out  # fewer than the cores, never 0
+        torch.set_num_threads(before)
+    assert fitted == torch_runs  # what torch runs in the thread that asked
+    assert gov.others >= 0.6, gov.others  # the spinner's core at least (the machine may be busier still)
+    assert 1 <= fitted <= max(1, meter.cores - 1)  # fewer than the cores, never 0
+
+
+def in_thread(fn):
+    """fn() in a new thread (its own OpenMP count) -> its result, or its exception raised here."""
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+            out["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def _recorder(seen: list):
