@@ -6,9 +6,10 @@ every pass reads DRAM as a 3.6 GiB token does), then run_quant at 1 row of x (a 
 every matrix in turn. Variants, timed interleaved round by round against `base` (paired: the median
 over rounds of base's time / the variant's, benchmarks/_common.py):
 
-  base        the weights in 2 MiB pages (kernels/hugepages.py), this CPU's prefetch distance
+  base        the weights in 2 MiB pages (kernels/hugepages.py), this CPU's prefetch distance and hint
   4k          the same bytes in 4 KiB pages (torch.empty)
   pf<N>       base with the prefetch distance N bytes (kernels.cpu.quant_prefetch_ahead_for)
+  t0, nta     base with the K-quant tiles' prefetch hint the other way (kernels.cpu.quant_prefetch_nta_for)
 
 The outputs are checked equal across variants (pages and prefetches change no arithmetic).
 
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     mod, _ = kernels._ext()
-    picked = mod.quant_prefetch_ahead(-1)
+    picked, nta = mod.quant_prefetch_ahead(-1), mod.quant_prefetch_nta(-1)
     log, env = Log(), environment()
     g = torch.Generator().manual_seed(0)
     blocks = [quant.quantize(torch.randn(O, I, generator=g) * 0.02, args.fmt) for O, I in SHAPES_7B]
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
     log(
         f"7B-shaped layer in {args.fmt}, packed: {size / 2**20:.0f} MiB x{copies} = {copies * size / 2**20:.0f} MiB a "
         f"pass; {args.threads} threads, {args.rounds} rounds; {env['date']}, {env['cpu_model']}, kernels {kernels.isa()}, "
-        f"prefetch {picked} bytes; huge pages: {ahp1 - ahp0} MiB of the 2 MiB-page copy"
+        f"prefetch {picked} bytes ({'NTA' if nta else 'T0'}); huge pages: {ahp1 - ahp0} MiB of the 2 MiB-page copy"
     )
     lines, results = [], {}
     load0, ticks0 = loadavg(), cpu_ticks()
@@ -91,8 +92,8 @@ def main(argv=None) -> int:
             for M in [int(r) for r in args.rows.split(",")]:
                 xs = [torch.randn(M, I, generator=g) for _, I in SHAPES_7B] * copies
 
-                def run(plans, d=picked, xs=xs):
-                    mod.quant_prefetch_ahead(d)
+                def run(plans, d=picked, xs=xs, hint=nta):
+                    mod.quant_prefetch_ahead(d), mod.quant_prefetch_nta(hint)
                     return [quant.run_quant(p, x) for p, x in zip(plans, xs)]
 
                 fns = {"base": lambda: run(huge)}
@@ -100,13 +101,14 @@ def main(argv=None) -> int:
                     fns["4k"] = lambda: run(small)
                 for d in [int(d) for d in args.distances.split(",") if d]:
                     fns[f"pf{d}"] = lambda d=d: run(huge, d)
+                fns["t0" if nta else "nta"] = lambda: run(huge, hint=1 - nta)
                 outs = {name: fn() for name, fn in fns.items()}
                 for name, out in outs.items():
                     assert all(torch.equal(a, b) for a, b in zip(out, outs["base"])), name
                 res, rows = paired_candidates(fns, "base", args.rounds, [M])
                 results[M], lines = res, lines + rows
     finally:
-        mod.quant_prefetch_ahead(picked)
+        mod.quant_prefetch_ahead(picked), mod.quant_prefetch_nta(nta)
     log(f"load {load0} -> {loadavg()}, {busy_and_steal(ticks0, cpu_ticks())}")
     log(table(["rows", "variant", "min ms", "median", "max", "vs base (medians)", "vs base (paired)"], lines))
     gbs = {M: size * copies / results[M]["base"]["ms"]["median"] / 1e6 for M in results}

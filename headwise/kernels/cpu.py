@@ -12,11 +12,13 @@ __all__ = [
     "PREFETCH_AHEAD_DEFAULT",
     "QUANT_PREFETCH_AHEAD_BY_CPU",
     "QUANT_PREFETCH_AHEAD_DEFAULT",
+    "QUANT_PREFETCH_NTA_BY_CPU",
     "ZMM_MIN_ROWS_BY_CPU",
     "ZMM_MIN_ROWS_DEFAULT",
     "cpu_flags",
     "prefetch_ahead_for",
     "quant_prefetch_ahead_for",
+    "quant_prefetch_nta_for",
     "zmm_min_rows_for",
 ]
 
@@ -95,6 +97,21 @@ def quant_prefetch_ahead_for(vendor: str | None = None, family: str | None = Non
         vendor,
         family,
     )
+
+
+# Whether the avx512 build's K-quant ymm tiles (a batch-1 step of a Q4_K / Q5_K / Q6_K file) prefetch the
+# weights non-temporally (NTA: not kept in L2 / L3, which hold the activations and KV): 1 on AMD EPYC Zen 4
+# (family 25; Zen 3, also 25, runs the avx2 build, which has no such switch), where a Llama-7B-shaped Q4_K
+# layer streamed from DRAM at 1 row of x ran 1.04-1.07x faster paired at 2 threads, 1.01-1.03x at 1
+# (benchmarks/dram_stream.py, 15-25 interleaved rounds, a loaded host, 2026-12-05); not measured elsewhere
+# (Intel's 1-row steps take the zmm tiles, which keep T0), so 0.
+QUANT_PREFETCH_NTA_BY_CPU = {("AuthenticAMD", "25"): 1}
+
+
+def quant_prefetch_nta_for(vendor: str | None = None, family: str | None = None) -> int:
+    """1 where the K-quant tiles prefetch with NTA on this CPU, as prefetch_ahead_for;
+    HEADWISE_QUANT_PREFETCH_NTA=0 / 1 overrides it."""
+    return _by_cpu(QUANT_PREFETCH_NTA_BY_CPU, 0, "HEADWISE_QUANT_PREFETCH_NTA", 1, vendor, family)
 
 
 # From how many rows of x the avx512 build's quantized kernel reads two packed groups at once in zmm

@@ -54,6 +54,9 @@ long hw_stack_floats(void);
  * fp32 tiles prefetch (inputs) and the packed groups (bytes), from how many rows the avx512
  * variant's packed groups go two at a time in zmm, query tokens per prefill block. */
 extern int hw_pf_ahead, hw_qpf_ahead, hw_zmm_min_rows, hw_pa_queries;
+/* 1: the avx512 variant's K-quant ymm tiles (a batch-1 step of a Q4_K / Q5_K / Q6_K file) prefetch
+ * their weights non-temporally (prefetchnta), 0: into every cache level (quant_linear.c). */
+extern int hw_qpf_nta;
 
 /* ---- row helpers (generic/rows.c) ---- */
 

@@ -197,6 +197,16 @@ static PyObject *py_prefetch_ahead(PyObject *self, PyObject *const *args, Py_ssi
 static PyObject *py_quant_prefetch_ahead(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return set_distance("quant_prefetch_ahead", &hw_qpf_ahead, 65536, "bytes", args, nargs);
 }
+/* quant_prefetch_nta(n) -> the flag before: 1 makes the avx512 variant's K-quant ymm tiles prefetch
+ * their weights with NTA, 0 into every cache level (hw_qpf_nta); n < 0 only reads it. Set as above. */
+static PyObject *py_quant_prefetch_nta(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    long n;
+    if (!(hw_nargs("quant_prefetch_nta", nargs, 1) && HW_L(0, n))) return NULL;
+    if (n > 1) return PyErr_Format(PyExc_ValueError, "quant_prefetch_nta: %ld; give 0 (T0) or 1 (NTA)", n);
+    const long before = hw_qpf_nta;
+    if (n >= 0) hw_qpf_nta = (int)n;
+    return PyLong_FromLong(before);
+}
 /* Counts set as the distances above, from 1 to `most` (n < 0 only reads them):
  * zmm_min_rows(n): from how many rows of x quant_group.c's avx512 build reads two packed groups at
  * once in zmm tiles (fewer: one group in ymm; the same bits either way), 65 keeping every step on
@@ -305,6 +315,8 @@ static PyMethodDef methods[] = {
     {"prefetch_ahead", (PyCFunction)(void (*)(void))py_prefetch_ahead, METH_FASTCALL, "small_linear.c"},
     {"quant_prefetch_ahead", (PyCFunction)(void (*)(void))py_quant_prefetch_ahead, METH_FASTCALL, "quant_linear.c"},
     {"zmm_min_rows", (PyCFunction)(void (*)(void))py_zmm_min_rows, METH_FASTCALL, "x86/avx512/quant_group.c"},
+    {"quant_prefetch_nta", (PyCFunction)(void (*)(void))py_quant_prefetch_nta, METH_FASTCALL,
+     "x86/avx512/quant_tiles_ymm.h"},
     {"prefill_query_block", (PyCFunction)(void (*)(void))py_prefill_query_block, METH_FASTCALL,
      "prefill_attention.c"},
     {"argmax_rows", (PyCFunction)(void (*)(void))py_argmax_rows, METH_FASTCALL, "x86/avx2/rows.c"},

@@ -18,6 +18,12 @@
  * AVX2's 16 hold 4 + 4. */
 #define GMC 8
 
+/* One weight line `ahead` bytes on: non-temporally where hw_qpf_nta says (generic/quant_linear.c). */
+static inline __attribute__((always_inline)) void prefetch_weight(const uint8_t *p, int nta) {
+    if (nta) _mm_prefetch((const char *)p, _MM_HINT_NTA);
+    else _mm_prefetch((const char *)p, _MM_HINT_T0);
+}
+
 /* 8 packed rows against MC (1..GMC) rows of quantized x: out[m] lane r = row r's output. The
  * weight chunks are loaded one at a time and met by every row of x before the next, so the
  * registers hold 2 chunks, MC int32 sums and MC accumulators (no spills at MC = GMC). Q5_0 / Q5_1:
@@ -107,9 +113,10 @@ static inline __attribute__((always_inline)) void tile_q4q5_k_8x8_q8_ymm(int fiv
     __m256 acc[GMC];
     for (int m = 0; m < MC; m++) acc[m] = _mm256_setzero_ps();
     const long ahead = hw_qpf_ahead;
+    const int nta = hw_qpf_nta;
     for (long s = 0; s < nsb; s++) {
         const uint8_t *p = grp + s * 8 * bb;
-        for (long o = 0; o < 8 * bb; o += 64) _mm_prefetch((const char *)(p + ahead + o), _MM_HINT_T0);
+        for (long o = 0; o < 8 * bb; o += 64) prefetch_weight(p + ahead + o, nta);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)));
         const __m256i s0 = _mm256_loadu_si256((const __m256i *)(p + 32)),
@@ -175,9 +182,10 @@ static inline __attribute__((always_inline)) void tile_q6_k_8x8_q8_ymm(int MC, c
     __m256 acc[GMC];
     for (int m = 0; m < MC; m++) acc[m] = _mm256_setzero_ps();
     const long ahead = hw_qpf_ahead;
+    const int nta = hw_qpf_nta;
     for (long s = 0; s < nsb; s++) {
         const uint8_t *p = grp + s * 8 * 210, *ch = p + 16;
-        for (long o = 0; o < 8 * 210; o += 64) _mm_prefetch((const char *)(p + ahead + o), _MM_HINT_T0);
+        for (long o = 0; o < 8 * 210; o += 64) prefetch_weight(p + ahead + o, nta);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
         for (int j = 0; j < 8; j++) {
             const int cq = 16 * (j / 4) + 8 * (j % 2), chh = 32 + 8 * (j / 4), sl = 4 * ((j % 4) / 2), sh = 2 * (j % 4);
