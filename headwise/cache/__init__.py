@@ -6,6 +6,7 @@ PagedKVCache        block tables over a shared block pool (paged.py)
 HybridPagedKVCache  layers of different windows (Gemma 3): one pool, a block table per group
                     of layers, windowed groups giving back what falls out of the window
 kv_dtype="int8"     int8 K/V + fp32 scale per (token, head) (quantized.py)
+kv_dtype="bfloat16" / "float16": 16-bit K/V, read as stored by the C decode kernels (docs/kv-cache.md)
 """
 
 from .block_pool import BlockPool, CacheFull

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..attention.step import CacheStep
-from .quantized import is_int8
+from .quantized import kv_kind, storage_dtype
 from .store import KVStore, new_counts
 
 
@@ -40,10 +40,11 @@ class LayerCacheBase:
     ):
         self.batch_size, self.num_kv_heads, self.head_dim = batch_size, num_kv_heads, head_dim
         self.dtype, self.static = dtype, static
-        self.kv_dtype = "int8" if is_int8(kv_dtype) else None
+        self.kv_dtype = kv_kind(kv_dtype)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        int8, stored = self.kv_dtype == "int8", storage_dtype(self.kv_dtype, dtype)
         self.store = KVStore(
-            batch_size, num_kv_heads, slots, head_dim, dtype=dtype, device=self.device, int8=self.kv_dtype == "int8"
+            batch_size, num_kv_heads, slots, head_dim, dtype=dtype, device=self.device, int8=int8, stored=stored
         )
         self._len = torch.zeros(batch_size, dtype=torch.long, device=self.device)  # (B,) tokens seen
         self._host = [0] * batch_size  # the same on the host

@@ -17,12 +17,17 @@ in each layer (vLLM, Kwon et al. 2023, "PagedAttention").
   it for something else. Plain free blocks are handed out first and cached ones
   least-recently-freed first, so a popular prompt stays cached as long as
   possible. Either kind counts as free: free + referenced == total, always.
+- Lowest ids first: a new run takes the lowest plain free block, so blocks that were used
+  before are reused before untouched ones (the cache's storage becomes resident as blocks are
+  first written: paged_store.py), and `on_first_use` hears of each block handed out for the
+  first time.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
-from typing import Iterable
+from typing import Callable, Iterable
 
 PrefixKey = tuple  # (parent chain hash | None, tuple of block_size token ids)
 
@@ -70,6 +75,10 @@ class BlockPool:
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         self._key_of: dict[int, PrefixKey] = {}  # block -> its prefix key (live or cached)
         self._block_of: dict[PrefixKey, int] = {}  # prefix key -> block
+        self._lowest = list(range(num_blocks))  # a heap of plain free ids (entries may be stale: checked on pop)
+        self._seen = bytearray(num_blocks)  # 1: handed out at least once
+        # called with the blocks an allocate hands out for the first time (the storage zeroes them)
+        self.on_first_use: Callable[[list[int]], None] | None = None
 
     # ------------------------------------------------------------------ counts
     @property
@@ -130,6 +139,12 @@ class BlockPool:
             self._ref[b] = 1
             out.append(b)
             prefer = b
+        first = [b for b in out if not self._seen[b]]
+        if first:
+            for b in first:
+                self._seen[b] = 1
+            if self.on_first_use is not None:
+                self.on_first_use(first)
         return out
 
     def _take(self, want: int | None, spread: bool = False) -> int:
@@ -141,7 +156,11 @@ class BlockPool:
             del self._free_plain[b]
             return b
         if self._free_plain:
-            return self._free_plain.popitem(last=False)[0]
+            while self._lowest[0] not in self._free_plain:  # a stale entry: taken another way
+                heapq.heappop(self._lowest)
+            b = heapq.heappop(self._lowest)
+            del self._free_plain[b]
+            return b
         b = self._free_cached.popitem(last=False)[0]  # evict the least recently freed prefix
         del self._block_of[self._key_of.pop(b)]
         return b
@@ -182,7 +201,18 @@ class BlockPool:
             raise ValueError(f"block {block} is already free (double free)")
         self._ref[block] -= 1
         if self._ref[block] == 0:
-            (self._free_cached if block in self._key_of else self._free_plain)[block] = None
+            if block in self._key_of:
+                self._free_cached[block] = None
+            else:
+                self._plain_free(block)
+
+    def _plain_free(self, block: int) -> None:
+        self._free_plain[block] = None
+        if len(self._lowest) > 4 * self.num_blocks:  # mostly stale entries: rebuild
+            self._lowest = list(self._free_plain)
+            heapq.heapify(self._lowest)
+        else:
+            heapq.heappush(self._lowest, block)
 
     # ------------------------------------------------------------------ prefix table
     def lookup(self, key: PrefixKey) -> int | None:
@@ -208,7 +238,7 @@ class BlockPool:
             del self._block_of[key]
             if block in self._free_cached:
                 del self._free_cached[block]
-                self._free_plain[block] = None
+                self._plain_free(block)
 
     def key_of(self, block: int) -> PrefixKey | None:
         return self._key_of.get(block)
@@ -217,7 +247,7 @@ class BlockPool:
         """Forget every cached-free prefix (their blocks become plain free); live keys stay."""
         for b in list(self._free_cached):
             del self._block_of[self._key_of.pop(b)]
-            self._free_plain[b] = None
+            self._plain_free(b)
         self._free_cached.clear()
 
     # ------------------------------------------------------------------ checks

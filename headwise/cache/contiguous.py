@@ -24,7 +24,9 @@ Three ways a step is written and read, cheapest first:
   a decode step once.
 
 With kv_dtype="int8" the same writes go to int8 buffers plus per-(token, head)
-scales (see quantized.py); a read dequantizes the slice it returns.
+scales (see quantized.py); a read dequantizes the slice it returns. With "bfloat16" /
+"float16" they go to 16-bit buffers (rounded to nearest even), converted back when read,
+except by the one-call decode kernel, which reads them as stored.
 """
 
 from __future__ import annotations
@@ -168,7 +170,8 @@ class ContiguousKVCache(LayeredCache):
 
     Args:
         dtype: the compute dtype K/V arrive and are returned in.
-        kv_dtype: None (store `dtype`) or "int8" (int8 + fp32 scale per (token, head)).
+        kv_dtype: None (store `dtype`), "bfloat16" / "float16" (16 bits, rounded to nearest even) or
+            "int8" (int8 + fp32 scale per (token, head)).
         static: reads always cover all max_seq_len slots with a mask, so shapes never
             change between steps (for torch.compile / CUDA graphs).
         windows: per layer, None (global: every key) or W (the layer sees the W keys ending
@@ -265,10 +268,10 @@ class ContiguousKVCache(LayeredCache):
             for layer in layers
         ):
             return None
-        want = (rows, layers[0].store.int8, torch.float32)
+        want = (rows, layers[0].store.int8, layers[0].store.stored, torch.float32)
         entries, strides = [], set()
         for layer in layers:
-            if (layer.batch_size, layer.store.int8, layer.dtype) != want:
+            if (layer.batch_size, layer.store.int8, layer.store.stored, layer.dtype) != want:
                 return None
             sb, sh, st = layer.store.k[0].stride()[:3]
             if type(layer) is SlidingWindowLayerCache:

@@ -16,8 +16,9 @@ attention backend (attention/backends/paged.py) reads, part by part:
   sequence on a view of the pool, no gather, no mask ("runs"; `spread=True` placement
   keeps sequences that grow side by side consecutive);
 - remaining decodes together: in place through their block tables, one kernel call
-  (`decode_tables`), or where that cannot run (int8, no kernel) a batched `PagedStep`
-  read plan (tiles, gathers);
+  (`decode_tables`; 16-bit pools too, and every decode of one goes here, the kernel reading
+  them as stored), or where that cannot run (int8, no kernel) a batched `PagedStep` read plan
+  (tiles, gathers);
 - each longer chunk (a prefill) alone against its own blocks, bottom-right causal.
 Read plans, masks and views are built once per step and shared by all layers.
 
@@ -205,9 +206,10 @@ class PackedStep(PackedReads, Step):
 
     def decode_tables(self, layer: int, i: int):
         """PackedReads.decode_tables: "decodes" part i's block tables and key counts (made once per
-        step, shared by the layers) beside this layer's pool planes; None for an int8 pool."""
+        step, shared by the layers) beside this layer's pool planes (fp32, or 16-bit: the kernel reads
+        them as stored); None for an int8 pool."""
         cache = self.cache
-        if cache.kv_dtype or cache.window is not None:  # a window: the read plan (it starts at the window)
+        if cache.kv_dtype == "int8" or cache.window is not None:  # a window: the read plan (it starts at the window)
             return None
         key = ("decode tables", i)
         memo = self.mask_memo.get(key)

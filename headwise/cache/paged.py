@@ -30,7 +30,7 @@ from .packed import PackedStep
 from .paged_step import PagedLayerStep, PagedRead, PagedStep  # noqa: F401  (re-exported: the step classes)
 from .paged_reserve import Reservations
 from .paged_store import TILE_TOKENS, PagedStorage
-from .quantized import is_int8
+from .quantized import kv_kind
 
 
 class UnknownSequence(KeyError):
@@ -58,7 +58,8 @@ class PagedKVCache(Reservations, PagedStorage):
 
     Args:
         dtype: the compute dtype K/V arrive and are read in.
-        kv_dtype: None (store `dtype`) or "int8" (int8 + fp32 scale per (token, head)).
+        kv_dtype: None (store `dtype`), "bfloat16" / "float16" (16 bits, rounded to nearest even; the
+            C decode kernels read them as stored) or "int8" (int8 + fp32 scale per (token, head)).
         tile_tokens: keys per gathered tile when reading (a multiple of block_size).
         spread: start each new run of blocks in the middle of the largest free stretch
             (`BlockPool.allocate`), so that many sequences growing side by side each stay
@@ -109,7 +110,7 @@ class PagedKVCache(Reservations, PagedStorage):
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.block_size, self.dtype = block_size, dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.kv_dtype = "int8" if is_int8(kv_dtype) else None
+        self.kv_dtype = kv_kind(kv_dtype)
         self.tile_blocks = max(1, tile_tokens // block_size)
         self.spread = bool(spread)
         if region_blocks is not None and (not isinstance(region_blocks, int) or not 1 <= region_blocks <= num_blocks):

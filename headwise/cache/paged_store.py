@@ -13,6 +13,14 @@ block after its last one when that block is free, so a sequence decoded alone is
 
 int8 (`kv_dtype="int8"`): int8 K/V plus an fp32 scale per (token, head)
 (quantized.py); a read dequantizes one tile at a time, never the whole sequence.
+bf16 / fp16 (`kv_dtype="bfloat16"`, `"float16"`): 16-bit K/V, rounded to nearest even when
+written; the C decode kernels (the one-call decode stack, the block-table decode read) read
+them as stored, other reads convert one tile at a time.
+
+The planes are allocated with torch.empty, so the OS makes their pages resident only as they
+are written: a big pool costs memory as it fills, not up front. A block is zeroed the first
+time the pool hands it out (`_fresh`): every read then meets finite values, also in the slots
+of a block a sequence has not filled yet (masked slots still meet a 0 weight, and 0 * NaN = NaN).
 
 `PagedStorage` is a base class of `PagedKVCache` (paged.py), which owns the sequences and
 their block tables; the steps (paged_step.py, packed.py) write through `_write` and read
@@ -29,7 +37,7 @@ from torch import Tensor
 
 from ..attention.kv import Tile
 from .base import StackParts
-from .quantized import SCALE_DTYPE, dequantize_int8, quantize_int8
+from .quantized import SCALE_DTYPE, dequantize_int8, quantize_int8, storage_dtype
 
 # Keys per gathered tile. A K tile is Hkv * TILE_TOKENS * D * 4 bytes: 3 MiB at Hkv=12,
 # D=64 (fp32), which stays in L2/L3 between the gather and the kernel. Fragmented decode at
@@ -46,17 +54,20 @@ class PagedStorage:
 
     def _allocate_storage(self, num_blocks: int) -> None:
         shape = (self.num_layers, self.num_kv_heads, num_blocks, self.block_size, self.head_dim)  # (L, Hkv, NB, bs, D)
-        dtype = self.dtype
+        stored = storage_dtype(self.kv_dtype, self.dtype)
 
-        def planes():  # zeros, not empty: masked slots still meet a 0 weight, and NaN * 0 = NaN
+        def planes():  # empty: resident as written; each block zeroed when first handed out (_zero_fresh)
             if self.kv_dtype == "int8":
                 return (
-                    torch.zeros(shape, dtype=torch.int8, device=self.device),
-                    torch.zeros(shape[:-1] + (1,), dtype=SCALE_DTYPE, device=self.device),
+                    torch.empty(shape, dtype=torch.int8, device=self.device),
+                    torch.empty(shape[:-1] + (1,), dtype=SCALE_DTYPE, device=self.device),
                 )
-            return (torch.zeros(shape, dtype=dtype, device=self.device),)
+            return (torch.empty(shape, dtype=stored, device=self.device),)
 
         self._k, self._v = planes(), planes()
+        self._fresh = bytearray(b"\x01") * num_blocks  # 1: never handed out, its memory unwritten
+        self.pool.on_first_use = self._zero_fresh
+        self._zero_fresh([b for b in range(num_blocks) if not self.pool.is_free(b)])  # held already (a null block)
         # each layer's value planes (Hkv, NB, bs, D), as views made once: indexing the pool per layer
         # per step showed up in a serving profile (a decode step asks 2 x num_layers times)
         self._layer_kv = [(self._k[0][i], self._v[0][i]) for i in range(self.num_layers)]
@@ -83,19 +94,33 @@ class PagedStorage:
         ):
             raise ValueError("a cache that shares another's storage needs its geometry (layers, heads, dims, dtypes)")
         self._k, self._v, self._layer_kv, self._layer_planes = other._k, other._v, other._layer_kv, other._layer_planes
+        self._fresh = other._fresh
         self._scratch = {}
         self.stack_memo = None
 
     def memory_bytes(self) -> int:
-        """Bytes of K/V storage for all layers (int8: values + scales), allocated up front."""
+        """Bytes of K/V storage for all layers (int8: values + scales) when every block is in use
+        (the pool's pages become resident as blocks are first handed out)."""
         return sum(t.numel() * t.element_size() for t in (*self._k, *self._v))
+
+    def _zero_fresh(self, blocks: list[int]) -> None:
+        """Zero, in every layer, the blocks among `blocks` that were never handed out before (the
+        pool's on_first_use): what was never written then reads as 0, never as stale or NaN bits."""
+        fresh = [b for b in blocks if self._fresh[b]]
+        if not fresh:
+            return
+        for b in fresh:
+            self._fresh[b] = 0
+        idx = torch.tensor(fresh, dtype=torch.long, device=self.device)
+        for plane in (*self._k, *self._v):
+            plane.index_fill_(2, idx, 0)  # (L, Hkv, NB, bs, D|1): dim 2 is the block
 
     # ------------------------------------------------------------------ storage access
     def _write(self, layer: int, slots: Tensor, src_index: Tensor | None, k: Tensor, v: Tensor) -> None:
         """New k, v (B, Hkv, T, D) -> their slots (flat block * block_size + offset) in `layer`."""
         B, Hkv, T, _ = k.shape
         for planes, x in ((self._k, k), (self._v, v)):
-            parts = quantize_int8(x) if self.kv_dtype else (x,)
+            parts = quantize_int8(x) if self.kv_dtype == "int8" else (x,)  # 16-bit: rounded by .to() below
             for plane, part in zip(planes, parts):
                 src = part.permute(1, 0, 2, 3).reshape(Hkv, B * T, part.shape[-1])  # (Hkv, B*T, D|1)
                 if src_index is not None:
@@ -126,7 +151,12 @@ class PagedStorage:
                     if buf is not None
                     else src.index_select(1, seg.index)
                 )
-            x = dequantize_int8(parts[0], parts[1], dtype) if self.kv_dtype else parts[0]
+            if self.kv_dtype == "int8":
+                x = dequantize_int8(parts[0], parts[1], dtype)
+            elif parts[0].dtype != dtype and scratch:  # 16-bit: converted into a reused buffer
+                x = self._scratch_for((which, "wide"), parts[0].shape, dtype).copy_(parts[0])
+            else:
+                x = parts[0].to(dtype)
             x = x.reshape(self.num_kv_heads, B, seg.count * self.block_size, self.head_dim)
             out.append(x.transpose(0, 1)[:, :, :n])
         return out[0], out[1]

@@ -37,6 +37,10 @@ from .protocol import CacheRead
 SCALE_DTYPE = torch.float32  # see the module docstring for why not fp16
 SCALE_BYTES = 4
 INT8_KV_DTYPES = ("int8", torch.int8)
+# 16-bit K/V: stored by rounding the compute dtype's values to nearest even (torch's .to()), read
+# back exactly (.float()); the C decode kernels widen them in registers (kernels/attention.py)
+KV16_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 
 def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -59,13 +63,30 @@ def dequantize_int8(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32
     return x if dtype == torch.float32 else x.to(dtype)
 
 
-def is_int8(kv_dtype) -> bool:
-    """Validate a cache's `kv_dtype`: None (store the compute dtype) or "int8"."""
+def kv_kind(kv_dtype) -> str | None:
+    """Validate a cache's `kv_dtype` and name it: None (store the compute dtype), "int8", "bfloat16" or
+    "float16" (also as torch dtypes, or "bf16", "fp16", "half")."""
     if kv_dtype is None:
-        return False
+        return None
     if kv_dtype in INT8_KV_DTYPES:
-        return True
-    raise ValueError(f"kv_dtype must be None (store K/V in the compute dtype) or 'int8', got {kv_dtype!r}")
+        return "int8"
+    name = str(kv_dtype).removeprefix("torch.").lower() if isinstance(kv_dtype, (str, torch.dtype)) else None
+    name = KV_DTYPE_ALIASES.get(name, name)
+    if name in KV16_DTYPES:
+        return name
+    raise ValueError(
+        f"kv_dtype must be None (store K/V in the compute dtype), 'bfloat16', 'float16' or 'int8', got {kv_dtype!r}"
+    )
+
+
+def is_int8(kv_dtype) -> bool:
+    """Validate a cache's `kv_dtype` (`kv_kind`); whether it stores int8."""
+    return kv_kind(kv_dtype) == "int8"
+
+
+def storage_dtype(kv_kind: str | None, dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype a cache of `kv_kind` (kv_kind's name) stores values in, computing in `dtype`."""
+    return torch.int8 if kv_kind == "int8" else KV16_DTYPES.get(kv_kind, dtype)
 
 
 @dataclass(frozen=True)

@@ -153,7 +153,8 @@ def ring_bases(rows: int, batch_stride: int) -> Tensor:
 class SlidingWindowCache(LayeredCache):
     """Ring buffers of the last `window` tokens for `num_layers` layers, (B, Hkv, W, D) each.
 
-    No `trim`: evicted tokens cannot come back. kv_dtype="int8" stores int8 + scales.
+    No `trim`: evicted tokens cannot come back. kv_dtype="int8" stores int8 + scales, "bfloat16" /
+    "float16" 16-bit values.
     """
 
     def __init__(

@@ -1,8 +1,8 @@
 """Storage of the (B, Hkv, S, D) caches and the checks they share.
 
-KVStore     one layer's K and V buffers, (B, Hkv, N, D), in the compute dtype or as
-            int8 + per-(token, head) scales (quantized.py): slice, scatter and per-token
-            writes, and reads of the first S slots as views.
+KVStore     one layer's K and V buffers, (B, Hkv, N, D), in the compute dtype, in bf16 / fp16,
+            or as int8 + per-(token, head) scales (quantized.py): slice, scatter and per-token
+            writes, and reads of the first S slots (views; 16-bit and int8 converted when read).
 check_new_kv, new_counts, causal_visibility, check_dims, _as_rows
             validation and masks used by the contiguous (contiguous.py) and sliding
             (sliding.py) caches; errors name both sides' numbers.
@@ -18,14 +18,16 @@ from .quantized import SCALE_DTYPE, Int8CacheRead, dequantize_int8, quantize_int
 
 
 class KVStore:
-    """K and V buffers of one layer, (B, Hkv, N, D), in the compute dtype or as int8 + scales.
+    """K and V buffers of one layer, (B, Hkv, N, D), in the compute dtype, in `stored` (bf16 /
+    fp16: written rounded to nearest even, read converted back exactly), or as int8 + scales.
 
     Each of K and V is a tuple of planes written with the same index: (values,) or
     (int8 values, (B, Hkv, N, 1) fp32 scales).
     """
 
-    def __init__(self, B: int, Hkv: int, N: int, D: int, *, dtype: torch.dtype, device, int8: bool):
+    def __init__(self, B: int, Hkv: int, N: int, D: int, *, dtype: torch.dtype, device, int8: bool, stored=None):
         self.dtype, self.int8 = dtype, int8
+        self.stored = dtype if stored is None or int8 else stored  # the values' dtype (not int8's)
         if int8:
 
             def planes():
@@ -36,18 +38,21 @@ class KVStore:
         else:
 
             def planes():  # zeros, not empty: masked slots are still multiplied by 0 weights, NaN would leak
-                return (torch.zeros(B, Hkv, N, D, dtype=dtype, device=device),)
+                return (torch.zeros(B, Hkv, N, D, dtype=self.stored, device=device),)
 
         self.k, self.v = planes(), planes()
 
     def planes(self) -> tuple:
-        """(K, V) as a kernel reads them in place: the fp32 buffers, or each an (int8, scales) pair."""
+        """(K, V) as a kernel reads them in place: the fp32 / 16-bit buffers, or each an (int8, scales) pair."""
         if self.int8:
             return self.k, self.v
         return self.k[0], self.v[0]
 
     def _encode(self, x: Tensor) -> tuple[Tensor, ...]:
-        return quantize_int8(x) if self.int8 else (x,)
+        return quantize_int8(x) if self.int8 else (x.to(self.stored),)
+
+    def _decode(self, x: Tensor) -> Tensor:
+        return x if x.dtype == self.dtype else x.to(self.dtype)
 
     def _pairs(self, k: Tensor, v: Tensor):
         for planes, x in ((self.k, k), (self.v, v)):
@@ -79,17 +84,21 @@ class KVStore:
             return Int8CacheRead(
                 kq[:, :, :S], ks[:, :, :S], vq[:, :, :S], vs[:, :, :S], self.dtype, key_padding_mask, attn_mask
             )
-        return CacheRead(self.k[0].narrow(2, 0, S), self.v[0].narrow(2, 0, S), key_padding_mask, attn_mask)
+        k, v = self.k[0].narrow(2, 0, S), self.v[0].narrow(2, 0, S)
+        return CacheRead(self._decode(k), self._decode(v), key_padding_mask, attn_mask)
 
     def dense(self) -> tuple[Tensor, Tensor]:
-        """All N slots of K and V in the compute dtype (views, or dequantized copies)."""
+        """All N slots of K and V in the compute dtype (views, or converted copies)."""
         if self.int8:
             return dequantize_int8(*self.k, self.dtype), dequantize_int8(*self.v, self.dtype)
-        return self.k[0], self.v[0]
+        return self._decode(self.k[0]), self._decode(self.v[0])
 
     def round_trip(self, x: Tensor) -> Tensor:
-        """x as a later read will see it (int8: quantized and back), for attending before writing."""
-        return dequantize_int8(*quantize_int8(x), self.dtype) if self.int8 else x
+        """x as a later read will see it (int8: quantized and back; 16-bit: rounded), for attending
+        before writing."""
+        if self.int8:
+            return dequantize_int8(*quantize_int8(x), self.dtype)
+        return self._decode(x.to(self.stored))
 
     def reorder(self, idx: Tensor) -> None:
         for buf in (*self.k, *self.v):

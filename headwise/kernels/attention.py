@@ -21,6 +21,10 @@ from torch import Tensor
 from . import _ext, kernels_unavailable
 
 MAX_G, MAX_D = 16, 256  # decode_attention.c's MAX_G, MAX_D: its per-pair stack buffers
+# What K/V elements the kernels read (kernels.h's KV_*): fp32, or 16-bit widened in registers a
+# tile at a time; int8 (with scales) only through the decoder stack (kernels/layer.py)
+KV_KINDS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2, torch.float16: 3}
+KV_FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # decode_attention's K/V dtypes
 
 
 def fits(G: int, D: int) -> bool:
@@ -52,7 +56,8 @@ def decode_attention(
     """softmax(q k^T * scale) v of each sequence c over its keys [0, lengths[c]), fp32 on CPU;
     softcap c > 0: scores c * tanh(s / c) (Gemma 2), LSE of those.
 
-    q (C, Hkv, G, D) contiguous; k, v (C, Hkv, width, D), any strides but the last (1);
+    q (C, Hkv, G, D) fp32 contiguous; k, v (C, Hkv, width, D), fp32, bf16 or fp16 (both the same:
+    16-bit keys are widened to fp32 in registers, exactly), any strides but the last (1);
     lengths (C,) int64 in [0, width]. -> (out (C, Hkv, G, D), lse (C, Hkv, G) natural-log LSE
     of the scaled scores, or None). A sequence with no keys gets out 0 and lse -inf.
     No autograd. Check `decode_attention_unavailable()` first.
@@ -117,11 +122,14 @@ def paged_decode_attention(
     if tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= blocks):
         raise ValueError(f"paged_decode_attention: tables name blocks outside the pool's {blocks} blocks")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype is not torch.float32 or not t.is_cpu or t.stride(-1) != 1:
+        if t.dtype not in (KV_FLOATS if name != "q" else (torch.float32,)) or not t.is_cpu or t.stride(-1) != 1:
             raise ValueError(
-                f"paged_decode_attention: {name} must be fp32 on the CPU with each key's D floats contiguous; got "
-                f"{t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}"
+                f"paged_decode_attention: {name} must be {'fp32' if name == 'q' else 'fp32, bf16 or fp16'} on the "
+                f"CPU with each key's D elements contiguous; got {t.dtype} {tuple(t.shape)} strides {t.stride()} on "
+                f"{t.device}"
             )
+    if k.dtype != v.dtype:
+        raise ValueError(f"paged_decode_attention: k ({k.dtype}) and v ({v.dtype}) must share a dtype")
     if not q.is_contiguous() or not fits(q.shape[2], q.shape[3]):
         raise ValueError(
             f"paged_decode_attention: q {tuple(q.shape)} must be contiguous with 1 <= G <= {MAX_G}, "
@@ -179,7 +187,7 @@ def _run(
     block_size: int = 0,
     softcap: float | None = None,
 ):
-    """The kernel call. strides: K's and V's (sequence, head, key) strides in floats (default:
+    """The kernel call. strides: K's and V's (sequence, head, key) strides in elements (default:
     those of 4-D views (C, Hkv, width, D)); tables (C, width) int64: keys through block tables;
     softcap: None, or c > 0 for scores c * tanh(s / c) (the kernel's 0 = none)."""
     C, Hkv, G, D = q.shape
@@ -204,6 +212,7 @@ def _run(
         0 if tables is None else tables.shape[1],
         block_size,
         0.0 if softcap is None else float(softcap),
+        KV_KINDS[k.dtype],
     )
     if rc:  # the checks rule these out; a mismatch means the C and Python limits drifted apart
         raise RuntimeError(f"decode_attention kernel refused G={G}, D={D}, block_size={block_size} (code {rc})")
@@ -212,10 +221,13 @@ def _run(
 
 def _check(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype is not torch.float32 or not t.is_cpu or t.dim() != 4:
+        if t.dtype not in (KV_FLOATS if name != "q" else (torch.float32,)) or not t.is_cpu or t.dim() != 4:
             raise ValueError(
-                f"decode_attention: {name} must be a 4-D fp32 CPU tensor; got {t.dtype} {tuple(t.shape)} on {t.device}"
+                f"decode_attention: {name} must be a 4-D {'fp32' if name == 'q' else 'fp32, bf16 or fp16'} CPU "
+                f"tensor; got {t.dtype} {tuple(t.shape)} on {t.device}"
             )
+    if k.dtype != v.dtype:
+        raise ValueError(f"decode_attention: k ({k.dtype}) and v ({v.dtype}) must share a dtype")
     if not q.is_contiguous():
         raise ValueError(f"decode_attention: q {tuple(q.shape)} must be contiguous (call .contiguous())")
     C, Hkv, G, D = q.shape

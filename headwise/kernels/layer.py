@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from . import PRO_GEGLU, PRO_SWIGLU, LinearPlan, _ext
+from .attention import KV_KINDS
 
 # The MLP's gate activation -> the kernels' prologue between gate_up and down
 GLU_PROLOGUES = {"silu": PRO_SWIGLU, "gelu_tanh": PRO_GEGLU}
@@ -116,12 +117,13 @@ def _descriptor(plan: StepPlan, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, 
     return _descriptor_ints(plan, k, v, s_h, s_t, _step_ints((base, pos, *paged), cos, sin), ring)
 
 
-def _plane(x) -> tuple[int, int]:
-    """A cache's K or V plane -> (values pointer, scales pointer or 0): an fp32 tensor, or an int8
-    cache's (int8 values, fp32 scales (..., 1)) pair (cache/quantized.py), read by the kernel as is."""
+def _plane(x) -> tuple[int, int, int]:
+    """A cache's K or V plane -> (values pointer, scales pointer or 0, element kind): an fp32, bf16 or
+    fp16 tensor, or an int8 cache's (int8 values, fp32 scales (..., 1)) pair (cache/quantized.py), read
+    by the kernel as is (kernels.h's KV_* kinds)."""
     if type(x) is tuple:
-        return x[0].data_ptr(), x[1].data_ptr()
-    return x.data_ptr(), 0
+        return x[0].data_ptr(), x[1].data_ptr(), KV_KINDS[torch.int8]
+    return x.data_ptr(), 0, KV_KINDS[x.dtype]
 
 
 def _step_ints(rows: tuple, cos: Tensor, sin: Tensor) -> tuple[int, ...]:
@@ -143,10 +145,11 @@ def _step_ints(rows: tuple, cos: Tensor, sin: Tensor) -> tuple[int, ...]:
 def _descriptor_ints(plan: StepPlan, k, v, s_h: int, s_t: int, step: tuple, ring: int = 0) -> list[int]:
     C, H, Hkv, D, F = plan.dims
     base, pos, table, width, bs, cos, sin = step
-    (k, ks), (v, vs) = _plane(k), _plane(v)
+    (k, ks, kind), (v, vs, _) = _plane(k), _plane(v)
     return [*plan.head, k, v, ks, vs, base, s_h, s_t, pos, table, width, bs, H, Hkv, D, F, cos, sin, *plan.split] + [
         *plan.spec,
         ring,
+        kind,
     ]
 
 

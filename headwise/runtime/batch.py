@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .. import cache as caches
-from ..cache.quantized import is_int8
+from .config import kv_dtype_for
 from .request import Request, Status
 from .windows import model_windows
 from .scheduler import Chunk, SchedulerOutput
@@ -75,10 +75,13 @@ class ContiguousRunner:
     """B rows of one ContiguousKVCache of max_len slots; request i added to the core is row i."""
 
     def __init__(self, model, batch_size: int, max_len: int, *, kv_dtype: str | None = None, compile: bool = False):
-        if is_int8(kv_dtype) and compile:
+        """kv_dtype None: decided by runtime/config.py's kv_dtype_for (16-bit for a quantized model,
+        the model's dtype otherwise; with compile=True always the model's)."""
+        if compile and kv_dtype not in (None, "float32", "fp32"):
             raise ValueError(
-                "kv_dtype='int8' does not combine with compile=True (its static cache holds the model's dtype)"
+                f"kv_dtype={kv_dtype!r} does not combine with compile=True (its static cache holds the model's dtype)"
             )
+        kv_dtype = None if compile else kv_dtype_for(kv_dtype, model)
         cfg, param = model.config, next(model.parameters())
         self.model, self.device, self.B = model, param.device, batch_size
         self.compiled = None

@@ -18,12 +18,20 @@ from dataclasses import dataclass
 
 from ..core.plan import kv_layer_groups, kv_pool_blocks, kv_pool_blocks_per_sequence, kv_pool_bytes_per_token
 
-# The KV pool when neither num_blocks nor memory_budget_bytes is given: 1 GiB holds ~23k
-# tokens of SmolLM2-135M in fp32 (46 KiB per token), 64 sequences of ~360 tokens; at most
-# a quarter of the memory available when the engine is built.
-DEFAULT_KV_BUDGET = 1 << 30
-KV_DTYPES = (None, "int8", "bfloat16", "float16")
-KV_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+# The KV pool when neither num_blocks nor memory_budget_bytes is given: 32k tokens (of every layer),
+# llama-server's -c 32768, at most a quarter of the memory available when the engine is built and
+# no more than max_num_seqs sequences of the model's whole context need. Its bytes follow the dtype
+# stored: SmolLM2-135M 0.70 GiB in 16-bit (23 KiB a token), 1.41 GiB in fp32. The pool's pages
+# become resident as blocks are first written (cache/paged_store.py), not when it is allocated.
+DEFAULT_KV_TOKENS = 32768
+KV_DTYPES = (None, "float32", "int8", "bfloat16", "float16")
+KV_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}
+# The 16-bit K/V of a quantized model when kv_dtype is not given: the one the C decode kernels read
+# fastest (benchmarks/kv16.py, AMD EPYC Zen 4, 1 thread, decode attention over SmolLM2's heads):
+# the avx512 variant widens both in one zmm op each, bf16 ~= fp16 (+-2%), so bfloat16 (fp32's range:
+# no key overflows to inf); the avx2 variant's vcvtph2ps beats bf16's two-op shift (fp16 1.05-1.1x
+# at 4k keys), so float16 there. Without the kernels, bfloat16 (PyTorch converts either).
+DEFAULT_KV16 = {"avx512": "bfloat16", "avx2": "float16"}
 
 
 def _positive(value) -> bool:
@@ -38,12 +46,13 @@ class EngineConfig:
     # differ in window: then core.plan.kv_layer_groups' g layers, one block table per group)
     block_size: int = 16  # tokens per KV block: a prefix is shared in whole blocks
     max_num_batched_tokens: int = 512  # tokens computed per step (decodes + prefill chunks)
-    kv_dtype: str | None = None  # None (the model's dtype), "bfloat16" / "float16" (half of fp32's
-    # bytes) or "int8" (~1/4)
+    kv_dtype: str | None = None  # None: 16-bit (default_kv16) for a quantized model, else the model's
+    # dtype (kv_dtype_for); "float32" (the model's dtype, always), "bfloat16" / "float16" (half of
+    # fp32's bytes) or "int8" (~1/4)
     max_waiting_requests: int = 256  # beyond this add_request raises QueueFull (a server's 429)
     max_waiting_tokens: int | None = None  # prompt tokens waiting; None = 4x what the KV pool holds
-    memory_budget_bytes: int | None = None  # bytes for the pool when num_blocks is None (None: 1 GiB, at
-    # most a quarter of the memory available)
+    memory_budget_bytes: int | None = None  # bytes for the pool when num_blocks is None (None:
+    # DEFAULT_KV_TOKENS tokens, at most a quarter of the memory available)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "block_size", "max_num_batched_tokens", "max_waiting_requests"):
@@ -64,8 +73,9 @@ class EngineConfig:
         kv = KV_DTYPE_ALIASES.get(kv, kv)
         if kv not in KV_DTYPES:
             raise ValueError(
-                f"kv_dtype must be None (store K/V in the compute dtype), 'bfloat16', 'float16' or 'int8', "
-                f"got {self.kv_dtype!r}"
+                f"kv_dtype must be None (store K/V in the compute dtype), 'bfloat16', 'float16' or 'int8', got "
+                f"{self.kv_dtype!r}; also 'float32' (the compute dtype even for a model with quantized weights, "
+                f"for which None means 16-bit K/V)"
             )
         object.__setattr__(self, "kv_dtype", kv)
 
@@ -79,8 +89,14 @@ class EngineConfig:
     # ------------------------------------------------------------------ model-dependent sizes
     def kv_pool_dtype(self, dtype) -> str:
         """The dtype the pool stores, as the planner names it: kv_dtype ("int8", "bfloat16", ...), or
-        the model's ("float32")."""
-        return self.kv_dtype if self.kv_dtype is not None else str(dtype).removeprefix("torch.")
+        the model's ("float32"). Call on a config whose kv_dtype is decided (`for_model`)."""
+        if self.kv_dtype is None or self.kv_dtype == "float32":
+            return str(dtype).removeprefix("torch.")
+        return self.kv_dtype
+
+    def for_model(self, model) -> "EngineConfig":
+        """This config with kv_dtype decided for `model` (kv_dtype_for): what the engine stores."""
+        return self.replace(kv_dtype=kv_dtype_for(self.kv_dtype, model))
 
     def blocks_for(self, model_config, dtype) -> int:
         """KV blocks the pool gets for a model (its ModelConfig) computing in `dtype`."""
@@ -99,11 +115,12 @@ class EngineConfig:
                     f"give more, or a smaller block_size"
                 )
             return blocks
+        tokens = DEFAULT_KV_TOKENS * kv_pool_bytes_per_token(model_config, kv)  # bytes of 32k tokens, all layers
         try:
             available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError):
-            available = 4 * DEFAULT_KV_BUDGET
-        budget = min(DEFAULT_KV_BUDGET, available // 4)
+            available = 4 * tokens
+        budget = min(tokens, available // 4)
         per_seq = kv_pool_blocks_per_sequence(
             model_config, model_config.max_positions, self.block_size, self.max_num_batched_tokens
         )
@@ -152,3 +169,29 @@ class EngineConfig:
             f"max_num_batched_tokens={chunk}) plus the null block{' and one per global group' if glob else ''}: "
             f"give num_blocks >= {windows + 1 + glob} or a smaller max_num_batched_tokens"
         )
+
+
+def is_quantized(model) -> bool:
+    """Whether `model` computes with weights in a GGML format (headwise.load(..., weights="stored"),
+    a GGUF as stored, weights="q4_0", ...): any of its linears a QuantizedLinear."""
+    from ..models.linear import QuantizedLinear  # here, not at the top: this module imports no torch
+
+    return any(isinstance(m, QuantizedLinear) for m in model.modules())
+
+
+def default_kv16() -> str:
+    """The 16-bit K/V this CPU's decode kernels read fastest (DEFAULT_KV16 by the kernels' variant)."""
+    from ..kernels import isa  # here: this module imports no torch
+
+    return DEFAULT_KV16.get(isa(), "bfloat16")
+
+
+def kv_dtype_for(kv_dtype: str | None, model) -> str | None:
+    """The one place the K/V dtype is decided, for the engine and generate(): a given kv_dtype as it
+    is ("float32": None, the model's dtype); None: default_kv16() for a quantized model (its weights are
+    approximate already, and 16-bit K/V halve the bytes a long decode reads; the perplexity cost is
+    in docs/kv-cache.md), the model's dtype (None) for any other. Returns a cache's kv_dtype."""
+    if kv_dtype is None:
+        return default_kv16() if is_quantized(model) else None
+    kv = KV_DTYPE_ALIASES.get(kv_dtype, kv_dtype)
+    return None if kv == "float32" else kv

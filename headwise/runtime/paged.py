@@ -25,7 +25,8 @@ class EngineCore(Core):
         check_decoder(model)
         cfg = model.config
         param = next(model.parameters())
-        self.config = (config or EngineConfig()).resolve(cfg, param.dtype)  # every size known from here
+        # kv_dtype decided for this model (16-bit for a quantized one unless given), then every size
+        self.config = (config or EngineConfig()).for_model(model).resolve(cfg, param.dtype)
         c = self.config
         # Sequences start at fixed-stride regions of the pool while there is room (decodes of all of
         # them read as one strided view), else mid-way into the largest free stretch (each stays one
@@ -74,9 +75,10 @@ class EngineCore(Core):
 
 
 def kv_pool_info(cache) -> dict:
-    """A paged pool (PagedKVCache or HybridPagedKVCache) in blocks, tokens (of every layer) and
-    bytes, and per layer type (global: window None, or sliding with its window) the bytes a token
-    takes in those layers, measured on the pool's planes (a windowed layer holds its last W only)."""
+    """A paged pool (PagedKVCache or HybridPagedKVCache) in blocks, tokens (of every layer), bytes
+    (when full: its pages become resident as blocks are first used) and the K/V dtype it stores,
+    and per layer type (global: window None, or sliding with its window) the bytes a token takes in
+    those layers, measured on the pool's planes (a windowed layer holds its last W only)."""
     layers = getattr(cache, "group_layers", [range(cache.num_layers)])
     g, slots = len(layers[0]), cache.num_blocks * cache.block_size
     per_layer = cache.memory_bytes() // (g * slots)
@@ -88,6 +90,7 @@ def kv_pool_info(cache) -> dict:
         "block_size": cache.block_size,
         "bytes": cache.memory_bytes(),
         "tokens": slots * g // cache.num_layers,
+        "kv_dtype": cache.kv_dtype or str(cache.dtype).removeprefix("torch."),
         "layer_types": [
             {"window": w, "layers": n, "kv_bytes_per_token": n * per_layer}
             for w, n in sorted(types.items(), key=lambda kv: -1 if kv[0] is None else kv[0])

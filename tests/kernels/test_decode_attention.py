@@ -120,7 +120,8 @@ def _inputs(**over):
     "over,match",
     [
         (dict(q=torch.randn(2, 3, 3, 64, dtype=torch.float64)), "q must be a 4-D fp32"),
-        (dict(k=torch.randn(2, 3, 10, 64).half()), "k must be a 4-D fp32"),
+        (dict(k=torch.randn(2, 3, 10, 64).double()), "k must be a 4-D fp32, bf16 or fp16"),
+        (dict(k=torch.randn(2, 3, 10, 64).half()), "k \\(torch.float16\\) and v \\(torch.float32\\) must share"),
         (dict(v=torch.randn(3, 10, 64)), "v must be a 4-D fp32"),
         (dict(q=torch.randn(2, 3, 64, 3).transpose(-1, -2)), "q .* must be contiguous"),
         (dict(q=torch.randn(2, 3, 17, 64)), "G=17 .* D=64 need 1 <= G <= 16"),

@@ -28,16 +28,19 @@ enum { PARALLEL_MIN_WORK = 1 << 19 };  /* key x row x channel products below whi
 
 /* softcap > 0: scores become softcap tanh(s / softcap) before the softmax (Gemma 2); 0: plain.
  * Returns HW_OK, or HW_BAD_SHAPE (nothing written) unless 1 <= G <= MAX_G, 8 <= D <= MAX_D and
- * D % 8 == 0. Strides are in floats; each key's D floats are contiguous. lengths NULL: every
- * sequence has all_keys keys (a decode step over a contiguous cache). tables (C, tw), or NULL:
+ * D % 8 == 0. Strides are in elements; each key's D elements are contiguous. et: K and V stored as
+ * KV_F32, KV_BF16 or KV_F16 (kernels.h; each tile widened in registers, decode_pair.h). lengths NULL:
+ * every sequence has all_keys keys (a decode step over a contiguous cache). tables (C, tw), or NULL:
  * sequence c's key t is row tables[c][t / bs] * bs + t % bs of its head's plane (a paged pool's
  * block table, bs keys a block, rows sk_t apart), not row t. */
 int hw_decode_attention_f32(const float *q, const float *k, const float *v, float *out, float *lse, long C, long Hkv,
                             long G, long D, long sk_c, long sk_h, long sk_t, long sv_c, long sv_h, long sv_t,
                             const long *lengths, float scale, long all_keys, const int64_t *tables, long tw, long bs,
-                            float softcap) {
+                            float softcap, int et) {
     if (tables && bs < 1) return HW_BAD_SHAPE;
-    if (G < 1 || G > MAX_G || D < 8 || D > MAX_D || D % 8) return HW_BAD_SHAPE;
+    if (G < 1 || G > MAX_G || D < 8 || D > MAX_D || D % 8 || et == KV_I8 || et < KV_F32 || et > KV_F16)
+        return HW_BAD_SHAPE;
+    const long es = hw_kv_bytes(et);
     long keys = 0;
     for (long c = 0; c < C; c++) keys += lengths ? (lengths[c] > 0 ? lengths[c] : 0) : all_keys;
     /* A batch-1 decode step's attention is ~10 us of work: on the calling thread alone it does not
@@ -47,21 +50,24 @@ int hw_decode_attention_f32(const float *q, const float *k, const float *v, floa
     #pragma omp parallel for schedule(dynamic) if (parallel)
     for (long ch = 0; ch < C * Hkv; ch++) {
         const long c = ch / Hkv, h = ch % Hkv;
-        const float *kc = k + c * sk_c + h * sk_h, *vc = v + c * sv_c + h * sv_h;
+        const char *kc = (const char *)k + (c * sk_c + h * sk_h) * es, *vc = (const char *)v + (c * sv_c + h * sv_h) * es;
         const long n = lengths ? lengths[c] : all_keys;
         const int64_t *tab = tables ? tables + c * tw : NULL;
         if (softcap > 0.0f)
             hw_decode_pair_capped(kc, vc, NULL, NULL, q + ch * G * D, out + ch * G * D, lse ? lse + ch * G : NULL, n, G,
-                                  D, sk_t, sv_t, scale, tab, bs, softcap);
+                                  D, sk_t, sv_t, scale, tab, bs, softcap, et);
+        else if (et == KV_F32)
+            hw_decode_pair_f32((const float *)kc, (const float *)vc, q + ch * G * D, out + ch * G * D,
+                               lse ? lse + ch * G : NULL, n, G, D, sk_t, sv_t, scale, tab, bs);
         else
-            hw_decode_pair_f32(kc, vc, q + ch * G * D, out + ch * G * D, lse ? lse + ch * G : NULL, n, G, D, sk_t,
-                               sv_t, scale, tab, bs);
+            hw_decode_pair(kc, vc, NULL, NULL, q + ch * G * D, out + ch * G * D, lse ? lse + ch * G : NULL, n, G, D,
+                           sk_t, sv_t, scale, tab, bs, et);
     }
     return HW_OK;
 }
 
-/* One sequence's Hkv x G query rows over its n keys (hw_decoder_step's call per row): K and V fp32
- * (ks NULL) or int8 with fp32 scales ks, vs at the rows' element offsets / D (pair's two kinds); head
+/* One sequence's Hkv x G query rows over its n keys (hw_decoder_step's call per row): K and V stored
+ * as et (KV_F32, KV_BF16, KV_F16, or KV_I8 with fp32 scales ks, vs at the rows' element offsets / D); head
  * h's key t at k + (h sk_h + key_row(t) sk_t) elements. On a call outside any parallel region (a
  * batch-1 step, whose pool spins between the stack's kernels) the keys are cut into chunks as well
  * as the heads, to keep every thread busy: SmolLM2's 3 heads on 2 threads left one idle a third of
@@ -74,11 +80,12 @@ int hw_decode_attention_f32(const float *q, const float *k, const float *v, floa
 enum { MIN_CHUNK = 64 };
 int hw_decode_attention_seq(const float *q, const void *k_, const void *v_, const float *ks, const float *vs,
                             float *out, long Hkv, long G, long D, long sk_h, long sk_t, long n, float scale,
-                            const int64_t *tab, long bs) {
-    if ((tab && bs < 1) || G < 1 || G > MAX_G || D < 8 || D > MAX_D || D % 8 || (ks && (sk_h % D || sk_t % D)))
+                            const int64_t *tab, long bs, int et) {
+    if ((tab && bs < 1) || G < 1 || G > MAX_G || D < 8 || D > MAX_D || D % 8 || (et == KV_I8) != (ks != NULL) ||
+        (ks && (sk_h % D || sk_t % D)) || et < KV_F32 || et > KV_F16)
         return HW_BAD_SHAPE;
     const char *k = k_, *v = v_;
-    const long es = ks ? 1 : 4; /* bytes per element */
+    const long es = hw_kv_bytes(et); /* bytes per element */
     const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
     long a = Hkv, b = threads;
     while (b) {
@@ -93,7 +100,7 @@ int hw_decode_attention_seq(const float *q, const void *k_, const void *v_, cons
         for (long h = 0; h < Hkv; h++) {
             const long at = h * sk_h;
             hw_decode_pair_nolse(k + at * es, v + at * es, ks ? ks + at / D : NULL, ks ? vs + at / D : NULL,
-                                 q + h * G * D, out + h * G * D, n, G, D, sk_t, scale, tab, bs);
+                                 q + h * G * D, out + h * G * D, n, G, D, sk_t, scale, tab, bs, et);
         }
         return HW_OK;
     }
@@ -109,7 +116,8 @@ int hw_decode_attention_seq(const float *q, const void *k_, const void *v_, cons
         const long h = it / nch, t0 = it % nch * chunk, len = n - t0 < chunk ? n - t0 : chunk;
         const long at = h * sk_h + (tab ? 0 : t0 * sk_t);
         hw_decode_pair(k + at * es, v + at * es, ks ? ks + at / D : NULL, ks ? vs + at / D : NULL, q + h * G * D,
-                       part + it * G * D, lse + it * G, len, G, D, sk_t, sk_t, scale, tab ? tab + t0 / bs : NULL, bs);
+                       part + it * G * D, lse + it * G, len, G, D, sk_t, sk_t, scale, tab ? tab + t0 / bs : NULL, bs,
+                       et);
     }
     for (long hg = 0; hg < Hkv * G; hg++) { /* row g of head h; item (h, c)'s row g at (h nch + c) G + g */
         const long h = hg / G, g = hg % G;

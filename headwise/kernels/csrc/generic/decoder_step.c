@@ -34,10 +34,10 @@ static int linear(const int64_t *lin, const float *x, const float *r, float *y, 
  * contiguous cache or of a ring, or positions of a paged sequence through its table. A table
  * whose window starts inside a block (first % bs) is read through a table of each key's row.
  * cap > 0: soft-capped scores (Gemma 2), each KV head through hw_decode_pair_capped. */
-static int attend_row(const float *q, const float *kc, const float *vc, const float *ks, const float *vs, float *o,
+static int attend_row(const float *q, const void *kc, const void *vc, const float *ks, const float *vs, float *o,
                       const int64_t *base, const int64_t *table, long tw, long bs, long first, long n, long Hkv,
-                      long H, long D, long s_h, long s_t, float scale, float cap, long m) {
-    const long HD = H * D, G = H / Hkv, es = ks ? 1 : 4; /* bytes per element */
+                      long H, long D, long s_h, long s_t, float scale, float cap, long m, int et) {
+    const long HD = H * D, G = H / Hkv, es = hw_kv_bytes(et); /* bytes per element */
     const int64_t *tab = table ? table + m * tw + first / bs : NULL;
     int64_t *rows = NULL;
     long at = 0;
@@ -55,12 +55,12 @@ static int attend_row(const float *q, const float *kc, const float *vc, const fl
             const long a = at + h * s_h;
             hw_decode_pair_capped((const char *)kc + a * es, (const char *)vc + a * es, ks ? ks + a / D : NULL,
                                   ks ? vs + a / D : NULL, q + m * HD + h * G * D, o + m * HD + h * G * D, NULL, n, G,
-                                  D, s_t, s_t, scale, tab, bs, cap);
+                                  D, s_t, s_t, scale, tab, bs, cap, et);
         }
     else
         rc = hw_decode_attention_seq(q + m * HD, (const char *)kc + at * es, (const char *)vc + at * es,
                                      ks ? ks + at / D : NULL, ks ? vs + at / D : NULL, o + m * HD, Hkv, G, D, s_h, s_t,
-                                     n, scale, tab, bs);
+                                     n, scale, tab, bs, et);
     free(rows);
     return rc;
 }
@@ -96,7 +96,8 @@ static void post_norm_add(float *t, const float *w, float eps, const float *r, f
  *   ST_LIN: 4 x (fmt, weight, bias) for qkv (C -> (H + 2 Hkv) D; or q with ST_SPLIT), out (H D -> C),
  *     gate_up (C -> 2F), down (F -> C). fmt -1 is an fp32 weight in kernels.block_weight's layout.
  *   ST_ATTN_NORM, ST_MLP_NORM: the RMSNorm weights (C,) before attention and before the MLP.
- *   ST_K, ST_V (and int8 scales ST_KS, ST_VS, else 0): this layer's K and V, row m's key row t
+ *   ST_K, ST_V (and int8 scales ST_KS, ST_VS, else 0): this layer's K and V, stored as ST_KV (kernels.h's
+ *     KV_F32, KV_I8, KV_BF16, KV_F16; the new keys rounded to it as torch's .to() does), row m's key row t
  *     at kc + base[m] + h s_h + t s_t (elements; each key's D contiguous): a contiguous cache's
  *     sequence m, or the run of consecutive blocks a paged sequence holds. With ST_TABLE (M, tw)
  *     given (base then unused), row t is at kc + h s_h + (table[m][t / bs] * bs + t % bs) s_t: a
@@ -120,7 +121,7 @@ static void post_norm_add(float *t, const float *w, float eps, const float *r, f
  * runs exactly the calls it ran before they came. */
 enum { ST_LIN = 0, ST_ATTN_NORM = 12, ST_MLP_NORM, ST_K, ST_V, ST_KS, ST_VS, ST_BASE, ST_SH, ST_ST, ST_POS, ST_TABLE,
        ST_TW, ST_BS, ST_H, ST_HKV, ST_D, ST_F, ST_COS, ST_SIN, ST_SPLIT, ST_Q_NORM = ST_SPLIT + 6, ST_K_NORM,
-       ST_POST_ATTN, ST_POST_MLP, ST_GLU, ST_WINDOW, ST_ROT, ST_RING, STACK_FIELDS };
+       ST_POST_ATTN, ST_POST_MLP, ST_GLU, ST_WINDOW, ST_ROT, ST_RING, ST_KV, STACK_FIELDS };
 enum { FL_EPS, FL_SCALE, FL_QK_EPS, FL_SOFTCAP, FL_FIELDS };
 
 long hw_stack_fields(void) { return STACK_FIELDS; }
@@ -140,14 +141,16 @@ static int hw_decoder_step(const int64_t *d, const float *fl, const float *x, fl
     const float *cos = PTR(const float *, d[ST_COS]), *sin = PTR(const float *, d[ST_SIN]);
     const float *qn = PTR(const float *, d[ST_Q_NORM]), *kn = PTR(const float *, d[ST_K_NORM]);
     const float *post_attn = PTR(const float *, d[ST_POST_ATTN]), *post_mlp = PTR(const float *, d[ST_POST_MLP]);
-    float *kc = PTR(float *, d[ST_K]), *vc = PTR(float *, d[ST_V]), *ks = PTR(float *, d[ST_KS]);
-    float *vs = PTR(float *, d[ST_VS]);
+    char *kc = PTR(char *, d[ST_K]), *vc = PTR(char *, d[ST_V]);
+    float *ks = PTR(float *, d[ST_KS]), *vs = PTR(float *, d[ST_VS]);
+    const int et = (int)d[ST_KV];
+    const long es = hw_kv_bytes(et);
     const float eps = fl[FL_EPS], scale = fl[FL_SCALE], softcap = fl[FL_SOFTCAP];
     const int glu = (int)d[ST_GLU], qk = qn || kn || rd != D, post = post_attn || post_mlp;
     const int bad_ring = R < 0 || (R && (table || (W && W < R)));
     if ((table && bs < 1) || W < 0 || bad_ring || (glu != PRO_SWIGLU && glu != PRO_GEGLU) || rd < 2 || rd > D || rd % 2)
         return -3;
-    if (softcap < 0.0f) return -3;
+    if (softcap < 0.0f || et < KV_F32 || et > KV_F16 || (et == KV_I8) != (ks != NULL)) return -3;
     const long QKV = (H + 2 * Hkv) * D, HD = H * D;
     float *buf = malloc(sizeof(float) * (size_t)(M * (QKV + 2 * HD + C + 2 * F) + (split ? M * QKV : 0) +
                                                  (post ? M * C : 0)));
@@ -170,12 +173,15 @@ static int hw_decoder_step(const int64_t *d, const float *fl, const float *x, fl
         const long key = table ? (table[m * tw + slot / bs] * bs + slot % bs) * s_t : base[m] + slot * s_t;
         for (long j = 0; j < Hkv; j++) {
             const long at = key + j * s_h;
-            if (ks) {
+            if (et == KV_I8) {
                 hw_quantize_row_i8(row + HD + j * D, D, (int8_t *)kc + at, ks + at / D);
                 hw_quantize_row_i8(row + HD + (Hkv + j) * D, D, (int8_t *)vc + at, vs + at / D);
+            } else if (et != KV_F32) {
+                hw_store_row_16(row + HD + j * D, D, (uint16_t *)(kc + at * es), et);
+                hw_store_row_16(row + HD + (Hkv + j) * D, D, (uint16_t *)(vc + at * es), et);
             } else {
-                memcpy(kc + at, row + HD + j * D, sizeof(float) * (size_t)D);
-                memcpy(vc + at, row + HD + (Hkv + j) * D, sizeof(float) * (size_t)D);
+                memcpy(kc + at * es, row + HD + j * D, sizeof(float) * (size_t)D);
+                memcpy(vc + at * es, row + HD + (Hkv + j) * D, sizeof(float) * (size_t)D);
             }
         }
         /* a ring's keys are its first min(p + 1, R) rows in any order (softmax does not care
@@ -192,12 +198,12 @@ static int hw_decoder_step(const int64_t *d, const float *fl, const float *x, fl
     int arc = 0;
     if (M == 1)
         arc = attend_row(q, kc, vc, ks, vs, o, base, table, tw, bs, first[0], lengths[0], Hkv, H, D, s_h, s_t, scale,
-                         softcap, 0);
+                         softcap, 0, et);
     else {
         #pragma omp parallel for schedule(dynamic) reduction(| : arc)
         for (long m = 0; m < M; m++)
             arc |= attend_row(q, kc, vc, ks, vs, o, base, table, tw, bs, first[m], lengths[m], Hkv, H, D, s_h, s_t,
-                              scale, softcap, m);
+                              scale, softcap, m, et);
     }
     rc = arc;
     if (rc) goto done;

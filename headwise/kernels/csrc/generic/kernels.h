@@ -32,10 +32,10 @@ int hw_repack8(int fmt, const uint8_t *src, uint8_t *dst, long O, long I, int pa
 int hw_decode_attention_f32(const float *q, const float *k, const float *v, float *out, float *lse, long C, long Hkv,
                             long G, long D, long sk_c, long sk_h, long sk_t, long sv_c, long sv_h, long sv_t,
                             const long *lengths, float scale, long all_keys, const int64_t *tables, long tw, long bs,
-                            float softcap);
+                            float softcap, int et);
 int hw_decode_attention_seq(const float *q, const void *k, const void *v, const float *ks, const float *vs, float *out,
                             long Hkv, long G, long D, long sk_h, long sk_t, long n, float scale, const int64_t *tab,
-                            long bs);
+                            long bs, int et);
 int hw_prefill_attention_f32(const float *q, const float *k, const float *v, float *out, float *lse, long B, long H,
                              long Hkv, long T, long S, long D, long sq_b, long sq_h, long sq_t, long sk_b, long sk_h,
                              long sk_t, long sv_b, long sv_h, long sv_t, long so_b, long so_h, long so_t, float scale,
@@ -91,19 +91,27 @@ void hw_quantize_q6_k(const float *x, uint8_t *out);
 /* Decode attention (decode_attention.c): keys a tile (one 8-lane vector of scores), query rows a KV
  * head and channels a head at most. */
 enum { TK = 8, MAX_G = 16, MAX_D = 256 };
-/* One (sequence, KV head) pair of decode attention (decode_attention.c): G rows of q over n keys. */
+/* What a K/V cache stores per element (cache/quantized.py kv_kind): fp32, int8 + fp32 scale per row,
+ * bf16, fp16; the element's bytes. */
+enum { KV_F32 = 0, KV_I8 = 1, KV_BF16 = 2, KV_F16 = 3 };
+static inline long hw_kv_bytes(int et) { return et == KV_F32 ? 4 : et == KV_I8 ? 1 : 2; }
+/* x (D floats) -> D bf16 / fp16 (et), rounded to nearest even as torch's .to() (x86/avx2/decode_pair.h). */
+void hw_store_row_16(const float *x, long D, uint16_t *out, int et);
+/* One (sequence, KV head) pair of decode attention (decode_attention.c): G rows of q over n keys,
+ * K/V stored as et. */
 void hw_decode_pair(const void *k, const void *v, const float *ks, const float *vs, const float *q, float *out,
-                    float *lse, long n, long G, long D, long sk_t, long sv_t, float scale, const int64_t *tab, long bs);
+                    float *lse, long n, long G, long D, long sk_t, long sv_t, float scale, const int64_t *tab, long bs,
+                    int et);
 /* The same with fp32 K/V (ks = vs = NULL), and without LSE (lse = NULL, sv_t = sk_t). */
 void hw_decode_pair_f32(const float *k, const float *v, const float *q, float *out, float *lse, long n, long G, long D,
                         long sk_t, long sv_t, float scale, const int64_t *tab, long bs);
 void hw_decode_pair_nolse(const void *k, const void *v, const float *ks, const float *vs, const float *q, float *out,
-                          long n, long G, long D, long sk_t, float scale, const int64_t *tab, long bs);
-/* hw_decode_pair with soft-capped scores, cap tanh(s / cap) before the mask (Gemma 2), cap > 0: fp32 K/V
- * (ks = vs = NULL) or int8, lse or NULL. */
+                          long n, long G, long D, long sk_t, float scale, const int64_t *tab, long bs, int et);
+/* hw_decode_pair with soft-capped scores, cap tanh(s / cap) before the mask (Gemma 2), cap > 0: any K/V
+ * kind, lse or NULL. */
 void hw_decode_pair_capped(const void *k, const void *v, const float *ks, const float *vs, const float *q, float *out,
                            float *lse, long n, long G, long D, long sk_t, long sv_t, float scale, const int64_t *tab,
-                           long bs, float cap);
+                           long bs, float cap, int et);
 
 /* Prefill attention's three steps per key block (prefill_attention.c), on a work item's rows. */
 struct pa_scratch {

@@ -75,24 +75,24 @@ static PyObject *py_small_linear(PyObject *self, PyObject *const *args, Py_ssize
 }
 
 /* decode_attention(q, k, v, out, lse, C, Hkv, G, D, sk_c, sk_h, sk_t, sv_c, sv_h, sv_t, lengths, scale,
- * all_keys, tables, tw, bs, softcap) -> int rc */
+ * all_keys, tables, tw, bs, softcap, et) -> int rc (et: kernels.h's KV_F32, KV_BF16, KV_F16) */
 static PyObject *py_decode_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     const float *q, *k, *v;
     float *out, *lse;
     const long *lengths;
     const int64_t *tables;
-    long C, Hkv, G, D, sk_c, sk_h, sk_t, sv_c, sv_h, sv_t, all_keys, tw, bs;
+    long C, Hkv, G, D, sk_c, sk_h, sk_t, sv_c, sv_h, sv_t, all_keys, tw, bs, et;
     float scale, softcap;
-    if (!(hw_nargs("decode_attention", nargs, 22) && HW_P(0, q) && HW_P(1, k) && HW_P(2, v) && HW_P(3, out) &&
+    if (!(hw_nargs("decode_attention", nargs, 23) && HW_P(0, q) && HW_P(1, k) && HW_P(2, v) && HW_P(3, out) &&
           HW_P(4, lse) && HW_L(5, C) && HW_L(6, Hkv) && HW_L(7, G) && HW_L(8, D) && HW_L(9, sk_c) &&
           HW_L(10, sk_h) && HW_L(11, sk_t) && HW_L(12, sv_c) && HW_L(13, sv_h) && HW_L(14, sv_t) &&
           HW_P(15, lengths) && HW_F(16, scale) && HW_L(17, all_keys) && HW_P(18, tables) && HW_L(19, tw) &&
-          HW_L(20, bs) && HW_F(21, softcap)))
+          HW_L(20, bs) && HW_F(21, softcap) && HW_L(22, et)))
         return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = hw_decode_attention_f32(q, k, v, out, lse, C, Hkv, G, D, sk_c, sk_h, sk_t, sv_c, sv_h, sv_t, lengths, scale,
-                                 all_keys, tables, tw, bs, softcap);
+                                 all_keys, tables, tw, bs, softcap, (int)et);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(rc);
 }

@@ -1,8 +1,9 @@
 /* Decode attention's one (sequence, KV head) pair in ymm, for both variants (generic/decode_attention.c
- * has the method and the drivers). The includer first defines three hooks that take the leading
+ * has the method and the drivers). The includer first defines four hooks that take the leading
  * channels in wider vectors and return how many they took (x86/avx2/decode_attention.c: none;
  * x86/avx512/decode_attention.c: every 16 in zmm):
  *   widen_row_head(row, c, D, dst)  int8 row * c -> fp32 dst
+ *   widen16_row_head(row, et, D, dst)  bf16 / fp16 row -> fp32 dst
  *   dot_keys_head(qg, kr, D, d8)    d8[j] += q . k_j, per lane
  *   pv_head(pg, alpha, ag, vr, D)   ag = alpha ag + sum_j pg[j] v_j
  * after including this file (which declares them), then the ymm loops take the rest. */
@@ -16,6 +17,7 @@
 #include "vec.h" /* exp2_ps, hsum_ps, hmax_ps */
 
 static inline long widen_row_head(const int8_t *row, float c, long D, float *dst);
+static inline long widen16_row_head(const uint16_t *row, int et, long D, float *dst);
 static inline long dot_keys_head(const float *qg, const float *const kr[TK], long D, __m256 d8[TK]);
 static inline long pv_head(const float *pg, float alpha, float *ag, const float *const vr[TK], long D);
 
@@ -58,6 +60,42 @@ static inline void widen_rows(const int8_t *q, const float *sc, long s, long ss,
     }
 }
 
+/* 8 bf16 (et KV_BF16: the high half of an fp32, so a 16-bit shift) or fp16 (F16C's vcvtph2ps) -> fp32 */
+static inline __m256 widen16_ps(const uint16_t *x, int et) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)x);
+    if (et == KV_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+/* Key rows r[0 .. TK) of a 16-bit plane (row r at x + r * s) as fp32 into buf (TK x D): exact, as
+ * torch's .float() of the stored bf16 / fp16 values. */
+static inline void widen16_rows(const uint16_t *x, int et, long s, const long r[TK], long D, float *buf) {
+    for (long j = 0; j < TK; j++) {
+        const uint16_t *row = x + r[j] * s;
+        long d = widen16_row_head(row, et, D, buf + j * D);
+        for (; d < D; d += 8) _mm256_store_ps(buf + j * D + d, widen16_ps(row + d, et));
+    }
+}
+
+/* x (D floats, D % 8 == 0) -> D bf16 or fp16 (et), each rounded to nearest even as torch's .to(): fp16
+ * by F16C (overflow to inf), bf16 by adding 0x7fff + the kept lowest bit (a NaN stays a quiet NaN). */
+void hw_store_row_16(const float *x, long D, uint16_t *out, int et) {
+    for (long d = 0; d < D; d += 8) {
+        const __m256 v = _mm256_loadu_ps(x + d);
+        __m128i h;
+        if (et == KV_BF16) {
+            const __m256i b = _mm256_castps_si256(v);
+            const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+            __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+            const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+            h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+        } else
+            h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128((__m128i *)(out + d), h);
+    }
+}
+
 /* acc[d ..] = al acc[d ..] + sum_j p_j v_j[d ..] for one row, W-bit vectors (256, 512) of type T, pv the row's
  * TK weights broadcast: four short chains (one chain of 8 FMAs: its latency, not the FMA units, would set
  * the pace). In decode_pair(): ag (the row's acc), vr (the tile's value rows), d. */
@@ -86,15 +124,16 @@ static inline __m256 softcap_ps(__m256 s, float cap) {
 }
 
 /* One (sequence, KV head) pair: G rows of q over n keys at k, v (key t at k + key_row(t)*sk_t).
- * ks NULL: k, v are fp32. Else k, v are int8 (cache/quantized.py's layout) and ks, vs their fp32
- * scales, one per key row, at the row's element offset / D: each tile's 8 keys and values are
- * widened into a buffer once, and the fp32 code below reads that (~1/4 of the bytes from memory). */
+ * et (kernels.h's KV_*): KV_F32, k and v fp32; KV_I8, int8 (cache/quantized.py's layout) with ks, vs
+ * their fp32 scales, one per key row, at the row's element offset / D; KV_BF16 / KV_F16, 16-bit. The
+ * stored kinds' tiles of 8 keys and values are widened into a buffer (in L1) once, and the fp32 code
+ * below reads that (1/4 or 1/2 of fp32's bytes from memory), G rows per widened key. */
 static inline __attribute__((always_inline)) void decode_pair(const void *k_, const void *v_, const float *ks,
                                                               const float *vs, const float *q, float *out, float *lse,
                                                               long n, long G, long D, long sk_t, long sv_t, float scale,
-                                                              const int64_t *tab, long bs, float cap) {
+                                                              const int64_t *tab, long bs, float cap, int et) {
     const float *k = k_, *v = v_;
-    const long esize = ks ? 1 : 4;  /* bytes per stored element */
+    const long esize = hw_kv_bytes(et);  /* bytes per stored element */
     float kbuf[TK * MAX_D] __attribute__((aligned(64))), vbuf[TK * MAX_D] __attribute__((aligned(64)));
     if (n <= 0) {
         for (long i = 0; i < G * D; i++) out[i] = 0.0f;
@@ -118,16 +157,20 @@ static inline __attribute__((always_inline)) void decode_pair(const void *k_, co
         const float *kr[TK], *vr[TK];
         long rows[TK];
         tile_rows(tab, bs, t0, nk, rows);
-        if (ks) {
+        if (et == KV_I8) {
             widen_rows(k_, ks, sk_t, sk_t / D, rows, D, kbuf);
             widen_rows(v_, vs, sv_t, sv_t / D, rows, D, vbuf);
+            for (long j = 0; j < TK; j++) kr[j] = kbuf + j * D, vr[j] = vbuf + j * D;
+        } else if (et != KV_F32) {
+            widen16_rows(k_, et, sk_t, rows, D, kbuf);
+            widen16_rows(v_, et, sv_t, rows, D, vbuf);
             for (long j = 0; j < TK; j++) kr[j] = kbuf + j * D, vr[j] = vbuf + j * D;
         } else {
             for (long j = 0; j < TK; j++) kr[j] = k + rows[j] * sk_t, vr[j] = v + rows[j] * sv_t;
         }
         /* the next tile's K and V: with the pool beyond the caches (30 layers' worth), 5-15% faster
          * than the hardware prefetcher alone (2 tiles ahead: less; in cache: ~5% slower) */
-        const long tp = t0 + (ks ? 4 : 1) * TK;  /* int8: as many bytes ahead as fp32's one tile */
+        const long tp = t0 + 4 / esize * TK;  /* int8, 16-bit: as many bytes ahead as fp32's one tile */
         if (tp < n) {
             const long np = n - tp < TK ? n - tp : TK;
             tile_rows(tab, bs, tp, np, rows);
@@ -183,25 +226,37 @@ static inline __attribute__((always_inline)) void decode_pair(const void *k_, co
 }
 
 /* decode_pair for generic/decode_attention.c's calls, each its own copy with that call's constants
- * (fp32 K/V; no LSE; neither; with a soft-cap, fp32 or int8 K/V, LSE or not), as one file's constant
- * propagation made them before the split: the uncapped copies keep no trace of the cap. */
+ * (fp32 K/V; no LSE; neither; with a soft-cap, any K/V, LSE or not), as one file's constant
+ * propagation made them before the split: the uncapped copies keep no trace of the cap. The element
+ * kind is a constant of each copy too (a switch here, outside the loops). */
+#define DECODE_PAIR_KINDS(call)                   \
+    switch (et) {                                 \
+    case KV_I8: call(KV_I8); break;               \
+    case KV_BF16: call(KV_BF16); break;           \
+    case KV_F16: call(KV_F16); break;             \
+    default: call(KV_F32); break;                 \
+    }
 void hw_decode_pair(const void *k, const void *v, const float *ks, const float *vs, const float *q, float *out,
                     float *lse, long n, long G, long D, long sk_t, long sv_t, float scale, const int64_t *tab,
-                    long bs) {
-    decode_pair(k, v, ks, vs, q, out, lse, n, G, D, sk_t, sv_t, scale, tab, bs, 0.0f);
+                    long bs, int et) {
+#define CALL(E) decode_pair(k, v, ks, vs, q, out, lse, n, G, D, sk_t, sv_t, scale, tab, bs, 0.0f, E)
+    DECODE_PAIR_KINDS(CALL)
+#undef CALL
 }
 void hw_decode_pair_f32(const float *k, const float *v, const float *q, float *out, float *lse, long n, long G, long D,
                         long sk_t, long sv_t, float scale, const int64_t *tab, long bs) {
-    decode_pair(k, v, NULL, NULL, q, out, lse, n, G, D, sk_t, sv_t, scale, tab, bs, 0.0f);
+    decode_pair(k, v, NULL, NULL, q, out, lse, n, G, D, sk_t, sv_t, scale, tab, bs, 0.0f, KV_F32);
 }
 void hw_decode_pair_capped(const void *k, const void *v, const float *ks, const float *vs, const float *q, float *out,
                            float *lse, long n, long G, long D, long sk_t, long sv_t, float scale, const int64_t *tab,
-                           long bs, float cap) {
-    decode_pair(k, v, ks, vs, q, out, lse, n, G, D, sk_t, sv_t, scale, tab, bs, cap);
+                           long bs, float cap, int et) {
+    decode_pair(k, v, ks, vs, q, out, lse, n, G, D, sk_t, sv_t, scale, tab, bs, cap, et);
 }
 void hw_decode_pair_nolse(const void *k, const void *v, const float *ks, const float *vs, const float *q, float *out,
-                          long n, long G, long D, long sk_t, float scale, const int64_t *tab, long bs) {
-    decode_pair(k, v, ks, vs, q, out, NULL, n, G, D, sk_t, sk_t, scale, tab, bs, 0.0f);
+                          long n, long G, long D, long sk_t, float scale, const int64_t *tab, long bs, int et) {
+#define CALL(E) decode_pair(k, v, ks, vs, q, out, NULL, n, G, D, sk_t, sk_t, scale, tab, bs, 0.0f, E)
+    DECODE_PAIR_KINDS(CALL)
+#undef CALL
 }
 
 #endif

@@ -13,6 +13,18 @@ static inline long widen_row_head(const int8_t *row, float c, long D, float *dst
     return d;
 }
 
+/* bf16 / fp16 -> fp32 16 at a time (bf16: a 16-bit shift; fp16: vcvtph2ps) */
+static inline long widen16_row_head(const uint16_t *row, int et, long D, float *dst) {
+    long d = 0;
+    for (; d + 16 <= D; d += 16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(row + d));
+        const __m512 f = et == KV_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                                       : _mm512_cvtph_ps(h);
+        _mm512_storeu_ps(dst + d, f);
+    }
+    return d;
+}
+
 /* 16 channels an instruction where the core has them */
 static inline long dot_keys_head(const float *qg, const float *const kr[TK], long D, __m256 d8[TK]) {
     long d = 0;
