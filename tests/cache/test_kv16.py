@@ -183,3 +183,31 @@ def test_block_pool_hands_out_lowest_ids_and_reports_first_use():
     assert pool.allocate(2) == [0, 1]  # used before, lowest first: no new block touched
     assert pool.allocate(2) == [4, 5] and first[-1] == 5
     pool.check()
+
+
+def test_windowed_layers_16bit_engine_and_generate_agree(tmp_path_factory, monkeypatch):
+    """A Mistral-shaped model with a sliding window of 8: the engine's hybrid pool (a block table per
+    group, windowed blocks given back) and generate()'s rings, both bf16 and decoded by the C stack,
+    give the same greedy tokens over many windows; the rings hold torch's rounding of fp32 K/V."""
+    torch.manual_seed(7)
+    hf = tf.MistralForCausalLM(tf.MistralConfig(**{**tiny_llama_config().to_dict(), "sliding_window": 8})).eval()
+    model = headwise.load(save_hf(tmp_path_factory, "mistral-w8", hf))
+    calls = []
+    real = kernel_layer._call_stack
+    monkeypatch.setattr(kernel_layer, "_call_stack", lambda *a: calls.append(1) or real(*a))
+    params = headwise.SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8], [2, 7, 1]]
+    engine = headwise.Engine(
+        model, max_num_seqs=2, max_num_batched_tokens=16, block_size=4, num_blocks=64, kv_dtype="bf16"
+    )
+    ids = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.cache.kv_dtype == "bfloat16" and len(calls) >= 29
+    for rid, p in zip(ids, prompts):
+        assert engine.result(rid).token_ids == headwise.generate(model, [p], params, kv_dtype="bfloat16")[0].token_ids
+    ring = ContiguousRunner(model, 1, 64, kv_dtype="bfloat16").cache
+    k = torch.randn(1, 2, 3, 8)
+    ring.layer(0).update(k, k)
+    assert ring.layer(0).store.k[0].dtype == torch.bfloat16
+    assert torch.equal(ring.layer(0).store.k[0][:, :, :3].float(), k.bfloat16().float())
