@@ -1,4 +1,4 @@
-"""Where headwise keeps files it derives once and reuses: converted GGUF models, compiled kernels."""
+"""Where headwise keeps files it derives once and reuses: parsed GGUF metadata, builtin models joined from parts."""
 
 from __future__ import annotations
 
