@@ -102,12 +102,15 @@ def prefill_attention_unchecked(
     want_lse: bool,
     window_left: int | None = None,
     softcap: float | None = None,
+    tokens_first: bool = False,
 ):
     """prefill_attention for a caller that has checked what it checks (the `prefill` and `paged`
-    backends): the kernel call alone."""
+    backends): the kernel call alone. tokens_first: out is a (B, H, T, D) view of a (B, T, H, D)
+    tensor, so a layer's `out.transpose(1, 2).reshape(B, T, H * D)` before its output projection
+    is a view, not a copy (the kernel writes any row strides)."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    out = torch.empty(B, H, T, D)
+    out = torch.empty(B, T, H, D).transpose(1, 2) if tokens_first else torch.empty(B, H, T, D)
     lse = torch.empty(B, H, T) if want_lse else None
     rc = _ext()[0].prefill_attention(
         q.data_ptr(),

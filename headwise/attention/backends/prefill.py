@@ -27,8 +27,10 @@ from .decode import cpu_kernel_reasons, plain_spec_reasons
 def prefill_attention(q, k, v, spec: AttentionSpec) -> AttentionOutput:
     """q (B, H, T, D), k/v (B, Hkv, S, D) -> out (B, H, T, D) (lse (B, H, T) with return_lse)."""
     left = None if spec.window is None else spec.window[0]  # prefill_check: causal with a window
+    # tokens first: the layer's (and a model block's) concatenation of heads before the output
+    # projection is then a view (T 2048, B 4, C 768: a 25 MB copy saved)
     out, lse = kernel_prefill.prefill_attention_unchecked(
-        q, k, v, spec.scale, spec.is_causal, spec.return_lse, left, spec.softcap
+        q, k, v, spec.scale, spec.is_causal, spec.return_lse, left, spec.softcap, tokens_first=True
     )
     return AttentionOutput(out, lse, None)
 
