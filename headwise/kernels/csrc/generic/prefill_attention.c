@@ -34,6 +34,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kernels.h"
 
@@ -75,14 +76,11 @@ static int scratch_alloc(struct pa_scratch *w, long R, long D) {
  * window: never read) and past nk: the layout the score tiles read. Rows are read whole (K's rows
  * may be far apart: 3C floats in a layer's fused QKV). */
 static void pack_keys(float *dst, const float *kh, long sk_t, long s0, long nk, long lo, long D) {
-    const long PK = hw_pa_keys;
-    for (long j = 0; j < PK; j++) {
-        if (j < nk && s0 + j >= lo) {
-            const float *kr = kh + (s0 + j) * sk_t;
-            for (long d = 0; d < D; d++) dst[d * PK + j] = kr[d];
-        } else {
-            for (long d = 0; d < D; d++) dst[d * PK + j] = 0.0f;
-        }
+    const long PK = hw_pa_keys, j0 = lo > s0 ? lo - s0 : 0;
+    if (j0 > 0 || nk < PK) memset(dst, 0, (size_t)(D * PK) * sizeof(float)); /* whole rows: not column by column */
+    for (long j = j0; j < nk; j++) {
+        const float *kr = kh + (s0 + j) * sk_t;
+        for (long d = 0; d < D; d++) dst[d * PK + j] = kr[d];
     }
 }
 
