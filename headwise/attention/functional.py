@@ -133,15 +133,17 @@ def attend(
 
 @dataclass
 class Explanation:
-    """The backend `auto` picks for a request, why each other one was passed over, and how the
-    chosen one honours the request's sliding window and soft-cap (`handled`)."""
+    """The backend `auto` picks for a request and why (`why`: the rule that puts it first and what
+    was measured), why each other one was passed over, and how the chosen one honours the
+    request's sliding window and soft-cap (`handled`)."""
 
     chosen: str | None
     rejected: dict[str, list[str]] = field(default_factory=dict)
     handled: list[str] = field(default_factory=list)
+    why: str = ""
 
     def __str__(self) -> str:
-        lines = [f"chosen: {self.chosen}"]
+        lines = [f"chosen: {self.chosen}" + (f" ({self.why})" if self.why else "")]
         lines += [f"  {name}: {'; '.join(why)}" for name, why in self.rejected.items()]
         lines += [f"handled: {how}" for how in self.handled]
         return "\n".join(lines)
@@ -193,7 +195,7 @@ def _explain(q, k, v, spec: AttentionSpec, backend: str) -> Explanation:
     for name in names:
         reasons = _reasons(get_backend(name), q, k, v, spec, named=backend != "auto")
         if not reasons and exp.chosen is None:
-            exp.chosen = name
+            exp.chosen, exp.why = name, get_backend(name).why
         elif reasons:
             exp.rejected[name] = reasons
     exp.handled = _handled(spec, exp.chosen)

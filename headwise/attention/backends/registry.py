@@ -24,6 +24,7 @@ class Backend:
     check: CheckFn
     description: str = ""
     reads: str = "tensors"  # what K/V it takes: "tensors" (k, v) or "blocks" (a paged cache's description)
+    why: str = ""  # why "auto" takes it where it can (before those after it), with the measurement: explain() says it
 
 
 _REGISTRY: dict[str, Backend] = {}  # insertion order is the "auto" order
@@ -42,12 +43,14 @@ def register_backend(
     description: str = "",
     before: str | None = None,
     reads: str = "tensors",
+    why: str = "",
 ) -> Backend:
     """Add (or replace) a backend. `before` places it ahead of another in the auto order.
-    reads="blocks": it takes a paged cache's description (`headwise.attention.kv.LayerKV`) as k."""
+    reads="blocks": it takes a paged cache's description (`headwise.attention.kv.LayerKV`) as k.
+    why: what `explain()` prints when auto picks it (why it goes before the backends after it)."""
     if reads not in ("tensors", "blocks"):
         raise ValueError(f"reads must be 'tensors' or 'blocks', got {reads!r}")
-    backend = Backend(name, fn, check or (lambda q, k, v, spec: []), description, reads)
+    backend = Backend(name, fn, check or (lambda q, k, v, spec: []), description, reads, why)
     _CHANGES[0] += 1
     _REGISTRY.pop(name, None)
     if before is None:
