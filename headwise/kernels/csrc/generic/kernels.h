@@ -123,8 +123,8 @@ struct pa_scratch {
     void *mem;
 };
 extern const long hw_pa_keys; /* keys per block: the tile's width */
-/* p = qs kt for rows [0, R) */
-void hw_pa_scores(struct pa_scratch *w, long R, long D);
+/* p = qs kt for rows [0, R), keys [0, nk) rounded up to a vector (the columns past them are left as they were) */
+void hw_pa_scores(struct pa_scratch *w, long R, long D, long nk);
 /* online softmax of rows [0, R) over the block's nk keys; with causal masking on the diagonal, row r
  * (token t0 + r % nt) sees keys up to t0 + r % nt + off - s0 of the block */
 void hw_pa_softmax(struct pa_scratch *w, long R, long nt, long nk, int diagonal, long t0, long off, long s0);

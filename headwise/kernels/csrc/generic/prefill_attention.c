@@ -109,7 +109,7 @@ static void block(struct pa_scratch *w, const float *q, const float *kp, const f
     for (long s0 = first; s0 < nkeys; s0 += PK) {
         const long nk = nkeys - s0 < PK ? nkeys - s0 : PK;
         w->kt = (float *)kp + s0 * D; /* block s0 / PK of the pair's packed keys: (D, PK) */
-        hw_pa_scores(w, R, D);
+        hw_pa_scores(w, R, D, nk);
         if (cap > 0.0f) /* Gemma 2: base-2 scores s become cap tanh(s ln 2 / cap) log2 e, before masks */
             for (long r = 0; r < R; r++) {
                 float *pr = w->p + r * PK;

@@ -15,36 +15,42 @@ const long hw_pa_keys = PK;
 int hw_pa_queries = PK;  /* query tokens a block, PK unless set (generic/prefill_attention.c: why) */
 
 /* Scores of rows [r0, r0 + RB) against the PK keys of kt (D x PK): p[r][0..PK). */
+/* NC of the four ymm columns: a block of fewer keys (a short prefill, the last block) computes only those. */
 static inline __attribute__((always_inline)) void tile_scores_f32_3x32_ymm(const float *qs, const float *kt, float *p,
-                                                                           long D, int RB) {
+                                                                           long D, int RB, int NC) {
     __m256 a[SRB][4];
     for (int r = 0; r < RB; r++)
-        for (int c = 0; c < 4; c++) a[r][c] = _mm256_setzero_ps();
+        for (int c = 0; c < NC; c++) a[r][c] = _mm256_setzero_ps();
     for (long d = 0; d < D; d++) {
         const float *kd = kt + d * PK;
-        const __m256 k0 = _mm256_load_ps(kd), k1 = _mm256_load_ps(kd + 8), k2 = _mm256_load_ps(kd + 16),
-                     k3 = _mm256_load_ps(kd + 24);
-        for (int r = 0; r < RB; r++) { /* RB is a constant at each call site: unrolled */
+        __m256 kc[4];
+        for (int c = 0; c < NC; c++) kc[c] = _mm256_load_ps(kd + 8 * c);
+        for (int r = 0; r < RB; r++) { /* RB and NC are constants at each call site: unrolled */
             const __m256 b = _mm256_broadcast_ss(qs + r * D + d);
-            a[r][0] = _mm256_fmadd_ps(b, k0, a[r][0]);
-            a[r][1] = _mm256_fmadd_ps(b, k1, a[r][1]);
-            a[r][2] = _mm256_fmadd_ps(b, k2, a[r][2]);
-            a[r][3] = _mm256_fmadd_ps(b, k3, a[r][3]);
+            for (int c = 0; c < NC; c++) a[r][c] = _mm256_fmadd_ps(b, kc[c], a[r][c]);
         }
     }
     for (int r = 0; r < RB; r++)
-        for (int c = 0; c < 4; c++) _mm256_store_ps(p + r * PK + 8 * c, a[r][c]);
+        for (int c = 0; c < NC; c++) _mm256_store_ps(p + r * PK + 8 * c, a[r][c]);
 }
 
+#define SCORE_NC(n)                                                                               \
+    switch (nc) {                                                                                 \
+        case 1: tile_scores_f32_3x32_ymm(w->qs + r * D, w->kt, w->p + r * PK, D, n, 1); break;    \
+        case 2: tile_scores_f32_3x32_ymm(w->qs + r * D, w->kt, w->p + r * PK, D, n, 2); break;    \
+        case 3: tile_scores_f32_3x32_ymm(w->qs + r * D, w->kt, w->p + r * PK, D, n, 3); break;    \
+        default: tile_scores_f32_3x32_ymm(w->qs + r * D, w->kt, w->p + r * PK, D, n, 4); break;   \
+    }
 #define SCORE_CASE(n) \
-    case n: tile_scores_f32_3x32_ymm(w->qs + r * D, w->kt, w->p + r * PK, D, n); break;
+    case n: SCORE_NC(n) break;
 
-void hw_pa_scores(struct pa_scratch *w, long R, long D) {
+void hw_pa_scores(struct pa_scratch *w, long R, long D, long nk) {
+    const long nc = (nk + 7) / 8;
     for (long r = 0; r < R;) {
         const long rb = R - r < SRB ? R - r : SRB;
         switch (rb) {
             SCORE_CASE(1) SCORE_CASE(2)
-            default: tile_scores_f32_3x32_ymm(w->qs + r * D, w->kt, w->p + r * PK, D, SRB); break;
+            default: SCORE_NC(SRB) break;
         }
         r += rb;
     }

@@ -17,25 +17,23 @@ int hw_pa_queries = PK;  /* query tokens a block, PK unless set (generic/prefill
 /* Scores of 6 rows x 64 keys (four zmm a row), P V of 6 rows x 64 channels. */
 #define SRBZ 6
 #define ORBZ 6
+/* NC of the four zmm columns: a block of fewer keys (a short prefill, the last block) computes only those. */
 static inline __attribute__((always_inline)) void tile_scores_f32_6x64_zmm(const float *qs, const float *kt, float *p,
-                                                                           long D, int RB) {
+                                                                           long D, int RB, int NC) {
     __m512 a[SRBZ][4];
     for (int r = 0; r < RB; r++)
-        for (int c = 0; c < 4; c++) a[r][c] = _mm512_setzero_ps();
+        for (int c = 0; c < NC; c++) a[r][c] = _mm512_setzero_ps();
     for (long d = 0; d < D; d++) {
         const float *kd = kt + d * PK;
-        const __m512 k0 = _mm512_load_ps(kd), k1 = _mm512_load_ps(kd + 16), k2 = _mm512_load_ps(kd + 32),
-                     k3 = _mm512_load_ps(kd + 48);
+        __m512 kc[4];
+        for (int c = 0; c < NC; c++) kc[c] = _mm512_load_ps(kd + 16 * c);
         for (int r = 0; r < RB; r++) {
             const __m512 b = _mm512_set1_ps(qs[r * D + d]);
-            a[r][0] = _mm512_fmadd_ps(b, k0, a[r][0]);
-            a[r][1] = _mm512_fmadd_ps(b, k1, a[r][1]);
-            a[r][2] = _mm512_fmadd_ps(b, k2, a[r][2]);
-            a[r][3] = _mm512_fmadd_ps(b, k3, a[r][3]);
+            for (int c = 0; c < NC; c++) a[r][c] = _mm512_fmadd_ps(b, kc[c], a[r][c]);
         }
     }
     for (int r = 0; r < RB; r++)
-        for (int c = 0; c < 4; c++) _mm512_store_ps(p + r * PK + 16 * c, a[r][c]);
+        for (int c = 0; c < NC; c++) _mm512_store_ps(p + r * PK + 16 * c, a[r][c]);
 }
 
 static inline __attribute__((always_inline)) void tile_pv_f32_6x64_zmm(float *os, const float *p, const float *alpha,
@@ -58,8 +56,15 @@ static inline __attribute__((always_inline)) void tile_pv_f32_6x64_zmm(float *os
     for (int r = 0; r < RB; r++)
         for (int c = 0; c < NV; c++) _mm512_storeu_ps(os + r * D + d0 + 16 * c, a[r][c]);
 }
+#define SCORE_NC_Z(n)                                                                              \
+    switch (nc) {                                                                                  \
+        case 1: tile_scores_f32_6x64_zmm(w->qs + r * D, w->kt, w->p + r * PK, D, n, 1); break;     \
+        case 2: tile_scores_f32_6x64_zmm(w->qs + r * D, w->kt, w->p + r * PK, D, n, 2); break;     \
+        case 3: tile_scores_f32_6x64_zmm(w->qs + r * D, w->kt, w->p + r * PK, D, n, 3); break;     \
+        default: tile_scores_f32_6x64_zmm(w->qs + r * D, w->kt, w->p + r * PK, D, n, 4); break;    \
+    }
 #define SCORE_CASE_Z(n) \
-    case n: tile_scores_f32_6x64_zmm(w->qs + r * D, w->kt, w->p + r * PK, D, n); break;
+    case n: SCORE_NC_Z(n) break;
 #define PVZ_CASES(n)                                                                      \
     switch (nv) {                                                                         \
         case 1: tile_pv_f32_6x64_zmm(os_r, p_r, al_r, vb, sv_t, nk, D, d0, n, 1); break;             \
@@ -68,12 +73,13 @@ static inline __attribute__((always_inline)) void tile_pv_f32_6x64_zmm(float *os
         default: tile_pv_f32_6x64_zmm(os_r, p_r, al_r, vb, sv_t, nk, D, d0, n, 4); break;            \
     }
 
-void hw_pa_scores(struct pa_scratch *w, long R, long D) {
+void hw_pa_scores(struct pa_scratch *w, long R, long D, long nk) {
+    const long nc = (nk + 15) / 16;
     for (long r = 0; r < R;) {
         const long rb = R - r < SRBZ ? R - r : SRBZ;
         switch (rb) {
             SCORE_CASE_Z(1) SCORE_CASE_Z(2) SCORE_CASE_Z(3) SCORE_CASE_Z(4) SCORE_CASE_Z(5)
-            default: tile_scores_f32_6x64_zmm(w->qs + r * D, w->kt, w->p + r * PK, D, SRBZ); break;
+            default: SCORE_NC_Z(SRBZ) break;
         }
         r += rb;
     }
