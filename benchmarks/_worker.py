@@ -81,6 +81,8 @@ def main(checkout: str, threads: int) -> None:
     sys.stdout = sys.stderr
 
     sys.path.insert(0, checkout)
+    if threads > 0:  # a fixed count on both sides: checkouts with the thread governor (issue 42) read it at import
+        os.environ["HEADWISE_THREADS"] = str(threads)
     import headwise  # before torch: the checkout's own wait-policy code runs first
     import torch
     from headwise.cache import ContiguousKVCache
