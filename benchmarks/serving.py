@@ -8,9 +8,10 @@ Contenders, each a real server process on 127.0.0.1, driven over HTTP by the sam
              does), `generate` with a token streamer, one request at a time behind a lock,
              the same /v1/completions SSE format
   llama.cpp  (--llama) llama.cpp's `llama-server -np <largest client count>` on the same GGUF file,
-             the same threads, the same KV budget in tokens as headwise's pool (benchmarks/peers/
-             llama_cpp.py builds it); the client sends it the same token-id prompts; its streamed chunks
-             are one token each, so where its final chunk carries no usage the chunks are counted
+             the same threads, the same KV budget in tokens as headwise's pool (--kv-tokens, 32k by
+             default: llama-server -c N, headwise num_blocks = N / 16; benchmarks/peers/llama_cpp.py
+             builds it); the client sends it the same token-id prompts; its streamed chunks are one
+             token each, so where its final chunk carries no usage the chunks are counted
 and, at 1 client only, not a server:
   hw_generate  headwise.generate(prompt, greedy, ignore_eos) in a worker process
              (benchmarks/_worker.py, the same environment as the servers), one request after
@@ -33,9 +34,19 @@ output-token throughput over the level's wall time; mean, median, p99. The basel
 serves one request at a time, so its throughput does not grow with C and a level takes
 (requests x one request's time): by default it runs 1, 4 and 16 clients only
 (--baseline-concurrency). Levels alternate contenders, the order rotated each round.
+Memory (with --llama): each server's resident set (/proc/PID/smaps_rollup: Rss, split into
+anonymous and file-backed pages) at start-up (/health 200, before any request) and after the
+run (3 s after the last level), counted the same way for both: RSS = anonymous + file-backed
+pages resident. llama-server mmaps its GGUF, so its weights count as file-backed pages it has
+touched; headwise reads the weights into anonymous memory, and its file-backed pages are the
+shared libraries (libtorch) it has touched. Both servers hold the same KV budget in tokens;
+llama.cpp allocates (and clears) its K/V at start-up, headwise's pool becomes resident as it
+fills. The target: headwise <= llama-server at both moments.
 
     .venv/bin/python benchmarks/serving.py            # full run, ~15 min here; saves results/serving.*
     .venv/bin/python benchmarks/serving.py --quick    # smoke test (32+32 tokens, 1/4/16 clients), nothing saved
+    .venv/bin/python benchmarks/serving.py --llama --no-baseline --concurrency 1,16 --baseline-concurrency 1 \
+        --out benchmarks/results/zen4/serving_llama          # `make bench-cpu`'s run: speed and memory vs llama-server
 """
 
 from __future__ import annotations
@@ -140,9 +151,38 @@ def start_servers(logdir: Path, max_num_seqs: int, num_blocks: int | None = None
     return servers
 
 
-def proc_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+def proc_memory(pid: int) -> dict:
+    """A process's resident memory in bytes: rss (anonymous + file-backed pages resident), anon,
+    file (/proc/PID/smaps_rollup: Rss and Anonymous)."""
+    kib = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if parts[0] in ("Rss:", "Anonymous:"):
+                kib[parts[0]] = int(parts[1])
+    rss, anon = kib["Rss:"] * 1024, kib["Anonymous:"] * 1024
+    return {"rss": rss, "anon": anon, "file": rss - anon}
+
+
+def memory_table(memory: dict) -> str:
+    """Resident MiB of each server at each moment, and headwise / llama-server."""
+    names = [n for n in ("headwise", "llama.cpp") if n in memory]
+    head = [
+        "moment",
+        *(f"{n} RSS (anon + file) MiB" for n in names),
+        *(["headwise / llama.cpp"] if len(names) == 2 else []),
+    ]
+    body = []
+    for moment in ("start-up", "after the run"):
+        row = [moment]
+        for n in names:
+            m = memory[n][moment]
+            row.append(f"{m['rss'] / 2**20:.0f} ({m['anon'] / 2**20:.0f} + {m['file'] / 2**20:.0f})")
+        if len(names) == 2:
+            a, b = memory["headwise"][moment], memory["llama.cpp"][moment]
+            row.append(f"{a['rss'] / b['rss']:.2f}x (anon {a['anon'] / b['anon']:.2f}x)")
+        body.append(row)
+    return table(head, body)
 
 
 def llama_cpp_gguf() -> Path:
@@ -339,8 +379,15 @@ def verdicts(results: dict, runs: dict, log: Log) -> dict:
         line("headwise / llama-server -np 16 at 16 clients, output tok/s", f"{r:.2f}x", ">= 1.5x", r >= 1.5)
     mem = results.get("memory", {})
     if "headwise" in mem and "llama.cpp" in mem:
-        r = mem["headwise"] / mem["llama.cpp"]
-        line("headwise serve / llama-server resident memory (VmRSS after the run)", f"{r:.2f}x", "<= 1.5x", r <= 1.5)
+        for moment in ("start-up", "after the run"):
+            r = mem["headwise"][moment]["rss"] / mem["llama.cpp"][moment]["rss"]
+            line(
+                f"headwise serve / llama-server resident memory (RSS) {'at ' * (moment == 'start-up')}{moment}, "
+                "same KV budget in tokens",
+                f"{r:.2f}x",
+                "<= 1.0x",
+                r <= 1.0,
+            )
     if 16 in hw and 16 in base:
         r = hw[16]["output_throughput"] / base[16]["output_throughput"]
         line("headwise / baseline at 16 clients, output tok/s", f"{r:.2f}x", ">= 8x", r >= 8)
@@ -387,6 +434,13 @@ def parse_args(argv=None):
     )
     p.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline server")
     p.add_argument("--threads", type=int, default=2, help="llama-server's threads (headwise: torch's default)")
+    p.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=32768,
+        help="with --llama: the KV budget in tokens both servers get (llama-server -c N, headwise num_blocks N/16; "
+        "raised to every client's prompt + output where that is more); default 32768, llama-server's -c 32k",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
     if args.quick:
@@ -437,9 +491,11 @@ def main(argv=None) -> int:
         info = worker.ask("info")
         vocab = info["vocab_size"]
         log(f"hw_generate worker: headwise from {info['headwise']}, {info['threads']} threads, env {info['wait_env']}")
-        # the same KV budget in tokens for both engines: every client's prompt + output, 16-token blocks
-        budget = max(args.concurrency) * (args.input_len + args.output_len + 16)
-        servers = start_servers(Path(tmp), args.max_num_seqs, num_blocks=-(-budget // 16) if args.llama else None)
+        # the same KV budget in tokens for both engines (16-token blocks): --kv-tokens, or every client's
+        # prompt + output where that is more (llama-server gives each of its -np slots -c / np tokens)
+        budget = max(args.kv_tokens, max(args.concurrency) * (args.input_len + args.output_len + 16))
+        budget = -(-budget // 16) * 16
+        servers = start_servers(Path(tmp), args.max_num_seqs, num_blocks=budget // 16 if args.llama else None)
         if args.no_baseline:
             servers.pop("baseline").stop()
         stack = contextlib.ExitStack()
@@ -454,6 +510,10 @@ def main(argv=None) -> int:
             )
             env["llama_repack"] = servers["llama.cpp"].repack
             log(f"llama-server's repacked weights: {servers['llama.cpp'].repack}")
+        memory: dict = {}
+        for name in ("headwise", "llama.cpp"):
+            if name in servers:  # at start-up: ready, no request yet
+                memory[name] = {"start-up": proc_memory(servers[name].proc.pid)}
         try:
             for s in servers.values():  # warm-up: one short request each
                 asyncio.run(run_level(s.url, prompts(1), 4, 1))
@@ -477,10 +537,15 @@ def main(argv=None) -> int:
                             f"{r['output_throughput']:.1f} out tok/s, p50 decode {decode_rate(r):.1f} tok/s, "
                             f"load {la} -> {loadavg()[0]}" + (f"  errors {r['errors']}" if r["errors"] else "")
                         )
-            memory = {"headwise": proc_rss(servers["headwise"].proc.pid)}
-            if args.llama:
-                memory["llama.cpp"] = servers["llama.cpp"].rss_bytes()
-            log("resident memory after the run: " + ", ".join(f"{n} {b / 2**20:.0f} MiB" for n, b in memory.items()))
+            time.sleep(3)  # idle, as a server between bursts (headwise trims its freed heap then: serve/memory.py)
+            for name in memory:
+                memory[name]["after the run"] = proc_memory(servers[name].proc.pid)
+            log(
+                f"resident memory, KV budget {budget} tokens"
+                + (f" (llama-server -c {budget}, headwise num_blocks {budget // 16})" if args.llama else "")
+                + ":\n"
+                + memory_table(memory)
+            )
         finally:
             for name, s in servers.items():
                 if name != "llama.cpp":
@@ -535,6 +600,7 @@ def main(argv=None) -> int:
                     "env": env,
                     "args": {k: str(v) for k, v in vars(args).items()},
                     "runs": runs,
+                    "memory": memory,
                     "targets": v,
                 },
                 indent=1,

@@ -1,4 +1,4 @@
-"""`headwise serve [MODEL ...] [--config FILE] [--host HOST] [--port PORT] [--tensor-parallel N]`.
+"""`headwise serve [MODEL ...] [--config FILE] [--host HOST] [--port PORT] [--kv-memory SIZE] [--tensor-parallel N]`.
 
 MODEL: builtin names (`headwise models`), .gguf files or checkpoint directories, each
 served under its own name; a chat model (decoder) answers /v1/chat/completions and
@@ -11,6 +11,9 @@ SIGTERM: stop accepting, let in-flight requests finish (up to [server] drain_tim
 stop the engines, exit 0. --tensor-parallel N: one MODEL's heads split over N processes on
 this machine (this one serves, as rank 0, and starts the other N - 1; N must divide the
 model's KV heads); in a config, `tensor_parallel = N` in the model's table.
+--kv-memory SIZE: each chat model's KV pool in bytes (512MiB, 1GiB, 1GB = 10^9; default: 32k tokens,
+at most a quarter of the free memory); its pages become resident as the pool fills. Once the models
+have loaded, one line per chat model says what its pool holds ("KV pool: 32k tokens ...").
 """
 
 from __future__ import annotations
@@ -51,6 +54,13 @@ def add_cli(sub) -> None:
         "N - 1 followers, each with as many torch threads as this one (set OMP_NUM_THREADS to cores / N); "
         "N must divide the model's KV heads. One MODEL; in a --config: tensor_parallel = N in its table",
     )
+    p.add_argument(
+        "--kv-memory",
+        type=_kv_memory,
+        metavar="SIZE",
+        help="each chat model's KV pool, e.g. 512MiB, 1GiB or 1GB (10^9 bytes): EngineConfig.memory_budget_bytes; "
+        "default: 32k tokens, at most a quarter of the free memory. A model's num_blocks in --config still wins",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument(
         "--self-check",
@@ -65,6 +75,35 @@ def _port(text: str) -> int:
     if not text.isdigit() or not 1 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port, 1 to 65535, got {text}")
     return int(text)
+
+
+def _kv_memory(text: str) -> int:
+    from ..serve.config import ConfigError, kv_memory_bytes
+
+    try:
+        return kv_memory_bytes(text, "")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix(" = ")) from None
+
+
+def kv_pool_line(engine) -> str:
+    """What an engine's KV pool holds, from its resolved config and its pool: "KV pool: 32k tokens
+    (up to 64 sequences, each up to 8,192 tokens), 0.75 GB bfloat16, allocated as it fills"."""
+    c, info = engine.config, engine.core.pool_info()
+    tokens = info["tokens"]
+    count = f"{tokens // 1024}k" if tokens % 1024 == 0 else f"{tokens:,}"
+    dtype = info.get("kv_dtype") or str(engine.cache.kv_dtype or engine.cache.dtype).removeprefix("torch.")
+    return (
+        f"KV pool: {count} tokens (up to {c.max_num_seqs} sequences, each up to {engine.max_model_len:,} tokens), "
+        f"{info['bytes'] / 1e9:.2f} GB {dtype}, allocated as it fills"
+    )
+
+
+def _print_pools(runtimes) -> None:
+    """One line per chat model that loaded: its KV pool (`kv_pool_line`)."""
+    for rt in runtimes:
+        if rt.state == "ready" and rt.engine is not None:
+            print(f"headwise serve: {rt.name}: {kv_pool_line(rt.engine)}", flush=True)
 
 
 def _server_class():
@@ -98,7 +137,7 @@ def run(args) -> int:
     import uvicorn
 
     from ..serve.app import create_app
-    from ..serve.config import ConfigError, default_config, load_config, models_config
+    from ..serve.config import ConfigError, default_config, load_config, models_config, with_kv_memory
 
     if args.config and args.models:
         print(
@@ -118,6 +157,7 @@ def run(args) -> int:
             config = models_config(args.models, args.host, args.port, tensor_parallel=args.tensor_parallel)
         else:
             config = default_config(args.host, args.port)
+        config = with_kv_memory(config, args.kv_memory)
     except ConfigError as e:
         print(f"headwise serve: {e}", file=sys.stderr)
         return 2
@@ -141,6 +181,7 @@ def run(args) -> int:
     )
     server = _server_class()(uv, app.state.serve)
     app.state.serve.stop_server = lambda: _stop_when_started(server)  # every model failed
+    app.state.serve.on_loaded.append(_print_pools)
     base = f"http://{'[' + s.host + ']' if ':' in s.host else s.host}:{s.port}"
     auth = " (API keys required: Authorization: Bearer <key>)" if s.keys() else ""
     print(

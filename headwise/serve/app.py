@@ -33,6 +33,7 @@ from .config import ServeConfig
 from .errors import APIError
 from .gateway import Gateway
 from .local import LocalRuntime, Loader, default_loader, load_all
+from .memory import IdleTrim
 from .metrics import Metrics
 from . import models_api
 from .openai import responses as responses_api
@@ -58,9 +59,21 @@ class ServeState:
         self.fatal: str | None = None  # why the server gave up (every model failed)
         self.stop_server = None  # set by `headwise serve`: ends uvicorn's loop
         self._drain_timer: threading.Timer | None = None
+        self.on_loaded: list = []  # callables(runtimes), once every model has loaded or failed (the CLI's banner)
+        # freed C heap back to the OS while the engines are idle (serve/memory.py)
+        self.idle_trim = IdleTrim(
+            lambda: any(rt.engine is not None and rt.engine.has_unfinished() for rt in self.runtimes.values())
+        )
 
     def loaded(self, runtimes) -> None:
-        """The loader thread is done: with local models and none of them ready, give up."""
+        """The loader thread is done: hand the loader's freed buffers back, tell `on_loaded`; with
+        local models and none of them ready, give up."""
+        self.idle_trim.trim_now()
+        for hook in self.on_loaded:
+            try:
+                hook(runtimes)
+            except Exception:  # a banner must not keep the server from serving
+                log.exception("on_loaded hook %r failed", hook)
         if runtimes and all(rt.state == "failed" for rt in runtimes):
             self.fatal = "no model could be loaded: " + "; ".join(f"{rt.name}: {rt.error}" for rt in runtimes)
             log.error("%s; stopping the server", self.fatal)
@@ -102,9 +115,11 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
         state.gateway = Gateway(config, state.runtimes, state.client, state.metrics)
         state.gateway.start()
         load_all(list(state.runtimes.values()), on_done=state.loaded)
+        state.idle_trim.start()
         try:
             yield
         finally:
+            state.idle_trim.stop()
             if state.gateway is not None:
                 state.gateway.draining = True
             if state._drain_timer is not None:

@@ -10,6 +10,7 @@ a model; the gateway resolves that name to a route (an alias, a local model, or
     cache = "paged"             # paged | int8: the format of the engine's KV block pool
     weights = "auto"            # auto (a GGUF computed as stored) | fp32 | bf16 | int8 | int4 | q4_0 | ... | q6_k | q4_k_m | ...
     max_num_seqs = 64           # the engine's limits: any headwise.EngineConfig field but kv_dtype
+    kv_memory = "512MiB"        # the KV pool's bytes (EngineConfig.memory_budget_bytes; num_blocks wins)
     tensor_parallel = 1         # N > 1: heads split over N local processes (this one leads; one such model)
     [providers.peer]            # an upstream OpenAI-compatible server (config_providers.py)
     base_url = "http://10.0.0.2:8000/v1"
@@ -28,12 +29,14 @@ Upstream URLs come only from here, never from a request.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..core.plan import parse_size
 from ..runtime.config import EngineConfig
 from .config_providers import ConfigError, Provider, ReplicaSet, from_table, parse_providers, parse_replicas
 
@@ -106,7 +109,11 @@ def _local_model(name: str, table: dict) -> LocalModel:
     where = f"[models.{name}]"
     t = dict(table)
     t.setdefault("source", name)
-    known = (set(LocalModel.__dataclass_fields__) - {"name", "engine"}) | set(ENGINE_KEYS)
+    if "kv_memory" in t:
+        if "memory_budget_bytes" in t:
+            raise ConfigError(f"{where} sets both kv_memory and memory_budget_bytes (the same budget); keep one")
+        t["memory_budget_bytes"] = kv_memory_bytes(t.pop("kv_memory"), f"{where} kv_memory")
+    known = (set(LocalModel.__dataclass_fields__) - {"name", "engine"}) | set(ENGINE_KEYS) | {"kv_memory"}
     unknown = sorted(set(t) - known)
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -115,6 +122,31 @@ def _local_model(name: str, table: dict) -> LocalModel:
     except ValueError as e:
         raise ConfigError(f"{where} {e}") from None
     return from_table(t, LocalModel, where, name=name, engine=engine)
+
+
+def kv_memory_bytes(size, where: str = "--kv-memory") -> int:
+    """A KV pool budget as written ("512MiB", "1GB" = 10**9, "2G" = 2 GiB, or bytes) -> bytes >= 1."""
+    try:
+        n = parse_size(size) if isinstance(size, (str, int)) and not isinstance(size, bool) else None
+    except ValueError:
+        n = None
+    if n is None or n < 1:
+        raise ConfigError(
+            f"{where} = {size!r} is not a memory size; write e.g. 512MiB, 1GiB, 1GB (10^9 bytes) or 2G (= 2GiB)"
+        )
+    return n
+
+
+def with_kv_memory(config: "ServeConfig", nbytes: int | None) -> "ServeConfig":
+    """`headwise serve --kv-memory SIZE`: every local model's KV pool budget set to `nbytes`
+    (a model's num_blocks, where the config gives one, still decides its pool)."""
+    if nbytes is None:
+        return config
+    models = {
+        name: dataclasses.replace(m, engine=m.engine.replace(memory_budget_bytes=nbytes))
+        for name, m in config.models.items()
+    }
+    return dataclasses.replace(config, models=models)
 
 
 @dataclass(frozen=True)
