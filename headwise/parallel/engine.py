@@ -29,6 +29,7 @@ from torch import nn
 
 from ..engine import Engine, EngineConfig
 from ..runtime.paged import EngineCore
+from ..runtime.threads import fit_threads
 from .comm import Comm, ParallelError
 
 IDLE_TIMEOUT = datetime.timedelta(days=7)  # the control group's: followers wait this long for a step
@@ -149,6 +150,7 @@ def follow(model: nn.Module, comm: Comm, config: EngineConfig | None = None, **l
                 step.commit()
             else:
                 getattr(cache, op)(*args, **kwargs)
+        fit_threads()  # this rank's share of the cores, fitted to what else runs (runtime/threads.py)
         with torch.inference_mode():
             model(input_ids.to(device), step)  # its logits are rank 0's too; rank 0 samples
         steps += 1

@@ -38,7 +38,7 @@ from .predict import Prediction
 from .request import Request, RequestGroup, Status
 from .sampler import Sampler
 from .sampling import SamplingParams, TokenLogprobs
-from .threads import fit_threads
+from .threads import GOVERNOR, fit_threads
 
 
 class TokenOutput(NamedTuple):
@@ -183,8 +183,9 @@ class Core:
     def _prefetch(outputs: list[TokenOutput]) -> None:
         """Processors that can (a grammar's masks) start on the next step while its forward runs,
         where a core is left over for them: with torch's threads on every core, the overlap only
-        takes cycles from the forward (measured: docs/structured-outputs.md)."""
-        if torch.get_num_threads() >= (os.cpu_count() or 1):
+        takes cycles from the forward (measured: docs/structured-outputs.md). Cores other processes
+        keep busy (the thread governor's last reading) are not left over."""
+        if (os.cpu_count() or 1) - torch.get_num_threads() - GOVERNOR.others < 0.5:
             return
         by_proc: dict[int, tuple] = {}
         for r in {id(o.request): o.request for o in outputs}.values():

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import re
 import sys
+import types
 from pathlib import Path
 
 import jsonschema
@@ -167,6 +168,8 @@ def test_masks_computed_during_the_forward_are_the_masks(smollm2_fp32, monkeypat
     masks were the ones used (a changed batch falls back to computing)."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # a core left over: the core prefetches
     monkeypatch.setattr("os.cpu_count", lambda: 2)
+    # and no other process busy on it (the thread governor's reading of a loaded test machine)
+    monkeypatch.setattr("headwise.runtime.core.GOVERNOR", types.SimpleNamespace(others=0.0))
     items = SCHEMAS[:4]
     fmts = [schema_format(item) for item in items]
     proc_type = grammar.GrammarProcessor
