@@ -237,16 +237,18 @@ def _common(p, default_model: str, task: str):
 
 
 def _kv_dtype(args) -> str | None:
-    return None if args.kv_dtype == "model" else args.kv_dtype
+    return None if args.kv_dtype == "auto" else args.kv_dtype
 
 
 def _cache_args(p):
     p.add_argument(
         "--kv-dtype",
-        choices=["model", "int8"],
-        default="model",
-        help="K/V cache: model (its dtype, fp32) or int8 (+ an fp32 scale per token and head: 0.27x the bytes, "
-        "read as int8 by the decode kernel: faster at long contexts)",
+        choices=["auto", "float32", "bfloat16", "float16", "int8"],
+        default="auto",
+        help="K/V cache: auto (16-bit for quantized weights -- bfloat16 with the AVX-512 kernels, float16 with "
+        "AVX2 --, the model's fp32 otherwise), float32, bfloat16 / float16 (half the bytes, read as stored by "
+        "the decode kernel), or int8 (+ an fp32 scale per token and head: 0.27x the bytes). Perplexity of "
+        "each: docs/kv-cache.md",
     )
 
 

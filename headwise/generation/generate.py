@@ -63,9 +63,11 @@ def generate(
     stream=True (one prompt, n == 1), an iterator of text pieces.
     compile: run each one-token decode step as one torch.compile graph (compiled.py): the
     first call per batch and cache size compiles for tens of seconds; later calls reuse it.
-    kv_dtype: None keeps K/V in the model's dtype; "int8" stores them as int8 with an fp32 scale
-    per (token, head) (cache/quantized.py: 0.27x fp32's bytes), which a decode step reads as
-    int8 (on SmolLM2 at 4,096 tokens of context, ~1.4x the tokens/s of fp32 K/V).
+    kv_dtype: None: 16-bit K/V for a model with quantized weights (bfloat16 with the AVX-512
+    kernels, float16 with AVX2; runtime/config.py kv_dtype_for), the model's dtype otherwise;
+    "float32" keeps the model's fp32 anyway; "bfloat16" / "float16" halve the bytes and are read
+    as stored by the decode kernels; "int8" stores int8 with an fp32 scale per (token, head)
+    (cache/quantized.py: 0.27x fp32's bytes). Perplexity of each: docs/kv-cache.md.
     The model is taken as it is at the call: changing it from another thread while generate()
     runs is not supported (as any PyTorch forward); a stream may change it between its pieces.
     """
