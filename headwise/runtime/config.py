@@ -73,9 +73,8 @@ class EngineConfig:
         kv = KV_DTYPE_ALIASES.get(kv, kv)
         if kv not in KV_DTYPES:
             raise ValueError(
-                f"kv_dtype must be None (store K/V in the compute dtype), 'bfloat16', 'float16' or 'int8', got "
-                f"{self.kv_dtype!r}; also 'float32' (the compute dtype even for a model with quantized weights, "
-                f"for which None means 16-bit K/V)"
+                f"kv_dtype must be None (16-bit K/V for a model with quantized weights, the compute dtype "
+                f"otherwise), 'float32', 'bfloat16', 'float16' or 'int8', got {self.kv_dtype!r}"
             )
         object.__setattr__(self, "kv_dtype", kv)
 

@@ -30,7 +30,8 @@ from .conftest import ragged_prompts
         (
             "kv_dtype",
             "fp8",
-            "kv_dtype must be None (store K/V in the compute dtype), 'bfloat16', 'float16' or 'int8', got 'fp8'",
+            "kv_dtype must be None (16-bit K/V for a model with quantized weights, the compute dtype otherwise), "
+            "'float32', 'bfloat16', 'float16' or 'int8', got 'fp8'",
         ),
     ],
 )
