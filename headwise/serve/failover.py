@@ -21,6 +21,9 @@ prompts end with an error event, as before. The replicas are headwise servers co
 so their error messages are passed on (an upstream provider's never are: upstream.py).
 A replica accepts `resume` only from a request with its key ([server] accept_resume); the
 gateway passes on a client's own `resume` only where it would accept it itself.
+What a replica sends back is read as a provider's is (upstream_body.py): decoded under a cap, a
+body held whole up to max_response_bytes; a stream's leg dies when no event came for its idle
+timeout (`:` keep-alives do not count), and the client's stream ends at its total timeout.
 """
 
 from __future__ import annotations
@@ -31,17 +34,34 @@ import logging
 
 import httpx
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from .config import ReplicaSet
 from .errors import APIError
 from .openai.common import SSE_DONE, require_peer, sse
+from .openai.streams import EventStream
 from .replicas import Replica, ReplicaPool, affinity_key
-from .upstream import PATHS, Events, Fault
+from .upstream import MAX_ERROR_BYTES, PATHS, Events, Fault
+from .upstream_body import ACCEPT_ENCODING, decoded, read_capped
 
 log = logging.getLogger("headwise.serve")
 
 _DONE = object()  # a leg's [DONE]
+
+# [replicas.NAME] limits, as [providers.NAME] has them (issue 43); a set's own value when the config
+# has the key. Without them a 1.5 GB answer was read whole and `:` keep-alives held a stream forever.
+MAX_RESPONSE_BYTES = 256 << 20  # max_response_bytes: a non-streamed answer, after decoding
+TOTAL_TIMEOUT = 3600.0  # total_timeout: seconds a client's stream may take, over all its replicas
+# idle_timeout: seconds a leg may go without an event; `timeout` ("then between two events") by default
+
+
+def limits(spec: ReplicaSet) -> tuple[int, float, float]:
+    """-> (max_response_bytes, idle_timeout, total_timeout) of a replica set."""
+    return (
+        getattr(spec, "max_response_bytes", MAX_RESPONSE_BYTES),
+        getattr(spec, "idle_timeout", spec.timeout),
+        getattr(spec, "total_timeout", TOTAL_TIMEOUT),
+    )
 
 
 class _Pass(Exception):
@@ -167,32 +187,51 @@ class ReplicaTarget:
             "POST",
             replica.url + "/v1" + PATHS[endpoint],
             json=body,
-            headers={"Authorization": f"Bearer {key}"} if key else {},
+            headers={"Accept-Encoding": ACCEPT_ENCODING, **({"Authorization": f"Bearer {key}"} if key else {})},
             timeout=httpx.Timeout(self.spec.timeout, connect=min(limit, 10.0)),
         )
+        cap, where = limits(self.spec)[0], f"replica {replica.url} of {self.name}"
         replica.in_flight += 1
         resp = leg = None
         try:
             async with asyncio.timeout(limit):  # until the first event (stream) or the whole answer
                 resp = await self.client.send(request, stream=True)
                 if resp.status_code != 200:
-                    raise self._passed(replica, resp.status_code, await resp.aread(), resp.headers)
+                    try:
+                        content = await read_capped(decoded(resp), MAX_ERROR_BYTES, "an error body")
+                    except Fault:
+                        content = b""
+                    raise self._passed(replica, resp.status_code, content, resp.headers)
                 if not stream:
-                    return await resp.aread()
-                leg = Leg(replica, resp, Events(resp.aiter_bytes(), key))
+                    return await read_capped(decoded(resp), cap, f"[replicas.{self.spec.name}] max_response_bytes")
+                leg = Leg(replica, resp, Events(decoded(resp), key))
                 leg.first = await leg.next()
                 return leg
         except TimeoutError:
-            raise APIError(504, f"replica {replica.url} of {self.name} sent nothing within {limit:g} s", code="timeout")
-        except (httpx.HTTPError, Fault) as e:
-            why = f"{type(e).__name__}: {e}" if isinstance(e, Fault) else type(e).__name__
-            self.pool.down(replica, why)
-            raise _Pass(APIError(502, f"replica {replica.url} of {self.name} failed ({why})", code="replica_error"))
+            raise APIError(504, f"{where} sent nothing within {limit:g} s", code="timeout")
+        except Fault as e:
+            if e.kind != "too_large":  # too large: the same answer on every replica, which is up
+                raise _Pass(self._down(replica, e, where))
+            raise APIError(502, f"{where} {e.what}", code=e.code) from None
+        except httpx.HTTPError as e:
+            raise _Pass(self._down(replica, e, where))
         finally:
             if leg is None or leg.first is None:  # not handed on: release it here
                 replica.in_flight -= 1
                 if resp is not None:
                     await resp.aclose()
+
+    def _down(self, replica: Replica, e: Exception, where: str) -> APIError:
+        why = f"{type(e).__name__}: {e}" if isinstance(e, Fault) else type(e).__name__
+        self.pool.down(replica, why)
+        return APIError(502, f"{where} failed ({why})", code="replica_error")
+
+    def _deadlines(self, leg: Leg, start: float) -> Leg:
+        """From its first event on, a leg has the set's idle timeout, and the client's stream
+        (every leg of it) its total timeout counted from `start`."""
+        _, idle, total = limits(self.spec)
+        leg.events.deadlines(idle, total, start, f"[replicas.{self.spec.name}] ")
+        return leg
 
     async def _first(self, endpoint, body, key, limit, stream, metrics, how=None, exclude=()):
         """Pick replicas until one answers -> (its Leg or answer, the replicas tried)."""
@@ -219,6 +258,7 @@ class ReplicaTarget:
     # ---- the gateway's call -----------------------------------------------------------
     async def handle(self, endpoint: str, req, body: dict, request: Request, model: str, timeout, metrics, settle=None):
         limit = timeout or self.spec.timeout
+        start = asyncio.get_running_loop().time()
         stream = bool(body.get("stream")) and endpoint != "embeddings"
         key = affinity_key(endpoint, body, self.spec.affinity_chars)
         own = dict(body.get("headwise") or {})
@@ -231,6 +271,7 @@ class ReplicaTarget:
         if not stream:
             return Response(got, media_type="application/json")
         progress = Progress(endpoint, body, bool(own.get("token_ids")))
+        self._deadlines(got, start)
 
         async def resume() -> Leg:
             hw = {**own, "token_ids": True}
@@ -244,9 +285,9 @@ class ReplicaTarget:
                 endpoint, {**send, "headwise": hw}, key, limit, True, metrics, "resume", tried
             )
             tried.update(more)
-            return leg
+            return self._deadlines(leg, start)
 
-        return StreamingResponse(self._relay(got, progress, resume, metrics, settle), media_type="text/event-stream")
+        return EventStream(self._relay(got, progress, resume, metrics, settle), request)
 
     async def _relay(self, leg: Leg, progress: Progress, resume, metrics, settle):
         """Relay a stream, moving it to another replica when its own dies. Settles the target
@@ -271,14 +312,17 @@ class ReplicaTarget:
                     why = e.what if isinstance(e, Fault) else f"broke off the stream ({type(e).__name__})"
                     dead = leg.replica
                     await leg.close()
-                    self.pool.down(dead, why)
+                    expired = isinstance(e, Fault) and asyncio.get_running_loop().time() >= leg.events.end
+                    if not expired:  # the client's time being up is no fault of the replica's
+                        self.pool.down(dead, why)
                 if progress.finished:  # every token is out; only [DONE] was missing
                     ended = ok = True
                     yield SSE_DONE
                     return
                 error = None
-                if not progress.resumable or moves >= self.spec.failovers:
+                if expired or not progress.resumable or moves >= self.spec.failovers:
                     more = "n > 1 or a batch of prompts" if not progress.resumable else f"{moves} failovers"
+                    more = "the stream's time is up" if expired else more
                     error = APIError(502, f"replica {dead.url} of {self.name} {why}; cannot resume ({more})")
                 else:
                     try:

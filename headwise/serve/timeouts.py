@@ -23,6 +23,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .direct import SCOPE_KEY
 
+CONNECTION_KEY = "headwise.connection"  # scope["extensions"][CONNECTION_KEY]: the transport (streams.py)
+
 
 def _408(what: str, seconds: float) -> bytes:
     body = json.dumps(
@@ -59,8 +61,11 @@ def timed_h11(header_timeout: float, body_timeout: float, direct: bool = True) -
 
         @scope.setter
         def scope(self, scope) -> None:
-            if scope is not None and direct:
-                scope.setdefault("extensions", {})[SCOPE_KEY] = self.transport
+            if scope is not None:
+                extensions = scope.setdefault("extensions", {})
+                extensions[CONNECTION_KEY] = self.transport  # a stream whose client stops reading is reset
+                if direct:
+                    extensions[SCOPE_KEY] = self.transport
             self._scope = scope
 
         def connection_made(self, transport) -> None:

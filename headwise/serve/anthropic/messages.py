@@ -21,13 +21,13 @@ from __future__ import annotations
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from ..direct import SCOPE_KEY
 from ..errors import APIError
 from ..openai import chat
-from ..openai.common import check_chars, check_context, off_loop, tokenize
-from ..openai.streams import ABORTED, Streams, stream_error, until_disconnect
+from ..openai.common import body_size, check_chars, check_context, off_loop, tokenize
+from ..openai.streams import ABORTED, EventStream, Streams, stream_error, until_disconnect
 from ..schemas import ChatCompletionRequest
 from . import envelope, via_chat
 from .schemas import CountTokensRequest, MessagesRequest
@@ -86,17 +86,13 @@ async def create(runtime, req: MessagesRequest, model: str, request: Request, *,
             )
         return await _with_tools(runtime, req, chat_req, model, request, timeout, metrics)
     check_chars([*chat.message_texts(chat_req), prefill], runtime.spec.max_input_chars, "messages")
-    prompt, sampling = await off_loop(_prepare, runtime, chat_req, prefill)
+    prompt, sampling = await off_loop(_prepare, runtime, chat_req, prefill, size=body_size(request))
     rid = f"msg_{uuid.uuid4().hex[:24]}"
     streams = Streams(runtime, rid, 1)
     await streams.start([prompt], sampling, timeout)  # errors until the first piece are HTTP errors
     run = _Run(streams, rid, model, len(prompt), runtime.tokenizer, sampling, metrics)
     if req.stream:
-        return StreamingResponse(
-            run.events(),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        return EventStream(run.events(), request)
     return JSONResponse(await until_disconnect(run.collect(), request))
 
 

@@ -8,15 +8,17 @@ import dataclasses
 import time
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from ..direct import DirectWriter
 from ..errors import APIError
 from ..schemas import ChatCompletionRequest
 from .common import (
+    body_size,
     chat_logprobs,
     check_chars,
     check_context,
+    logprobs_size,
     new_id,
     off_loop,
     reject_unsupported,
@@ -25,7 +27,7 @@ from .common import (
     tokenize,
     with_response_format,
 )
-from .streams import Streams, Usage, collect, sse_events, until_disconnect
+from .streams import EventStream, Streams, Usage, collect, sse_events, until_disconnect
 from .tool_calls import CallParser, delta_chunks
 from .tools import ToolPlan, plan, template_messages, text_grammar_of, with_tools
 
@@ -108,7 +110,7 @@ async def create(runtime, req: ChatCompletionRequest, model: str, request: Reque
     check_chars(message_texts(req), runtime.spec.max_input_chars, "messages")
     if req.prediction is not None:
         check_chars([prediction_text(req)], runtime.spec.max_input_chars, "prediction")
-    prompt, sampling, resume, tools = await off_loop(prepare_tools, runtime, req)
+    prompt, sampling, resume, tools = await off_loop(prepare_tools, runtime, req, size=body_size(request))
     calls = tools if tools is not None and tools.calls else None  # the text holds calls to read
     rid, created = new_id("chatcmpl"), int(time.time())
     streams = Streams(runtime, rid, sampling.n)
@@ -120,7 +122,7 @@ async def create(runtime, req: ChatCompletionRequest, model: str, request: Reque
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         ids = bool(req.headwise and req.headwise.token_ids)
-        return StreamingResponse(
+        return EventStream(
             _events(
                 streams,
                 rid,
@@ -136,8 +138,7 @@ async def create(runtime, req: ChatCompletionRequest, model: str, request: Reque
                 resume is None,
                 calls,
             ),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            request,
         )
     body = await until_disconnect(
         _collect(streams, rid, created, model, sampling.n, usage, tok, top, metrics, calls), request
@@ -149,7 +150,9 @@ async def _collect(streams, rid, created, model, n, usage, tok, top, metrics, ca
     texts, reasons, lps = await collect(streams, n, usage, metrics, model)
     # thousands of tokens x 21 alternatives to detokenize: off the loop
     logprobs = (
-        await off_loop(lambda: [chat_logprobs(tok, lps[i], top) for i in range(n)]) if top is not None else [None] * n
+        await off_loop(lambda: [chat_logprobs(tok, lps[i], top) for i in range(n)], size=logprobs_size(lps, top))
+        if top is not None
+        else [None] * n
     )
     choices = []
     for i in range(n):

@@ -6,16 +6,18 @@ from __future__ import annotations
 import time
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from ..direct import DirectWriter
 from ..errors import APIError
 from ..schemas import CompletionRequest
 from .common import (
+    body_size,
     check_chars,
     check_context,
     check_ids,
     completion_logprobs,
+    logprobs_size,
     new_id,
     off_loop,
     reject_unsupported,
@@ -24,7 +26,7 @@ from .common import (
     tokenize,
     with_response_format,
 )
-from .streams import Streams, Usage, collect, sse_events, until_disconnect
+from .streams import EventStream, Streams, Usage, collect, sse_events, until_disconnect
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -74,7 +76,7 @@ async def create(runtime, req: CompletionRequest, model: str, request: Request, 
     check_chars(
         [p] if isinstance(p, str) else [t for t in p if isinstance(t, str)], runtime.spec.max_input_chars, "prompt"
     )
-    prompts, sampling, resume = await off_loop(prepare, runtime, req)
+    prompts, sampling, resume = await off_loop(prepare, runtime, req, size=body_size(request))
     rid, created = new_id("cmpl"), int(time.time())
     streams = Streams(runtime, rid, sampling.n)
     await streams.start(prompts, sampling, timeout, resume, DirectWriter.of(request.scope) if req.stream else None)
@@ -83,11 +85,7 @@ async def create(runtime, req: CompletionRequest, model: str, request: Request, 
     ctx = (streams, rid, created, model, total, usage, runtime.tokenizer, sampling.logprobs, metrics)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(
-            _events(*ctx, include_usage, bool(req.headwise and req.headwise.token_ids)),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        return EventStream(_events(*ctx, include_usage, bool(req.headwise and req.headwise.token_ids)), request)
     return JSONResponse(await until_disconnect(_collect(*ctx), request))
 
 
@@ -95,7 +93,9 @@ async def _collect(streams, rid, created, model, total, usage, tok, logprobs, me
     texts, reasons, lps = await collect(streams, total, usage, metrics, model)
     # thousands of tokens x 21 alternatives to detokenize: off the loop
     lp = (
-        await off_loop(lambda: [completion_logprobs(tok, lps[i], 0) for i in range(total)])
+        await off_loop(
+            lambda: [completion_logprobs(tok, lps[i], 0) for i in range(total)], size=logprobs_size(lps, logprobs)
+        )
         if logprobs is not None
         else [None] * total
     )

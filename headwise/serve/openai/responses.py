@@ -20,7 +20,7 @@ import json
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from ..direct import SCOPE_KEY
 from ..errors import APIError
@@ -28,6 +28,7 @@ from ..schemas import ERRORS, ChatCompletionRequest
 from .response_output import assistant_message, events, new_id, output_items, response_object, usage
 from .response_request import ResponsesRequest, chat_request
 from .response_store import ResponseStore
+from .streams import EventStream
 
 __all__ = ["ResponsesRequest", "chat_request", "install"]
 
@@ -100,11 +101,7 @@ def install(app: FastAPI, state) -> ResponseStore:
             obj = response_object(req, rid, created, status, output, usage(answer.get("usage")))
             keep(obj)
             return JSONResponse(obj, headers=target)
-        return StreamingResponse(
-            events(req, resp.body_iterator, rid, created, keep),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **target},
-        )
+        return EventStream(events(req, resp.body_iterator, rid, created, keep), request, headers=target)
 
     @app.get("/v1/responses/{response_id}", responses=ERRORS)
     async def get_response(response_id: str):

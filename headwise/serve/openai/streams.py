@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import struct
 import time
 from dataclasses import dataclass, field
 
+from fastapi.responses import StreamingResponse
+
 from ..errors import APIError
+from ..timeouts import CONNECTION_KEY
 from .common import SSE_DONE, sse
 
 log = logging.getLogger("headwise.serve")
@@ -214,6 +219,104 @@ async def sse_events(
             if metrics:
                 metrics.stream_closed(model, streams.direct)
         await streams.close()
+
+
+# ---------------------------------------------------------------- clients that stop reading
+# Four clients that stopped reading their streams kept generating to max_tokens, holding 1,148 of
+# 1,456 KV blocks for 400 s while 6.4 MB sat in send queues (issue 43): the kernel grows a
+# loopback socket's send buffer to ~1.7 MB before asyncio's transport even pauses.
+STALL_TIMEOUT = 30.0  # [server] stall_timeout: seconds a stream's client may leave it undrained
+STREAM_SNDBUF = 32 * 1024  # SO_SNDBUF of a streaming connection (Linux doubles it: 64 KiB held)
+
+
+class EventStream(StreamingResponse):
+    """An SSE response whose client must keep reading: what one stream may hold unsent is bounded
+    (the socket's send buffer set to STREAM_SNDBUF while it streams, plus the transport's 64 KiB
+    high-water mark, after which sending waits), and a send that waits longer than the stall
+    timeout ends the stream: the body iterator is closed (which aborts its engine requests and
+    frees their KV blocks) and the connection reset. Tokens are a few KB a second, so the smaller
+    buffer costs a reading client nothing; pieces generated during the wait stay in the engine's
+    queue (stall timeout x token rate, at most)."""
+
+    def __init__(self, content, request, headers: dict | None = None):
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
+        )
+        self.stall = stall_timeout(request)
+        self.transport = (request.scope.get("extensions") or {}).get(CONNECTION_KEY)
+        self.client = request.client
+
+    async def stream_response(self, send) -> None:
+        async def bounded(message) -> None:
+            try:
+                async with asyncio.timeout(self.stall):
+                    await send(message)  # uvicorn waits here while the transport is paused
+            except TimeoutError:
+                raise _Stalled from None
+
+        restore = _small_send_buffer(self.transport)
+        try:
+            await super().stream_response(bounded)
+        except _Stalled:
+            log.warning(
+                "closing a stream to %s: it read nothing for %g s ([server] stall_timeout); its request is aborted",
+                "%s:%d" % tuple(self.client) if self.client else "a client",
+                self.stall,
+            )
+            await self.body_iterator.aclose()  # the generators' finally: engine requests aborted
+            _reset(self.transport)
+            await asyncio.sleep(0)  # uvicorn sees the connection lost before the app returns
+        finally:
+            restore()
+
+
+class _Stalled(Exception):
+    pass
+
+
+def stall_timeout(request) -> float:
+    state = getattr(request.app.state, "serve", None) if "app" in request.scope else None
+    server = getattr(getattr(state, "config", None), "server", None)
+    return float(getattr(server, "stall_timeout", STALL_TIMEOUT))
+
+
+def _sock(transport):
+    return None if transport is None or transport.is_closing() else transport.get_extra_info("socket")
+
+
+def _small_send_buffer(transport):
+    """SO_SNDBUF = STREAM_SNDBUF on the connection while it streams; -> what puts the old size back."""
+    sock = _sock(transport)
+    try:
+        old = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF)
+    except (AttributeError, OSError):  # no socket (not our protocol, closed): the stall clock still holds
+        return lambda: None
+
+    def restore() -> None:
+        s = _sock(transport)
+        if s is not None:
+            try:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, old // 2)  # getsockopt reports it doubled
+            except OSError:
+                pass
+
+    return restore
+
+
+def _reset(transport) -> None:
+    """Close at once, dropping what waits unsent (an RST: a plain close would leave the kernel
+    holding the bytes for a client that reads nothing); without the transport uvicorn closes it."""
+    sock = _sock(transport)
+    if sock is None:
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    transport.abort()
 
 
 async def until_disconnect(coro, request):
