@@ -164,6 +164,17 @@ def proc_memory(pid: int) -> dict:
     return {"rss": rss, "anon": anon, "file": rss - anon}
 
 
+def pool_line(path: Path, wait_s: float = 10.0) -> str:
+    """The "KV pool: ..." line `headwise serve` prints once its models have loaded."""
+    deadline = time.time() + wait_s
+    while time.time() < deadline:
+        for line in path.read_text().splitlines():
+            if "KV pool:" in line:
+                return line.split(": ", 2)[-1]
+        time.sleep(0.2)
+    return "no KV pool line printed"
+
+
 def memory_table(memory: dict) -> str:
     """Resident MiB of each server at each moment, and headwise / llama-server."""
     names = [n for n in ("headwise", "llama.cpp") if n in memory]
@@ -496,6 +507,7 @@ def main(argv=None) -> int:
         budget = max(args.kv_tokens, max(args.concurrency) * (args.input_len + args.output_len + 16))
         budget = -(-budget // 16) * 16
         servers = start_servers(Path(tmp), args.max_num_seqs, num_blocks=budget // 16 if args.llama else None)
+        log(f"headwise: {pool_line(Path(tmp) / 'headwise.log')}")
         if args.no_baseline:
             servers.pop("baseline").stop()
         stack = contextlib.ExitStack()
