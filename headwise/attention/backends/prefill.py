@@ -24,12 +24,13 @@ from ..spec import AttentionOutput, AttentionSpec
 from .decode import cpu_kernel_reasons, plain_spec_reasons
 
 # What explain() says when auto takes it: the rule (every request it serves) and why. Interleaved
-# against SDPA on the same q, k, v (the seed layer's view of its fused QKV), 1 thread, a busy machine:
-# benchmarks/prefill_attention.py --models seed-layer.
+# against SDPA on the same q, k, v (views of one fused QKV, as the layer hands them), AMD EPYC Zen 4,
+# 1 thread, a busy machine: benchmarks/prefill_attention.py --models seed-layer --mask both
+# (results/prefill_attention_seed_layer.txt), and T = S = 8-64 on three shapes (1.0-1.7x).
 PREFILL_WHY = (
     "fp32 CPU, causal or no mask, no autograd or dropout: headwise's kernel, faster than PyTorch's SDPA "
-    "wherever measured (the seed layer's T 2048, H 12, D 64: 1.15x unmasked, 1.4x causal, AMD EPYC Zen 4; "
-    "SmolLM2's and Llama-8B's shapes, T 128-2048: 1.6-2.8x causal, Zen 5)"
+    "wherever measured (the seed layer's B 4, H 12, D 64 at T 512-2048: 1.06-1.23x unmasked, 1.35-1.86x "
+    "causal, AMD EPYC Zen 4; SmolLM2's and Llama-8B's shapes at T 128-2048: 1.6-2.8x causal, Zen 5)"
 )
 
 

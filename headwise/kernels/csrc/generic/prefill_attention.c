@@ -41,8 +41,8 @@
 enum { MAX_PG = 16, MAX_PD = 256 };
 #define PACK_BYTES (8L << 20) /* packed K at a time: pairs of (batch, KV head) up to this, at least one */
 /* hw_pa_queries (x86/avx2/, x86/avx512/prefill_attention.c): query tokens per block, at most
- * (a block's rows are G x that many; each key block is transposed
- * and read once per block): PK, so that a causal block's diagonal tile is square. Against 16, the
+ * (a block's rows are G x that many; each key block is read once
+ * per block): PK, so that a causal block's diagonal tile is square. Against 16, the
  * first tuning (benchmarks/prefill_query_block.py, AMD EPYC Zen 5, 2 threads, SmolLM2's and a
  * Llama-8B's shapes, T = 128-4096): the avx512 build with 64 1.11x (geometric mean; 1.11-1.18x
  * from T = 512, 0.96-1.01x at 128), 128 no better; the avx2 build with 32 1.01-1.03x, 64 0.95x
