@@ -45,6 +45,7 @@ import torch  # noqa: E402  (after _common: headwise first)
 import headwise  # noqa: E402
 from headwise.cache import ContiguousKVCache  # noqa: E402
 from headwise.models.builtin import resolve  # noqa: E402
+from dram_stream import anon_huge_mib  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 PROMPT = 8
@@ -166,8 +167,10 @@ def main() -> None:
     log(f"torch {torch.__version__}  cpu {env['cpu_model']}  threads {args.threads}  kernels {headwise.kernels.isa()}")
     env["quant_prefetch_ahead"] = headwise.kernels.quant_prefetch_ahead_for()
     env["zmm_min_rows"] = headwise.kernels.zmm_min_rows_for()
+    env["quant_prefetch_nta"] = headwise.kernels.quant_prefetch_nta_for()
     log(
-        f"quantized kernels prefetch {env['quant_prefetch_ahead']} bytes ahead, zmm tiles from "
+        f"quantized kernels prefetch {env['quant_prefetch_ahead']} bytes ahead "
+        f"({'NTA' if env['quant_prefetch_nta'] else 'T0'} in the K-quant ymm tiles), zmm tiles from "
         f"{env['zmm_min_rows']} rows (kernels/cpu.py)"
     )
     log(f"file {path.name}: {gguf_weight_bytes(path) / 2**20:.1f} MiB of tensors")
@@ -175,6 +178,8 @@ def main() -> None:
     models = {"hw_q": headwise.load(model)}
     if not args.no_fp32:
         models["hw_fp32"] = headwise.load(model, weights="fp32")
+    env["anon_huge_mib"] = anon_huge_mib()
+    log(f"in transparent huge pages after loading: {env['anon_huge_mib']} MiB (kernels/hugepages.py)")
     formats = sorted({getattr(m, "fmt", None) for m in models["hw_q"].modules()} - {None})
     log(f"hw_q computes from {', '.join(formats)} blocks")
     V = models["hw_q"].config.vocab_size

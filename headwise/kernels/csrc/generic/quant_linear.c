@@ -45,7 +45,7 @@ int hw_zmm_min_rows = 4;
 /* Weights a decode step reads once, prefetched with NTA (kept out of L2 / L3, where they would evict
  * the activations, KV and the next layer's lines for nothing) or T0: set at load per core by
  * kernels/__init__.py (kernels.cpu.quant_prefetch_nta_for; 1 on AMD Zen 4, where a 7B-shaped Q4_K
- * layer from DRAM at 1 row of x ran 1.04-1.07x faster, benchmarks/dram_stream.py). */
+ * layer from DRAM at 1 row of x ran ~1.03x faster, benchmarks/dram_stream.py). */
 int hw_qpf_nta = 0;
 
 int hw_quant_linear(int fmt, const uint8_t *w, const float *x, const float *b, const float *r, float *y, long M, long O,
