@@ -226,13 +226,18 @@ async def sse_events(
 # 1,456 KV blocks for 400 s while 6.4 MB sat in send queues (issue 43): the kernel grows a
 # loopback socket's send buffer to ~1.7 MB before asyncio's transport even pauses.
 STALL_TIMEOUT = 30.0  # [server] stall_timeout: seconds a stream's client may leave it undrained
-STREAM_SNDBUF = 32 * 1024  # SO_SNDBUF of a streaming connection (Linux doubles it: 64 KiB held)
+# What a stream may hold unsent: a token's chunk is ~0.2-2 KB and a reading client takes it within a
+# round trip, so 32 + 16 KiB cost it nothing, while a silent one fills them within ~100-300 tokens
+# (the stall clock starts then: 4 silent SmolLM2 streams were freed 41 s after they stopped reading
+# with 128 KiB, the stall at 5 s, on a loaded 2-core machine)
+STREAM_SNDBUF = 16 * 1024  # SO_SNDBUF of a streaming connection (Linux doubles it: 32 KiB held)
+STREAM_HIGH_WATER = 16 * 1024  # the transport's buffer, beyond which a send waits (asyncio's default: 64 KiB)
 
 
 class EventStream(StreamingResponse):
     """An SSE response whose client must keep reading: what one stream may hold unsent is bounded
-    (the socket's send buffer set to STREAM_SNDBUF while it streams, plus the transport's 64 KiB
-    high-water mark, after which sending waits), and a send that waits longer than the stall
+    (while it streams, the socket's send buffer is STREAM_SNDBUF and the transport's high-water mark
+    STREAM_HIGH_WATER, beyond which sending waits), and a send that waits longer than the stall
     timeout ends the stream: the body iterator is closed (which aborts its engine requests and
     frees their KV blocks) and the connection reset. Tokens are a few KB a second, so the smaller
     buffer costs a reading client nothing; pieces generated during the wait stay in the engine's
@@ -287,11 +292,14 @@ def _sock(transport):
 
 
 def _small_send_buffer(transport):
-    """SO_SNDBUF = STREAM_SNDBUF on the connection while it streams; -> what puts the old size back."""
+    """The connection's send buffers at STREAM_SNDBUF / STREAM_HIGH_WATER while it streams; -> what
+    puts the old sizes back."""
     sock = _sock(transport)
     try:
         old = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF)
+        limits = transport.get_write_buffer_limits()
+        transport.set_write_buffer_limits(high=STREAM_HIGH_WATER)
     except (AttributeError, OSError):  # no socket (not our protocol, closed): the stall clock still holds
         return lambda: None
 
@@ -300,6 +308,7 @@ def _small_send_buffer(transport):
         if s is not None:
             try:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, old // 2)  # getsockopt reports it doubled
+                transport.set_write_buffer_limits(high=limits[1], low=limits[0])
             except OSError:
                 pass
 
