@@ -1,6 +1,6 @@
 /* Prefill attention's P V tile in ymm (generic/prefill_attention.c has the method): the avx2
  * variant's, and the avx512 variant's for the channels its zmm tiles leave (D % 64). Rows a tile:
- * PA_PV_ROWS, set by the includer (16 registers: 2 x 4 + 4 + 1; 32: 6 x 4 + ...). */
+ * PA_PV_ROWS, set by the includer (16 registers: 3 x 4 + 4, a V column read as an operand; 32: 6 x 4 + ...). */
 #ifndef HW_PREFILL_PV_H
 #define HW_PREFILL_PV_H
 #include <immintrin.h>
