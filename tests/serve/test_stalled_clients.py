@@ -112,8 +112,9 @@ def test_a_client_that_stops_reading_is_aborted_and_its_blocks_freed(srv, path):
 
 
 def test_a_slow_reader_that_keeps_up_is_not_cut(srv):
-    """The clock counts only time in which nothing drained: a client that pauses (its buffers fill
-    and the server waits) for less than the stall timeout each time gets its whole stream."""
+    """The clock counts only time in which nothing drained: a client with a small receive buffer that
+    pauses after every 32 KiB (the server's buffers fill and its sends wait) for less than the stall
+    timeout gets its whole stream."""
     n = 600
     body = {
         "model": "long",
@@ -124,15 +125,19 @@ def test_a_slow_reader_that_keeps_up_is_not_cut(srv):
         "logprobs": 5,
         "stream_options": {"include_usage": True},
     }
-    chunks, usage = 0, None
-    with httpx.Client(timeout=60) as c, c.stream("POST", srv.url + "/v1/completions", json=body) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                event = json.loads(line[6:])
-                usage = event.get("usage") or usage
-                chunks += 1
-                if chunks % 150 == 0:
-                    time.sleep(0.6 * STALL)  # ~60 KB behind: the server's sends wait, shorter than the stall
-            elif line == "data: [DONE]":
-                break
-    assert usage is not None and usage["completion_tokens"] == n, usage
+    sock = silent_stream(srv, "/v1/completions", body)
+    sock.settimeout(30)
+    got, paused = b"", 0
+    try:
+        while b"data: [DONE]" not in got[-64:]:
+            chunk = sock.recv(4096)
+            assert chunk, f"the server closed the stream after {len(got)} bytes: {got[-300:]!r}"
+            got += chunk
+            if len(got) // (32 << 10) > paused:
+                paused += 1
+                time.sleep(0.6 * STALL)
+    finally:
+        sock.close()
+    assert paused >= 3, paused  # it did pause, with ~400 bytes a token
+    assert b'"error"' not in got
+    assert b'"completion_tokens":%d' % n in got, got[-400:]
