@@ -191,11 +191,12 @@ class ServerSettings:
     # who may send headwise.resume (a gateway moving a stream here from a dead replica): keyed (a
     # request with one of the API keys) | always (replicas on a private network, no keys) | never
     accept_resume: str = "keyed"
+    stall_timeout: float = 30.0  # seconds a stream's client may read nothing before it is aborted
 
     def __post_init__(self):
         if not isinstance(self.direct_streams, bool):
             raise ConfigError(f"[server] direct_streams must be true or false, got {self.direct_streams!r}")
-        for key in ("header_timeout", "body_timeout"):
+        for key in ("header_timeout", "body_timeout", "stall_timeout"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"[server] {key} must be > 0 seconds, got {getattr(self, key)}")
         if self.accept_resume not in ACCEPT_RESUME:

@@ -94,9 +94,23 @@ class ReplicaSet:
     # ... unless that replica has this many more requests in flight than the least busy one
     affinity_slack: int = 4
     failovers: int = 2  # replicas a stream may move to after the one it started on dies
+    # as [providers.NAME]: a body held whole, after decoding; a leg with no event for idle_timeout
+    # (None: timeout; `:` keep-alives do not count) fails over; a client's stream ends at total_timeout
+    max_response_bytes: int = 256 << 20
+    idle_timeout: float | None = None
+    total_timeout: float = 3600.0
 
     def __post_init__(self):
         where = f"[replicas.{self.name}]"
+        if self.idle_timeout is None:
+            object.__setattr__(self, "idle_timeout", self.timeout)
+        for key in ("idle_timeout", "total_timeout"):
+            v = getattr(self, key)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
+                raise ConfigError(f"{where} {key} must be > 0 seconds, got {v!r}")
+        v = self.max_response_bytes
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1024):
+            raise ConfigError(f"{where} max_response_bytes must be an integer >= 1024 (bytes), got {v!r}")
         if not self.urls:
             raise ConfigError(f'{where} lists no urls; add urls = ["http://host:port", ...]')
         for u in self.urls:

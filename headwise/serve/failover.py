@@ -48,20 +48,12 @@ log = logging.getLogger("headwise.serve")
 
 _DONE = object()  # a leg's [DONE]
 
-# [replicas.NAME] limits, as [providers.NAME] has them (issue 43); a set's own value when the config
-# has the key. Without them a 1.5 GB answer was read whole and `:` keep-alives held a stream forever.
-MAX_RESPONSE_BYTES = 256 << 20  # max_response_bytes: a non-streamed answer, after decoding
-TOTAL_TIMEOUT = 3600.0  # total_timeout: seconds a client's stream may take, over all its replicas
-# idle_timeout: seconds a leg may go without an event; `timeout` ("then between two events") by default
-
 
 def limits(spec: ReplicaSet) -> tuple[int, float, float]:
-    """-> (max_response_bytes, idle_timeout, total_timeout) of a replica set."""
-    return (
-        getattr(spec, "max_response_bytes", MAX_RESPONSE_BYTES),
-        getattr(spec, "idle_timeout", spec.timeout),
-        getattr(spec, "total_timeout", TOTAL_TIMEOUT),
-    )
+    """-> (max_response_bytes, idle_timeout, total_timeout) of a replica set: [replicas.NAME] limits,
+    as [providers.NAME] has them (issue 43). Without them a 1.5 GB answer was read whole and `:`
+    keep-alives held a stream forever."""
+    return spec.max_response_bytes, spec.idle_timeout, spec.total_timeout
 
 
 class _Pass(Exception):

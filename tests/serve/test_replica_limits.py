@@ -5,14 +5,13 @@ ends at the stream's total timeout. The misbehaving server is test_upstream_secr
 standing in as the only replica of [replicas.pool].
 """
 
-import dataclasses
 import json
 import time
 
 import httpx
 import pytest
 
-from headwise.serve import create_app, failover, parse_config
+from headwise.serve import create_app, parse_config
 
 from .conftest import LiveServer
 from .test_upstream_secrets import MSG, PeakGrowth, _upstream_app, sse_events
@@ -25,28 +24,13 @@ MODELS = ["ok", "huge", "bomb", "bomb-500", "drip", "slow", "gzip"]
 @pytest.fixture(scope="module")
 def gw():
     replica = LiveServer(_upstream_app()).start()
-    config = parse_config(
-        {
-            "server": {"api_key_env": ""},
-            "replicas": {"pool": {"urls": [replica.url], "models": MODELS, "timeout": IDLE, "health_interval": 0.2}},
-        }
-    )
-    spec, patch = config.replicas["pool"], pytest.MonkeyPatch()
-    have = {f.name for f in dataclasses.fields(spec)}
-    for key, value, default in [
-        ("max_response_bytes", CAP, "MAX_RESPONSE_BYTES"),
-        ("total_timeout", TOTAL, "TOTAL_TIMEOUT"),
-    ]:
-        if key in have:  # once the config has the key
-            spec = dataclasses.replace(spec, **{key: value})
-        else:
-            patch.setattr(failover, default, value)
-    config = dataclasses.replace(config, replicas={"pool": spec})
+    pool = {"urls": [replica.url], "models": MODELS, "timeout": IDLE, "health_interval": 0.2}
+    pool |= {"max_response_bytes": CAP, "total_timeout": TOTAL}  # the [replicas.NAME] keys
+    config = parse_config({"server": {"api_key_env": ""}, "replicas": {"pool": pool}})
     server = LiveServer(create_app(config)).start()
     yield server
     server.stop()
     replica.stop()
-    patch.undo()
 
 
 def replica_up(gw, within: float = 10.0) -> None:

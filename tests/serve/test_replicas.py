@@ -45,12 +45,22 @@ def _config(**pool) -> dict:
         ({"health_interval": 0}, "health_interval > 0"),
         ({"urls": "http://a:1"}, "urls must be a list"),
         ({"retry": 2}, "unknown key(s) retry"),
+        ({"idle_timeout": 0}, "idle_timeout must be > 0 seconds"),
+        ({"total_timeout": -1}, "total_timeout must be > 0 seconds"),
+        ({"max_response_bytes": 10}, "max_response_bytes must be an integer >= 1024"),
     ],
 )
 def test_config_errors_name_the_key(pool, message):
     with pytest.raises(ConfigError, match=r"\[replicas\.pool\]") as e:
         parse_config(_config(**pool))
     assert message in str(e.value)
+
+
+def test_replica_limits_default_to_the_sets_timeout():
+    spec = parse_config(_config(timeout=7.5)).replicas["pool"]
+    assert (spec.idle_timeout, spec.total_timeout, spec.max_response_bytes) == (7.5, 3600.0, 256 << 20)
+    with pytest.raises(ConfigError, match=r"\[server\] stall_timeout must be > 0 seconds"):
+        parse_config({**_config(), "server": {"stall_timeout": 0}})
 
 
 def test_config_names_and_routes():

@@ -7,7 +7,6 @@ An in-process server of its own (the stall timeout at 1 s) over the tiny random 
 stretched to 4,096 positions so that the stream outlasts the stall by far.
 """
 
-import dataclasses
 import json
 import shutil
 import socket
@@ -17,7 +16,6 @@ import httpx
 import pytest
 
 from headwise.serve import create_app, parse_config
-from headwise.serve.openai import streams
 
 from .conftest import LiveServer
 from .test_disconnect import engine_gauge
@@ -37,18 +35,11 @@ def long_tiny(tiny_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def srv(long_tiny):
-    config = parse_config(
-        {"server": {"api_key_env": ""}, "models": {"long": {"source": str(long_tiny), "max_num_seqs": 4}}}
-    )
-    patch = pytest.MonkeyPatch()
-    if "stall_timeout" in {f.name for f in dataclasses.fields(config.server)}:  # once the config has the key
-        config = dataclasses.replace(config, server=dataclasses.replace(config.server, stall_timeout=STALL))
-    else:
-        patch.setattr(streams, "STALL_TIMEOUT", STALL)
+    settings = {"api_key_env": "", "stall_timeout": STALL}  # the [server] key
+    config = parse_config({"server": settings, "models": {"long": {"source": str(long_tiny), "max_num_seqs": 4}}})
     server = LiveServer(create_app(config)).start()
     yield server
     server.stop()
-    patch.undo()
 
 
 def silent_stream(srv, path: str, body: dict) -> socket.socket:
