@@ -27,6 +27,8 @@ asks for <= 1/50 of the seed's extra memory at T=8192.
 
     .venv/bin/python benchmarks/attention.py            # full run, ~4 min; saves results/
     .venv/bin/python benchmarks/attention.py --sizes 2048 --memory-sizes '' --threads 1   # the claim, busy machine
+    HEADWISE_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
+        .venv/bin/python benchmarks/attention.py ...                                      # as an AVX2-only CPU
     .venv/bin/python benchmarks/attention.py --quick    # smoke test, nothing saved
 """
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -61,12 +64,16 @@ import torch  # noqa: E402  (after _common: headwise first)
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 import headwise  # noqa: E402
+import headwise.kernels  # noqa: E402  (the variant in use, for the log)
 from headwise.attention import MultiHeadAttention, explain  # noqa: E402
 
 C, H, B = 768, 12, 4  # GPT-2 small width, the seed's running example
 D = C // H
 HW_BACKENDS = ("auto", "sdpa", "chunked", "math")  # flash is CUDA-only: reported as skipped
 ATOL = 1e-4
+# what picks the instruction sets: ours (HEADWISE_ISA) and PyTorch's (ATen, MKL, oneDNN); set them all
+# to AVX2 to stand in for a CPU without AVX-512 (e.g. AMD Zen 3)
+ISA_ENV = ("HEADWISE_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
 MIB = 2**20
 
 
@@ -422,6 +429,9 @@ def main(argv=None):
     env["loadavg_before"], ticks0 = loadavg(), cpu_ticks()
     log(f"headwise attention benchmark  {env['date']}")
     log(f"torch {env['torch']}  threads {env['threads']}  cpu {env['cpu_model']} ({env['cpu_count']} cores)")
+    isa_env = [f"{k}={os.environ[k]}" for k in ISA_ENV if os.environ.get(k)]
+    env["kernels"], env["isa_env"] = headwise.kernels.isa(), isa_env
+    log(f"headwise kernels {env['kernels']}" + (f"  ({' '.join(isa_env)})" if isa_env else ""))
     log(
         f"loadavg before {env['loadavg_before']}"
         + ("  ** busy machine (> 1.5): treat numbers with care **" if env["loadavg_before"][0] > 1.5 else "")
