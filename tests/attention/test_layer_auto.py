@@ -58,15 +58,32 @@ def test_auto_takes_the_prefill_kernel_and_equals_math(H, Hkv, causal, kernel_ca
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_padding_mask_falls_back_and_equals_math(kernel_calls):
+def test_right_padding_takes_the_kernel_and_equals_math(kernel_calls):
+    """A batch padded at the end of its rows (an encoder's): each row against its real keys."""
+    auto, ref = layer_pair(4, 2)
+    x = torch.randn(3, 70, 64)
+    pad = torch.zeros(3, 70, dtype=torch.bool)
+    pad[1, 50:] = True  # the second row's last 20 tokens are padding
+    pad[2, :] = True  # the third is all padding: zeros, as math gives
+    with torch.no_grad():
+        assert explain(*heads(auto, x), key_padding_mask=pad).chosen == "prefill"
+        got, want = auto(x, key_padding_mask=pad), ref(x, key_padding_mask=pad)
+    assert len(kernel_calls) == 3  # one per row
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("where", ["left", "causal"])
+def test_other_padding_falls_back_and_equals_math(where, kernel_calls):
     auto, ref = layer_pair(4, 2)
     x = torch.randn(2, 70, 64)
     pad = torch.zeros(2, 70, dtype=torch.bool)
-    pad[1, 50:] = True  # the second sequence's last 20 keys are padding
+    pad[1, :20] = where == "left"  # left padding: the first 20 keys of row 1
+    pad[1, 50:] = where == "causal"
+    causal = where == "causal"
     with torch.no_grad():
-        e = explain(*heads(auto, x), key_padding_mask=pad)
-        assert e.chosen == "sdpa" and "key padding" in " ".join(e.rejected["prefill"])
-        got, want = auto(x, key_padding_mask=pad), ref(x, key_padding_mask=pad)
+        e = explain(*heads(auto, x), key_padding_mask=pad, is_causal=causal)
+        assert e.chosen == "sdpa" and "key padding only at the end" in " ".join(e.rejected["prefill"])
+        got, want = auto(x, key_padding_mask=pad, is_causal=causal), ref(x, key_padding_mask=pad, is_causal=causal)
     assert not kernel_calls
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
