@@ -102,7 +102,7 @@ def quant_prefetch_ahead_for(vendor: str | None = None, family: str | None = Non
 # Whether the avx512 build's K-quant ymm tiles (a batch-1 step of a Q4_K / Q5_K / Q6_K file) prefetch the
 # weights non-temporally (NTA: not kept in L2 / L3, which hold the activations and KV): 1 on AMD EPYC Zen 4
 # (family 25; Zen 3, also 25, runs the avx2 build, which has no such switch), where a Llama-7B-shaped Q4_K
-# layer streamed from DRAM at 1 row of x ran 1.04-1.07x faster paired at 2 threads in four runs and 0.95x in
+# layer streamed from DRAM at 1 row of x ran 1.03-1.07x faster paired at 2 threads in four runs and 0.95x in
 # a fifth, 1.01-1.05x at 1 thread (benchmarks/dram_stream.py, 15-25 interleaved rounds on a host at load 5-12,
 # 2026-12-05: a small gain within a noisy host's spread; results/zen4/issue42/dram_stream*.txt); not measured
 # elsewhere (Intel's 1-row steps take the zmm tiles, which keep T0), so 0 there.
