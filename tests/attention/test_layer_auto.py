@@ -72,17 +72,26 @@ def test_right_padding_takes_the_kernel_and_equals_math(kernel_calls):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("where", ["left", "causal"])
-def test_other_padding_falls_back_and_equals_math(where, kernel_calls):
+@pytest.mark.parametrize(
+    "where,T,why",
+    [
+        ("left", 70, "key padding only at the end"),
+        ("causal", 70, "key padding only at the end"),
+        ("end", 16, "S >= 64"),
+    ],
+)
+def test_other_padding_falls_back_and_equals_math(where, T, why, kernel_calls):
+    """Left padding, padding with causal, and right padding of fewer than 64 keys (a call per row
+    costs more than SDPA there) go to sdpa."""
     auto, ref = layer_pair(4, 2)
-    x = torch.randn(2, 70, 64)
-    pad = torch.zeros(2, 70, dtype=torch.bool)
-    pad[1, :20] = where == "left"  # left padding: the first 20 keys of row 1
-    pad[1, 50:] = where == "causal"
+    x = torch.randn(2, T, 64)
+    pad = torch.zeros(2, T, dtype=torch.bool)
+    pad[1, : T // 3] = where == "left"  # left padding: the first keys of row 1
+    pad[1, -T // 3 :] = where != "left"
     causal = where == "causal"
     with torch.no_grad():
         e = explain(*heads(auto, x), key_padding_mask=pad, is_causal=causal)
-        assert e.chosen == "sdpa" and "key padding only at the end" in " ".join(e.rejected["prefill"])
+        assert e.chosen == "sdpa" and why in " ".join(e.rejected["prefill"])
         got, want = auto(x, key_padding_mask=pad, is_causal=causal), ref(x, key_padding_mask=pad, is_causal=causal)
     assert not kernel_calls
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
