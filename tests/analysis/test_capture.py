@@ -10,7 +10,7 @@ from headwise.analysis.capture import forward
 
 from .conftest import SENTENCES
 
-TOL = 1e-5
+TOL = 2e-5  # probabilities rebuilt from the fused kernel's LSE (its exp2 polynomial, 1 or 2 threads): up to ~1.04e-5 seen
 
 
 def _hf_batch(batch):

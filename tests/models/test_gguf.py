@@ -455,13 +455,9 @@ def test_smollm2_config_equals_transformers(smol, smol_hf):
     assert config["rms_norm_eps"] == pytest.approx(hf_config.rms_norm_eps, rel=1e-6)
 
 
-def test_smollm2_cached_read_is_identical_and_fast(smol, smol_path, smol_cache, monkeypatch):
-    import time
-
-    monkeypatch.setattr(hw_gguf, "convert_gguf", _must_not_convert)
-    start = time.perf_counter()
+def test_smollm2_cached_read_is_identical(smol, smol_path, smol_cache, monkeypatch):
+    monkeypatch.setattr(hw_gguf, "convert_gguf", _must_not_convert)  # a cache hit: no parse again
     config, tensors, tok = read_gguf(smol_path, cache_dir=smol_cache)
-    elapsed = time.perf_counter() - start
     config0, tensors0, tok0 = smol
     assert config == config0 and set(tensors) == set(tensors0)
     assert all(torch.equal(tensors[n], tensors0[n]) for n in tensors)
@@ -471,7 +467,6 @@ def test_smollm2_cached_read_is_identical_and_fast(smol, smol_path, smol_cache, 
         [{"role": "user", "content": "hi"}]
     )
     assert tok.stop_token_ids == tok0.stop_token_ids == {0, 2}
-    assert elapsed < 5.0, f"cached load took {elapsed:.2f}s"
 
 
 # ---- the cache ------------------------------------------------------------------------------

@@ -12,10 +12,21 @@ from headwise.cache import ContiguousKVCache, PagedKVCache
 from headwise.cache.packed import PackedStep
 from headwise.kernels import layer as kernel_layer
 from headwise.models import executors
+from headwise.runtime.threads import fit_threads, pin_threads
 
 from .conftest import hf_checkpoints
 from .stepping import assert_scattered, close, scattered
 from .test_block_route import CONFIGS, TOL, V, _decode, _ids, tf
+
+
+@pytest.fixture(autouse=True)
+def two_threads():
+    """Some tests here check work cut over 2 threads: pinned, so that the thread governor does not
+    take one away on a loaded machine (it would, and rightly, for a user)."""
+    pin_threads(2)
+    fit_threads()  # set in this thread now, not at the next step
+    yield
+    pin_threads(None)
 
 
 @pytest.fixture(scope="module")
