@@ -38,6 +38,17 @@ def from_table(table: dict, cls, where: str, **fixed) -> Any:
         raise ConfigError(f"{where}: {e}") from None
 
 
+def _check_limits(where: str, spec, timeouts: tuple[str, ...]) -> None:
+    """The upstream limits [providers.NAME] and [replicas.NAME] share: timeouts > 0, a body cap."""
+    for key in timeouts:
+        v = getattr(spec, key)
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
+            raise ConfigError(f"{where} {key} must be > 0 seconds, got {v!r}")
+    v = spec.max_response_bytes
+    if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1024):
+        raise ConfigError(f"{where} max_response_bytes must be an integer >= 1024 (bytes), got {v!r}")
+
+
 @dataclass(frozen=True)
 class Provider:
     name: str
@@ -64,13 +75,7 @@ class Provider:
             raise ConfigError(f'{where} lists no models; add models = ["..."]')
         if self.api not in PROVIDER_APIS:
             raise ConfigError(f"{where} api = {self.api!r}; choose one of {', '.join(PROVIDER_APIS)}")
-        for key in ("timeout", "idle_timeout", "total_timeout"):
-            v = getattr(self, key)
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
-                raise ConfigError(f"{where} {key} must be > 0 seconds, got {v!r}")
-        v = self.max_response_bytes
-        if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1024):
-            raise ConfigError(f"{where} max_response_bytes must be an integer >= 1024 (bytes), got {v!r}")
+        _check_limits(where, self, ("timeout", "idle_timeout", "total_timeout"))
 
     @property
     def api_key(self) -> str | None:
@@ -104,13 +109,7 @@ class ReplicaSet:
         where = f"[replicas.{self.name}]"
         if self.idle_timeout is None:
             object.__setattr__(self, "idle_timeout", self.timeout)
-        for key in ("idle_timeout", "total_timeout"):
-            v = getattr(self, key)
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
-                raise ConfigError(f"{where} {key} must be > 0 seconds, got {v!r}")
-        v = self.max_response_bytes
-        if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1024):
-            raise ConfigError(f"{where} max_response_bytes must be an integer >= 1024 (bytes), got {v!r}")
+        _check_limits(where, self, ("idle_timeout", "total_timeout"))
         if not self.urls:
             raise ConfigError(f'{where} lists no urls; add urls = ["http://host:port", ...]')
         for u in self.urls:
