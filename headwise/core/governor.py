@@ -13,6 +13,8 @@ neighbour run. One thread beside it decodes about as fast as one thread alone (b
 or fewer. The count moves only when `others` is more than MARGIN past a rounding point: a
 neighbour using 0.1 core costs nothing, and a reading near 0.5 does not flap. `fit()` is called
 before every step (runtime/core.py): a clock check; /proc/stat is read only every INTERVAL_S.
+An interval counts only if this process stepped through it (used STEPPING cores or more): the
+neighbours of an idle gap may be gone when stepping resumes.
 Niced processes (`nice` column) count only when this process is niced too: at nice 0 our
 threads take ~98% of a core from a nice-19 job, so it does not cost a thread.
 
@@ -43,6 +45,7 @@ INTERVAL_S = 0.25  # between two readings of /proc/stat: a few decode steps, lon
 STALE_S = 5.0  # an interval longer than this (an idle engine) is not a reading of now: start a new one
 MARGIN = 0.1  # cores past a rounding point before the count moves (hysteresis)
 ACTIVE_S = 4 * INTERVAL_S  # a thread that stepped this recently shares the count
+STEPPING = 0.5  # cores this process used over an interval for it to count as a reading (not idle)
 
 
 @dataclass(frozen=True)
@@ -274,7 +277,11 @@ class ThreadGovernor:
         if now < self._due:
             return now
         cur = self.meter.sample()
-        if cur.wall - self._prev.wall <= STALE_S:
+        wall = cur.wall - self._prev.wall
+        # a reading of now only if this process was stepping through it (used STEPPING cores or
+        # more): over an idle gap it would count a neighbour that may have stopped as we resume
+        # (llama-bench between two of our runs read 1.9 cores: our next step ran 1 thread)
+        if wall <= STALE_S and cur.ours - self._prev.ours >= STEPPING * wall:
             self.others = CpuMeter.others(self._prev, cur)
             self.target = choose(self.others, self.meter.cores, self.target, self.ceiling)
         self._prev, self._due = cur, cur.wall + self.interval

@@ -218,3 +218,19 @@ def test_no_proc_stat_leaves_torch_alone(restore_threads):
     assert in_thread(lambda: (torch.set_num_threads(1), g.fit())[1]) == 1
     before, fitted, after = in_thread(lambda: (torch.get_num_threads(), g.fit(), torch.get_num_threads()))
     assert fitted == before == after
+
+
+def test_an_interval_this_process_sat_idle_is_not_a_reading(proc, restore_threads):
+    """Neighbours busy while we did not step (llama-bench between two of our runs) say nothing of
+    now: the count holds until an interval we stepped through says otherwise."""
+    g = governor(proc)
+
+    def run():
+        counts = [g.fit()]
+        proc.advance(0.3, {0: 1.0, 1: 1.0}, ours=0.0)  # both cores busy, none of it ours: idle gap
+        counts.append(g.fit())
+        proc.advance(0.3, {0: 1.0, 1: 1.0}, ours=1.0)  # stepping beside a neighbour holding a core
+        counts.append(g.fit())
+        return counts
+
+    assert in_thread(run) == [2, 2, 1]
