@@ -109,7 +109,8 @@ def test_idle_trim_hands_the_freed_heap_back_only_when_idle():
     trim = IdleTrim(lambda: busy[0], interval=0.02).start()
     try:
         time.sleep(0.3)
-        assert trim.trims == 0 and resident_bytes() > before + 80 * MiB  # an engine stepping: left alone
+        # an engine stepping: left alone (not the RSS: the suite's in-process servers trim too)
+        assert trim.trims == 0
         busy[0] = False
         deadline = time.monotonic() + 5
         while trim.trims == 0 and time.monotonic() < deadline:
