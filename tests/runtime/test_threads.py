@@ -16,6 +16,8 @@ import headwise
 from headwise.core.governor import ThreadGovernor, this_machine
 from headwise.runtime.threads import GOVERNOR, pin_threads
 
+from ..core.test_governor import in_thread
+
 
 def test_beside_a_busy_process_fewer_threads_than_cores():
     """A governor as the process's (this machine's /proc/stat, torch's count), fitting for 1 s
@@ -45,24 +47,6 @@ def test_beside_a_busy_process_fewer_threads_than_cores():
     assert fitted == torch_runs  # what torch runs in the thread that asked
     assert gov.others >= 0.6, gov.others  # the spinner's core at least (the machine may be busier still)
     assert 1 <= fitted <= max(1, meter.cores - 1)  # fewer than the cores, never 0
-
-
-def in_thread(fn):
-    """fn() in a new thread (its own OpenMP count) -> its result, or its exception raised here."""
-    out = {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
-            out["error"] = e
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
 
 
 def _recorder(seen: list):
