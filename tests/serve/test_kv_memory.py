@@ -2,7 +2,7 @@
 EngineConfig(memory_budget_bytes=...) does; the start-up line says what the engine holds; an idle
 server hands its freed C heap back (serve/memory.py)."""
 
-import ctypes
+import json
 import os
 import re
 import signal
@@ -16,7 +16,6 @@ from headwise.cli import build_parser
 from headwise.engine import Engine, EngineConfig
 from headwise.serve import parse_config
 from headwise.serve.config import ConfigError, models_config, with_kv_memory
-from headwise.serve.memory import IdleTrim, malloc_trim, resident_bytes
 
 from .conftest import free_port, wait_healthy
 
@@ -91,32 +90,47 @@ def test_the_start_up_line_is_the_engines_resolved_pool(tiny_dir, tmp_path):
     assert dtype == str(engine.cache.kv_dtype or engine.cache.dtype).removeprefix("torch.")
 
 
-def test_idle_trim_hands_the_freed_heap_back_only_when_idle():
-    assert malloc_trim() and resident_bytes() is not None  # glibc and /proc: Linux, as served here
-    libc = ctypes.CDLL(None)
-    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
-    before = resident_bytes()
-    blocks = [libc.malloc(64 << 10) for _ in range(1600)]  # 100 MiB of 64 KiB blocks: the heap, not mmap
-    for b in blocks:
-        ctypes.memset(b, 1, 64 << 10)
-    pin = libc.malloc(64)  # above them: free() alone cannot shrink the heap from its top
-    for b in blocks:
+# Run in a process of its own: the suite's process has a heap of ~10 GB whose free lists take the
+# 100 MiB without growing, and its in-process servers run IdleTrims of their own.
+IDLE_TRIM_SCRIPT = r"""
+import ctypes, json, time
+from headwise.serve.memory import IdleTrim, malloc_trim, resident_bytes
+
+MiB = 2**20
+assert malloc_trim() and resident_bytes() is not None  # glibc and /proc: Linux, as served here
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+malloc_trim()
+before = resident_bytes()
+blocks = [libc.malloc(64 << 10) for _ in range(1601)]  # 100 MiB of 64 KiB blocks: the heap, not mmap
+for b in blocks:
+    ctypes.memset(b, 1, 64 << 10)
+pin = max(blocks)  # kept, above the others: free() alone cannot shrink the heap from its top
+for b in blocks:
+    if b != pin:
         libc.free(b)
-    held = resident_bytes()
-    assert held - before > 80 * MiB  # glibc keeps what was freed
-    busy = [True]
-    trim = IdleTrim(lambda: busy[0], interval=0.02).start()
-    try:
-        time.sleep(0.3)
-        # an engine stepping: left alone (not the RSS: the suite's in-process servers trim too)
-        assert trim.trims == 0
-        busy[0] = False
-        deadline = time.monotonic() + 5
-        while trim.trims == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert trim.trims >= 1
-        assert resident_bytes() < before + 20 * MiB  # the 100 MiB went back to the OS
-    finally:
-        trim.stop()
-        libc.free(pin)
+held = resident_bytes()
+busy = [True]
+trim = IdleTrim(lambda: busy[0], interval=0.02).start()
+time.sleep(0.3)
+busy_trims, busy_rss = trim.trims, resident_bytes()
+busy[0] = False
+deadline = time.monotonic() + 5
+while trim.trims == 0 and time.monotonic() < deadline:
+    time.sleep(0.02)
+print(json.dumps({"before": before, "held": held, "busy_trims": busy_trims, "busy_rss": busy_rss,
+                  "idle_trims": trim.trims, "after": resident_bytes()}))
+trim.stop()
+libc.free(pin)
+"""
+
+
+def test_idle_trim_hands_the_freed_heap_back_only_when_idle():
+    out = subprocess.run([sys.executable, "-c", IDLE_TRIM_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["held"] - r["before"] > 80 * MiB, r  # glibc keeps what was freed
+    assert r["busy_trims"] == 0 and r["busy_rss"] - r["before"] > 80 * MiB, r  # an engine stepping: left alone
+    assert r["idle_trims"] >= 1, r
+    assert r["after"] < r["before"] + 20 * MiB, r  # the 100 MiB went back to the OS
