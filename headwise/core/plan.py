@@ -135,19 +135,22 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     mlp        L * mlp_params
     embeddings token (V, C) + learned positions (max_positions, C) + token types
     lm_head    (C, V) only when the head is untied; 0 when tied or absent
-    norms      2 per layer + a final one (pre-norm) or one on the embeddings
-               (post-norm, BERT); LayerNorm is 2*C, RMSNorm C
+    norms      2 per layer (4 with Gemma's post_norms) + a final one (pre-norm) or one on
+               the embeddings (post-norm, BERT); LayerNorm is 2*C, RMSNorm C; qk_norm adds
+               a D-wide RMSNorm on q and one on k per layer
     other      BERT's pooler, (C, C) + C
     """
     C, L = cfg.d_model, cfg.num_layers
     norm = 2 * C if cfg.norm == "layernorm" else C
     positions = cfg.max_positions * C if cfg.positions == "learned" else 0
+    out_bias = C * (int(cfg.out_bias) - int(cfg.attn_bias))  # Qwen2 biases Q, K, V but not O
+    per_layer_norms = (4 if cfg.post_norms else 2) * norm + (2 * cfg.head_dim if cfg.qk_norm else 0)
     counts = {
-        "attention": L * attention_params(cfg.attention),
+        "attention": L * (attention_params(cfg.attention) + out_bias),
         "mlp": L * mlp_params(cfg),
         "embeddings": cfg.vocab_size * C + positions + cfg.type_vocab_size * C,
         "lm_head": cfg.vocab_size * C if cfg.lm_head and not cfg.tie_embeddings else 0,
-        "norms": (2 * L + 1) * norm,
+        "norms": L * per_layer_norms + norm,
         "other": C * C + C if cfg.pooler else 0,
     }
     counts["total"] = sum(counts.values())

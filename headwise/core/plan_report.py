@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import PRESETS, get_preset, parse_overrides
+from .config import PRESETS, ModelConfig, get_preset, parse_overrides
 from .formats import MIXES, QUANT_FORMATS
 from .plan import Plan, dtype_bytes, fmt_bytes, fmt_count, fmt_flops, kv_layer_groups, plan
 
@@ -100,6 +100,8 @@ examples:
   headwise plan llama-2-70b --context 4096 --batch 8 --dtype bf16 --memory 80GiB
   headwise plan all --memory 24GiB
   headwise plan llama-2-7b --set num_layers=16 --set num_kv_heads=8   # a custom model
+  headwise plan model.Q4_K_M.gguf --memory 8GiB   # a file: its metadata, its weights priced as stored
+  headwise plan path/to/hf-checkpoint            # a folder: its config.json
 """
 
 
@@ -115,6 +117,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     )
     arg = p.add_argument
     arg("model", help=f"a preset ({', '.join(PRESETS)}; aliases such as gpt2-small, llama2-7b), "
+        "a .gguf file or a checkpoint folder (config.json; read for its sizes only, no weights loaded), "
         "or 'all' for one table of every preset")  # fmt: skip
     arg("--context", type=int, metavar="N", help="tokens per sequence (default: the model's max_positions)")
     arg("--batch", type=int, default=1, metavar="B", help="sequences held at once (default: 1)")
@@ -133,8 +136,15 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def run_plan(args: argparse.Namespace) -> int:
-    """Print the plan for args.model (or every preset); 0 on success, 2 on bad input."""
+def preset_model(name: str) -> tuple[ModelConfig, str | None, str | None]:
+    """A preset's config; no stored weight format, no note (run_plan's `resolve` for presets only)."""
+    return get_preset(name), None, None
+
+
+def run_plan(args: argparse.Namespace, resolve=preset_model) -> int:
+    """Print the plan for args.model (or every preset); 0 on success, 2 on bad input.
+    resolve(name) -> (ModelConfig, the weights' stored format or None, a note or None); the CLI's
+    also reads .gguf files and checkpoint folders (headwise/cli/planning.py: models/ is above core)."""
     try:
         kwargs = dict(context=args.context, batch=args.batch, dtype=args.dtype, weights=getattr(args, "weights", None))
         kwargs.update(memory=args.memory, reserve=getattr(args, "reserve", 0))
@@ -144,11 +154,17 @@ def run_plan(args: argparse.Namespace) -> int:
                 raise ValueError("--set changes one preset; name it instead of 'all'")
             print(format_all([plan(cfg, **kwargs) for cfg in PRESETS.values()]))
             return 0
-        cfg = get_preset(args.model)
+        cfg, stored, note = resolve(args.model)
+        if kwargs["weights"] is None and stored is not None:  # a file's own format, unless --weights says
+            kwargs["weights"] = stored
         if overrides:  # name the result so the header can't pass it off as the preset
             name = f"{cfg.name} with {', '.join(args.overrides)}"
             cfg = cfg.override(**{"name": name, **overrides})
-        print(format_plan(plan(cfg, **kwargs)))
+        p = plan(cfg, **kwargs)
+        if stored is not None and kwargs["weights"] == stored:
+            p.notes.append(f"weights priced as the file stores them ({stored}); --weights prices another format")
+        p.notes += [note] if note else []
+        print(format_plan(p))
         return 0
     except ValueError as e:
         print(f"headwise plan: error: {e}", file=sys.stderr)
