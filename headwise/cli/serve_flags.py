@@ -97,7 +97,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         type=kv_dtype,
         metavar="auto|int8",
         help="the KV pool's dtype: auto (16-bit K/V for quantized weights, the model's dtype otherwise) or int8 "
-        "(a quarter of fp32's bytes); [models.NAME] cache = 'paged' | 'int8'",
+        "(about a quarter of fp32's bytes); [models.NAME] cache = 'paged' | 'int8'",
     )
     g.add_argument(
         "--max-model-len",

@@ -39,23 +39,26 @@ def test_parameters_are_the_tensors_the_files_hold(family):
     assert count_params(describe(gguf_file).config)["total"] == gguf_elements(gguf_file)
 
 
-def test_a_gguf_is_planned_from_its_own_metadata():
-    path = resolve("smollm2-135m-instruct")  # SmolLM2-135M-Instruct.Q4_1.gguf
+@pytest.mark.parametrize("name", ["qwen2.q8_0.gguf", "gemma3.gguf"])
+def test_a_gguf_is_planned_from_its_own_metadata(name):
+    path = FAMILIES / name  # written by llama.cpp's converter: Q8_0 (general.file_type 7), F32 (0)
     reader = gguf.GGUFReader(path)
     meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
+    arch = meta["general.architecture"]
     d = describe(path)
     c = d.config
-    assert (c.num_layers, c.d_model, c.d_ff, c.max_positions) == (
-        meta["llama.block_count"],
-        meta["llama.embedding_length"],
-        meta["llama.feed_forward_length"],
-        meta["llama.context_length"],
+    assert (c.num_layers, c.d_model, c.d_ff, c.max_positions) == tuple(
+        meta[f"{arch}.{k}"] for k in ("block_count", "embedding_length", "feed_forward_length", "context_length")
     )
-    assert (c.num_heads, c.num_kv_heads) == (meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"])
-    assert c.head_dim == meta["llama.rope.dimension_count"]
+    assert (c.num_heads, c.num_kv_heads) == (
+        meta[f"{arch}.attention.head_count"],
+        meta[f"{arch}.attention.head_count_kv"],
+    )
+    assert c.head_dim == meta.get(f"{arch}.attention.key_length", c.d_model // c.num_heads)
     assert c.vocab_size == len(reader.fields["tokenizer.ggml.tokens"].data)
-    assert c.rope_theta == meta["llama.rope.freq_base"]
-    assert d.weights == gguf.LlamaFileType(meta["general.file_type"]).name.removeprefix("MOSTLY_").lower()
+    assert c.rope_theta == pytest.approx(meta[f"{arch}.rope.freq_base"])
+    file_type = gguf.LlamaFileType(meta["general.file_type"]).name  # MOSTLY_Q8_0, ALL_F32
+    assert d.weights == file_type.removeprefix("MOSTLY_").removeprefix("ALL_").lower().replace("f32", "fp32")
     assert count_params(c)["total"] == sum(int(t.n_elements) for t in reader.tensors)
     assert c.name == path.name
 
