@@ -133,9 +133,10 @@ def apply_model_flags(config, args: argparse.Namespace):
         return config
     if getattr(args, "config", None):
         keys = "; ".join(FLAGS[f][1].format(v=v) for f, v in given.items())
+        many = len(given) > 1
         raise ConfigError(
-            f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to MODEL arguments, not to --config "
-            f"{args.config}: set them in each model's [models.NAME] table instead ({keys})"
+            f"{', '.join(given)} appl{'y' if many else 'ies'} to MODEL arguments, not to --config "
+            f"{args.config}: set {'them' if many else 'it'} in each model's [models.NAME] table instead ({keys})"
         )
     models = list(config.models.values())
     names = given.get("--served-model-name")
