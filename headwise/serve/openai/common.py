@@ -9,6 +9,7 @@ import contextvars
 import functools
 import json
 import logging
+import threading
 import uuid
 
 from ..errors import APIError
@@ -21,19 +22,50 @@ log = logging.getLogger("headwise.serve")
 # CPU work of a request (chat templates, tokenizing, detokenizing logprobs) runs here, not on
 # the event loop: a 4 MiB prompt takes seconds to tokenize, and on the loop every other request
 # and stream (and /health) waited for it. Pools of their own, so that huge requests queue here
-# rather than in the loop's default executor; and two lanes by size, since first come, first
-# served let eight 3.8 MiB bodies keep a one-line chat waiting 10 s (issue 43): a job that says it
-# is small (SMALL_JOB) waits only for other small ones.
-_CPU = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="headwise-cpu")
-_CPU_SMALL = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="headwise-cpu-small")
+# rather than in the loop's default executor, in lanes (issue 43):
+# - by size: first come, first served let eight 3.8 MiB bodies keep a one-line chat waiting 10 s;
+#   a job that says it is small (SMALL_JOB) waits only for other small ones;
+# - by model: a model whose chat template renders slowly (up to its budget, chat_template.Limits:
+#   2M steps, ~1 s on Zen 4) filled the shared pool and another model's requests timed out at 60 s; each model's
+#   jobs now wait only for that model's. Threads start as jobs come (ThreadPoolExecutor), so a
+#   lane costs nothing until its model is asked for something.
+SMALL_WORKERS, BIG_WORKERS = 2, 4  # per model: a small lane and a big one
 SMALL_JOB = 64 << 10  # bytes of text a job reads or writes: under this, a few ms of tokenizing
 
 
-async def off_loop(fn, *args, size: int | None = None, **kwargs):
+class _Lanes:
+    """A model's (or the shared, model-less) small and big pools, made on first use."""
+
+    def __init__(self):
+        self._lanes: dict[str | None, tuple] = {}
+        self._lock = threading.Lock()
+
+    def pool(self, model: str | None, small: bool) -> concurrent.futures.ThreadPoolExecutor:
+        lanes = self._lanes.get(model)
+        if lanes is None:
+            with self._lock:
+                lanes = self._lanes.get(model)
+                if lanes is None:
+                    tag = "" if model is None else f"-{model}"[:24]
+                    lanes = self._lanes[model] = (
+                        concurrent.futures.ThreadPoolExecutor(SMALL_WORKERS, f"headwise-cpu-small{tag}"),
+                        concurrent.futures.ThreadPoolExecutor(BIG_WORKERS, f"headwise-cpu{tag}"),
+                    )
+        return lanes[0] if small else lanes[1]
+
+
+_LANES = _Lanes()
+
+
+async def off_loop(fn, *args, size: int | None = None, lane: str | None = None, **kwargs):
     """fn(*args, **kwargs) on a worker thread, in this request's context (middleware.PEER); its
     exceptions (APIError included) re-raised here. size: about the bytes of text fn works on
-    (body_size); at most SMALL_JOB, it runs in the small lane (unknown: the big one)."""
-    pool = _CPU_SMALL if size is not None and size <= SMALL_JOB else _CPU
+    (body_size); at most SMALL_JOB, it runs in the small lane (unknown: the big one). lane: the
+    model whose lanes take the job; by default the model of a runtime passed first (chat's and
+    completions' prepare(runtime, req)), else the lanes of jobs of no model."""
+    if lane is None and args:
+        lane = getattr(getattr(args[0], "spec", None), "name", None)
+    pool = _LANES.pool(lane, size is not None and size <= SMALL_JOB)
     call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
     return await asyncio.get_running_loop().run_in_executor(pool, call)
 
