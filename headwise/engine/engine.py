@@ -27,6 +27,7 @@ from typing import Callable
 from ..models.linear import weight_bytes
 from ..runtime.config import EngineConfig
 from ..runtime.core import TokenOutput
+from ..runtime.fair import check_priority
 from ..runtime.output import Resume
 from ..runtime.paged import EngineCore
 from ..runtime.request import RequestGroup, RequestOutput, Status, StreamPiece
@@ -97,6 +98,9 @@ class Engine(Frontends):
         *,
         request_id: str | None = None,
         on_piece: Callable[[StreamPiece], None] | None = None,
+        priority: int = 0,
+        client: str | None = None,
+        share: str | None = None,
     ) -> str:
         """Queue one prompt (text, token ids or chat messages); returns its request id.
 
@@ -104,8 +108,13 @@ class Engine(Frontends):
         from the stepping thread or from one calling abort. Without it, `result(request_id)` waits for the output.
         Raises QueueFull (nothing queued) or ValueError (bad prompt or sampling). The request
         runs once the engine is started (`start()`), or within `step()` / `generate()`.
+        Fair shares (runtime/fair.py): the engine admits first whose client, then share, runs
+        the fewest sequences; priority (lower first, vLLM's convention) orders equal shares;
+        client: who asks (a server's hashed API key; None: this request alone); share: requests
+        that count as one (a server's prompts of one API request; None: this request alone).
         """
-        return self._add(self._one_prompt(prompt), sampling, request_id, on_piece, limits=True).request_id
+        fair = dict(priority=priority, client=client, share=share)
+        return self._add(self._one_prompt(prompt), sampling, request_id, on_piece, limits=True, **fair).request_id
 
     def _one_prompt(self, prompt) -> list[int]:
         ids, single = self.output.prompts(prompt)
@@ -113,9 +122,11 @@ class Engine(Frontends):
             raise ValueError(f"one prompt per request; got a list of {len(ids)} prompts (use generate() for a batch)")
         return ids[0]
 
-    def _add(self, ids: list[int], sampling, request_id, sink, *, limits: bool, resume: Resume | None = None):
+    def _add(self, ids: list[int], sampling, request_id, sink, *, limits: bool, resume: Resume | None = None, **fair):
         """-> the queued RequestGroup. resume: continue a completion begun elsewhere (its ids
-        join the prompt; its text and seeded draws pick up where they stopped)."""
+        join the prompt; its text and seeded draws pick up where they stopped). fair: priority,
+        client, share (add_request)."""
+        check_priority(fair.get("priority", 0))
         params = sampling if sampling is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling must be a headwise.SamplingParams, got {type(params).__name__}")
@@ -130,7 +141,7 @@ class Engine(Frontends):
                 f"holds (max_waiting_tokens={self.max_waiting_tokens})"
             )
         rid = uuid.uuid4().hex if request_id is None else str(request_id)
-        group = RequestGroup(rid, ids, params, sink)
+        group = RequestGroup(rid, ids, params, sink, **fair)
         for i in range(params.n):
             r = self.core.request(group, i)
             if resume is not None:

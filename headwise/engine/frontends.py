@@ -12,6 +12,7 @@ import asyncio
 import sys
 import threading
 import time
+import uuid
 from typing import AsyncIterator, Callable
 
 from ..runtime.request import RequestOutput, Status, StreamPiece
@@ -46,10 +47,10 @@ class Frontends:
             params = list(sampling)
         else:
             params = [sampling] * len(ids)
-        groups = []
+        groups, share = [], uuid.uuid4().hex  # one call is one share of the engine (runtime/fair.py)
         try:
             for p, s in zip(ids, params):
-                groups.append(self._add(p, s, None, None, limits=False))
+                groups.append(self._add(p, s, None, None, limits=False, share=share))
             t0, shown = time.perf_counter(), 0.0
             for g in groups:
                 while not g.done.is_set():
@@ -84,6 +85,9 @@ class Frontends:
         request_id: str | None = None,
         resume=None,
         direct: Callable[[StreamPiece], bool] | None = None,
+        priority: int = 0,
+        client: str | None = None,
+        share: str | None = None,
     ) -> AsyncIterator[StreamPiece]:
         """Stream one request's pieces (async generator). Validates and queues at the first
         __anext__ (QueueFull / ValueError raise there) and starts the engine thread if needed.
@@ -94,7 +98,8 @@ class Frontends:
         direct(piece) -> bool: a consumer that can take a piece in the stepping thread itself
         (serve/direct.py writes its SSE chunk to the client's socket). It is offered a piece
         that does not end the stream only while the reader has passed every earlier piece
-        through its consumer (so order holds); True: taken, the reader never sees it."""
+        through its consumer (so order holds); True: taken, the reader never sees it.
+        priority, client, share: the request's fair share of the engine (see add_request)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -116,7 +121,8 @@ class Frontends:
             loop.call_soon_threadsafe(queue.put_nowait, item)
             return True
 
-        group = self._add(self._one_prompt(prompt), sampling, request_id, sink, limits=True, resume=resume)
+        fair = dict(priority=priority, client=client, share=share)
+        group = self._add(self._one_prompt(prompt), sampling, request_id, sink, limits=True, resume=resume, **fair)
         group.keep_output = False  # its reader has every piece: nothing to keep for result()
         group.reader_idle = idle
         done, got = False, 0

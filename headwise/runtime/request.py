@@ -75,12 +75,28 @@ class RequestOutput:
 
 
 class RequestGroup:
-    """One add_request call: a prompt, its sampling, its n completions, and where pieces go."""
+    """One add_request call: a prompt, its sampling, its n completions, and where pieces go.
+
+    Fair shares (scheduler.py, fair.py): `priority` orders admission among equal shares (lower
+    first, vLLM's convention); `client` (a server's hashed API key; None: the request stands
+    alone) and `share` (the requests counted as one, a server's prompts of one API request;
+    None: this group) say whose sequences these are."""
 
     def __init__(
-        self, request_id: str, prompt: list[int], params: SamplingParams, sink: Callable[[StreamPiece], None] | None
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        sink: Callable[[StreamPiece], None] | None,
+        *,
+        priority: int = 0,
+        client: str | None = None,
+        share: str | None = None,
     ):
         self.request_id, self.prompt_token_ids, self.params, self.sink = request_id, prompt, params, sink
+        self.priority = priority
+        self.share_key = ("share", request_id if share is None else share)
+        self.client_key = self.share_key if client is None else ("client", client)
         self.arrival = time.perf_counter()
         self.children: list[Request] = []
         self.done = threading.Event()  # set when every completion has finished
@@ -131,6 +147,7 @@ class Request:
     num_cached_tokens: int = 0  # of those, found by prefix on first admission
     status: Status = Status.WAITING
     num_preemptions: int = 0
+    arrival: int = -1  # the scheduler's count when first added: ties of a fair share break by it
     output_token_ids: list[int] = field(default_factory=list)  # generated ids (a final stop/EOS id included)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token, if sampling.logprobs
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished

@@ -2,20 +2,23 @@
 
 Every step the scheduler fills a budget of `max_num_batched_tokens`:
 
-1. Running requests, oldest first. A decode (one token left to compute) takes 1 token;
-   a request still prefilling takes a chunk of what the budget leaves after every
-   running decode has its token (chunked prefill), so a long prompt never stalls the
-   others' decoding.
-2. If nothing was preempted, waiting requests in arrival order, while there are free
-   sequence slots (`max_num_seqs`), budget and blocks: each is looked up in the prefix
-   table first (full blocks of a prompt seen before are shared, not recomputed), then
-   takes a chunk of its remaining tokens.
+1. Running requests, the poorest share first (fair.py; one share: oldest first). A decode
+   (one token left to compute) takes 1 token; a request still prefilling takes a chunk of
+   what the budget leaves after every running decode has its token (chunked prefill), so a
+   long prompt never stalls the others' decoding, and a richer share's chunk leaves what the
+   next waiting request's prompt needs.
+2. Waiting requests in fair order (fewest running sequences of their client, then of their
+   share; then priority, then arrival), while there are free sequence slots (`max_num_seqs`),
+   budget and blocks: each is looked up in the prefix table first (full blocks of a prompt
+   seen before are shared, not recomputed), then takes a chunk of its remaining tokens.
 
-Blocks are reserved for the whole step up front. When a running request needs a block
-and none is free, the newest running request is preempted: its blocks are freed and it
-goes back to the front of the queue with num_computed_tokens = 0, to be recomputed
-(prompt + what it generated so far; its full blocks often survive in the prefix table).
-Recomputing the same tokens gives the same K/V, so greedy outputs do not change.
+Blocks are reserved for the whole step up front. When a running request needs a block and
+none is free, the richest share's newest running request is preempted: its blocks are freed
+and it goes back to the queue with num_computed_tokens = 0, to be recomputed (prompt + what
+it generated so far; its full blocks often survive in the prefix table); only a request a
+richer share owes its place is admitted in that step. A share richer than the next waiting
+request by two sequences gives up a slot (and blocks) the same way (fair.py). Recomputing the
+same tokens gives the same K/V, so greedy outputs do not change.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..cache.paged import PagedKVCache
+from .fair import Shares
 from .request import Request, Status
 
 
@@ -65,7 +69,8 @@ class Scheduler:
         self.cache = cache
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order: the last is preempted first
+        self.running: list[Request] = []  # in admission order (each step orders it by fair share)
+        self.arrivals = 0  # requests added so far: each one's arrival number
         self.num_preemptions = 0
         self.prefix_queries = 0  # tokens looked up in the prefix table on admission
         self.prefix_hits = 0  # of those, found (not recomputed)
@@ -77,6 +82,8 @@ class Scheduler:
     # ------------------------------------------------------------------ queue
     def add(self, request: Request) -> None:
         request.status = Status.WAITING
+        if request.arrival < 0:
+            request.arrival, self.arrivals = self.arrivals, self.arrivals + 1
         self.waiting.append(request)
 
     def has_work(self) -> bool:
@@ -115,8 +122,22 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         cache, budget, reserved = self.cache, self.max_num_batched_tokens, 0
         decodes, prefills, preempted = [], [], []
-        decodes_left = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
-        for r in list(self.running):
+        shares = Shares(self.running)
+        order = sorted(self.running, key=shares.key)  # poorest share first; one share: oldest first
+        first = min(self.waiting, key=shares.key, default=None)  # the next to admit
+        if first is not None and len(self.running) >= self.max_num_seqs and shares.richer(order[-1], first):
+            victim = order.pop()  # a richer share's slot goes to the waiting one (fair.py)
+            self._preempt(victim)
+            shares.remove(victim)
+            preempted.append(victim)
+        # what a richer share's prompt chunks leave for the next waiting request's prompt
+        hold = 0
+        if first is not None and len(self.running) < self.max_num_seqs:
+            hold = min(first.num_tokens - first.num_computed_tokens, budget // 2)
+        placed: dict[int, tuple[list, Chunk, int]] = {}  # id(request) -> (its list, its chunk, blocks reserved)
+        short = False  # a running request found no free block: admit only what a richer share is owed
+        decodes_left = sum(1 for r in order if r.num_tokens - r.num_computed_tokens == 1)
+        for i, r in enumerate(order):
             if r.status is not Status.RUNNING:  # preempted as a victim below
                 continue
             left = r.num_tokens - r.num_computed_tokens
@@ -127,7 +148,7 @@ class Scheduler:
                     draft = r.prediction.draft(min(budget - decodes_left - 1, self._room(r)))
                 n = 1 + len(draft)
             else:
-                n = min(left, budget - decodes_left)
+                n = min(left, budget - decodes_left - (hold if hold and shares.richer(r, first, by=1) else 0))
             if n <= 0:
                 continue
             need = cache.blocks_needed(r.seq_id, n)
@@ -135,23 +156,28 @@ class Scheduler:
                 draft, n = (), 1
                 need = cache.blocks_needed(r.seq_id, n)
             while reserved + need > cache.num_free_blocks:
-                victim = self.running[-1]  # the newest; never one already scheduled
+                # the richest share's newest, lowest priority; never one already scheduled
+                victim = max((v for v in order[i:] if v.status is Status.RUNNING), key=shares.key)
                 if victim is not r and victim.num_tokens - victim.num_computed_tokens == 1:
                     decodes_left -= 1
                 self._preempt(victim)
+                shares.remove(victim)
                 preempted.append(victim)
+                short = True
                 if victim is r:
                     break
             if r.status is not Status.RUNNING:
                 continue
             if left == 1:
-                decodes.append(Chunk(r, r.num_computed_tokens, n, True, draft))
+                chunk, into = Chunk(r, r.num_computed_tokens, n, True, draft), decodes
             else:
-                prefills.append(Chunk(r, r.num_computed_tokens, n, n == left))
+                chunk, into = Chunk(r, r.num_computed_tokens, n, n == left), prefills
+            into.append(chunk)
+            placed[id(r)] = (into, chunk, need)
             budget -= n
             reserved += need
-        if not preempted:
-            budget, reserved = self._admit(budget, reserved, prefills)
+        if self.waiting:
+            budget, reserved = self._admit(budget, reserved, prefills, shares, placed, preempted, short)
         if not decodes and not prefills and self.waiting and not self.running and not preempted:
             r = self.waiting[0]  # would loop forever
             raise RuntimeError(
@@ -166,24 +192,57 @@ class Scheduler:
         out = r.params.max_new_tokens - r.num_output_tokens - 1
         return min(out, self.max_model_len - r.num_tokens) if self.max_model_len else out
 
-    def _admit(self, budget: int, reserved: int, chunks: list[Chunk]) -> tuple[int, int]:
-        cache = self.cache
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            r = self.waiting[0]
+    def _admit(self, budget, reserved, chunks, shares: Shares, placed: dict, preempted: list, short: bool):
+        """Waiting requests in fair order (fair.py) while there are slots, budget and blocks; the
+        first that does not fit stops admission (no overtaking by size). A request a richer share
+        owes a slot takes the blocks it needs from that share's newest sequence, scheduled or not;
+        after a preemption for blocks (short) only such a request is admitted."""
+        cache, out = self.cache, {id(r) for r in preempted}  # those preempted now wait for the next step
+        queues: dict[tuple, list[Request]] = {}  # share -> its waiting requests, best last
+        for r in sorted(self.waiting, key=lambda r: (r.group.priority, r.arrival), reverse=True):
+            if id(r) not in out:
+                queues.setdefault(r.group.share_key, []).append(r)
+        admitted = set()
+        while queues and budget > 0 and len(self.running) < self.max_num_seqs:
+            r = min((q[-1] for q in queues.values()), key=shares.key)
+            victim = max(self.running, key=shares.key, default=None)
+            owed = victim is not None and shares.richer(victim, r)
+            if short and not owed:
+                break
             hit = cache.add_sequence(r.seq_id, r.token_ids)  # shares full blocks found by prefix
             n = min(r.num_tokens - hit, budget)
             need = cache.blocks_needed(r.seq_id, n)
             if reserved + need > cache.num_free_blocks:
                 cache.free(r.seq_id)  # undo: the shared blocks go back
-                break
-            self.waiting.popleft()
+                if not owed:
+                    break
+                into, chunk, vneed = placed.pop(id(victim), (None, None, 0))
+                if chunk is not None:  # it gives back this step's tokens and blocks too
+                    into.remove(chunk)
+                    budget, reserved = budget + chunk.num_tokens, reserved - vneed
+                self._preempt(victim)
+                shares.remove(victim)
+                preempted.append(victim)
+                continue
+            q = queues[r.group.share_key]
+            q.pop()
+            if not q:
+                del queues[r.group.share_key]
+            admitted.add(id(r))
             if r.num_preemptions == 0:
                 r.num_cached_tokens = hit
             self.prefix_queries += r.num_tokens
             self.prefix_hits += hit
             r.num_computed_tokens, r.status = hit, Status.RUNNING
             self.running.append(r)
-            chunks.append(Chunk(r, hit, n, hit + n == r.num_tokens))
+            shares.add(r)
+            chunk = Chunk(r, hit, n, hit + n == r.num_tokens)
+            chunks.append(chunk)
+            placed[id(r)] = (chunks, chunk, need)
             budget -= n
             reserved += need
+        if admitted:
+            kept = [r for r in self.waiting if id(r) not in admitted]
+            self.waiting.clear()
+            self.waiting.extend(kept)
         return budget, reserved
