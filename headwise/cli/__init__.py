@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .. import __version__
-from . import backends
+from . import backends, planning
 from ..core import plan, plan_report
 from .argtypes import Formatter, Parser, positive_int
 
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="headwise", description="Multi-head attention from the layer to the API.")
     parser.add_argument("--version", action="version", version=f"headwise {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    plan_report.add_cli(sub)
+    planning.add_cli(sub)
     backends.add_cli(sub)
     from . import generate as generation_cli
 
