@@ -192,8 +192,25 @@ class ServerSettings:
     # request with one of the API keys) | always (replicas on a private network, no keys) | never
     accept_resume: str = "keyed"
     stall_timeout: float = 30.0  # seconds a stream's client may read nothing before it is aborted
+    # open connections (serve/connections.py): unset = from the open-files limit (half of it, at most 8192;
+    # half of that per address). At a cap the oldest idle connection is closed to make room, else a 503
+    max_connections: int | None = None
+    max_connections_per_client: int | None = None  # per client IP address
 
     def __post_init__(self):
+        for key in ("max_connections", "max_connections_per_client"):
+            n = getattr(self, key)
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+                raise ConfigError(
+                    f"[server] {key} must be an integer >= 1 (leave it out for a default from the open-files "
+                    f"limit), got {n!r}"
+                )
+        if self.max_connections and self.max_connections_per_client:
+            if self.max_connections_per_client > self.max_connections:
+                raise ConfigError(
+                    f"[server] max_connections_per_client = {self.max_connections_per_client} is above "
+                    f"max_connections = {self.max_connections}: lower it (one address may hold at most them all)"
+                )
         if not isinstance(self.direct_streams, bool):
             raise ConfigError(f"[server] direct_streams must be true or false, got {self.direct_streams!r}")
         for key in ("header_timeout", "body_timeout", "stall_timeout"):

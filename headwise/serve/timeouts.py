@@ -11,7 +11,10 @@ body_s)` is uvicorn's h11 protocol plus two clocks:
   gap between two reads, so a trickle of one byte a minute still ends).
 
 When a clock runs out and no answer has started, the client gets 408 with the OpenAI error
-envelope and the connection is closed. Pass the class to uvicorn.Config(http=...).
+envelope and the connection is closed. Every connection is also counted against the open
+connection caps (connections.py): one over a cap is answered 503 before anything is read, or an
+idle one is closed to make room. Pass the class to uvicorn.Config(http=...); its `caps` is a
+Prometheus collector for /metrics.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import json
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .connections import ConnectionCaps
 from .direct import SCOPE_KEY
 
 CONNECTION_KEY = "headwise.connection"  # scope["extensions"][CONNECTION_KEY]: the transport (streams.py)
@@ -45,13 +49,19 @@ def _408(what: str, seconds: float) -> bytes:
     return head + body
 
 
-def timed_h11(header_timeout: float, body_timeout: float, direct: bool = True) -> type[H11Protocol]:
+def timed_h11(
+    header_timeout: float, body_timeout: float, direct: bool = True, caps: ConnectionCaps | None = None
+) -> type[H11Protocol]:
     """direct: put the connection's transport in each request's scope (False: `[server] direct_streams
-    = false`, every stream's chunks go through the event loop)."""
+    = false`, every stream's chunks go through the event loop). caps: the open connection caps
+    (`ConnectionCaps.of(config.server)`); None: the defaults the open-files limit allows."""
+    caps = caps if caps is not None else ConnectionCaps.of()
 
     class TimedH11Protocol(H11Protocol):
         _header_clock = _body_clock = None
         _scope = None  # the request's scope, behind the `scope` property
+        _counted = False  # admitted by `caps` and not yet closed to make room
+        _answered = False  # a response has been completed on this connection
 
         # Each request's scope carries the connection's transport (direct.py writes a stream's
         # chunks to it from the engine's thread): uvicorn assigns self.scope per request.
@@ -70,25 +80,50 @@ def timed_h11(header_timeout: float, body_timeout: float, direct: bool = True) -
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            refused, victim, notice = caps.admit(self, self.client[0] if self.client else "local")
+            if refused is not None:  # over a cap, nothing idle to close: the whole answer, unread request
+                transport.write(refused)
+                transport.close()
+                return
+            self._counted = True
+            if victim is not None:
+                victim._make_room(notice)
             self._header_clock = self.loop.call_later(header_timeout, self._expired, "header", header_timeout)
+
+        def _make_room(self, notice: bytes) -> None:
+            """Closed for a new connection at a cap (`caps` has uncounted it): one that never had an
+            answer gets the 503 that says why; a kept-alive one is closed as its keep-alive end would."""
+            self._counted = False
+            if not self.transport.is_closing():
+                if not self._answered:
+                    self.transport.write(notice)
+                self.transport.close()
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
             self._update_clocks()
 
         def on_response_complete(self) -> None:
+            self._answered = True
             super().on_response_complete()  # may start the next pipelined request
             self._update_clocks()
 
         def connection_lost(self, exc) -> None:
             self._stop("_header_clock")
             self._stop("_body_clock")
+            if self._counted:
+                self._counted = False
+                caps.closed(self)
             super().connection_lost(exc)
 
         def _update_clocks(self) -> None:
             if self.transport.is_closing():
                 return
             theirs = self.conn.their_state
+            if self._counted and theirs is h11.IDLE:  # no request in progress: may be closed to make room
+                caps.idle(self)
+            elif self._counted:
+                caps.busy(self)
             if theirs is h11.IDLE:
                 # between requests: uvicorn's keep-alive timer covers silence; a started request is ours
                 if self._header_clock is None and self.conn.trailing_data[0]:
@@ -125,4 +160,5 @@ def timed_h11(header_timeout: float, body_timeout: float, direct: bool = True) -
                 cycle.message_event.set()
             self.transport.close()
 
+    TimedH11Protocol.caps = caps
     return TimedH11Protocol
