@@ -119,6 +119,7 @@ class ConnectionCaps:
         self.evicted = {"process": 0, "client": 0}
         self._logged_at = 0.0
         self._unlogged = 0
+        self._refusals: dict[tuple[str, str], bytes] = {}
 
     @classmethod
     def of(cls, settings: ServerSettings | None = None) -> "ConnectionCaps":
@@ -144,7 +145,7 @@ class ConnectionCaps:
             if victim is None or now - pool[victim] < self.evict_after:
                 self.refused[scope] += 1
                 self._log_refusal(host, scope)
-                return refusal(self._why(scope, host), "too_many_connections"), None, None
+                return self._refusal(scope, host), None, None
             self.evicted[scope] += 1
             notice = refusal(
                 f"this connection sent no complete request within {self.evict_after:g} s and the server is at "
@@ -197,12 +198,20 @@ class ConnectionCaps:
             return f"its limit of {self.per_client} open connections from {host} ([server] {KEYS['client']})"
         return f"its limit of {self.max} open connections ([server] {KEYS['process']})"
 
-    def _why(self, scope: str, host: str) -> str:
-        fix = "close idle connections or " if scope == "client" else ""
-        return (
-            f"too many open connections: the server is at {self._cap_words(scope, host)} and none is idle; "
-            f"{fix}retry in {RETRY_AFTER_S} s (the operator may raise [server] {KEYS[scope]})"
-        )
+    def _refusal(self, scope: str, host: str) -> bytes:
+        """The 503 for a newcomer at a cap, kept per (cap, address): a flood asks for it thousands of times."""
+        key = (scope, host if scope == "client" else "")
+        answer = self._refusals.get(key)
+        if answer is None:
+            fix = "close idle connections or " if scope == "client" else ""
+            why = (
+                f"too many open connections: the server is at {self._cap_words(scope, host)} and none is idle; "
+                f"{fix}retry in {RETRY_AFTER_S} s (the operator may raise [server] {KEYS[scope]})"
+            )
+            if len(self._refusals) >= 1024:  # many addresses: keep the memory bounded
+                self._refusals.clear()
+            answer = self._refusals[key] = refusal(why, "too_many_connections")
+        return answer
 
     def _log_refusal(self, host: str, scope: str) -> None:
         now = time.monotonic()

@@ -90,6 +90,12 @@ def timed_h11(
                 victim._make_room(notice)
             self._header_clock = self.loop.call_later(header_timeout, self._expired, "header", header_timeout)
 
+        def _should_upgrade(self) -> bool:
+            """No WebSockets here: uvicorn would hand an `Upgrade: websocket` connection to a protocol of
+            its own, whose close this one never sees (a flooder would fill the caps for good); the
+            request is answered as plain HTTP instead."""
+            return False
+
         def _make_room(self, notice: bytes) -> None:
             """Closed for a new connection at a cap (`caps` has uncounted it): one that never had an
             answer gets the 503 that says why; a kept-alive one is closed as its keep-alive end would."""

@@ -225,3 +225,19 @@ def test_caps_config():
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     assert most == min(8192, soft // 2) and per_client == most // 2
     assert resolve_caps(ServerSettings(max_connections=50)) == (50, 25)
+
+
+def test_an_upgrade_request_is_plain_http_and_its_connection_is_counted_out(capped):
+    """uvicorn would hand an `Upgrade: websocket` connection to a WebSocket protocol of its own,
+    whose close the caps never saw: each such connection would hold a slot for good."""
+    url, caps = capped
+    assert until(lambda: caps.open == 0), caps.open
+    port = int(url.rsplit(":", 1)[1])
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(
+                b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+                b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+            )
+            assert s.recv(65536).startswith(b"HTTP/1.1 200 "), "answered as plain HTTP"
+    assert until(lambda: caps.open == 0), caps.open
