@@ -162,8 +162,10 @@ def test_flooders_are_refused_idle_ones_make_room_and_the_counts_come_back(cappe
         s.sendall(b"a")
     caps.evict_after = 0.0
     assert health(url, "127.0.0.1").status_code == 200  # the flooder's own address: its oldest made room
+    assert until(lambda: caps.open == PROCESS_CAP - 1)  # the probe's connection is gone
     held.append(flood(url, 1, "127.0.0.2")[0])  # the process is full again
     assert health(url, "127.0.0.3").status_code == 200  # the oldest of all made room
+    assert until(lambda: caps.open == PROCESS_CAP - 1)
     closed = answers(held, 2, timeout=5.0)
     assert set(closed) == {first[0], first[1]}
     messages = [closed[s][1]["error"] for s in (first[0], first[1])]
@@ -172,6 +174,7 @@ def test_flooders_are_refused_idle_ones_make_room_and_the_counts_come_back(cappe
     assert "([server] max_connections)" in messages[1]["message"]
     expected = {"max_connections": len(refused2) + 1.0, "max_connections_per_client": float(len(refused))}
     assert metric(url, "headwise_connections_refused_total") == expected
+    assert until(lambda: caps.open == PROCESS_CAP - 1)  # /metrics below 40: it closes nothing either
     assert metric(url, "headwise_connections_evicted_total") == {
         "max_connections": 1.0,
         "max_connections_per_client": 1.0,
