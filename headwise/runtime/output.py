@@ -102,6 +102,7 @@ class TextSequence:
     finish_reason: str | None = None
     logprobs: list = field(default_factory=list)
     stops: StopScan | None = None
+    resumed: int = 0  # the prompt's last ids that a Resume brought (generated elsewhere)
 
     def __post_init__(self):
         self.stops = StopScan(self.params.stop)
@@ -126,7 +127,9 @@ class TextSequence:
 
     def resume(self, r: Resume) -> None:
         """Start from text already generated and partly streamed (`Resume`). token_ids stays
-        empty: max_new_tokens counts this run's tokens, as the engine core does."""
+        empty: max_new_tokens counts this run's tokens, as the engine core does. `resumed`: how
+        many of the prompt's last ids are these, which the runner computes as decode rows."""
+        self.resumed = len(r.token_ids)
         if self.decoder is not None:
             for t in r.token_ids:
                 self.text += self.decoder.push(t)
