@@ -13,8 +13,10 @@ neighbour run. One thread beside it decodes about as fast as one thread alone (b
 or fewer. The count moves only when `others` is more than MARGIN past a rounding point: a
 neighbour using 0.1 core costs nothing, and a reading near 0.5 does not flap. `fit()` is called
 before every step (runtime/core.py): a clock check; /proc/stat is read only every INTERVAL_S.
-An interval counts only if this process stepped through it (used STEPPING cores or more): the
-neighbours of an idle gap may be gone when stepping resumes.
+An interval counts only if this process stepped through it (used STEPPING cores or more, or
+its stepping thread ran and waited for a CPU that long: on a machine loaded past its cores a
+stepping process gets under half a core, and that is when a thread must go): the neighbours of
+an idle gap may be gone when stepping resumes.
 Niced processes (`nice` column) count only when this process is niced too: at nice 0 our
 threads take ~98% of a core from a nice-19 job, so it does not cost a thread.
 
@@ -53,6 +55,8 @@ class CpuTimes:
     wall: float  # monotonic seconds
     busy: float  # CPU-seconds the counted CPUs were busy (or stolen) since boot
     ours: float  # this process's CPU-seconds, all its threads
+    waited: float = 0.0  # seconds the sampling thread spent runnable but waiting for a CPU
+    thread: int = 0  # which thread sampled (`waited` is per thread)
 
 
 class CpuMeter:
@@ -68,9 +72,13 @@ class CpuMeter:
         clock: Callable[[], float] = time.monotonic,
         cpu_time: Callable[[], float] = time.process_time,
         hz: int | None = None,
+        waited: Callable[[], float] | None = None,
     ):
         self.stat_path, self.cpus, self.nice = stat_path, cpus, nice
         self.clock, self.cpu_time = clock, cpu_time
+        # the thread's run-queue wait: real only with the real clocks (a fake meter's intervals)
+        real = clock is time.monotonic and cpu_time is time.process_time
+        self.waited = waited or (_run_delay if real else (lambda: 0.0))
         self.hz = hz or os.sysconf("SC_CLK_TCK")
         self._size = 4096
         online = sum(1 for line in _cpu_lines(stat_path, self._size) if line[3:4].isdigit())  # OSError off Linux
@@ -84,7 +92,7 @@ class CpuMeter:
             if (name == b"cpu") if self.cpus is None else (name != b"cpu" and int(name[3:]) in self.cpus):
                 # user nice system idle iowait irq softirq steal (guest time is inside user/nice)
                 ticks += sum(int(cols[i]) for i in (0, 2, 5, 6, 7)) + (int(cols[1]) if self.nice else 0)
-        return CpuTimes(self.clock(), ticks / self.hz, self.cpu_time())
+        return CpuTimes(self.clock(), ticks / self.hz, self.cpu_time(), self.waited(), threading.get_ident())
 
     @staticmethod
     def others(before: CpuTimes, after: CpuTimes) -> float:
@@ -93,6 +101,15 @@ class CpuMeter:
         if wall <= 0:
             return 0.0
         return max(0.0, (after.busy - before.busy) - (after.ours - before.ours)) / wall
+
+
+def _run_delay() -> float:
+    """Seconds this thread has waited on a run queue (/proc/thread-self/schedstat; 0 without)."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def _cpu_lines(path: str, size: int) -> list[bytes]:
@@ -280,8 +297,10 @@ class ThreadGovernor:
         wall = cur.wall - self._prev.wall
         # a reading of now only if this process was stepping through it (used STEPPING cores or
         # more): over an idle gap it would count a neighbour that may have stopped as we resume
-        # (llama-bench between two of our runs read 1.9 cores: our next step ran 1 thread)
-        if wall <= STALE_S and cur.ours - self._prev.ours >= STEPPING * wall:
+        # (llama-bench between two of our runs read 1.9 cores: our next step ran 1 thread); or if
+        # its stepping thread waited for a CPU through it (starved, not idle: an idle one sleeps)
+        waited = cur.waited - self._prev.waited if cur.thread == self._prev.thread else 0.0
+        if wall <= STALE_S and cur.ours - self._prev.ours + waited >= STEPPING * wall:
             self.others = CpuMeter.others(self._prev, cur)
             self.target = choose(self.others, self.meter.cores, self.target, self.ceiling)
         self._prev, self._due = cur, cur.wall + self.interval

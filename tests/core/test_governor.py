@@ -21,7 +21,7 @@ class FakeProc:
     """A /proc/stat of `cpus` CPUs whose counters advance as told, a clock and our CPU time."""
 
     def __init__(self, path, cpus: int = 2):
-        self.path, self.now, self.ours = path, 1000.0, 0.0
+        self.path, self.now, self.ours, self.waited = path, 1000.0, 0.0, 0.0
         # per cpu: user nice system idle iowait irq softirq steal guest guest_nice, in ticks
         self.cols = [[0] * 10 for _ in range(cpus)]
         self.write()
@@ -32,19 +32,31 @@ class FakeProc:
         lines += [f"cpu{i} " + " ".join(map(str, c)) for i, c in enumerate(self.cols)]
         self.path.write_text("\n".join(lines + ["intr 1 0 0", "ctxt 5", "btime 1"]) + "\n")
 
-    def advance(self, seconds: float, busy: dict[int, float], ours: float = 0.0, col: int = 0) -> None:
+    def advance(
+        self, seconds: float, busy: dict[int, float], ours: float = 0.0, col: int = 0, waited: float = 0.0
+    ) -> None:
         """`seconds` pass; CPU i is busy busy[i] of them (in column `col`: 0 user, 1 nice, 7
-        steal), idle the rest; this process kept `ours` cores of that busy."""
+        steal), idle the rest; this process kept `ours` cores of that busy; the sampling thread
+        waited for a CPU `waited` of them."""
         for i, c in enumerate(self.cols):
             b = round(busy.get(i, 0.0) * seconds * HZ)
             c[col] += b
             c[3] += round(seconds * HZ) - b
         self.now += seconds
         self.ours += ours * seconds
+        self.waited += waited * seconds
         self.write()
 
     def meter(self, cpus=None, nice=False) -> CpuMeter:
-        return CpuMeter(str(self.path), cpus, nice=nice, clock=lambda: self.now, cpu_time=lambda: self.ours, hz=HZ)
+        return CpuMeter(
+            str(self.path),
+            cpus,
+            nice=nice,
+            clock=lambda: self.now,
+            cpu_time=lambda: self.ours,
+            hz=HZ,
+            waited=lambda: self.waited,
+        )
 
 
 @pytest.fixture
@@ -234,3 +246,23 @@ def test_an_interval_this_process_sat_idle_is_not_a_reading(proc, restore_thread
         return counts
 
     assert in_thread(run) == [2, 2, 1]
+
+
+def test_an_interval_this_process_stepped_through_starved_is_a_reading(proc, restore_threads):
+    """On a machine loaded past its cores a stepping process gets under half a core; its stepping
+    thread waited for a CPU through the interval (schedstat's run delay): that is a reading, and
+    a thread goes. An idle one does not wait (it sleeps): no reading."""
+    g = governor(proc)
+
+    def run():
+        counts = [g.fit()]
+        for _ in range(2):  # the first interval began in another thread (its wait is not this one's)
+            proc.advance(0.3, {0: 1.0, 1: 1.0}, ours=0.3, waited=0.6)  # starved, stepping: 1.7 cores others'
+            counts.append(g.fit())
+        proc.advance(0.3, {0: 1.0, 1: 1.0}, ours=0.0, waited=0.0)  # then idle (asleep) beside them
+        counts.append(g.fit())
+        proc.advance(0.3, {0: 1.0}, ours=1.0)  # they have gone: stepping alone
+        counts.append(g.fit())
+        return counts
+
+    assert in_thread(run) == [2, 2, 1, 1, 2]
