@@ -1,5 +1,5 @@
 """What the schemathesis tests share: the live server's /openapi.json as schemathesis reads it, and
-hypothesis' settings for a `make test` run (HEADWISE_FUZZ_EXAMPLES examples per operation, 40 by
+hypothesis' settings for a `make test` run (HEADWISE_FUZZ_EXAMPLES examples per operation, 25 by
 default; Phase.generate only (+ shrink on failure): with Phase.explicit, schemathesis adds its coverage
 phase, ~700 boundary cases that take two minutes here); each body strategy built once, not once per
 example (build_strategies_once)."""
@@ -12,7 +12,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, settings
 
 FUZZ_SETTINGS = settings(
-    max_examples=int(os.environ.get("HEADWISE_FUZZ_EXAMPLES", "40")),
+    max_examples=int(os.environ.get("HEADWISE_FUZZ_EXAMPLES", "25")),
     deadline=None,
     derandomize=True,
     phases=[Phase.generate, Phase.shrink],

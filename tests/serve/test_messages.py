@@ -362,7 +362,7 @@ def messages_schema(server):
 
 @fuzzed.parametrize()
 @settings(
-    max_examples=int(os.environ.get("HEADWISE_FUZZ_EXAMPLES", "40")),
+    max_examples=int(os.environ.get("HEADWISE_FUZZ_EXAMPLES", "25")),
     deadline=None,
     derandomize=True,
     phases=[Phase.generate, Phase.shrink],

@@ -7,7 +7,7 @@ tokens, and MiniLM) so they reach the handlers instead of stopping at 404.
 `positive_data_acceptance` is left out: schema-valid requests may still be refused by
 design (unknown model, a prompt over the context, unsupported penalties).
 
-HEADWISE_FUZZ_EXAMPLES sets the examples per operation (40 by default, for `make test`):
+HEADWISE_FUZZ_EXAMPLES sets the examples per operation (25 by default, for `make test`):
 
     HEADWISE_FUZZ_EXAMPLES=300 .venv/bin/python -m pytest tests/serve/test_schema_fuzz.py -q
 """
