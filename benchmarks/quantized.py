@@ -45,6 +45,7 @@ import torch  # noqa: E402  (after _common: headwise first)
 import headwise  # noqa: E402
 from headwise.cache import ContiguousKVCache  # noqa: E402
 from headwise.models.builtin import resolve  # noqa: E402
+from headwise.runtime.threads import pin_threads  # noqa: E402
 from dram_stream import anon_huge_mib  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -155,6 +156,7 @@ def main() -> None:
     if args.quick:
         args.rounds, args.new_tokens, args.prefill = 1, 16, 64
     torch.set_num_threads(args.threads)
+    pin_threads(args.threads)  # every step at --threads, as llama-bench -t: the governor would fit it to the load
     log = Log()
     env = environment()
     path = args.gguf or resolve(MODEL)
