@@ -97,11 +97,12 @@ def timed_h11(
             return False
 
         def _make_room(self, notice: bytes) -> None:
-            """Closed for a new connection at a cap (`caps` has uncounted it): one that never had an
-            answer gets the 503 that says why; a kept-alive one is closed as its keep-alive end would."""
+            """Closed for a new connection at a cap (`caps` has uncounted it): one with a request begun (or
+            never answered) gets the 503 that says why; a silent kept-alive one is closed as its keep-alive
+            end would close it."""
             self._counted = False
             if not self.transport.is_closing():
-                if not self._answered:
+                if not self._answered or self.conn.trailing_data[0]:
                     self.transport.write(notice)
                 self.transport.close()
 

@@ -244,3 +244,33 @@ def test_an_upgrade_request_is_plain_http_and_its_connection_is_counted_out(capp
             )
             assert s.recv(65536).startswith(b"HTTP/1.1 200 "), "answered as plain HTTP"
     assert until(lambda: caps.open == 0), caps.open
+
+
+def test_a_kept_alive_connection_made_room_for_is_closed_silently_unless_a_request_had_begun(capped):
+    url, caps = capped
+    assert until(lambda: caps.open == 0), caps.open
+    caps.evict_after = 0.0
+    port = int(url.rsplit(":", 1)[1])
+    kept = []
+    for _ in range(2):  # answered once each, kept alive (the oldest idle of their address)
+        s = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=("127.0.0.4", 0))
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        conn = h11.Connection(h11.CLIENT)
+        conn.send(h11.Request(method="GET", target="/health", headers=[("Host", "x")]))
+        conn.send(h11.EndOfMessage())
+        while not isinstance(e := conn.next_event(), h11.EndOfMessage):  # the whole answer read
+            if e is h11.NEED_DATA:
+                conn.receive_data(s.recv(65536))
+            elif isinstance(e, h11.Response):
+                assert e.status_code == 200
+        kept.append(s)
+    kept[1].sendall(b"GET /hea")  # the next request begun, not finished
+    idle = flood(url, CLIENT_CAP - 2, "127.0.0.4")  # the address at its cap
+    newcomers = flood(url, 2, "127.0.0.4")  # each closes the oldest idle one
+    assert kept[0].recv(65536) == b""  # closed as a keep-alive timeout would close it
+    got = answers([kept[1]], 1, timeout=5.0)[kept[1]]
+    assert got[0].status_code == 503 and got[1]["error"]["code"] == "connection_closed_idle"
+    assert answers(idle + newcomers, 1, timeout=0.5) == {}  # nobody else was closed
+    for s in kept + idle + newcomers:
+        s.close()
+    assert until(lambda: caps.open == 0), caps.open
