@@ -12,7 +12,9 @@ count as one: a server's prompts of one API request, or one add_request call):
   sequence (preempted, recomputed later), so the waiting one runs at the next step. By two, since
   moving one sequence then never turns the order around: shares even out without ping-pong;
 - preemption victims are the richest client's richest share, lowest priority, newest first;
-- a richer share's prompt chunks leave the budget the next waiting request's prompt needs.
+- a richer share's prompt chunks leave the budget the next waiting request's prompt needs; when
+  a richer share owes that request its place, they take no more of that step than its prompt,
+  so the step that brings its first token is a short one.
 
 With one share (or requests of one sequence each) the order is arrival and nobody is richer by
 two: first come, first served, exactly as before. Fairness only reorders and preempts; a

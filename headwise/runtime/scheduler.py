@@ -125,15 +125,18 @@ class Scheduler:
         shares = Shares(self.running)
         order = sorted(self.running, key=shares.key)  # poorest share first; one share: oldest first
         first = min(self.waiting, key=shares.key, default=None)  # the next to admit
-        if first is not None and len(self.running) >= self.max_num_seqs and shares.richer(order[-1], first):
+        owed = first is not None and bool(order) and shares.richer(order[-1], first)
+        if owed and len(self.running) >= self.max_num_seqs:
             victim = order.pop()  # a richer share's slot goes to the waiting one (fair.py)
             self._preempt(victim)
             shares.remove(victim)
             preempted.append(victim)
-        # what a richer share's prompt chunks leave for the next waiting request's prompt
-        hold = 0
+        # hold: what a richer share's prompt chunks leave for the next waiting request's prompt;
+        # lend: what they may take in all, as little as that prompt when a richer share owes it a place
+        hold, lend = 0, budget
         if first is not None and len(self.running) < self.max_num_seqs:
             hold = min(first.num_tokens - first.num_computed_tokens, budget // 2)
+            lend = hold if owed else budget
         placed: dict[int, tuple[list, Chunk, int]] = {}  # id(request) -> (its list, its chunk, blocks reserved)
         short = False  # a running request found no free block: admit only what a richer share is owed
         decodes_left = sum(1 for r in order if r.num_tokens - r.num_computed_tokens == 1)
@@ -148,7 +151,10 @@ class Scheduler:
                     draft = r.prediction.draft(min(budget - decodes_left - 1, self._room(r)))
                 n = 1 + len(draft)
             else:
-                n = min(left, budget - decodes_left - (hold if hold and shares.richer(r, first, by=1) else 0))
+                n = min(left, budget - decodes_left)
+                if hold and shares.richer(r, first, by=1):
+                    n = min(n - hold, lend)
+                    lend -= max(n, 0)
             if n <= 0:
                 continue
             need = cache.blocks_needed(r.seq_id, n)
@@ -177,7 +183,8 @@ class Scheduler:
             budget -= n
             reserved += need
         if self.waiting:
-            budget, reserved = self._admit(budget, reserved, prefills, shares, placed, preempted, short)
+            lent = (first, lend)
+            budget, reserved = self._admit(budget, reserved, prefills, shares, placed, preempted, short, lent)
         if not decodes and not prefills and self.waiting and not self.running and not preempted:
             r = self.waiting[0]  # would loop forever
             raise RuntimeError(
@@ -192,11 +199,15 @@ class Scheduler:
         out = r.params.max_new_tokens - r.num_output_tokens - 1
         return min(out, self.max_model_len - r.num_tokens) if self.max_model_len else out
 
-    def _admit(self, budget, reserved, chunks, shares: Shares, placed: dict, preempted: list, short: bool):
+    def _admit(self, budget, reserved, chunks, shares: Shares, placed: dict, preempted: list, short: bool, lent):
         """Waiting requests in fair order (fair.py) while there are slots, budget and blocks; the
         first that does not fit stops admission (no overtaking by size). A request a richer share
         owes a slot takes the blocks it needs from that share's newest sequence, scheduled or not;
-        after a preemption for blocks (short) only such a request is admitted."""
+        after a preemption for blocks (short) only such a request is admitted. lent: (the first
+        waiting request, the tokens shares richer than it may still take this step)."""
+        first, lend = lent
+        if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            return budget, reserved
         cache, out = self.cache, {id(r) for r in preempted}  # those preempted now wait for the next step
         queues: dict[tuple, list[Request]] = {}  # share -> its waiting requests, best last
         for r in sorted(self.waiting, key=lambda r: (r.group.priority, r.arrival), reverse=True):
@@ -209,8 +220,11 @@ class Scheduler:
             owed = victim is not None and shares.richer(victim, r)
             if short and not owed:
                 break
+            capped = first is not None and r is not first and shares.richer(r, first, by=1)
+            if capped and lend <= 0:
+                break
             hit = cache.add_sequence(r.seq_id, r.token_ids)  # shares full blocks found by prefix
-            n = min(r.num_tokens - hit, budget)
+            n = min(r.num_tokens - hit, budget, lend if capped else budget)
             need = cache.blocks_needed(r.seq_id, n)
             if reserved + need > cache.num_free_blocks:
                 cache.free(r.seq_id)  # undo: the shared blocks go back
@@ -241,6 +255,7 @@ class Scheduler:
             placed[id(r)] = (chunks, chunk, need)
             budget -= n
             reserved += need
+            lend -= n if capped else 0
         if admitted:
             kept = [r for r in self.waiting if id(r) not in admitted]
             self.waiting.clear()

@@ -92,6 +92,29 @@ def test_a_long_prompt_leaves_budget_for_a_newcomers_prompt(tiny_llama):
     assert_reference(tiny_llama, [long, short])
 
 
+def test_the_step_that_admits_an_owed_newcomer_is_short(tiny_llama):
+    """A share of 12 requests of 30-token prompts runs 5 sequences (3 slots free) and would fill
+    each step's 64 tokens with prompts of its waiting ones; the step that admits a 6-token newcomer
+    takes no more of the share's prompt tokens than the newcomer's 6, and ends with its first token."""
+    core = EngineCore(tiny_llama, EngineConfig(num_blocks=256, block_size=4, max_num_seqs=8, max_num_batched_tokens=64))
+    big = [add(core, f"big-{i}", prompt(20 + i, 30), GREEDY, share="big") for i in range(12)]
+    run(core, until=lambda: len(core.scheduler.running) == 8 and all(first_token(g) for g in big[:8]))
+    for r in list(core.scheduler.running)[-3:]:
+        core.finish(r, "abort")  # 3 slots free; 4 prompts wait
+    small = add(core, "small", prompt(8, 6), GREEDY)
+    plans, schedule = [], core.scheduler.schedule
+    core.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+    core.step()
+    core.scheduler.schedule = schedule
+    theirs = sum(c.num_tokens for c in plans[0].chunks if c.request.group is not small and c.num_tokens > 1)
+    assert [c.num_tokens for c in plans[0].chunks if c.request.group is small] == [6] and first_token(small)
+    assert 0 < theirs <= 6  # 64 - 5 decodes - 6 = 53 of their prompts without the cap
+    run(core)
+    done = [g for g in big if all(c.finish_reason == "length" for c in g.children)]
+    assert len(done) == 9
+    assert_reference(tiny_llama, done + [small])
+
+
 def test_a_client_counts_its_requests_together(tiny_llama):
     """Client A runs 8 sequences and queues a second request before client B queues one: B, whose
     client runs nothing, is admitted first; A's second request is admitted after it."""
