@@ -19,7 +19,6 @@ have loaded, one line per chat model says what its pool holds ("KV pool: 32k tok
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 
 
@@ -106,32 +105,10 @@ def _print_pools(runtimes) -> None:
             print(f"headwise serve: {rt.name}: {kv_pool_line(rt.engine)}", flush=True)
 
 
-def _server_class():
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn's server, plus: a signal first marks the app as draining (/health and new
-        requests on kept-alive connections get 503), and a drained shutdown exits 0 instead
-        of re-raising the signal."""
-
-        def __init__(self, config, state):
-            super().__init__(config)
-            self.state = state
-
-        def handle_exit(self, sig, frame):
-            self.state.begin_drain()
-            super().handle_exit(sig, frame)
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            with super().capture_signals():
-                yield
-                self._captured_signals.clear()
-
-    return Server
-
-
 def run(args) -> int:
+    from .startup import PortError, before_exit, bind, exit_now, guard, server_class, stop_now
+
+    guard()  # until uvicorn's handlers: a signal is one line and exit 0 / 130 (startup.py)
     import logging
 
     import uvicorn
@@ -167,7 +144,7 @@ def run(args) -> int:
     except ConfigError as e:
         print(f"headwise serve: {e}", file=sys.stderr)
         return 2
-    s = config.server
+    s, state = config.server, app.state.serve
     from ..serve.timeouts import timed_h11
 
     uv = uvicorn.Config(
@@ -179,9 +156,15 @@ def run(args) -> int:
         timeout_graceful_shutdown=s.drain_timeout,
         http=timed_h11(s.header_timeout, s.body_timeout, s.direct_streams),
     )
-    server = _server_class()(uv, app.state.serve)
-    app.state.serve.stop_server = lambda: _stop_when_started(server)  # every model failed
-    app.state.serve.on_loaded.append(_print_pools)
+    try:  # before the banner and before any model loads: a busy port is this one line
+        sock = bind(s.host, s.port, uv.backlog)
+    except PortError as e:
+        print(f"headwise serve: {e}", file=sys.stderr)
+        return 2
+    server = server_class()(uv, state)
+    state.stop_server = lambda: _stop_when_started(server)  # every model failed
+    state.on_loaded.append(_print_pools)
+    before_exit(state.kill_followers)  # an exit without shutdown must not leave tensor-parallel ranks behind
     base = f"http://{'[' + s.host + ']' if ':' in s.host else s.host}:{s.port}"
     auth = " (API keys required: Authorization: Bearer <key>)" if s.keys() else ""
     print(
@@ -194,13 +177,22 @@ def run(args) -> int:
 
         logging.getLogger("httpx").addFilter(lambda record: record.threadName != "self-check")  # its own requests
         threading.Thread(
-            target=_self_check, args=(base, config, s.keys(), app.state.serve), daemon=True, name="self-check"
+            target=_self_check, args=(base, config, s.keys(), state), daemon=True, name="self-check"
         ).start()
-    server.run()
-    if app.state.serve.fatal:
-        print(f"headwise serve: {app.state.serve.fatal}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+    server.run(sockets=[sock])
+    guard("stopping")
+    if server.stopped_loading is not None:  # requests in flight have drained; the loader may still run
+        stop_now(server.stopped_loading, "loading")
+    code = 0
+    if state.fatal:
+        print(f"headwise serve: {state.fatal}", file=sys.stderr, flush=True)
+        code = 1
+    elif not server.started:
+        print("headwise serve: the server did not start (the log above says why)", file=sys.stderr, flush=True)
+        code = 1
+    if not state.load_done.is_set() or state.native_threads():
+        exit_now(code)  # a thread that may be inside torch must not meet the interpreter's exit (startup.py)
+    return code
 
 
 def _tensor_parallel_usage(args) -> str | None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 import threading
 import time
 
@@ -60,6 +62,8 @@ class ServeState:
         self.stop_server = None  # set by `headwise serve`: ends uvicorn's loop
         self._drain_timer: threading.Timer | None = None
         self.on_loaded: list = []  # callables(runtimes), once every model has loaded or failed (the CLI's banner)
+        self.load_done = threading.Event()  # the loader left torch: every model loaded or failed
+        self.stop_loading = threading.Event()  # the server stops: models not begun are not loaded
         # freed C heap back to the OS while the engines are idle (serve/memory.py)
         self.idle_trim = IdleTrim(
             lambda: any(rt.engine is not None and rt.engine.has_unfinished() for rt in self.runtimes.values())
@@ -68,6 +72,7 @@ class ServeState:
     def loaded(self, runtimes) -> None:
         """The loader thread is done: hand the loader's freed buffers back, tell `on_loaded`; with
         local models and none of them ready, give up."""
+        self.load_done.set()
         self.idle_trim.trim_now()
         for hook in self.on_loaded:
             try:
@@ -88,6 +93,7 @@ class ServeState:
         """SIGTERM: refuse new work (503), let what runs finish; shortly before the drain
         timeout (when uvicorn would cancel them, a traceback each) end the local requests
         still running, so each stream closes with an error event and [DONE]."""
+        self.stop_loading.set()
         if self.gateway is not None:
             self.gateway.draining = True
         if self._drain_timer is None:
@@ -95,6 +101,20 @@ class ServeState:
             self._drain_timer = threading.Timer(max(0.0, timeout - min(1.0, 0.25 * timeout)), self.cut_streams)
             self._drain_timer.daemon = True
             self._drain_timer.start()
+
+    def native_threads(self) -> list[str]:
+        """Threads still running that may be inside torch (the loader, an engine step that outlived
+        its shutdown's timeout): the process must not finalize under them (cli/startup.py)."""
+        names = ("headwise-loader", "headwise-engine")
+        return [t.name for t in threading.enumerate() if t.name.startswith(names) and t.is_alive()]
+
+    def kill_followers(self) -> None:
+        """SIGKILL every tensor-parallel follower process: for an exit that skips shutdown."""
+        for rt in self.runtimes.values():
+            group = getattr(rt.tp, "group", None)
+            for pid in group.pids().values() if group is not None else ():
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
 
     def cut_streams(self) -> None:
         n = sum(rt.abort_all() for rt in self.runtimes.values())
@@ -114,12 +134,13 @@ def create_app(config: ServeConfig, *, loader: Loader = default_loader) -> FastA
         state.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=512, max_keepalive_connections=64))
         state.gateway = Gateway(config, state.runtimes, state.client, state.metrics)
         state.gateway.start()
-        load_all(list(state.runtimes.values()), on_done=state.loaded)
+        load_all(list(state.runtimes.values()), on_done=state.loaded, stop=state.stop_loading)
         state.idle_trim.start()
         try:
             yield
         finally:
             state.idle_trim.stop()
+            state.stop_loading.set()
             if state.gateway is not None:
                 state.gateway.draining = True
             if state._drain_timer is not None:

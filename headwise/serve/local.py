@@ -161,10 +161,13 @@ class LocalRuntime:
                 400, f"model {self.name!r} cannot serve {endpoint}; use {use}", param="model", code="wrong_endpoint"
             )
 
-    async def stream(self, prompt: list[int], sampling, request_id: str, resume=None, direct=None) -> AsyncIterator:
+    async def stream(
+        self, prompt: list[int], sampling, request_id: str, resume=None, direct=None, **fair
+    ) -> AsyncIterator:
         """The engine's stream, QueueFull -> 429 + Retry-After, ValueError -> 400, a failed
         engine -> 500 (and a fresh engine for the requests that follow). resume: continue a
-        completion another server began (runtime.output.Resume); direct: see Engine.stream."""
+        completion another server began (runtime.output.Resume); direct: see Engine.stream;
+        fair: priority, client, share (Engine.add_request; openai/streams.py fair_share)."""
         from ..engine import QueueFull
 
         engine = self.engine
@@ -172,9 +175,9 @@ class LocalRuntime:
             # the engine replays the seed's draws for the ids sent (runtime/sampling.py skip_draws):
             # 8,100 ids held this loop, /health and every stream, 8.7 s. Queued from a loop of its
             # own instead; direct writes off (their order rests on this loop reading every piece)
-            gen = _on_own_loop(lambda: engine.stream(prompt, sampling, request_id=request_id, resume=resume))
+            gen = _on_own_loop(lambda: engine.stream(prompt, sampling, request_id=request_id, resume=resume, **fair))
         else:
-            gen = engine.stream(prompt, sampling, request_id=request_id, resume=resume, direct=direct)
+            gen = engine.stream(prompt, sampling, request_id=request_id, resume=resume, direct=direct, **fair)
         try:
             while True:
                 try:
@@ -323,14 +326,22 @@ async def _on_own_loop(make: Callable[[], AsyncIterator]) -> AsyncIterator:
 
 
 def load_all(
-    runtimes: list[LocalRuntime], on_done: Callable[[list[LocalRuntime]], None] | None = None
+    runtimes: list[LocalRuntime],
+    on_done: Callable[[list[LocalRuntime]], None] | None = None,
+    stop: threading.Event | None = None,
 ) -> threading.Thread:
     """Load every model, one after the other, in a daemon thread (the server answers meanwhile);
-    variants of the same weights share one model. Then on_done(runtimes)."""
+    variants of the same weights share one model. Then on_done(runtimes). Once `stop` is set, the
+    models not begun are not loaded (state "stopped") and on_done is not called: the server is
+    stopping (a load under way cannot be interrupted; cli/startup.py says how the process ends)."""
 
     def run():
         shared: dict = {}
-        for rt in runtimes:
+        for i, rt in enumerate(runtimes):
+            if stop is not None and stop.is_set():
+                for left in runtimes[i:]:
+                    left.state, left.error = "stopped", "the server stopped before this model loaded"
+                return
             rt.load(shared)
         if on_done is not None:
             on_done(runtimes)
