@@ -78,6 +78,9 @@ class SamplingFields(Strict):
     ignore_eos: Optional[bool] = None
     stop_token_ids: Optional[Annotated[list[TokenId], Field(max_length=64)]] = None
     headwise: Optional[HeadwiseFields] = None  # token ids in chunks, resume after ids (replicas)
+    # vLLM's: lower is served first. It orders requests of equal fair share (a client's and a
+    # request's running sequences count first: runtime/fair.py), so no value starves the others
+    priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] = 0
 
 
 # ---------------------------------------------------------------- chat

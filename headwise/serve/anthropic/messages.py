@@ -27,7 +27,7 @@ from ..direct import SCOPE_KEY
 from ..errors import APIError
 from ..openai import chat
 from ..openai.common import body_size, check_chars, check_context, off_loop, tokenize
-from ..openai.streams import ABORTED, EventStream, Streams, stream_error, until_disconnect
+from ..openai.streams import ABORTED, EventStream, Streams, fair_share, stream_error, until_disconnect
 from ..schemas import ChatCompletionRequest
 from . import envelope, via_chat
 from .schemas import CountTokensRequest, MessagesRequest
@@ -88,7 +88,7 @@ async def create(runtime, req: MessagesRequest, model: str, request: Request, *,
     check_chars([*chat.message_texts(chat_req), prefill], runtime.spec.max_input_chars, "messages")
     prompt, sampling = await off_loop(_prepare, runtime, chat_req, prefill, size=body_size(request))
     rid = f"msg_{uuid.uuid4().hex[:24]}"
-    streams = Streams(runtime, rid, 1)
+    streams = Streams(runtime, rid, 1, fair_share(request))
     await streams.start([prompt], sampling, timeout)  # errors until the first piece are HTTP errors
     run = _Run(streams, rid, model, len(prompt), runtime.tokenizer, sampling, metrics)
     if req.stream:

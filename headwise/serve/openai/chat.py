@@ -27,7 +27,7 @@ from .common import (
     tokenize,
     with_response_format,
 )
-from .streams import EventStream, Streams, Usage, collect, sse_events, until_disconnect
+from .streams import EventStream, Streams, Usage, collect, fair_share, sse_events, until_disconnect
 from .tool_calls import CallParser, delta_chunks
 from .tools import ToolPlan, plan, template_messages, text_grammar_of, with_tools
 
@@ -113,7 +113,7 @@ async def create(runtime, req: ChatCompletionRequest, model: str, request: Reque
     prompt, sampling, resume, tools = await off_loop(prepare_tools, runtime, req, size=body_size(request))
     calls = tools if tools is not None and tools.calls else None  # the text holds calls to read
     rid, created = new_id("chatcmpl"), int(time.time())
-    streams = Streams(runtime, rid, sampling.n)
+    streams = Streams(runtime, rid, sampling.n, fair_share(request, req.priority))
     await streams.start([prompt], sampling, timeout, resume, DirectWriter.of(request.scope) if req.stream else None)
     usage = Usage(
         prompt_tokens=len(prompt), resumed=len(resume.token_ids) if resume else 0, predicted=req.prediction is not None

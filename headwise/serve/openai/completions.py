@@ -26,7 +26,7 @@ from .common import (
     tokenize,
     with_response_format,
 )
-from .streams import EventStream, Streams, Usage, collect, sse_events, until_disconnect
+from .streams import EventStream, Streams, Usage, collect, fair_share, sse_events, until_disconnect
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -78,7 +78,7 @@ async def create(runtime, req: CompletionRequest, model: str, request: Request, 
     )
     prompts, sampling, resume = await off_loop(prepare, runtime, req, size=body_size(request))
     rid, created = new_id("cmpl"), int(time.time())
-    streams = Streams(runtime, rid, sampling.n)
+    streams = Streams(runtime, rid, sampling.n, fair_share(request, req.priority))
     await streams.start(prompts, sampling, timeout, resume, DirectWriter.of(request.scope) if req.stream else None)
     usage = Usage(prompt_tokens=sum(len(p) for p in prompts), resumed=len(resume.token_ids) if resume else 0)
     total = len(prompts) * sampling.n

@@ -10,6 +10,7 @@ the gateway may retry elsewhere; after that, an error travels inside the stream.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import socket
 import struct
@@ -57,10 +58,12 @@ class Streams:
     `await start(...)` enqueues every prompt and waits for each first piece; then
     `async for choice, piece in streams` yields pieces as they come, with the global
     choice index (prompt * n + piece.index). `close()` aborts whatever still runs.
+    fair: the request's priority and client (fair_share); its prompts are one share of the engine.
     """
 
-    def __init__(self, runtime, request_id: str, n: int):
+    def __init__(self, runtime, request_id: str, n: int, fair: dict | None = None):
         self.runtime, self.request_id, self.n = runtime, request_id, n
+        self.fair = {**(fair or {}), "share": request_id}
         self.gens: list = []
         self.firsts: list = []
         self.t_start = time.perf_counter()
@@ -73,8 +76,9 @@ class Streams:
         try:
             async with asyncio.timeout(timeout):
                 for p, ids in enumerate(prompts):
+                    rid = f"{self.request_id}-{p}"
                     gen = self.runtime.stream(
-                        ids, sampling, request_id=f"{self.request_id}-{p}", resume=resume, direct=self.direct
+                        ids, sampling, request_id=rid, resume=resume, direct=self.direct, **self.fair
                     )
                     self.gens.append(gen)
                     self.firsts.append(await anext(gen, None))
@@ -129,6 +133,17 @@ class Streams:
                 await gen.aclose()
             except (RuntimeError, asyncio.CancelledError):  # already running in a cancelled pump task
                 pass
+
+
+def fair_share(request, priority: int = 0) -> dict:
+    """An API request's place in the engine's fair shares (runtime/fair.py): its priority, and its
+    client: the API key it sent (Authorization: Bearer, or x-api-key), hashed -- the key itself is
+    never kept; None without one (the request is a client of its own)."""
+    headers = request.headers
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    key = token.strip() if scheme.lower() == "bearer" else headers.get("x-api-key", "").strip()
+    client = "key-" + hashlib.sha256(key.encode()).hexdigest()[:16] if key else None
+    return {"priority": priority, "client": client}
 
 
 def stream_error(e: Exception) -> APIError:
