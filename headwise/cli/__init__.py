@@ -133,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
 
     words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
     configure_wait_policy(threaded=words[:1] == ["serve"])
+    if words[:1] == ["serve"]:  # before the parser imports the server: a signal while starting is one line
+        from .startup import guard
+
+        guard()
     parser = build_parser()
     if words[:1] and words[0] in _UNAVAILABLE:  # any form of it, flags and all: one line naming the extra
         return unavailable(words[0])

@@ -1,4 +1,5 @@
-"""`headwise serve [MODEL ...] [--config FILE] [--host HOST] [--port PORT] [--kv-memory SIZE] [--tensor-parallel N]`.
+"""`headwise serve [MODEL ...] [--config FILE] [--host HOST] [--port PORT] [--kv-memory SIZE] [--tensor-parallel N]
+[--weights W] [--kv-dtype D] [--max-model-len N] [--max-num-seqs N] [--served-model-name NAME[,NAME...]]`.
 
 MODEL: builtin names (`headwise models`), .gguf files or checkpoint directories, each
 served under its own name; a chat model (decoder) answers /v1/chat/completions and
@@ -14,12 +15,16 @@ model's KV heads); in a config, `tensor_parallel = N` in the model's table.
 --kv-memory SIZE: each chat model's KV pool in bytes (512MiB, 1GiB, 1GB = 10^9; default: 32k tokens,
 at most a quarter of the free memory); its pages become resident as the pool fills. Once the models
 have loaded, one line per chat model says what its pool holds ("KV pool: 32k tokens ...").
+Per-model flags (cli/serve_flags.py; vLLM's names) apply to the MODEL arguments; with --config the
+[models.NAME] keys say the same.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from .serve_flags import add_model_flags, apply_model_flags
 
 
 def add_cli(sub) -> None:
@@ -67,6 +72,7 @@ def add_cli(sub) -> None:
         help="once the models are ready, send one chat request (streamed) and one embeddings request "
         "through the server's own API and print the answers (what `make run` shows)",
     )
+    add_model_flags(p)
     p.set_defaults(func=run)
 
 
@@ -134,7 +140,7 @@ def run(args) -> int:
             config = models_config(args.models, args.host, args.port, tensor_parallel=args.tensor_parallel)
         else:
             config = default_config(args.host, args.port)
-        config = with_kv_memory(config, args.kv_memory)
+        config = apply_model_flags(with_kv_memory(config, args.kv_memory), args)
     except ConfigError as e:
         print(f"headwise serve: {e}", file=sys.stderr)
         return 2
@@ -145,7 +151,15 @@ def run(args) -> int:
         print(f"headwise serve: {e}", file=sys.stderr)
         return 2
     s, state = config.server, app.state.serve
+    from ..serve.connections import ConnectionCaps
     from ..serve.timeouts import timed_h11
+
+    try:
+        caps = ConnectionCaps.of(s)  # [server] max_connections, max_connections_per_client
+    except ConfigError as e:
+        print(f"headwise serve: {e}", file=sys.stderr)
+        return 2
+    state.metrics.registry.register(caps)
 
     uv = uvicorn.Config(
         app,
@@ -154,7 +168,7 @@ def run(args) -> int:
         log_level=args.log_level,
         lifespan="on",
         timeout_graceful_shutdown=s.drain_timeout,
-        http=timed_h11(s.header_timeout, s.body_timeout, s.direct_streams),
+        http=timed_h11(s.header_timeout, s.body_timeout, s.direct_streams, caps=caps),
     )
     try:  # before the banner and before any model loads: a busy port is this one line
         sock = bind(s.host, s.port, uv.backlog)
