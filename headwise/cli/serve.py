@@ -169,6 +169,7 @@ def run(args) -> int:
         lifespan="on",
         timeout_graceful_shutdown=s.drain_timeout,
         http=timed_h11(s.header_timeout, s.body_timeout, s.direct_streams, caps=caps),
+        ws="none",  # headwise serves no WebSockets (an Upgrade is answered as plain HTTP)
     )
     try:  # before the banner and before any model loads: a busy port is this one line
         sock = bind(s.host, s.port, uv.backlog)

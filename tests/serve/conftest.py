@@ -121,7 +121,7 @@ class LiveServer:
         serve = getattr(app.state, "serve", None)
         http = timed_h11(30.0, 60.0, serve.config.server.direct_streams if serve is not None else True)
         self.server = uvicorn.Server(
-            uvicorn.Config(app, log_config=None, lifespan="on", timeout_graceful_shutdown=5, http=http)
+            uvicorn.Config(app, log_config=None, lifespan="on", timeout_graceful_shutdown=5, http=http, ws="none")
         )
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
