@@ -17,7 +17,14 @@ The big request is aborted once the small one has finished (its blocks come back
 starts on an idle engine with the prefix cache cleared). Printed: CPU model, threads, load average
 before and after, min / median / max per contender.
 
+--serve: the same through `headwise serve` (its app in this process, on 127.0.0.1, two API keys):
+the big request is one POST /v1/completions of 64 prompts x n=16 with key A (the server queues
+a prompt once the one before it has its first token), the small one a streamed chat with key B,
+timed to its first content chunk; contenders alone and fair (a request of its own is never in
+another's share over HTTP). Saves results/fair_share_serve.txt.
+
     .venv/bin/python benchmarks/fair_share.py                 # ~5-10 min on 2 cores; saves results/fair_share.txt
+    .venv/bin/python benchmarks/fair_share.py --serve         # ~1 min
     .venv/bin/python benchmarks/fair_share.py --rounds 1 --big-tokens 8 --no-save   # a smoke run
 """
 
@@ -83,6 +90,68 @@ def run(engine, contender: str, args, small, big) -> tuple[float, float, int]:
             engine.abort(rid)
 
 
+def serve(args):
+    """-> (url, engine, stop) of `headwise serve`'s app over SmolLM2 with keys sk-a and sk-b, in this process."""
+    import socket
+
+    import uvicorn
+
+    from headwise.serve import create_app, parse_config
+    from headwise.serve.timeouts import timed_h11
+
+    spec = {"source": "smollm2-135m-instruct", "max_num_batched_tokens": args.max_num_batched_tokens}
+    app = create_app(parse_config({"server": {"api_keys": ["sk-a", "sk-b"], "api_key_env": ""}, "models": {"m": spec}}))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="on", http=timed_h11(30.0, 60.0, True)))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    url = "http://127.0.0.1:%d" % sock.getsockname()[1]
+    while not app.state.serve.runtimes["m"].state == "ready":
+        time.sleep(0.2)
+
+    def stop():
+        server.should_exit = True
+
+    return url, app.state.serve.runtimes["m"].engine, stop
+
+
+def http_small(url, engine, args) -> tuple[float, float, int]:
+    """(TTFT, TPOT, steps) of a streamed chat with key B, to its first content chunk."""
+    import httpx
+
+    body = {"model": "m", "messages": HI, "max_tokens": args.small_tokens, "temperature": 0, "stream": True}
+    body["ignore_eos"] = True
+    times, steps = [], None
+    t0, s0 = time.perf_counter(), engine.core.counts["steps"]
+    auth = {"Authorization": "Bearer sk-b"}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=auth, timeout=3600) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"content"' in line:
+                times.append(time.perf_counter())
+                steps = engine.core.counts["steps"] - s0 if steps is None else steps
+    return times[0] - t0, (times[-1] - times[0]) / max(1, len(times) - 1), steps
+
+
+def serve_run(url, engine, contender: str, args) -> tuple[float, float, int]:
+    import httpx
+
+    engine.cache.pool.clear_prefix_cache()
+    if contender == "alone":
+        return http_small(url, engine, args)
+    body = {"model": "m", "prompt": [f"Write a line about topic {i}." for i in range(args.prompts)], "n": args.n}
+    body.update(max_tokens=args.big_tokens, temperature=0.8, ignore_eos=True)
+    auth = {"Authorization": "Bearer sk-a"}
+    big = threading.Thread(target=lambda: httpx.post(url + "/v1/completions", json=body, headers=auth, timeout=3600))
+    big.start()
+    while len(engine.scheduler.running) < engine.max_num_seqs:  # the big request holds every slot
+        time.sleep(0.01)
+    try:
+        return http_small(url, engine, args)
+    finally:
+        engine.abort_all()
+        big.join()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -93,30 +162,43 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="the step's token budget")
     ap.add_argument("--contenders", default="alone,fair,fcfs")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 if the load average > 1.5)")
+    ap.add_argument("--serve", action="store_true", help="through headwise serve (alone, fair)")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args(argv)
     load0 = loadavg()
     threads = args.threads or (1 if load0[0] > 1.5 else os.cpu_count() or 1)
     pin_threads(threads)
-    model = headwise.load("smollm2-135m-instruct")
     budget = args.max_num_batched_tokens
-    engine = headwise.Engine(model, max_num_seqs=64, max_num_batched_tokens=budget, max_waiting_requests=1024)
-    engine.start()
-    small = headwise.SamplingParams(temperature=0, max_new_tokens=args.small_tokens, ignore_eos=True)
-    big = headwise.SamplingParams(temperature=0.8, n=args.n, max_new_tokens=args.big_tokens, ignore_eos=True)
-    run(engine, "alone", args, small, big)  # warm-up
-    names = args.contenders.split(",")
+    if args.serve:
+        url, engine, stop = serve(args)
+        names = [n for n in args.contenders.split(",") if n != "fcfs"]
+
+        def one(name):
+            return serve_run(url, engine, name, args)
+    else:
+        model = headwise.load("smollm2-135m-instruct")
+        engine = headwise.Engine(model, max_num_seqs=64, max_num_batched_tokens=budget, max_waiting_requests=1024)
+        engine.start()
+        stop = engine.shutdown
+        small = headwise.SamplingParams(temperature=0, max_new_tokens=args.small_tokens, ignore_eos=True)
+        big = headwise.SamplingParams(temperature=0.8, n=args.n, max_new_tokens=args.big_tokens, ignore_eos=True)
+        names = args.contenders.split(",")
+
+        def one(name):
+            return run(engine, name, args, small, big)
+
+    one("alone")  # warm-up
     ttft: dict = {n: [] for n in names}
     tpot: dict = {n: [] for n in names}
     steps: dict = {n: [] for n in names}
     for r in range(args.rounds):
         for name in rotated(names, r):
-            a, b, k = run(engine, name, args, small, big)
+            a, b, k = one(name)
             ttft[name].append(a)
             tpot[name].append(b)
             steps[name].append(k)
             print(f"round {r + 1} {name:5s}: TTFT {a * 1e3:9.1f} ms ({k} steps), TPOT {b * 1e3:7.1f} ms", flush=True)
-    engine.shutdown()
+    stop()
     rows = []
     for name in names:
         t, p = summarize(ttft[name]), summarize(tpot[name])
@@ -125,7 +207,8 @@ def main(argv=None) -> int:
         rows[-1] += ["/".join(str(k) for k in sorted(steps[name]))]
     head = ["contender", "TTFT min ms", "median", "max", "TPOT min ms", "median", "max", "TTFT in steps"]
     text = (
-        f"fair_share: SmolLM2-135M-Instruct (builtin GGUF), Engine max_num_seqs 64, max_num_batched_tokens {budget};\n"
+        f"fair_share{' through headwise serve' if args.serve else ''}: SmolLM2-135M-Instruct (builtin GGUF), "
+        f"Engine max_num_seqs 64, max_num_batched_tokens {budget};\n"
         f"big request {args.prompts} prompts x n={args.n} ({args.prompts * args.n} sequences) x {args.big_tokens} "
         f"tokens; the small one: chat 'Hi!' greedy x {args.small_tokens} tokens; {args.rounds} rounds\n"
         f"CPU: {cpu_model()}, {os.cpu_count()} cores, {threads} torch thread(s)\n"
@@ -133,8 +216,9 @@ def main(argv=None) -> int:
     )
     print("\n" + text)
     if not args.no_save:
-        RESULTS.write_text(text)
-        print(f"saved {RESULTS}")
+        path = RESULTS.with_name("fair_share_serve.txt") if args.serve else RESULTS
+        path.write_text(text)
+        print(f"saved {path}")
     return 0
 
 
