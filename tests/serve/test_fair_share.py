@@ -1,7 +1,7 @@
 """Fair shares through `headwise serve` (issue 43): one request of 64 prompts x n=16 once pushed
 every other client's first token to 12.9 s. Here one client's request of 16 sequences holds all 4
 slots of a tiny model; another client's chat, sent after it, is answered before any of the 16
-finishes (first come, first served: after 12 of them). `priority` is vLLM's request field.
+finishes (first come, first served: after all 16). `priority` is vLLM's request field.
 
 An in-process server of its own over the tiny random Llama, with two API keys (two clients).
 """
