@@ -24,11 +24,12 @@ import re
 
 import httpx
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from .config import Provider
 from .errors import APIError
 from .openai.common import SSE_DONE, sse
+from .openai.streams import EventStream
 from .upstream_body import ACCEPT_ENCODING, Fault, decoded, parsed, read_capped, scrubbed
 
 log = logging.getLogger("headwise.serve")
@@ -296,4 +297,4 @@ class UpstreamTarget:
                 if ended and settle:
                     settle(ok)
 
-        return StreamingResponse(relay(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return EventStream(relay(), request)  # a client that reads nothing is cut off ([server] stall_timeout)

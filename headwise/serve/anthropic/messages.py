@@ -71,7 +71,7 @@ async def _with_tools(runtime, req, chat_req, model: str, request: Request, time
     resp = await chat.create(
         runtime, chat_req, model, Request(scope, request.receive), timeout=timeout, metrics=metrics
     )
-    return via_chat.respond(req, resp, model)
+    return via_chat.respond(req, resp, model, request)
 
 
 async def create(runtime, req: MessagesRequest, model: str, request: Request, *, timeout=None, metrics=None):

@@ -22,9 +22,10 @@ from __future__ import annotations
 import json
 import uuid
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from ..errors import APIError
+from ..openai.streams import EventStream
 from . import envelope
 from .schemas import MessagesRequest
 from .translate import event, max_tool_uses, message, to_chat, tool_use_id
@@ -85,16 +86,13 @@ def answer_message(req: MessagesRequest, answer: dict, rid: str, model: str) -> 
     return message(rid, model, blocks, reason, sequence, *_tokens(answer.get("usage")))
 
 
-def respond(req: MessagesRequest, resp, model: str):
-    """Chat's response (JSON, or a stream of chunks) -> Anthropic's."""
+def respond(req: MessagesRequest, resp, model: str, request):
+    """Chat's response (JSON, or a stream of chunks) -> Anthropic's; a stream's client that reads
+    nothing is cut off as a chat stream's is ([server] stall_timeout)."""
     rid = f"msg_{uuid.uuid4().hex[:24]}"
     if not req.stream:
         return JSONResponse(answer_message(req, json.loads(resp.body), rid, model))
-    return StreamingResponse(
-        _events(req, resp.body_iterator, rid, model),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    return EventStream(_events(req, resp.body_iterator, rid, model), request)
 
 
 class ViaChat:
@@ -115,7 +113,7 @@ class ViaChat:
             )
         chat_body = chat_req.model_dump(mode="json", exclude_unset=True)
         resp = await self.target.handle("chat", chat_req, chat_body, request, model, timeout, metrics, settle)
-        return respond(req, resp, model)
+        return respond(req, resp, model, request)
 
 
 async def _chunks(body):
