@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import cpu_model, loadavg  # noqa: E402
 
 from headwise.serve import create_app, parse_config  # noqa: E402
-from headwise.serve.openai import common, streams  # noqa: E402
+from headwise.serve.openai import common  # noqa: E402
 from headwise.serve.timeouts import timed_h11  # noqa: E402
 
 MSG = [{"role": "user", "content": "Hi"}]
@@ -128,21 +128,22 @@ def main(argv=None) -> int:
     p.add_argument("--stall", type=float, default=5.0, help="[server] stall_timeout for part 2 (served: 30 s)")
     args = p.parse_args(argv)
     print(f"CPU: {cpu_model()}; load average {loadavg()}")
-    streams.STALL_TIMEOUT = args.stall
-    server = {"api_key_env": "", "max_body_bytes": 8 << 20}
+    server = {"api_key_env": "", "max_body_bytes": 8 << 20, "stall_timeout": args.stall}
     url, _ = serve({"server": server, "models": {"m": {"source": "smollm2-135m-instruct", "max_input_chars": 8 << 20}}})
     alone = statistics.median(tiny_chat(url) for _ in range(5))
     if args.rounds == 0:  # part 2 only
         print(f"{args.clients} clients that stop reading:", stalled(url, args.clients, args.stall))
         return 0
-    two, one = common._CPU_SMALL, common._CPU
+    lanes = common._LANES
+    two = lanes.pool  # as served: a small and a big lane per model
+    one = lambda model, small: two(model, False)  # noqa: E731  (one lane: every job in the big one)
     runs: dict[str, list[float]] = {"two lanes": [], "one lane": []}
     for r in range(args.rounds):
         for mode in ["two lanes", "one lane"] if r % 2 == 0 else ["one lane", "two lanes"]:
-            common._CPU_SMALL = two if mode == "two lanes" else one
+            lanes.pool = two if mode == "two lanes" else one
             runs[mode].append(fair_round(url, args.bodies, args.mib))
             print(f"round {r} {mode:9s}: tiny chat {runs[mode][-1]:.2f} s beside {args.bodies} x {args.mib} MiB")
-    common._CPU_SMALL = two
+    lanes.pool = two
     print(f"tiny chat alone: median {alone:.3f} s")
     for mode, xs in runs.items():
         print(f"{mode:9s}: min {min(xs):.2f}  median {statistics.median(xs):.2f}  max {max(xs):.2f} s")
