@@ -5,7 +5,8 @@ Each flag is a key of a --config file's [models.NAME] table, and applies to ever
 MODEL arguments (or, with none, to the two builtin models):
 
     --weights FORMAT           weights = FORMAT          auto (a GGUF as stored), fp32, bf16, int8, q4_k_m, ...
-    --kv-dtype auto|int8       cache = "paged" | "int8"  the engine's KV pool (vLLM: --kv-cache-dtype)
+    --kv-dtype auto|int8|...   cache = "paged" | "int8"  the engine's KV pool (vLLM: --kv-cache-dtype);
+                               | "bfloat16" | ...        bfloat16, float16, float32 store K/V as named
     --max-model-len N          max_model_len = N         prompt + output tokens a request may hold (2k = 2000, 2K = 2048)
     --max-num-seqs N           max_num_seqs = N          sequences running at once
     --served-model-name NAMES  [models.NAME]             the name clients send (comma-separated list)
@@ -26,7 +27,7 @@ from .argtypes import positive_int, weights_name
 
 # --kv-dtype -> LocalModel.cache: "auto" keeps the engine's own choice (16-bit K/V for a model with
 # quantized weights, the model's dtype otherwise: runtime/config.py kv_dtype_for); "int8" ~1/4 of fp32
-KV_DTYPES = {"auto": "paged", "int8": "int8"}
+KV_DTYPES = {"auto": "paged", "int8": "int8", "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
 # flag -> (Namespace attribute, what says the same in a --config file)
 FLAGS = {
@@ -39,12 +40,12 @@ FLAGS = {
 
 
 def kv_dtype(text: str) -> str:
-    """--kv-dtype: auto | int8 -> the served model's `cache` (paged | int8)."""
+    """--kv-dtype: auto | int8 | bfloat16 | float16 | float32 -> the served model's `cache` (auto: paged)."""
     key = text.strip().lower()
     if key not in KV_DTYPES:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a KV dtype of headwise's engine; choose auto (16-bit K/V for quantized "
-            "weights, the model's dtype otherwise) or int8"
+            "weights, the model's dtype otherwise), int8, bfloat16, float16 or float32"
         )
     return KV_DTYPES[key]
 
@@ -95,9 +96,10 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         dest="kv_dtype",
         type=kv_dtype,
-        metavar="auto|int8",
-        help="the KV pool's dtype: auto (16-bit K/V for quantized weights, the model's dtype otherwise) or int8 "
-        "(about a quarter of fp32's bytes); [models.NAME] cache = 'paged' | 'int8'",
+        metavar="auto|int8|bfloat16|float16|float32",
+        help="the KV pool's dtype: auto (16-bit K/V for quantized weights, the model's dtype otherwise), int8 "
+        "(about a quarter of fp32's bytes), bfloat16, float16 or float32; [models.NAME] cache = 'paged' (auto) "
+        "or the dtype",
     )
     g.add_argument(
         "--max-model-len",

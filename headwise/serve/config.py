@@ -42,7 +42,9 @@ from .config_providers import ConfigError, Provider, ReplicaSet, from_table, par
 
 __all__ = ["ConfigError", "Provider", "ReplicaSet", "LocalModel", "Route", "Target", "ServeConfig", "ServerSettings"]
 
-CACHE_KINDS = ("paged", "int8")  # the engine's block pool, fp32/model dtype or int8 K/V
+# the engine's block pool: paged (its K/V dtype the engine's choice: 16-bit for quantized weights, the
+# model's dtype otherwise) or K/V stored as named (EngineConfig.kv_dtype)
+CACHE_KINDS = ("paged", "int8", "bfloat16", "float16", "float32")
 METRICS_AUTH = ("auto", "always", "never")
 ACCEPT_RESUME = ("keyed", "always", "never")  # [server] accept_resume (middleware.ApiKeyAuth)
 
@@ -56,7 +58,7 @@ class LocalModel:
     name: str  # what clients send as "model"
     source: str  # builtin name or checkpoint dir / .gguf path
     backend: str = "auto"  # attention backend (headwise.attention registry)
-    cache: str = "paged"  # paged | int8 -> the engine's kv_dtype
+    cache: str = "paged"  # paged | int8 | bfloat16 | float16 | float32 -> the engine's kv_dtype
     dtype: str | None = None  # None keeps the checkpoint's float dtype
     weights: str = "auto"  # headwise.load's weights=: auto (a GGUF as stored), fp32, bf16, int8, int4, q4_0, ...
     # the engine's limits (max_num_seqs, num_blocks, block_size, max_num_batched_tokens, max_waiting_requests,
@@ -96,7 +98,7 @@ class LocalModel:
             raise ConfigError(
                 f"{where} engine must be a headwise.engine.EngineConfig, got {type(self.engine).__name__}"
             )
-        object.__setattr__(self, "engine", self.engine.replace(kv_dtype="int8" if self.cache == "int8" else None))
+        object.__setattr__(self, "engine", self.engine.replace(kv_dtype=None if self.cache == "paged" else self.cache))
         for key in ("max_input_chars", "max_embedding_tokens"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{where} {key} must be >= 1, got {getattr(self, key)}")

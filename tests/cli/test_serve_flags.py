@@ -4,12 +4,12 @@ beside --config is one line naming the key to set instead, a bad value one line 
 
 import pytest
 
-pytest.importorskip("fastapi", reason="needs the [serve] extra")
+from headwise.engine import EngineConfig
 
-from headwise.cli.argtypes import Parser  # noqa: E402
-from headwise.cli.serve_flags import add_model_flags, apply_model_flags, token_count  # noqa: E402
-from headwise.serve import parse_config  # noqa: E402
-from headwise.serve.config import ConfigError, default_config, models_config  # noqa: E402
+from headwise.cli.argtypes import Parser
+from headwise.cli.serve_flags import add_model_flags, apply_model_flags, token_count
+from headwise.serve import parse_config
+from headwise.serve.config import ConfigError, default_config, models_config
 
 SMOL, MINILM = "smollm2-135m-instruct", "all-minilm-l6-v2"  # builtin names: nothing is loaded here
 
@@ -38,6 +38,10 @@ def test_the_flags_make_the_model_its_toml_table_makes():
     auto = served(SMOL, "--kv-cache-dtype", "auto")  # vLLM's spelling of the flag
     assert auto.models == parse_config({"models": {SMOL: {"cache": "paged"}}}).models
     assert auto.models[SMOL].engine.kv_dtype is None
+    for dtype in ("bfloat16", "float16", "float32"):  # K/V stored as named, as EngineConfig(kv_dtype=) takes it
+        named = served(SMOL, "--kv-dtype", dtype)
+        assert named.models == parse_config({"models": {SMOL: {"cache": dtype}}}).models
+        assert named.models[SMOL].engine == EngineConfig(kv_dtype=dtype)
 
 
 def test_more_sequences_than_a_step_holds_raise_the_step_budget():
