@@ -91,15 +91,16 @@ def _kv_memory(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e).removeprefix(" = ")) from None
 
 
-def kv_pool_line(engine) -> str:
+def kv_pool_line(engine, max_model_len: int | None = None) -> str:
     """What an engine's KV pool holds, from its resolved config and its pool: "KV pool: 32k tokens
-    (up to 64 sequences, each up to 8,192 tokens), 0.75 GB bfloat16, allocated as it fills"."""
+    (up to 64 sequences, each up to 8,192 tokens), 0.75 GB bfloat16, allocated as it fills";
+    max_model_len: a served model's cap ([models.NAME] max_model_len, --max-model-len), if lower."""
     c, info = engine.config, engine.core.pool_info()
     tokens = info["tokens"]
     count = f"{tokens // 1024}k" if tokens % 1024 == 0 else f"{tokens:,}"
     dtype = info.get("kv_dtype") or str(engine.cache.kv_dtype or engine.cache.dtype).removeprefix("torch.")
     return (
-        f"KV pool: {count} tokens (up to {c.max_num_seqs} sequences, each up to {engine.max_model_len:,} tokens), "
+        f"KV pool: {count} tokens (up to {c.max_num_seqs} sequences, each up to {min(engine.max_model_len, max_model_len or 1 << 62):,} tokens), "
         f"{info['bytes'] / 1e9:.2f} GB {dtype}, allocated as it fills"
     )
 
@@ -108,7 +109,7 @@ def _print_pools(runtimes) -> None:
     """One line per chat model that loaded: its KV pool (`kv_pool_line`)."""
     for rt in runtimes:
         if rt.state == "ready" and rt.engine is not None:
-            print(f"headwise serve: {rt.name}: {kv_pool_line(rt.engine)}", flush=True)
+            print(f"headwise serve: {rt.name}: {kv_pool_line(rt.engine, rt.max_model_len)}", flush=True)
 
 
 def run(args) -> int:

@@ -98,8 +98,14 @@ class LocalRuntime:
                     shared[key] = model
             if getattr(model.config, "causal", True):
                 self.engine = self._make_engine(model)
+                cap = self.spec.max_model_len
+                if cap is not None and cap > self.engine.max_model_len:  # as vLLM: over the model's context is an error
+                    raise ValueError(
+                        f"[models.{self.name}] max_model_len = {cap:,} is over the model's context of "
+                        f"{self.engine.max_model_len:,} tokens; give at most that (or leave it unset)"
+                    )
                 self.engine.start()
-                self.max_model_len = min(self.engine.max_model_len, self.spec.max_model_len or 1 << 62)
+                self.max_model_len = min(self.engine.max_model_len, cap or 1 << 62)
                 self.kind = "generate"
             else:
                 self.max_model_len = model.config.max_positions

@@ -49,3 +49,27 @@ def test_a_served_model_honours_its_flags(flagged):
     assert engine.cache.kv_dtype == "int8"  # the pool the engine allocated
     assert engine.config.max_num_seqs == 2
     assert state.runtimes["tiny-chat"].max_model_len == 40
+    from headwise.cli.serve import kv_pool_line
+
+    assert "each up to 40 tokens" in kv_pool_line(engine, 40)  # the start-up line says the cap
+
+
+def test_a_cap_over_the_models_context_fails_that_model_in_one_line(tiny_dir):
+    """As vLLM refuses a max_model_len over the derived one: the model fails to load, naming both."""
+    import dataclasses
+    import json
+
+    from headwise.serve.local import LocalRuntime
+
+    context = json.loads((tiny_dir / "config.json").read_text())["max_position_embeddings"]
+    (spec,) = models_config([str(tiny_dir)]).models.values()
+    rt = LocalRuntime(dataclasses.replace(spec, max_model_len=context + 1))
+    rt.load()
+    assert rt.state == "failed"
+    assert f"max_model_len = {context + 1:,} is over the model's context of {context:,} tokens" in rt.error
+    ok = LocalRuntime(dataclasses.replace(spec, max_model_len=context))  # at the context: served
+    ok.load()
+    try:
+        assert ok.state == "ready" and ok.max_model_len == context
+    finally:
+        ok.shutdown()
