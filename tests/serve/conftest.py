@@ -18,6 +18,7 @@ import logging
 import os
 import secrets
 import signal
+import random
 import socket
 import subprocess
 import sys
@@ -102,9 +103,16 @@ def tiny_dir(tmp_path_factory, smol):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the ephemeral range (32768-60999), which other processes' outgoing
+    connections draw from: a port the kernel picked there could be taken before a server binds it."""
+    while True:
+        port = random.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 class LiveServer:

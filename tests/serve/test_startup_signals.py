@@ -18,22 +18,11 @@ import pytest
 from headwise.cli.startup import PortError, bind
 from headwise.serve.local import load_all
 
+from .conftest import free_port
+
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "headwise.cli"]
-
-
-def free_port() -> int:
-    """A free port below the ephemeral range (32768-60999), which other processes' outgoing
-    connections draw from: a busy port here must be the test's own."""
-    while True:
-        port = random.randrange(20000, 32768)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
 
 
 STOPPED = re.compile(r"headwise serve: stopped while (starting|loading) \((SIGINT|SIGTERM)\)")
