@@ -102,11 +102,14 @@ def tiny_dir(tmp_path_factory, smol):
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smol.tokenizer, smol.config.vocab_size)
 
 
+_PORTS = random.Random()  # not the global generator, which tests seed
+
+
 def free_port() -> int:
     """A free port below the ephemeral range (32768-60999), which other processes' outgoing
     connections draw from: a port the kernel picked there could be taken before a server binds it."""
     while True:
-        port = random.randrange(20000, 32768)
+        port = _PORTS.randrange(20000, 32768)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
