@@ -51,6 +51,7 @@ def chat(srv, model: str) -> httpx.Response:
 
 def test_a_slow_template_holds_only_its_own_model(srv):
     assert chat(srv, "slow").status_code == 200  # it renders, within its budget
+    assert chat(srv, "fast").status_code == 200  # and the fast one has paid its first request's costs
     done: list[tuple[str, int]] = []  # (model, status) in the order they complete
     lock = threading.Lock()
 
@@ -69,5 +70,6 @@ def test_a_slow_template_holds_only_its_own_model(srv):
     assert sorted(done) == sorted([("slow", 200)] * SLOW + [("fast", 200)])
     before = [m for m, _ in done].index("fast")
     # in one pool shared by both models the fast chat's job queued behind all of the slow ones and
-    # ended after them; in a lane of its own it ends before the slow lane's first round is through
-    assert before < SMALL_WORKERS, done
+    # ended after them (index SLOW); in a lane of its own it ends while the slow lane's last round
+    # still runs (how many rounds came before it depends on the machine: a render takes 0.3-0.6 s)
+    assert before < SLOW - SMALL_WORKERS, done
