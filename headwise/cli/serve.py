@@ -55,7 +55,8 @@ def add_cli(sub) -> None:
         default=1,
         metavar="N",
         help="split the MODEL's heads over N processes on this machine: this one serves (rank 0) and starts "
-        "N - 1 followers, each with as many torch threads as this one (set OMP_NUM_THREADS to cores / N); "
+        "N - 1 followers; each rank runs cores / N torch threads, fewer while other processes keep cores busy "
+        "(HEADWISE_THREADS=N pins them); "
         "N must divide the model's KV heads. One MODEL; in a --config: tensor_parallel = N in its table",
     )
     p.add_argument(
