@@ -22,6 +22,7 @@ Per-model flags (cli/serve_flags.py; vLLM's names) apply to the MODEL arguments;
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .serve_flags import add_model_flags, apply_model_flags
@@ -65,6 +66,14 @@ def add_cli(sub) -> None:
         metavar="SIZE",
         help="each chat model's KV pool, e.g. 512MiB, 1GiB or 1GB (10^9 bytes): EngineConfig.memory_budget_bytes; "
         "default: 32k tokens, at most a quarter of the free memory. A model's num_blocks in --config still wins",
+    )
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="torch threads each model's steps run with, pinned (as HEADWISE_THREADS=N; with --tensor-parallel, "
+        "per rank); default: the cores other processes leave free, looked at again every 0.25 s",
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument(
@@ -131,6 +140,12 @@ def run(args) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.threads is not None:  # pinned: the governor (core/governor.py) stays out, here and in followers
+        from ..core.governor import ENV
+        from ..runtime.threads import pin_threads
+
+        os.environ[ENV] = str(args.threads)  # tensor-parallel followers are new processes: they read it
+        pin_threads(args.threads)
     why = _tensor_parallel_usage(args)
     if why:
         print(f"headwise serve: error: {why}", file=sys.stderr)
@@ -214,8 +229,6 @@ def run(args) -> int:
 
 def _tensor_parallel_usage(args) -> str | None:
     """What is wrong with --tensor-parallel N here, or None."""
-    import os
-
     world = os.environ.get("WORLD_SIZE", "1")
     if world.isdigit() and int(world) > 1:
         return (

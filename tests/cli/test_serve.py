@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import openai
 
 from headwise.models.builtin import resolve
@@ -37,6 +38,8 @@ def test_serve_models_from_the_command_line_and_the_printed_snippet_runs(tmp_pat
             "--port",
             str(port),
             "--self-check",
+            "--threads",
+            "1",
         ],
         cwd=ROOT,
         env=env,
@@ -60,6 +63,9 @@ def test_serve_models_from_the_command_line_and_the_printed_snippet_runs(tmp_pat
         )
         assert with_template.choices[0].message.content
         assert len(client.embeddings.create(model=minilm_dir.name, input="a cat").data[0].embedding) == 384
+        # --threads 1: the chat model's steps ran pinned at 1 (its engine's gauge), whatever the load
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+        assert 'headwise_engine_threads{model="smollm2-135m-instruct"} 1.0' in metrics, metrics[-2000:]
 
         # the snippet exactly as printed, run in a shell of its own as a user pastes it
         snippet = re.search(r"^(\S+ - <<'EOF'\n.*?\nEOF)$", out, re.S | re.M).group(1)
