@@ -163,6 +163,17 @@ class BodySizeLimit:
         await self.app(scope, replay, send)
 
 
+def sent_key(headers: dict[bytes, bytes]) -> bytes | None:
+    """The API key a request sent (its ASGI headers as a dict): `Authorization: Bearer <key>`, or
+    Anthropic's `x-api-key: <key>` when there is no Authorization header; None otherwise."""
+    auth = headers.get(b"authorization", b"")
+    scheme, _, token = auth.partition(b" ")
+    if not auth and headers.get(b"x-api-key"):
+        scheme, token = b"bearer", headers[b"x-api-key"]
+    token = token.strip()
+    return token if scheme.lower() == b"bearer" and token else None
+
+
 class ApiKeyAuth:
     """Bearer keys, compared in constant time (hmac.compare_digest, against every key,
     so timing reveals neither a key nor which one matched). Keys are never logged:
@@ -193,16 +204,12 @@ class ApiKeyAuth:
         PEER.set(self.accept_resume == "always")  # this request's task only
         if not self.keys or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        auth = headers.get(b"authorization", b"")
-        scheme, _, token = auth.partition(b" ")
-        if not auth and headers.get(b"x-api-key"):
-            scheme, token = b"bearer", headers[b"x-api-key"]
-        if scheme.lower() != b"bearer" or not token.strip():
+        key = sent_key(dict(scope.get("headers") or []))
+        if key is None:
             err = APIError(
                 401, "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'", code="invalid_api_key"
             )
-        elif not self._ok(token.strip()):
+        elif not self._ok(key):
             err = APIError(401, "invalid API key", code="invalid_api_key")
         else:
             PEER.set(self.accept_resume != "never")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from fastapi.responses import StreamingResponse
 
 from ..errors import APIError
+from ..middleware import sent_key
 from ..timeouts import CONNECTION_KEY
 from .common import SSE_DONE, sse
 
@@ -137,12 +138,10 @@ class Streams:
 
 def fair_share(request, priority: int = 0) -> dict:
     """An API request's place in the engine's fair shares (runtime/fair.py): its priority, and its
-    client: the API key it sent (Authorization: Bearer, or x-api-key), hashed -- the key itself is
+    client: the API key it sent (middleware.sent_key), hashed -- the key itself is
     never kept; None without one (the request is a client of its own)."""
-    headers = request.headers
-    scheme, _, token = headers.get("authorization", "").partition(" ")
-    key = token.strip() if scheme.lower() == "bearer" else headers.get("x-api-key", "").strip()
-    client = "key-" + hashlib.sha256(key.encode()).hexdigest()[:16] if key else None
+    key = sent_key(dict(request.scope.get("headers") or []))  # the key ApiKeyAuth checked
+    client = "key-" + hashlib.sha256(key).hexdigest()[:16] if key else None
     return {"priority": priority, "client": client}
 
 
