@@ -38,6 +38,7 @@ if platform.machine().lower() in ("x86_64", "amd64"):
         Extension(
             f"headwise.kernels._cpu_{isa}",
             sources(isa),
+            depends=[str(p) for p in sorted(CSRC.rglob("*.h"))],  # a header's change rebuilds (setuptools tracks .c only)
             define_macros=[("HW_MODULE", f"_cpu_{isa}")],
             extra_compile_args=COMMON + flags,
             extra_link_args=["-fopenmp"],

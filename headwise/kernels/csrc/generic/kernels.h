@@ -80,8 +80,8 @@ void hw_quantize_x_q8(const float *x, long M, long I, int8_t *qx, float *dx, flo
 void hw_quant_rows(int fmt, const uint8_t *w, const int8_t *qx, const float *dx, const float *sx, const float *b,
                    const float *r, float *y, long M, long O, long I, int par);
 /* The same on rows packed in groups of 8 (fmt | X8; quant_group.c). */
-void hw_quant_groups(int fmt, const uint8_t *w, const int8_t *qx, const float *dx, const float *sx, const float *b,
-                     const float *r, float *y, long M, long O, long I, int par);
+void hw_quant_groups(int fmt, const uint8_t *w, const int8_t *qx, const float *dx, const float *sx, const int32_t *xs,
+                     const float *b, const float *r, float *y, long M, long O, long I, int par);
 /* One 32-block row of a format -> fp32 (x86/avx2/dequantize.c). */
 void hw_dequantize_row(int fmt, const uint8_t *row, float *out, long I);
 /* One block of Q8_0 / Q4_K / Q5_K / Q6_K from fp32 (x86/avx2/quantize.c, quantize_k.c). */

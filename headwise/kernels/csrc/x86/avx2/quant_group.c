@@ -273,8 +273,9 @@ static void out_x8_4x8_q8_ymm(int fmt, const uint8_t *w, const int8_t *qx, const
         }
     }
 }
-void hw_quant_groups(int fmt, const uint8_t *w, const int8_t *qx, const float *dx, const float *sx, const float *b,
-                     const float *r, float *y, long M, long O, long I, int par) {
+void hw_quant_groups(int fmt, const uint8_t *w, const int8_t *qx, const float *dx, const float *sx, const int32_t *xs,
+                     const float *b, const float *r, float *y, long M, long O, long I, int par) {
+    (void)xs;  /* the avx512 variant's Q6_K tiles' sums; maddubs' int16 pairs keep the sign trick here */
     const long ng = (O + 7) / 8;
     #pragma omp parallel for schedule(static) if (par)
     for (long g = 0; g < ng; g++) out_x8_4x8_q8_ymm(fmt, w, qx, dx, sx, b, r, y, M, O, I, g);

@@ -34,7 +34,7 @@
 
 /* Outputs [8 g, 8 g + 8) (those below O) of packed group g for all M rows, plus bias and residual. */
 static void out_x8_8x8_q8_ymm(int fmt, const uint8_t *w, const int8_t *qx, const float *dx, const float *sx,
-                              const float *b, const float *r, float *y, long M, long O, long I, long g) {
+                              const int32_t *xs, const float *b, const float *r, float *y, long M, long O, long I, long g) {
     const long nb = I / QK, o = 8 * g, n = O - o < 8 ? O - o : 8;
     const uint8_t *grp = w + g * (I / block_values(fmt)) * 8 * block_bytes(fmt);
     for (long m0 = 0; m0 < M; m0 += GMC) {
@@ -49,7 +49,7 @@ static void out_x8_8x8_q8_ymm(int fmt, const uint8_t *w, const int8_t *qx, const
             case Q5_1: TILE_MC(TILE_Q5_1, mc, grp, nb, q, d, s, I, out) break;
             case Q4_K: TILE_MC(TILE_Q4_K, mc, grp, I / QK_K, q, d, s, I, out) break;
             case Q5_K: TILE_MC(TILE_Q5_K, mc, grp, I / QK_K, q, d, s, I, out) break;
-            case Q6_K: TILE_MC(tile_q6_k_8x8_q8_ymm, mc, grp, I / QK_K, q, d, I, out) break;
+            case Q6_K: TILE_MC(tile_q6_k_8x8_q8_ymm, mc, grp, I / QK_K, q, d, xs + m0 * (I / 16), I, out) break;
             default: TILE_MC(TILE_Q4_0, mc, grp, nb, q, d, s, I, out) break;
         }
         for (long m = 0; m < mc; m++) {
@@ -208,12 +208,13 @@ static inline __attribute__((always_inline)) void tile_q4q5_k_8x16_q8_zmm(int fi
     for (int m = 0; m < MC; m++) out[m] = acc[m];
 }
 
-/* tile_q6_k_8x8_q8_ymm on two groups at once, as tile_q4q5_k_8x16_q8_zmm is tile_q4q5_k_8x8_q8_ymm's. */
+/* tile_q6_k_8x8_q8_ymm on two groups at once, as tile_q4q5_k_8x16_q8_zmm is tile_q4q5_k_8x8_q8_ymm's (unsigned
+ * q from -32 sum(qx): no abs, sign mask and masked negate per chunk). */
 static inline __attribute__((always_inline)) void tile_q6_k_8x16_q8_zmm(int MC, const uint8_t *g0, const uint8_t *g1,
                                                                         long nsb, const int8_t *qx, const float *dx,
-                                                                        long I, __m512 out[GMC]) {
-    const long nb = I / QK;
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03), k32 = _mm512_set1_epi8(32);
+                                                                        const int32_t *xs, long I, __m512 out[GMC]) {
+    const long nb = I / QK, n16 = I / 16;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
     __m512 acc[GMC];
     for (int m = 0; m < MC; m++) acc[m] = _mm512_setzero_ps();
     const long ahead = hw_qpf_ahead;
@@ -233,20 +234,17 @@ static inline __attribute__((always_inline)) void tile_q6_k_8x16_q8_zmm(int MC, 
                           sc1 = _mm512_srai_epi32(_mm512_slli_epi32(scs, 16 - 8 * k0), 24);
             const int8_t *xb = qx + (s * 8 + j) * QK;
             __m512i sum[2][GMC];
-            for (int m = 0; m < MC; m++) sum[0][m] = sum[1][m] = _mm512_setzero_si512();
+            for (int m = 0; m < MC; m++)
+                for (int h = 0; h < 2; h++) sum[h][m] = _mm512_set1_epi32(xs[m * n16 + 2 * (s * 8 + j) + h]);
             for (int c = 0; c < 8; c++) {
                 const __m512i ql = join_si(c0 + 32 * (cq + c), c1 + 32 * (cq + c));
                 const __m512i qh = join_si(c0 + 32 * (chh + c), c1 + 32 * (chh + c));
                 const __m512i q = _mm512_or_si512(_mm512_and_si512(_mm512_srl_epi16(ql, sl), m4),
                                                   _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(qh, sh), m2), 4));
-                const __m512i w = _mm512_sub_epi8(q, k32), aw = _mm512_abs_epi8(w);
-                const __mmask64 neg = _mm512_movepi8_mask(w);
                 for (int m = 0; m < MC; m++) {
                     int32_t a;
                     memcpy(&a, xb + m * I + 4 * c, 4);
-                    const __m512i xv = _mm512_set1_epi32(a);
-                    sum[c / 4][m] = _mm512_dpbusd_epi32(sum[c / 4][m], aw,
-                                                        _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv));
+                    sum[c / 4][m] = _mm512_dpbusd_epi32(sum[c / 4][m], q, _mm512_set1_epi32(a));
                 }
             }
             for (int m = 0; m < MC; m++) {
@@ -261,7 +259,7 @@ static inline __attribute__((always_inline)) void tile_q6_k_8x16_q8_zmm(int MC, 
 
 #define TILE2_Q4_K(MC, ...) tile_q4q5_k_8x16_q8_zmm(0, MC, __VA_ARGS__)
 #define TILE2_Q5_K(MC, ...) tile_q4q5_k_8x16_q8_zmm(1, MC, __VA_ARGS__)
-#define TILE2_Q6_K(MC, g0, g1, nsb, qx, dx, sx, I, out) tile_q6_k_8x16_q8_zmm(MC, g0, g1, nsb, qx, dx, I, out)
+#define TILE2_Q6_K(MC, g0, g1, nsb, qx, dx, xs, I, out) tile_q6_k_8x16_q8_zmm(MC, g0, g1, nsb, qx, dx, xs, I, out)
 #define GROUP2_MC_K(tile, mc, ...)                      \
     switch (mc) {                                       \
         case 1: tile(1, __VA_ARGS__); break;            \
@@ -288,7 +286,7 @@ static inline __attribute__((always_inline)) void tile_q6_k_8x16_q8_zmm(int MC, 
 
 /* Outputs [8 g, 8 g + 16) (those below O) of packed groups g and g + 1 for all M rows, plus bias and residual. */
 static void out_x8_8x16_q8_zmm(int fmt, const uint8_t *w, const int8_t *qx, const float *dx, const float *sx,
-                               const float *b, const float *r, float *y, long M, long O, long I, long g) {
+                               const int32_t *xs, const float *b, const float *r, float *y, long M, long O, long I, long g) {
     const long nb = I / QK, o = 8 * g, n = O - o < 16 ? O - o : 16, nblk = I / block_values(fmt);
     const uint8_t *g0 = w + g * nblk * 8 * block_bytes(fmt), *g1 = g0 + nblk * 8 * block_bytes(fmt);
     for (long m0 = 0; m0 < M; m0 += GMC) {
@@ -299,7 +297,7 @@ static void out_x8_8x16_q8_zmm(int fmt, const uint8_t *w, const int8_t *qx, cons
         } else if (fmt == Q5_K) {
             GROUP2_MC_K(TILE2_Q5_K, mc, g0, g1, nblk, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
         } else if (fmt == Q6_K) {
-            GROUP2_MC_K(TILE2_Q6_K, mc, g0, g1, nblk, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
+            GROUP2_MC_K(TILE2_Q6_K, mc, g0, g1, nblk, qx + m0 * I, dx + m0 * nb, xs + m0 * (I / 16), I, out)
         } else if (fmt == Q8_0) {
             GROUP2_MC(Q8_0, mc, g0, g1, nb, qx + m0 * I, dx + m0 * nb, sx + m0 * nb, I, out)
         } else if (fmt == Q4_1) {
@@ -319,17 +317,17 @@ static void out_x8_8x16_q8_zmm(int fmt, const uint8_t *w, const int8_t *qx, cons
     }
 }
 
-void hw_quant_groups(int fmt, const uint8_t *w, const int8_t *qx, const float *dx, const float *sx, const float *b,
-                     const float *r, float *y, long M, long O, long I, int par) {
+void hw_quant_groups(int fmt, const uint8_t *w, const int8_t *qx, const float *dx, const float *sx, const int32_t *xs,
+                     const float *b, const float *r, float *y, long M, long O, long I, int par) {
     const long ng = (O + 7) / 8;
     if (M >= hw_zmm_min_rows) {
         #pragma omp parallel for schedule(static) if (par)
         for (long q = 0; q < (ng + 1) / 2; q++) {
-            if (2 * q + 1 < ng) out_x8_8x16_q8_zmm(fmt, w, qx, dx, sx, b, r, y, M, O, I, 2 * q);
-            else out_x8_8x8_q8_ymm(fmt, w, qx, dx, sx, b, r, y, M, O, I, 2 * q);
+            if (2 * q + 1 < ng) out_x8_8x16_q8_zmm(fmt, w, qx, dx, sx, xs, b, r, y, M, O, I, 2 * q);
+            else out_x8_8x8_q8_ymm(fmt, w, qx, dx, sx, xs, b, r, y, M, O, I, 2 * q);
         }
         return;
     }
     #pragma omp parallel for schedule(static) if (par)
-    for (long g = 0; g < ng; g++) out_x8_8x8_q8_ymm(fmt, w, qx, dx, sx, b, r, y, M, O, I, g);
+    for (long g = 0; g < ng; g++) out_x8_8x8_q8_ymm(fmt, w, qx, dx, sx, xs, b, r, y, M, O, I, g);
 }
