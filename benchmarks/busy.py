@@ -28,6 +28,12 @@ claims' ratios round by round (min / median / max over the rounds).
 
     .venv/bin/python benchmarks/busy.py                # ~10 min on 2 cores; saves results/busy.txt
     .venv/bin/python benchmarks/busy.py --quick        # 1 round, 32 tokens, no save
+    .venv/bin/python benchmarks/busy.py --same-process 20 --new-tokens 256   # claim 2 in one process
+
+--same-process N: claim 2 without the fresh processes' spread (each one's memory placement moves its
+speed by several percent, 0.79-1.06x between two of them on a quiet machine): one process loads the
+model once and decodes N rounds governed (`default`) and N with the count pinned to the cores
+(GOVERNOR.pin, as `fixed`), alternating which goes first; the paired ratio round by round.
 """
 
 from __future__ import annotations
@@ -89,6 +95,57 @@ def child(variant: str, new_tokens: int) -> None:
             }
         ),
         flush=True,
+    )
+
+
+def same_process(rounds: int, new_tokens: int) -> None:
+    """Runs in the measured subprocess: governed vs pinned decodes alternated in one process, one JSON line."""
+    import headwise
+    from headwise.runtime.threads import GOVERNOR
+
+    model = headwise.load(MODEL)
+    headwise.generate(model, PROMPT, max_new_tokens=16, temperature=0, ignore_eos=True)
+    got: dict[str, list] = {"default": [], "fixed": [], "threads": [], "others": []}
+    for r in range(rounds):
+        for var in ("default", "fixed") if r % 2 == 0 else ("fixed", "default"):
+            GOVERNOR.pin(CORES if var == "fixed" else None)
+            res = headwise.generate(model, PROMPT, max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+            got[var].append(res.tokens_per_second)
+            if var == "default":
+                got["threads"].append(res.threads)
+                got["others"].append(round(GOVERNOR.others, 2))
+    GOVERNOR.pin(None)
+    print(json.dumps(got), flush=True)
+
+
+def run_same_process(args, log) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in OURS}
+    load0 = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", "same-process", "--rounds", str(args.same_process)]
+        + ["--new-tokens", str(args.new_tokens)],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    if proc.returncode:
+        raise SystemExit(f"the same-process child failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for r, (d, f) in enumerate(zip(got["default"], got["fixed"])):
+        log(
+            f"  round {r + 1}: default {d:7.2f} tok/s ({got['threads'][r]} threads, others {got['others'][r]:.2f} "
+            f"cores)  fixed {f:7.2f} tok/s  default/fixed {d / f:.3f}"
+        )
+    log(f"load average (1 min) {load0:.2f} -> {os.getloadavg()[0]:.2f}; {time.perf_counter() - t0:.0f} s in all")
+    log(
+        f"default idle {statistics.median(got['default']):.2f} tok/s (median), fixed idle "
+        f"{statistics.median(got['fixed']):.2f}"
+    )
+    log(
+        "claim 2, quiet speed unchanged (>= 0.98x), one process: default / fixed, round by round "
+        + ratios(got["default"], got["fixed"])
     )
 
 
@@ -188,7 +245,17 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per measurement")
     p.add_argument("--quick", action="store_true", help="1 round, no save")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "busy.txt"))
+    p.add_argument(
+        "--same-process",
+        type=int,
+        default=0,
+        metavar="N",
+        help="claim 2 only: N rounds of governed vs pinned decodes in one process (see above)",
+    )
     args = p.parse_args()
+    if args.child == "same-process":
+        same_process(args.rounds, args.new_tokens)
+        return 0
     if args.child:
         child(args.child, args.new_tokens)
         return 0
@@ -213,10 +280,20 @@ def main() -> int:
     cells = [(c, v) for c in conditions for v in variants]
     log(
         f"busy: headwise.generate decode tok/s, {MODEL} (Q4_1 GGUF as loaded), greedy, {args.new_tokens} new "
-        f"tokens, {args.rounds} interleaved rounds, fresh process each"
+        + (
+            f"tokens, {args.same_process} rounds governed vs pinned, alternated in one process"
+            if args.same_process
+            else f"tokens, {args.rounds} interleaved rounds, fresh process each"
+        )
     )
     log(f"date {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}; {cpu_summary()}")
     log(f"python {platform.python_version()}; command: {' '.join(['python', *sys.argv])}")
+    if args.same_process:
+        run_same_process(args, log)
+        if not args.quick:
+            Path(args.out).write_text("\n".join(lines) + "\n")
+            print(f"saved {args.out}")
+        return 0
     samples: dict[tuple[str, str], list[float]] = {cell: [] for cell in cells}
     seen: dict[tuple[str, str], str] = {}
     loads = [os.getloadavg()[0]]
