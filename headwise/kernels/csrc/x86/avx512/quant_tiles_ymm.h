@@ -116,7 +116,8 @@ static inline __attribute__((always_inline)) void tile_q4q5_k_8x8_q8_ymm(int fiv
     const int nta = hw_qpf_nta;
     for (long s = 0; s < nsb; s++) {
         const uint8_t *p = grp + s * 8 * bb;
-        for (long o = 0; o < 8 * bb; o += 64) prefetch_weight(p + ahead + o, nta);
+        if (MC > 2)
+            for (long o = 0; o < 8 * bb; o += 64) prefetch_weight(p + ahead + o, nta);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)));
         const __m256i s0 = _mm256_loadu_si256((const __m256i *)(p + 32)),
@@ -142,6 +143,11 @@ static inline __attribute__((always_inline)) void tile_q4q5_k_8x8_q8_ymm(int fiv
             for (int m = 0; m < MC; m++) sum[0][m] = sum[1][m] = _mm256_setzero_si256();
             const int8_t *xb = qx + (s * 8 + 2 * k) * QK;
             for (int c = 0; c < 8; c++) {
+                /* up to 2 rows of x a line an iteration (the block's 18 or 22 lines in its first ones), not
+                 * all at the block's start: the 7B-shaped file's matmuls from DRAM, 2 threads, Zen 4, with
+                 * tile_q6_k_8x8_q8_ymm's: 1.09x (1.14x at 3072 bytes ahead); no change while the memory
+                 * is saturated (another VM's traffic) */
+                if (MC <= 2 && 64 * (8 * k + c) < 8 * bb) prefetch_weight(p + ahead + 64 * (8 * k + c), nta);
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(q + (8 * k + c) * 32));
                 __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
                 if (five) {  /* values 4 c .. of sub-blocks 2 k, 2 k + 1: bits 2 k, 2 k + 1 of qh bytes 4 c .. */
@@ -175,48 +181,85 @@ static inline __attribute__((always_inline)) void tile_q4q5_k_8x8_q8_ymm(int fiv
  * shifted by 2 (j % 4) (the rows path's unpack), minus 32. The unsigned values q (0 .. 63) meet qx
  * in dpbusd, each 16-value half's sum starting from xs = -32 sum(qx) over those 16 values
  * (generic/quant_linear.c): sum (q - 32) qx, the integers the sign trick gave, without the
- * subtract, abs and sign per chunk. The half sums times their scales in integers.
- * (7B-shaped Q6_K layer at 1 row of x, AMD EPYC Zen 4, 1 thread: 1.08x from DRAM, 1.17x from L3;
- * 2 threads from DRAM: unchanged. Unpacking the four sub-blocks that share a qh chunk together was
- * 1.3x faster from L3 but 0.6-0.8x from DRAM.) */
+ * subtract, abs and sign per chunk. The half sums times their scales in integers, then the float
+ * epilogue sub-block by sub-block, in order.
+ * Up to 2 rows of x (decode) the four sub-blocks that share a qh chunk are unpacked together (each
+ * ql chunk once for two of them), and the block's lines are prefetched two an iteration rather
+ * than all at its start: a burst of 27 prefetches ahead of a loop this fast stalled it from DRAM
+ * (0.6x). A 7B-shaped Q6_K layer at 1 row of x, AMD EPYC Zen 4, against the sign trick: 1.3x from
+ * L3, 1.2x from DRAM on 1 thread, 1.0-1.1x on 2 (benchmarks/dram_stream.py --fmt q6_k). */
 static inline __attribute__((always_inline)) void tile_q6_k_8x8_q8_ymm(int MC, const uint8_t *grp, long nsb,
                                                                        const int8_t *qx, const float *dx,
                                                                        const int32_t *xs, long I, __m256 out[GMC]) {
     const long nb = I / QK, n16 = I / 16;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), m30 = _mm256_set1_epi8(0x30);
     __m256 acc[GMC];
     for (int m = 0; m < MC; m++) acc[m] = _mm256_setzero_ps();
     const long ahead = hw_qpf_ahead;
     const int nta = hw_qpf_nta;
     for (long s = 0; s < nsb; s++) {
         const uint8_t *p = grp + s * 8 * 210, *ch = p + 16;
-        for (long o = 0; o < 8 * 210; o += 64) prefetch_weight(p + ahead + o, nta);
+        if (MC > 2)
+            for (long o = 0; o < 8 * 210; o += 64) prefetch_weight(p + ahead + o, nta);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-        for (int j = 0; j < 8; j++) {
-            const int cq = 16 * (j / 4) + 8 * (j % 2), chh = 32 + 8 * (j / 4), sl = 4 * ((j % 4) / 2), sh = 2 * (j % 4);
-            const __m256i scs = _mm256_loadu_si256((const __m256i *)(ch + 32 * (48 + j / 2)));
-            const int k0 = 2 * (j % 2);  /* the two scales' bytes in each lane, sign-extended */
-            const __m256i sc0 = _mm256_srai_epi32(_mm256_slli_epi32(scs, 24 - 8 * k0), 24),
-                          sc1 = _mm256_srai_epi32(_mm256_slli_epi32(scs, 16 - 8 * k0), 24);
-            const int8_t *xb = qx + (s * 8 + j) * QK;
-            __m256i sum[2][GMC];
-            for (int m = 0; m < MC; m++)
-                for (int h = 0; h < 2; h++) sum[h][m] = _mm256_set1_epi32(xs[m * n16 + 2 * (s * 8 + j) + h]);
-            for (int c = 0; c < 8; c++) {
-                const __m256i ql = _mm256_loadu_si256((const __m256i *)(ch + 32 * (cq + c)));
-                const __m256i qh = _mm256_loadu_si256((const __m256i *)(ch + 32 * (chh + c)));
-                const __m256i q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, sl), m4),
-                                                  _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, sh), m2), 4));
-                for (int m = 0; m < MC; m++) {
-                    int32_t a;
-                    memcpy(&a, xb + m * I + 4 * c, 4);
-                    sum[c / 4][m] = _mm256_dpbusd_epi32(sum[c / 4][m], q, _mm256_set1_epi32(a));
+        for (int jj = 0; jj < 2; jj++) {  /* sub-blocks 4 jj .. 4 jj + 3 */
+            __m256i sum[4][2][2];  /* [j - 4 jj][half][row of x], up to 2 rows */
+            if (MC <= 2) {
+                for (int j = 0; j < 4; j++)
+                    for (int m = 0; m < MC; m++)
+                        for (int h = 0; h < 2; h++)
+                            sum[j][h][m] = _mm256_set1_epi32(xs[m * n16 + 2 * (s * 8 + 4 * jj + j) + h]);
+                for (int c = 0; c < 8; c++) {
+                    const long o = 128 * (8 * jj + c);
+                    prefetch_weight(p + ahead + o, nta);
+                    if (o + 64 < 8 * 210) prefetch_weight(p + ahead + o + 64, nta);
+                    const __m256i la = _mm256_loadu_si256((const __m256i *)(ch + 32 * (16 * jj + c))),
+                                  lb = _mm256_loadu_si256((const __m256i *)(ch + 32 * (16 * jj + 8 + c))),
+                                  qh = _mm256_loadu_si256((const __m256i *)(ch + 32 * (32 + 8 * jj + c)));
+                    __m256i q[4];  /* sub-block 4 jj + j: its ql nibble, qh's bits 2 j, 2 j + 1 as bits 4, 5 */
+                    q[0] = _mm256_or_si256(_mm256_and_si256(la, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+                    q[1] = _mm256_or_si256(_mm256_and_si256(lb, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+                    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), m4), _mm256_and_si256(qh, m30));
+                    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), m4),
+                                           _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+                    for (int j = 0; j < 4; j++)
+                        for (int m = 0; m < MC; m++) {
+                            int32_t a;
+                            memcpy(&a, qx + m * I + (s * 8 + 4 * jj + j) * QK + 4 * c, 4);
+                            sum[j][c / 4][m] = _mm256_dpbusd_epi32(sum[j][c / 4][m], q[j], _mm256_set1_epi32(a));
+                        }
                 }
             }
-            for (int m = 0; m < MC; m++) {
-                const __m256i t = _mm256_add_epi32(_mm256_mullo_epi32(sum[0][m], sc0), _mm256_mullo_epi32(sum[1][m], sc1));
-                acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_broadcast_ss(dx + m * nb + s * 8 + j)),
-                                         _mm256_cvtepi32_ps(t), acc[m]);
+            for (int j = 4 * jj; j < 4 * jj + 4; j++) {
+                const __m256i scs = _mm256_loadu_si256((const __m256i *)(ch + 32 * (48 + j / 2)));
+                const int k0 = 2 * (j % 2);  /* the two scales' bytes in each lane, sign-extended */
+                const __m256i sc0 = _mm256_srai_epi32(_mm256_slli_epi32(scs, 24 - 8 * k0), 24),
+                              sc1 = _mm256_srai_epi32(_mm256_slli_epi32(scs, 16 - 8 * k0), 24);
+                __m256i one[2][GMC];  /* from 3 rows of x: sub-block j alone */
+                if (MC > 2) {
+                    const int cq = 16 * (j / 4) + 8 * (j % 2), chh = 32 + 8 * (j / 4), sl = 4 * ((j % 4) / 2),
+                              sh = 2 * (j % 4);
+                    for (int m = 0; m < MC; m++)
+                        for (int h = 0; h < 2; h++) one[h][m] = _mm256_set1_epi32(xs[m * n16 + 2 * (s * 8 + j) + h]);
+                    for (int c = 0; c < 8; c++) {
+                        const __m256i ql = _mm256_loadu_si256((const __m256i *)(ch + 32 * (cq + c)));
+                        const __m256i qh = _mm256_loadu_si256((const __m256i *)(ch + 32 * (chh + c)));
+                        const __m256i q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, sl), m4),
+                                                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, sh), m2), 4));
+                        for (int m = 0; m < MC; m++) {
+                            int32_t a;
+                            memcpy(&a, qx + m * I + (s * 8 + j) * QK + 4 * c, 4);
+                            one[c / 4][m] = _mm256_dpbusd_epi32(one[c / 4][m], q, _mm256_set1_epi32(a));
+                        }
+                    }
+                }
+                for (int m = 0; m < MC; m++) {
+                    const __m256i s0 = MC <= 2 ? sum[j - 4 * jj][0][m & 1] : one[0][m],
+                                  s1 = MC <= 2 ? sum[j - 4 * jj][1][m & 1] : one[1][m];
+                    const __m256i t = _mm256_add_epi32(_mm256_mullo_epi32(s0, sc0), _mm256_mullo_epi32(s1, sc1));
+                    acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_broadcast_ss(dx + m * nb + s * 8 + j)),
+                                             _mm256_cvtepi32_ps(t), acc[m]);
+                }
             }
         }
     }
