@@ -1,0 +1,129 @@
+"""Two builds of the compiled kernels, side by side in one process, on a GGUF file's own quantized matmuls.
+
+A kernel change that moves a DRAM-bound decode by a few percent is lost between two processes here (each
+one's memory placement and the other VMs' traffic move a 7B-shaped step by 20%: 95 to 125 ms). So both
+builds are loaded at once (each .so its own copy: `dlopen` keys on the path, so its globals are its own),
+the model is loaded once, and every round runs each of its quantized linears (`kernels.quant.run_quant`,
+in model order, `--rows` rows of x: 1 is a batch-1 decode step) through each build in turn, the order
+rotated round by round (benchmarks/_common.py's time_interleaved). The outputs are checked equal.
+
+Build the other one from a checkout of the commit to compare, then point at its .so:
+
+    git worktree add /tmp/hw-base <commit> && (cd /tmp/hw-base && python setup.py build_ext --inplace)
+    .venv/bin/python benchmarks/kernel_builds.py --base /tmp/hw-base/headwise/kernels/_cpu_avx512*.so \\
+        --gguf ~/.cache/headwise/synthetic/llama-C4096-L32-H32-32-F11008-q4_k_m.gguf --rounds 16
+
+The variant this CPU runs (kernels.isa()) is compared; --base must be the same variant's file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import importlib.util
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import busy_and_steal, cpu_ticks, environment, loadavg, summarize, table, time_interleaved  # noqa: E402
+import torch  # noqa: E402  (after _common: headwise first)
+
+import headwise  # noqa: E402
+from headwise import kernels  # noqa: E402
+from headwise.kernels import quant  # noqa: E402
+from headwise.models.linear import QuantizedLinear  # noqa: E402
+
+
+def load_build(path: Path, name: str):
+    """The extension at `path` as a module of its own, tuned as kernels._ext tunes the installed one."""
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    mod.prefetch_ahead(kernels.prefetch_ahead_for())
+    mod.quant_prefetch_ahead(kernels.quant_prefetch_ahead_for())
+    mod.zmm_min_rows(kernels.zmm_min_rows_for())
+    mod.quant_prefetch_nta(kernels.quant_prefetch_nta_for())
+    return mod
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", type=Path, required=True, help="the other build's _cpu_<isa>*.so")
+    ap.add_argument("--gguf", default="smollm2", help="a GGUF file or builtin model (default smollm2)")
+    ap.add_argument("--rows", type=int, default=1, help="rows of x (default 1: a batch-1 decode step)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=16)
+    ap.add_argument("--out", type=Path, default=None, help="save <out>.txt / .json")
+    args = ap.parse_args(argv)
+    isa = kernels.isa()
+    if isa is None:
+        ap.error(f"no compiled kernels run here: {kernels.kernels_unavailable()}")
+    if not args.base.is_file():
+        ap.error(f"--base {args.base}: no such file (build it: see --help)")
+    here = Path(kernels._ext()[0].__file__)
+    name = f"_cpu_{isa}"  # the module's init function is PyInit_<name>: both copies keep it
+    if not args.base.name.startswith(name):
+        ap.error(f"--base {args.base.name} is not the {isa} variant this CPU runs ({here.name})")
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        builds = {}
+        for label, src in (("base", args.base), ("this", here)):
+            (Path(tmp) / label).mkdir()
+            copy = Path(tmp) / label / here.name
+            shutil.copyfile(src, copy)
+            builds[label] = load_build(copy, name)
+        current = [builds["this"]]
+        for mod in [m for n, m in sys.modules.items() if n.startswith("headwise") and hasattr(m, "_ext")]:
+            mod._ext = lambda: (current[0], None)  # every kernel call goes to the build of the moment
+        model = headwise.load(args.gguf)
+        plans = [m.kernel_plan() for m in model.modules() if isinstance(m, QuantizedLinear)]
+        if not plans:
+            ap.error(f"{args.gguf} has no quantized linears (an fp32 file?)")
+        g = torch.Generator().manual_seed(0)
+        xs = [torch.randn(args.rows, p.in_features, generator=g) for p in plans]
+        outs = {}
+
+        def run(label):
+            def step():
+                current[0] = builds[label]
+                outs[label] = [quant.run_quant(p, x) for p, x in zip(plans, xs)]
+
+            return step
+
+        env, load0, ticks0 = environment(), loadavg(), cpu_ticks()
+        with torch.inference_mode():
+            times, rounds = time_interleaved({label: run(label) for label in builds}, rounds=args.rounds)
+        same = all(torch.equal(a, b) for a, b in zip(outs["base"], outs["this"]))
+    MiB = sum(p.blocks.numel() for p in plans) / 2**20
+    fmts = sorted({p.fmt for p in plans})
+    lines = [
+        f"kernel builds on {Path(str(args.gguf)).name}'s {len(plans)} quantized linears ({', '.join(fmts)}, "
+        f"{MiB:.0f} MiB), {args.rows} row(s) of x, {args.threads} threads, {rounds} rounds; {env['date']}",
+        f"{env['cpu_model']}, kernels {isa}; base {args.base}",
+        f"load {load0} -> {loadavg()}, {busy_and_steal(ticks0, cpu_ticks())}",
+    ]
+    rows, res = [], {}
+    for label, t in times.items():
+        s = summarize([x * 1e3 for x in t])
+        paired = statistics.median(b / x for b, x in zip(times["base"], t))
+        res[label] = {"ms": s, "paired_speedup_vs_base": paired, "GB_s_median": MiB * 2**20 / s["median"] / 1e6}
+        rows.append([label, f"{s['min']:.1f}", f"{s['median']:.1f}", f"{s['max']:.1f}",
+                     f"{res[label]['GB_s_median']:.1f}", f"{paired:.3f}x"])  # fmt: skip
+    lines.append(table(["build", "min ms", "median", "max", "GB/s (median)", "speedup vs base (paired)"], rows))
+    lines.append(f"outputs equal: {same}")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".txt").write_text(text + "\n")
+        args.out.with_suffix(".json").write_text(json.dumps({"environment": env, "results": res}, indent=1))
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
