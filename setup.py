@@ -32,13 +32,14 @@ VARIANTS = {
     "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"],
 }
 
+HEADERS = [str(p) for p in sorted(CSRC.rglob("*.h"))]  # a header's change rebuilds too (setuptools tracks .c only)
 ext_modules = []
 if platform.machine().lower() in ("x86_64", "amd64"):
     ext_modules = [
         Extension(
             f"headwise.kernels._cpu_{isa}",
             sources(isa),
-            depends=[str(p) for p in sorted(CSRC.rglob("*.h"))],  # a header's change rebuilds (setuptools tracks .c only)
+            depends=HEADERS,
             define_macros=[("HW_MODULE", f"_cpu_{isa}")],
             extra_compile_args=COMMON + flags,
             extra_link_args=["-fopenmp"],
