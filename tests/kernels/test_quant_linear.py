@@ -419,15 +419,23 @@ for fmt in ("q5_0", "q5_1", "q5_k"):
         x = torch.ones(M, 512)
         for packed in (False, True):
             assert_close(run(blocks, fmt, x, packed=packed), quantized_x(x), blocks, fmt)
+for fill in (0xFF, 0x00):  # Q6_K at q = 63 (w = 31) and q = 0 (w = -32), its 16 int8 scales random
+    blocks = _saturated("q6_k", 24, 512)
+    blocks.view(24, 2, 210)[..., :192] = fill
+    for M in (1, 2, 3, 8):
+        for x in (torch.ones(M, 512), -torch.ones(M, 512)):
+            for packed in (False, True):
+                assert_close(run(blocks, "q6_k", x, packed=packed), quantized_x(x), blocks, "q6_k")
 print(kernels.isa())
 """
 
 
 @pytest.mark.parametrize("isa", [None, "avx2"])
-def test_q5_at_their_largest_values_do_not_overflow(isa):
+def test_q5_and_q6_k_at_their_extremes_do_not_overflow(isa):
     """Q5_0 / Q5_1 / Q5_K weights of 31 against x of 127 in every lane, rows and packed, in this CPU's
     variant and in the avx2 one (whose int16 sums would pass 2^15 after 8 pair sums: each chunk's
-    go to int32), against the float64 reference."""
+    go to int32), against the float64 reference; Q6_K at both ends of its values against x of +-127
+    (the avx512 tiles' unsigned q meets x from -32 sum(x), 1 to 8 rows: ymm and zmm tiles)."""
     import os
     import subprocess
     import sys
