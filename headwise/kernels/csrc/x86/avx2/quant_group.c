@@ -131,8 +131,6 @@ static inline __attribute__((always_inline)) void tile_q4q5_k_4x8_q8_ymm(int fiv
     const long ahead = hw_qpf_ahead;
     for (long s = 0; s < nsb; s++) {
         const uint8_t *p = grp + s * 8 * bb;
-        if (MC > 2)
-            for (long o = 0; o < 8 * bb; o += 64) _mm_prefetch((const char *)(p + ahead + o), _MM_HINT_T0);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)));
         const __m256i s0 = _mm256_loadu_si256((const __m256i *)(p + 32)),
@@ -160,9 +158,9 @@ static inline __attribute__((always_inline)) void tile_q4q5_k_4x8_q8_ymm(int fiv
             for (int m = 0; m < MC; m++) sum32[0][m] = sum32[1][m] = _mm256_setzero_si256();
             const int8_t *xb = qx + (s * 8 + 2 * k) * QK;
             for (int c = 0; c < 8; c++) {
-                /* up to 2 rows of x a line an iteration, not the block's 18 or 22 at its start (the
-                 * avx512 tiles' finding; here measured with this variant on a Zen 4) */
-                if (MC <= 2 && 64 * (8 * k + c) < 8 * bb) _mm_prefetch((const char *)(p + ahead + 64 * (8 * k + c)), _MM_HINT_T0);
+                /* a line an iteration, not the block's 18 or 22 at its start (the avx512 tiles' finding;
+                 * measured with this variant on a Zen 4) */
+                if (64 * (8 * k + c) < 8 * bb) _mm_prefetch((const char *)(p + ahead + 64 * (8 * k + c)), _MM_HINT_T0);
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(q + (8 * k + c) * 32));
                 __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
                 if (five) {  /* values 4 c .. of sub-blocks 2 k, 2 k + 1: bits 2 k, 2 k + 1 of qh bytes 4 c .. */
@@ -214,8 +212,6 @@ static inline __attribute__((always_inline)) void tile_q6_k_4x8_q8_ymm(int MC, c
     const long ahead = hw_qpf_ahead;
     for (long s = 0; s < nsb; s++) {
         const uint8_t *p = grp + s * 8 * 210, *ch = p + 16;
-        if (MC > 2)
-            for (long o = 0; o < 8 * 210; o += 64) _mm_prefetch((const char *)(p + ahead + o), _MM_HINT_T0);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
         for (int j = 0; j < 8; j++) {
             const int cq = 16 * (j / 4) + 8 * (j % 2), chh = 32 + 8 * (j / 4), sl = 4 * ((j % 4) / 2), sh = 2 * (j % 4);
@@ -227,7 +223,7 @@ static inline __attribute__((always_inline)) void tile_q6_k_4x8_q8_ymm(int MC, c
             __m256i sum[2][GMC];
             for (int m = 0; m < MC; m++) sum[0][m] = sum[1][m] = _mm256_setzero_si256();
             for (int c = 0; c < 8; c++) {
-                if (MC <= 2 && c < 4 && 64 * (4 * j + c) < 8 * 210)  /* the block's 27 lines over its first 7 sub-blocks */
+                if (c < 4 && 64 * (4 * j + c) < 8 * 210)  /* the block's 27 lines over its first 7 sub-blocks */
                     _mm_prefetch((const char *)(p + ahead + 64 * (4 * j + c)), _MM_HINT_T0);
                 const __m256i ql = _mm256_loadu_si256((const __m256i *)(ch + 32 * (cq + c)));
                 const __m256i qh = _mm256_loadu_si256((const __m256i *)(ch + 32 * (chh + c)));

@@ -152,11 +152,6 @@ static inline __attribute__((always_inline)) void tile_q4q5_k_8x16_q8_zmm(int fi
     const long ahead = hw_qpf_ahead;
     for (long s = 0; s < nsb; s++) {
         const uint8_t *p0 = g0 + s * 8 * bb, *p1 = g1 + s * 8 * bb;
-        if (MC > 2)
-            for (long o = 0; o < 8 * bb; o += 64) {
-                _mm_prefetch((const char *)(p0 + ahead + o), _MM_HINT_T0);
-                _mm_prefetch((const char *)(p1 + ahead + o), _MM_HINT_T0);
-            }
         const __m512 d = join_ph(p0, p1), dmin = join_ph(p0 + 16, p1 + 16);
         const __m512i s0 = join_si(p0 + 32, p1 + 32), s1 = join_si(p0 + 64, p1 + 64), s2 = join_si(p0 + 96, p1 + 96);
         const long qo = five ? 384 : 128;
@@ -182,10 +177,11 @@ static inline __attribute__((always_inline)) void tile_q4q5_k_8x16_q8_zmm(int fi
             const int8_t *xb = qx + (s * 8 + 2 * k) * QK;
             const __m128i sh = _mm_cvtsi32_si128(2 * k);
             for (int c = 0; c < 8; c++) {
-                /* up to 2 rows of x (Intel's batch-1 step, hw_zmm_min_rows 1) a line of each group an iteration, as the
-                 * ymm tiles: the 36-44 prefetches at the block's start stalled it (7B-shaped file, 1 row, zmm
-                 * tiles forced on a Zen 4: 1.45x at 2 threads, 1.48x at 1; not measured on an Intel) */
-                if (MC <= 2 && 64 * (8 * k + c) < 8 * bb) {
+                /* a line of each group an iteration, as the ymm tiles: the 36-44 prefetches at the block's start
+                 * stalled it. 7B-shaped file's linears, Zen 4, 2 threads: 4 rows 1.49x, 8 rows 1.21x, 32 rows 1.04x;
+                 * 1 row with the zmm tiles forced (Intel's batch-1 path, hw_zmm_min_rows 1) 1.45x; not measured
+                 * on an Intel */
+                if (64 * (8 * k + c) < 8 * bb) {
                     _mm_prefetch((const char *)(p0 + ahead + 64 * (8 * k + c)), _MM_HINT_T0);
                     _mm_prefetch((const char *)(p1 + ahead + 64 * (8 * k + c)), _MM_HINT_T0);
                 }
@@ -228,11 +224,6 @@ static inline __attribute__((always_inline)) void tile_q6_k_8x16_q8_zmm(int MC, 
     const long ahead = hw_qpf_ahead;
     for (long s = 0; s < nsb; s++) {
         const uint8_t *p0 = g0 + s * 8 * 210, *p1 = g1 + s * 8 * 210, *c0 = p0 + 16, *c1 = p1 + 16;
-        if (MC > 2)
-            for (long o = 0; o < 8 * 210; o += 64) {
-                _mm_prefetch((const char *)(p0 + ahead + o), _MM_HINT_T0);
-                _mm_prefetch((const char *)(p1 + ahead + o), _MM_HINT_T0);
-            }
         const __m512 d = join_ph(p0, p1);
         for (int j = 0; j < 8; j++) {
             const int cq = 16 * (j / 4) + 8 * (j % 2), chh = 32 + 8 * (j / 4);
@@ -246,7 +237,7 @@ static inline __attribute__((always_inline)) void tile_q6_k_8x16_q8_zmm(int MC, 
             for (int m = 0; m < MC; m++)
                 for (int h = 0; h < 2; h++) sum[h][m] = _mm512_set1_epi32(xs[m * n16 + 2 * (s * 8 + j) + h]);
             for (int c = 0; c < 8; c++) {
-                if (MC <= 2 && 64 * (8 * j + c) < 8 * 210) {
+                if (64 * (8 * j + c) < 8 * 210) {
                     _mm_prefetch((const char *)(p0 + ahead + 64 * (8 * j + c)), _MM_HINT_T0);
                     _mm_prefetch((const char *)(p1 + ahead + 64 * (8 * j + c)), _MM_HINT_T0);
                 }

@@ -116,8 +116,6 @@ static inline __attribute__((always_inline)) void tile_q4q5_k_8x8_q8_ymm(int fiv
     const int nta = hw_qpf_nta;
     for (long s = 0; s < nsb; s++) {
         const uint8_t *p = grp + s * 8 * bb;
-        if (MC > 2)
-            for (long o = 0; o < 8 * bb; o += 64) prefetch_weight(p + ahead + o, nta);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)));
         const __m256i s0 = _mm256_loadu_si256((const __m256i *)(p + 32)),
@@ -143,11 +141,11 @@ static inline __attribute__((always_inline)) void tile_q4q5_k_8x8_q8_ymm(int fiv
             for (int m = 0; m < MC; m++) sum[0][m] = sum[1][m] = _mm256_setzero_si256();
             const int8_t *xb = qx + (s * 8 + 2 * k) * QK;
             for (int c = 0; c < 8; c++) {
-                /* up to 2 rows of x a line an iteration (the block's 18 or 22 lines in its first ones), not
-                 * all at the block's start: the 7B-shaped file's matmuls from DRAM, 2 threads, Zen 4, with
+                /* a line an iteration (the block's 18 or 22 lines in its first ones), not all at the block's
+                 * start: the 7B-shaped file's matmuls from DRAM at 1 row, 2 threads, Zen 4, with
                  * tile_q6_k_8x8_q8_ymm's: 1.09x (1.14x at 3072 bytes ahead); no change while the memory
                  * is saturated (another VM's traffic) */
-                if (MC <= 2 && 64 * (8 * k + c) < 8 * bb) prefetch_weight(p + ahead + 64 * (8 * k + c), nta);
+                if (64 * (8 * k + c) < 8 * bb) prefetch_weight(p + ahead + 64 * (8 * k + c), nta);
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(q + (8 * k + c) * 32));
                 __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
                 if (five) {  /* values 4 c .. of sub-blocks 2 k, 2 k + 1: bits 2 k, 2 k + 1 of qh bytes 4 c .. */
@@ -184,8 +182,8 @@ static inline __attribute__((always_inline)) void tile_q4q5_k_8x8_q8_ymm(int fiv
  * subtract, abs and sign per chunk. The half sums times their scales in integers, then the float
  * epilogue sub-block by sub-block, in order.
  * Up to 2 rows of x (decode) the four sub-blocks that share a qh chunk are unpacked together (each
- * ql chunk once for two of them), and the block's lines are prefetched two an iteration rather
- * than all at its start: a burst of 27 prefetches ahead of a loop this fast stalled it from DRAM
+ * ql chunk once for two of them). The block's lines are prefetched an iteration or two at a time
+ * rather than all at its start: a burst of 27 prefetches ahead of a loop this fast stalled it from DRAM
  * (0.6x). A 7B-shaped Q6_K layer at 1 row of x, AMD EPYC Zen 4, against the sign trick: 1.3x from
  * L3, 1.2x from DRAM on 1 thread, 1.0-1.1x on 2 (benchmarks/dram_stream.py --fmt q6_k). */
 static inline __attribute__((always_inline)) void tile_q6_k_8x8_q8_ymm(int MC, const uint8_t *grp, long nsb,
@@ -199,8 +197,6 @@ static inline __attribute__((always_inline)) void tile_q6_k_8x8_q8_ymm(int MC, c
     const int nta = hw_qpf_nta;
     for (long s = 0; s < nsb; s++) {
         const uint8_t *p = grp + s * 8 * 210, *ch = p + 16;
-        if (MC > 2)
-            for (long o = 0; o < 8 * 210; o += 64) prefetch_weight(p + ahead + o, nta);
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
         for (int jj = 0; jj < 2; jj++) {  /* sub-blocks 4 jj .. 4 jj + 3 */
             __m256i sum[4][2][2];  /* [j - 4 jj][half][row of x], up to 2 rows */
@@ -242,6 +238,7 @@ static inline __attribute__((always_inline)) void tile_q6_k_8x8_q8_ymm(int MC, c
                     for (int m = 0; m < MC; m++)
                         for (int h = 0; h < 2; h++) one[h][m] = _mm256_set1_epi32(xs[m * n16 + 2 * (s * 8 + j) + h]);
                     for (int c = 0; c < 8; c++) {
+                        if (64 * (8 * j + c) < 8 * 210) prefetch_weight(p + ahead + 64 * (8 * j + c), nta);
                         const __m256i ql = _mm256_loadu_si256((const __m256i *)(ch + 32 * (cq + c)));
                         const __m256i qh = _mm256_loadu_si256((const __m256i *)(ch + 32 * (chh + c)));
                         const __m256i q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, sl), m4),
