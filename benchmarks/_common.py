@@ -12,7 +12,9 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
+import random
 import resource
+import socket
 import statistics
 import sys
 import time
@@ -24,6 +26,23 @@ from typing import Callable, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import headwise  # noqa: E402,F401
 import torch  # noqa: E402
+
+
+# ---------------------------------------------------------------- servers
+_PORTS = random.Random()  # its own generator: benchmarks seed the global one
+
+
+def free_port() -> int:
+    """A free port below the ephemeral range (32768-60999), which other processes' outgoing
+    connections draw from: a port the kernel picked there could be taken before a server binds it."""
+    while True:
+        port = _PORTS.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 # ---------------------------------------------------------------- environment

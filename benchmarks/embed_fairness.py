@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,15 +28,9 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import cpu_model, loadavg  # noqa: E402
+from _common import cpu_model, free_port, loadavg  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "embed_fairness.txt"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def percentile(xs: list[float], q: float) -> float:

@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import cpu_model, loadavg  # noqa: E402
+from _common import cpu_model, free_port, loadavg  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "headwise.cli"]
@@ -49,19 +49,6 @@ GUARDED = [
 ]
 STOPPED = re.compile(r"^headwise serve: stopped while (starting|loading) \((SIGINT|SIGTERM)\)$")
 CODES = {"SIGINT": 130, "SIGTERM": 0}
-
-
-def free_port() -> int:
-    """A free port below the ephemeral range (32768-60999): a port the kernel picked could be taken
-    by another process's outgoing connection before the server binds it (a busy machine does)."""
-    while True:
-        port = random.randrange(20000, 32768)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
 
 
 def start(entry: list[str], model: str, port: int) -> subprocess.Popen:

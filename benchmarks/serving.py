@@ -58,7 +58,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -69,7 +68,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # benchmark this checkout of headwise
 
-from _common import Log, busy_and_steal, cpu_ticks, environment, loadavg, table  # noqa: E402
+from _common import Log, busy_and_steal, cpu_ticks, environment, free_port, loadavg, table  # noqa: E402
 from _worker import Worker  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -80,12 +79,6 @@ BASELINE = Path(__file__).resolve().parent / "_baseline_server.py"
 
 
 # ------------------------------------------------------------------ processes
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     def __init__(self, name: str, argv: list[str], port: int, logdir: Path, cwd: Path = ROOT):
         self.name, self.url = name, f"http://127.0.0.1:{port}"

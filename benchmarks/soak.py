@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Log, cpu_model, loadavg  # noqa: E402
+from _common import Log, cpu_model, free_port, loadavg  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT, EMBED = "smollm2", "minilm"
@@ -73,14 +73,6 @@ def isa() -> str:
     return f"PyTorch CPU capability {torch.backends.cpu.get_cpu_capability()}; headwise small-row kernel: " + (
         "in use (AVX2+FMA)" if why is None else f"off ({why})"
     )
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prompt(rng: random.Random, i: int) -> str:

@@ -4,7 +4,6 @@ banner free of /health polls, and an openai snippet that runs as printed."""
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,17 +13,12 @@ import openai
 
 from headwise.models.builtin import resolve
 
+from ..serve.conftest import free_port
 from .conftest import ROOT
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_models_from_the_command_line_and_the_printed_snippet_runs(tmp_path):
-    port, log = _free_port(), tmp_path / "serve.log"
+    port, log = free_port(), tmp_path / "serve.log"
     minilm_dir = resolve("all-minilm-l6-v2")  # a checkpoint directory, by path
     env = {**os.environ, "HEADWISE_API_KEYS": ""}
     proc = subprocess.Popen(
