@@ -14,6 +14,14 @@ Build the other one from a checkout of the commit to compare, then point at its 
         --gguf ~/.cache/headwise/synthetic/llama-C4096-L32-H32-32-F11008-q4_k_m.gguf --rounds 16
 
 The variant this CPU runs (kernels.isa()) is compared; --base must be the same variant's file.
+
+--set LABEL:NAME=VALUE calls a tuning setter of one build after the defaults (e.g. `--set
+this:quant_prefetch_ahead=3072`; --base may be this build's own .so, so two prefetch distances run side
+by side): prefetch_ahead, quant_prefetch_ahead, zmm_min_rows, quant_prefetch_nta.
+
+--decode N times whole decode steps instead (the model's forward, `decoder_stack` and all: attention,
+norms, the K/V stores): each round each build prefills 8 tokens into a fresh cache (K/V stored as
+generate() stores them) and decodes N tokens greedily; the tokens are checked equal.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -35,7 +44,27 @@ import torch  # noqa: E402  (after _common: headwise first)
 import headwise  # noqa: E402
 from headwise import kernels  # noqa: E402
 from headwise.kernels import quant  # noqa: E402
+from headwise.cache import ContiguousKVCache  # noqa: E402
 from headwise.models.linear import QuantizedLinear  # noqa: E402
+from headwise.runtime.config import kv_dtype_for  # noqa: E402
+
+
+def greedy(model, prompt, new: int) -> tuple[list[int], float]:
+    """`new` tokens after `prompt` (1, T), the cache as generate() keeps it; and the seconds a token
+    took after the first (the prefill's)."""
+    cfg, T = model.config, prompt.shape[1]
+    kv = kv_dtype_for(None, model)
+    cache = ContiguousKVCache(cfg.num_layers, 1, cfg.num_kv_heads, T + new, cfg.head_dim, kv_dtype=kv)
+    nxt = model(prompt, cache.step(T, logits_indices=[T - 1])).argmax(-1).view(1, 1)
+    out = [int(nxt)]
+    t0 = time.perf_counter()
+    for _ in range(new - 1):
+        nxt = model(nxt, cache.step(1))[:, -1].argmax(-1, keepdim=True)
+        out.append(int(nxt))
+    return out, (time.perf_counter() - t0) / max(new - 1, 1)
+
+
+TUNABLE = ("prefetch_ahead", "quant_prefetch_ahead", "zmm_min_rows", "quant_prefetch_nta")
 
 
 def load_build(path: Path, name: str):
@@ -58,6 +87,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=1, help="rows of x (default 1: a batch-1 decode step)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=16)
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="LABEL:NAME=VALUE",
+        help="a tuning setter for one build (base or this), e.g. this:quant_prefetch_ahead=3072",
+    )
+    ap.add_argument("--decode", type=int, default=0, metavar="N", help="time N-token greedy decodes, not the linears")
     ap.add_argument("--out", type=Path, default=None, help="save <out>.txt / .json")
     args = ap.parse_args(argv)
     isa = kernels.isa()
@@ -77,6 +114,12 @@ def main(argv=None) -> int:
             copy = Path(tmp) / label / here.name
             shutil.copyfile(src, copy)
             builds[label] = load_build(copy, name)
+        for item in args.set:
+            label, _, rest = item.partition(":")
+            setter, _, value = rest.partition("=")
+            if label not in builds or setter not in TUNABLE or not value.isdigit():
+                ap.error(f"--set {item}: give base|this:<{'|'.join(TUNABLE)}>=<integer>")
+            getattr(builds[label], setter)(int(value))
         current = [builds["this"]]
         for mod in [m for n, m in sys.modules.items() if n.startswith("headwise") and hasattr(m, "_ext")]:
             mod._ext = lambda: (current[0], None)  # every kernel call goes to the build of the moment
@@ -86,14 +129,21 @@ def main(argv=None) -> int:
             ap.error(f"{args.gguf} has no quantized linears (an fp32 file?)")
         g = torch.Generator().manual_seed(0)
         xs = [torch.randn(args.rows, p.in_features, generator=g) for p in plans]
-        outs = {}
+        prompt = torch.randint(17, model.config.vocab_size, (1, 8), generator=g)
+        outs, per_token = {}, {label: [] for label in builds}
 
         def run(label):
             def step():
                 current[0] = builds[label]
                 outs[label] = [quant.run_quant(p, x) for p, x in zip(plans, xs)]
 
-            return step
+            def decode():
+                current[0] = builds[label]
+                tokens, seconds = greedy(model, prompt, args.decode)
+                outs[label] = [torch.tensor(tokens)]
+                per_token[label].append(seconds)
+
+            return decode if args.decode else step
 
         env, load0, ticks0 = environment(), loadavg(), cpu_ticks()
         with torch.inference_mode():
@@ -101,10 +151,16 @@ def main(argv=None) -> int:
         same = all(torch.equal(a, b) for a, b in zip(outs["base"], outs["this"]))
     MiB = sum(p.blocks.numel() for p in plans) / 2**20
     fmts = sorted({p.fmt for p in plans})
+    what = f"{args.rows} row(s) of x"
+    if args.decode:
+        what = (
+            f"{args.decode}-token greedy decodes after 8 (K/V {kv_dtype_for(None, model) or 'float32'}), a token's ms"
+        )
+        times = {label: t[-rounds:] for label, t in per_token.items()}  # the decode alone, not the prefill
     lines = [
         f"kernel builds on {Path(str(args.gguf)).name}'s {len(plans)} quantized linears ({', '.join(fmts)}, "
-        f"{MiB:.0f} MiB), {args.rows} row(s) of x, {args.threads} threads, {rounds} rounds; {env['date']}",
-        f"{env['cpu_model']}, kernels {isa}; base {args.base}",
+        f"{MiB:.0f} MiB), {what}, {args.threads} threads, {rounds} rounds; {env['date']}",
+        f"{env['cpu_model']}, kernels {isa}; base {args.base}" + "".join(f"; {x}" for x in args.set),
         f"load {load0} -> {loadavg()}, {busy_and_steal(ticks0, cpu_ticks())}",
     ]
     rows, res = [], {}

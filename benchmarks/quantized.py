@@ -45,6 +45,7 @@ import torch  # noqa: E402  (after _common: headwise first)
 import headwise  # noqa: E402
 from headwise.cache import ContiguousKVCache  # noqa: E402
 from headwise.models.builtin import resolve  # noqa: E402
+from headwise.runtime.config import kv_dtype_for  # noqa: E402
 from headwise.runtime.threads import pin_threads  # noqa: E402
 from dram_stream import anon_huge_mib  # noqa: E402
 
@@ -61,12 +62,16 @@ print(json.dumps(st))
 
 
 def decode_rate(model, new: int, V: int) -> tuple[float, list[int]]:
-    """headwise: greedy decode of `new` tokens after a PROMPT-token prompt; tokens/s after the first."""
+    """headwise: greedy decode of `new` tokens after a PROMPT-token prompt; tokens/s after the first.
+    K/V stored as generate() stores them (runtime/config.py kv_dtype_for: 16-bit for quantized weights,
+    as llama-bench's default f16 cache)."""
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(17, V, (1, PROMPT), generator=g)
     cfg = model.config
     with torch.inference_mode():
-        cache = ContiguousKVCache(cfg.num_layers, 1, cfg.num_kv_heads, PROMPT + new, cfg.head_dim)
+        cache = ContiguousKVCache(
+            cfg.num_layers, 1, cfg.num_kv_heads, PROMPT + new, cfg.head_dim, kv_dtype=kv_dtype_for(None, model)
+        )
         nxt = model(ids, cache.step(PROMPT, logits_indices=[PROMPT - 1])).argmax(-1).view(1, 1)
         out = [int(nxt)]
         t0 = time.perf_counter()
@@ -94,7 +99,9 @@ def prefill_rate(model, T: int, V: int) -> float:
     ids = torch.randint(17, V, (1, T), generator=g)
     cfg = model.config
     with torch.inference_mode():
-        cache = ContiguousKVCache(cfg.num_layers, 1, cfg.num_kv_heads, T, cfg.head_dim)
+        cache = ContiguousKVCache(
+            cfg.num_layers, 1, cfg.num_kv_heads, T, cfg.head_dim, kv_dtype=kv_dtype_for(None, model)
+        )
         t0 = time.perf_counter()
         model(ids, cache.step(T, logits_indices=[T - 1]))
         return T / (time.perf_counter() - t0)
@@ -184,6 +191,8 @@ def main() -> None:
     log(f"in transparent huge pages after loading: {env['anon_huge_mib']} MiB (kernels/hugepages.py)")
     formats = sorted({getattr(m, "fmt", None) for m in models["hw_q"].modules()} - {None})
     log(f"hw_q computes from {', '.join(formats)} blocks")
+    env["kv_dtype"] = {n: kv_dtype_for(None, m) or "float32" for n, m in models.items()}
+    log(f"K/V stored as {env['kv_dtype']} (generate()'s default; llama-bench: f16)")
     V = models["hw_q"].config.vocab_size
     hf = None if args.no_hf else hf_model(path)
     llama = None

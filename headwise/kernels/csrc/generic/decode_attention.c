@@ -25,6 +25,11 @@
 enum { HW_OK = 0, HW_BAD_SHAPE = 1 };
 
 enum { PARALLEL_MIN_WORK = 1 << 19 };  /* key x row x channel products below which one thread does it all */
+/* ... or K and V bytes from which hw_decode_attention_seq spreads the heads anyway: a 7B-shaped layer's
+ * 32 heads (D 128, one query row each) hold 0.5 MiB of 16-bit K / V at 32 keys, a read from DRAM
+ * (the model's K / V exceed L3), ~35 us on one thread; on one thread below 2^19 products (128 keys)
+ * they were ~4% of a batch-1 step there (AMD EPYC Zen 4, 2 threads). */
+enum { PARALLEL_MIN_BYTES = 1 << 19 };
 
 /* softcap > 0: scores become softcap tanh(s / softcap) before the softmax (Gemma 2); 0: plain.
  * Returns HW_OK, or HW_BAD_SHAPE (nothing written) unless 1 <= G <= MAX_G, 8 <= D <= MAX_D and
@@ -95,7 +100,8 @@ int hw_decode_attention_seq(const float *q, const void *k_, const void *v_, cons
     long nch = threads / a;
     if (nch > n / MIN_CHUNK) nch = n / MIN_CHUNK;
     if (nch <= 1) {
-        const int parallel = threads > 1 && n * Hkv * G * D >= PARALLEL_MIN_WORK;
+        const int parallel =
+            threads > 1 && (n * Hkv * G * D >= PARALLEL_MIN_WORK || 2 * n * Hkv * D * es >= PARALLEL_MIN_BYTES);
         #pragma omp parallel for schedule(dynamic) if (parallel)
         for (long h = 0; h < Hkv; h++) {
             const long at = h * sk_h;
