@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from ..core.examples import ANALYSIS_TEXT
 from . import ablation, metrics, patching, prune
 from .attribution import HintAccumulator, attribute
 from .capture import Batch, forward, is_causal
@@ -34,7 +35,7 @@ from .importance import head_importance
 from .layer_types import by_layer_type, windows
 from .roles import head_roles
 
-DEFAULT_TEXT = "The bank approved the loan after the river bank flooded."
+DEFAULT_TEXT = ANALYSIS_TEXT  # core/examples.py: `headwise analyze --text`'s default too
 
 
 @dataclass

@@ -7,7 +7,7 @@ import sys
 import time
 
 from .argtypes import check_model, positive_int
-from ..analysis.analyze import DEFAULT_TEXT, Settings
+from ..core.examples import ANALYSIS_TEXT
 
 
 def _fractions(text: str) -> list[float]:
@@ -29,7 +29,7 @@ def add_cli(sub) -> None:
         "minutes on 2 CPU cores; --fit/--heldout/--seeds do more.",
     )
     p.add_argument("model", help="builtin name (all-minilm-l6-v2, smollm2-135m-instruct), checkpoint dir or .gguf")
-    p.add_argument("--text", default=DEFAULT_TEXT, help="the text whose patterns are drawn (default: %(default)r)")
+    p.add_argument("--text", default=ANALYSIS_TEXT, help="the text whose patterns are drawn (default: %(default)r)")
     p.add_argument(
         "--corpus",
         help="plain-text file, paragraphs separated by blank lines (default: English "
@@ -67,22 +67,26 @@ def add_cli(sub) -> None:
 
 
 def run(args) -> int:
+    if not 0 <= args.prune < 1:
+        print(f"headwise analyze: --prune must be in [0, 1), got {args.prune}", file=sys.stderr)
+        return 2
+    try:
+        check_model(args.model)  # a typo is reported before torch, the corpus and the model load
+    except ValueError as e:
+        print(f"headwise analyze: {e}", file=sys.stderr)
+        return 2
     import torch
 
     import headwise
-    from ..analysis.analyze import analyze
+    from ..analysis.analyze import Settings, analyze
     from ..analysis.corpus import load_corpus
     from ..analysis.pairs import load_pairs
     from ..analysis.report import write
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not 0 <= args.prune < 1:
-        print(f"headwise analyze: --prune must be in [0, 1), got {args.prune}", file=sys.stderr)
-        return 2
     t0 = time.perf_counter()
     try:
-        check_model(args.model)  # a typo is reported before the corpus and model load
         corpus = load_corpus(args.corpus)
         pairs = load_pairs(args.pairs) if args.pairs else None
         # fp32 weights (a GGUF dequantized): the heads' own function, without the quantized kernel's

@@ -53,7 +53,9 @@ unit_interval = _number(float, lambda x: 0 <= x <= 1, "in [0, 1]")
 
 
 def backend_name(text: str) -> str:
-    """An attention backend from the registry, or "auto"."""
+    """An attention backend from the registry, or "auto" (the default: answered without importing torch)."""
+    if text == "auto":
+        return text
     from ..attention import backends
 
     names = list(backends())

@@ -126,6 +126,13 @@ def run(args) -> int:
     from .startup import PortError, before_exit, bind, exit_now, guard, server_class, stop_now
 
     guard()  # until uvicorn's handlers: a signal is one line and exit 0 / 130 (startup.py)
+    if args.config and args.models:  # before the server's modules (and torch) import
+        print(
+            f"headwise serve: error: give MODEL arguments ({' '.join(args.models)}) or --config {args.config}, "
+            "not both; list the models in the config's [models] tables instead",
+            file=sys.stderr,
+        )
+        return 2
     import logging
 
     import uvicorn
@@ -133,13 +140,6 @@ def run(args) -> int:
     from ..serve.app import create_app
     from ..serve.config import ConfigError, default_config, load_config, models_config, with_kv_memory
 
-    if args.config and args.models:
-        print(
-            f"headwise serve: error: give MODEL arguments ({' '.join(args.models)}) or --config {args.config}, "
-            "not both; list the models in the config's [models] tables instead",
-            file=sys.stderr,
-        )
-        return 2
     if args.threads is not None:  # pinned: the governor (core/governor.py) stays out, here and in followers
         from ..core.governor import ENV
         from ..runtime.threads import pin_threads

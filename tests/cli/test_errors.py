@@ -1,14 +1,17 @@
 """Bad command lines: one line on stderr naming the problem and the fix, exit 2, and no model loaded.
 
 Each case is its own `python -m headwise.cli` process, as a user runs it; they start together (one a
-core at a time), since each spends ~1.5 s importing torch: 22 one after the other took 36 s."""
+core at a time). None of them imports torch (~1.5 s a process): the parser, the flags and the model
+names are checked from torch-free modules (test_bad_input_is_answered_without_importing_torch)."""
 
 import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from .conftest import headwise
+from .conftest import ROOT, headwise
 
 CASES = {
     "unknown model": (["generate", "nope", "--prompt", "hi"], ["unknown model 'nope'", "headwise models"]),
@@ -63,3 +66,39 @@ def test_bad_input_is_one_line_and_exit_2(case, ran):
     for part in expected:
         assert part in lines[0], (part, lines[0])
     assert "[loaded" not in r.stderr and r.stdout == ""  # checked before any model loads
+
+
+def test_bad_input_is_answered_without_importing_torch():
+    """`headwise --help`, every subcommand's --help and each bad command line above (but an unknown
+    attention backend) end before torch is imported (0.13-0.2 s a process here, ~1.7 s with torch): one process runs them all through
+    headwise.cli.main and then looks at sys.modules."""
+    calls = [
+        ["--help"],
+        *(
+            [c, "--help"]
+            for c in ("plan", "backends", "generate", "chat", "embed", "models", "serve", "analyze", "demo")
+        ),
+    ]
+    # but an unknown --backend: the backends' registry is filled as torch's modules import
+    calls += [args for case, (args, _) in CASES.items() if case != "unknown backend"]
+    code = (
+        "import contextlib, io, json, sys\n"
+        "from headwise.cli import main\n"
+        "codes = []\n"
+        "for args in json.loads(sys.argv[1]):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+        "        try:\n"
+        "            codes.append(main(args))\n"
+        "        except SystemExit as e:\n"
+        "            codes.append(e.code)\n"
+        "print(json.dumps([codes, 'torch' in sys.modules]))\n"
+    )
+    import json
+
+    r = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(calls)], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    codes, torch_loaded = json.loads(r.stdout.strip().splitlines()[-1])
+    assert codes == [0] * 10 + [2] * (len(CASES) - 1), codes
+    assert not torch_loaded
