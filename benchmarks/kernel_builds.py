@@ -19,6 +19,11 @@ The variant this CPU runs (kernels.isa()) is compared; --base must be the same v
 this:quant_prefetch_ahead=3072`; --base may be this build's own .so, so two prefetch distances run side
 by side): prefetch_ahead, quant_prefetch_ahead, zmm_min_rows, quant_prefetch_nta.
 
+--attention KEYS times a batch-1 step's attention alone instead: every layer's heads over KEYS keys of
+their own K/V (the model's head counts and head_dim, K/V in generate()'s dtype; all layers' K/V together
+exceed L3 for a 7B shape, as in a long decode), each build's `hw_decode_attention_seq` called through
+ctypes, as the decoder stack calls it; the outputs are checked equal.
+
 --decode N times whole decode steps instead (the model's forward, `decoder_stack` and all: attention,
 norms, the K/V stores): each round each build prefills 8 tokens into a fresh cache (K/V stored as
 generate() stores them) and decodes N tokens greedily; the tokens are checked equal.
@@ -27,6 +32,7 @@ generate() stores them) and decodes N tokens greedily; the tokens are checked eq
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib.machinery
 import importlib.util
 import json
@@ -47,6 +53,32 @@ from headwise.kernels import quant  # noqa: E402
 from headwise.cache import ContiguousKVCache  # noqa: E402
 from headwise.models.linear import QuantizedLinear  # noqa: E402
 from headwise.runtime.config import kv_dtype_for  # noqa: E402
+
+
+KV_KIND = {torch.float32: 0, torch.bfloat16: 2, torch.float16: 3}  # kernels.h's KV_* (int8: not here)
+
+
+def attention_inputs(model, keys: int, g) -> tuple[list[tuple], torch.Tensor]:
+    """Per layer (K, V) of (Hkv, keys, D) in generate()'s K/V dtype, and q (H, D)."""
+    cfg = model.config
+    dtype = getattr(torch, kv_dtype_for(None, model) or "float32")
+    shape = (cfg.num_kv_heads, keys, cfg.head_dim)
+    kv = [tuple(torch.randn(shape, generator=g).to(dtype) for _ in "kv") for _ in range(cfg.num_layers)]
+    return kv, torch.randn(cfg.num_heads, cfg.head_dim, generator=g)
+
+
+def attend(lib, kv, q, outs) -> None:
+    """One batch-1 step's attention: every layer's hw_decode_attention_seq (decode_attention.c)."""
+    f = lib.hw_decode_attention_seq
+    P, L, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+    f.argtypes, f.restype = [P, P, P, P, P, P, L, L, L, L, L, L, F, P, L, ctypes.c_int], ctypes.c_int
+    for (k, v), out in zip(kv, outs):
+        Hkv, n, D = k.shape
+        G = out.shape[0] // Hkv
+        rc = f(q.data_ptr(), k.data_ptr(), v.data_ptr(), None, None, out.data_ptr(), Hkv, G, D, n * D, D, n,
+               D**-0.5, None, 1, KV_KIND[k.dtype])  # fmt: skip
+        if rc:
+            raise RuntimeError(f"hw_decode_attention_seq returned {rc}")
 
 
 def greedy(model, prompt, new: int) -> tuple[list[int], float]:
@@ -94,6 +126,7 @@ def main(argv=None) -> int:
         metavar="LABEL:NAME=VALUE",
         help="a tuning setter for one build (base or this), e.g. this:quant_prefetch_ahead=3072",
     )
+    ap.add_argument("--attention", type=int, default=0, metavar="KEYS", help="time the decode attention at KEYS keys")
     ap.add_argument("--decode", type=int, default=0, metavar="N", help="time N-token greedy decodes, not the linears")
     ap.add_argument("--out", type=Path, default=None, help="save <out>.txt / .json")
     args = ap.parse_args(argv)
@@ -108,12 +141,13 @@ def main(argv=None) -> int:
         ap.error(f"--base {args.base.name} is not the {isa} variant this CPU runs ({here.name})")
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        builds = {}
+        builds, libs = {}, {}
         for label, src in (("base", args.base), ("this", here)):
             (Path(tmp) / label).mkdir()
             copy = Path(tmp) / label / here.name
             shutil.copyfile(src, copy)
             builds[label] = load_build(copy, name)
+            libs[label] = ctypes.CDLL(str(copy))  # the same loaded copy: its C symbols
         for item in args.set:
             label, _, rest = item.partition(":")
             setter, _, value = rest.partition("=")
@@ -131,6 +165,7 @@ def main(argv=None) -> int:
         xs = [torch.randn(args.rows, p.in_features, generator=g) for p in plans]
         prompt = torch.randint(17, model.config.vocab_size, (1, 8), generator=g)
         outs, per_token = {}, {label: [] for label in builds}
+        kv, q = attention_inputs(model, args.attention, g) if args.attention else ([], None)
 
         def run(label):
             def step():
@@ -143,7 +178,10 @@ def main(argv=None) -> int:
                 outs[label] = [torch.tensor(tokens)]
                 per_token[label].append(seconds)
 
-            return decode if args.decode else step
+            def attention():
+                attend(libs[label], kv, q, outs.setdefault(label, [torch.empty_like(q) for _ in kv]))
+
+            return attention if args.attention else decode if args.decode else step
 
         env, load0, ticks0 = environment(), loadavg(), cpu_ticks()
         with torch.inference_mode():
@@ -152,6 +190,9 @@ def main(argv=None) -> int:
     MiB = sum(p.blocks.numel() for p in plans) / 2**20
     fmts = sorted({p.fmt for p in plans})
     what = f"{args.rows} row(s) of x"
+    if args.attention:
+        what = f"decode attention over {args.attention} keys, {len(kv)} layers' K/V ({kv[0][0].dtype}), a step's ms"
+        MiB = sum(t.numel() * t.element_size() for pair in kv for t in pair) / 2**20  # what the GB/s count
     if args.decode:
         what = (
             f"{args.decode}-token greedy decodes after 8 (K/V {kv_dtype_for(None, model) or 'float32'}), a token's ms"
