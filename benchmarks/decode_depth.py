@@ -41,13 +41,16 @@ import torch  # noqa: E402  (after _common: headwise first)
 import headwise  # noqa: E402
 from headwise.cache import ContiguousKVCache  # noqa: E402
 from headwise.models.builtin import resolve  # noqa: E402
+from headwise.runtime.config import kv_dtype_for  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 
 
 def hw_rate(model, depth: int, new: int, kv_dtype: str | None = None) -> float:
-    """Greedy one-token steps after `depth` tokens (prefilled untimed; at least one) -> steps/s."""
+    """Greedy one-token steps after `depth` tokens (prefilled untimed; at least one) -> steps/s. K/V
+    stored as kv_dtype, or as generate() stores them (16-bit for quantized weights, as llama-bench's f16)."""
     cfg = model.config
+    kv_dtype = kv_dtype or kv_dtype_for(None, model)
     ids = torch.randint(17, cfg.vocab_size, (1, max(depth, 1)), generator=torch.Generator().manual_seed(depth))
     with torch.inference_mode():
         cache = ContiguousKVCache(
@@ -62,6 +65,7 @@ def hw_rate(model, depth: int, new: int, kv_dtype: str | None = None) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf", type=Path, help="a GGUF file instead of the builtin SmolLM2 (e.g. synthetic_gguf.py's)")
     ap.add_argument("--depths", default="0,512,1024,2048,4096", help="tokens in the context before decoding")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
@@ -76,11 +80,12 @@ def main() -> None:
     depths = [int(d) for d in args.depths.split(",")]
     torch.set_num_threads(args.threads)
     log, env = Log(), environment()
-    path = resolve(MODEL)
+    path = args.gguf or resolve(MODEL)
     log(f"headwise decode-at-depth benchmark  {env['date']}")
     log(f"torch {torch.__version__}  cpu {env['cpu_model']}  threads {args.threads}  kernels {headwise.kernels.isa()}")
     log(f"file {path.name}; {args.new_tokens} timed steps per run; depths {depths}; rounds {args.rounds}")
-    model = headwise.load(MODEL)
+    model = headwise.load(str(path) if args.gguf else MODEL)
+    log(f"K/V stored as {kv_dtype_for(None, model) or 'float32'} (generate()'s default; llama-bench: f16)")
     llama = None
     if not args.no_llama:
         from peers import llama_cpp  # `python benchmarks/peers/llama_cpp.py build` first
