@@ -40,17 +40,16 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quantized import decode_rate  # noqa: E402  (its decode: 8-token prompt, K/V as generate() keeps them)
 from _common import busy_and_steal, cpu_ticks, environment, loadavg, summarize, table, time_interleaved  # noqa: E402
 import torch  # noqa: E402  (after _common: headwise first)
 
 import headwise  # noqa: E402
 from headwise import kernels  # noqa: E402
 from headwise.kernels import quant  # noqa: E402
-from headwise.cache import ContiguousKVCache  # noqa: E402
 from headwise.models.linear import QuantizedLinear  # noqa: E402
 from headwise.runtime.config import kv_dtype_for  # noqa: E402
 
@@ -79,21 +78,6 @@ def attend(lib, kv, q, outs) -> None:
                D**-0.5, None, 1, KV_KIND[k.dtype])  # fmt: skip
         if rc:
             raise RuntimeError(f"hw_decode_attention_seq returned {rc}")
-
-
-def greedy(model, prompt, new: int) -> tuple[list[int], float]:
-    """`new` tokens after `prompt` (1, T), the cache as generate() keeps it; and the seconds a token
-    took after the first (the prefill's)."""
-    cfg, T = model.config, prompt.shape[1]
-    kv = kv_dtype_for(None, model)
-    cache = ContiguousKVCache(cfg.num_layers, 1, cfg.num_kv_heads, T + new, cfg.head_dim, kv_dtype=kv)
-    nxt = model(prompt, cache.step(T, logits_indices=[T - 1])).argmax(-1).view(1, 1)
-    out = [int(nxt)]
-    t0 = time.perf_counter()
-    for _ in range(new - 1):
-        nxt = model(nxt, cache.step(1))[:, -1].argmax(-1, keepdim=True)
-        out.append(int(nxt))
-    return out, (time.perf_counter() - t0) / max(new - 1, 1)
 
 
 TUNABLE = ("prefetch_ahead", "quant_prefetch_ahead", "zmm_min_rows", "quant_prefetch_nta")
@@ -163,7 +147,6 @@ def main(argv=None) -> int:
             ap.error(f"{args.gguf} has no quantized linears (an fp32 file?)")
         g = torch.Generator().manual_seed(0)
         xs = [torch.randn(args.rows, p.in_features, generator=g) for p in plans]
-        prompt = torch.randint(17, model.config.vocab_size, (1, 8), generator=g)
         outs, per_token = {}, {label: [] for label in builds}
         kv, q = attention_inputs(model, args.attention, g) if args.attention else ([], None)
 
@@ -174,9 +157,9 @@ def main(argv=None) -> int:
 
             def decode():
                 current[0] = builds[label]
-                tokens, seconds = greedy(model, prompt, args.decode)
+                rate, tokens = decode_rate(model, args.decode, model.config.vocab_size)  # quantized.py's
                 outs[label] = [torch.tensor(tokens)]
-                per_token[label].append(seconds)
+                per_token[label].append(1 / rate)
 
             def attention():
                 attend(libs[label], kv, q, outs.setdefault(label, [torch.empty_like(q) for _ in kv]))

@@ -26,19 +26,27 @@ static inline long widen16_row_head(const uint16_t *row, int et, long D, float *
     return d;
 }
 
+/* Every 16 channels d of q (qg) against key row j's, K(j) giving those as fp32, into z[j]; then each z[j]
+ * folded to the 8 lanes of d8[j]. dot_keys_head's and dot_keys16_head's loop. */
+#define DOT_KEYS_ZMM(K)                                                                                      \
+    do {                                                                                                     \
+        if (D >= 16) {                                                                                       \
+            __m512 z[TK];                                                                                    \
+            for (long j = 0; j < TK; j++) z[j] = _mm512_setzero_ps();                                        \
+            for (; d + 16 <= D; d += 16) {                                                                   \
+                const __m512 qv = _mm512_loadu_ps(qg + d);                                                   \
+                for (long j = 0; j < TK; j++) z[j] = _mm512_fmadd_ps(qv, K(j), z[j]);                        \
+            }                                                                                                \
+            for (long j = 0; j < TK; j++)                                                                    \
+                d8[j] = _mm256_add_ps(_mm512_castps512_ps256(z[j]), _mm512_extractf32x8_ps(z[j], 1));        \
+        }                                                                                                    \
+    } while (0)
+#define KEY_LOAD512(j) _mm512_loadu_ps(kr[j] + d)
+
 /* 16 channels an instruction where the core has them */
 static inline long dot_keys_head(const float *qg, const float *const kr[TK], long D, __m256 d8[TK]) {
     long d = 0;
-    if (D >= 16) {
-        __m512 z[TK];
-        for (long j = 0; j < TK; j++) z[j] = _mm512_setzero_ps();
-        for (; d + 16 <= D; d += 16) {
-            const __m512 qv = _mm512_loadu_ps(qg + d);
-            for (long j = 0; j < TK; j++) z[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kr[j] + d), z[j]);
-        }
-        for (long j = 0; j < TK; j++)
-            d8[j] = _mm256_add_ps(_mm512_castps512_ps256(z[j]), _mm512_extractf32x8_ps(z[j], 1));
-    }
+    DOT_KEYS_ZMM(KEY_LOAD512);
     return d;
 }
 
@@ -59,18 +67,10 @@ static inline __m512 widen16_zmm(const uint16_t *x, int et) {
     return et == KV_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
 }
 
+#define KEY_WIDEN512(j) widen16_zmm(kr[j] + d, et)
 static inline long dot_keys16_head(const float *qg, const uint16_t *const kr[TK], int et, long D, __m256 d8[TK]) {
     long d = 0;
-    if (D >= 16) {
-        __m512 z[TK];
-        for (long j = 0; j < TK; j++) z[j] = _mm512_setzero_ps();
-        for (; d + 16 <= D; d += 16) {
-            const __m512 qv = _mm512_loadu_ps(qg + d);
-            for (long j = 0; j < TK; j++) z[j] = _mm512_fmadd_ps(qv, widen16_zmm(kr[j] + d, et), z[j]);
-        }
-        for (long j = 0; j < TK; j++)
-            d8[j] = _mm256_add_ps(_mm512_castps512_ps256(z[j]), _mm512_extractf32x8_ps(z[j], 1));
-    }
+    DOT_KEYS_ZMM(KEY_WIDEN512);
     return d;
 }
 
