@@ -50,11 +50,9 @@ import torch  # noqa: E402  (after _common: headwise first)
 import headwise  # noqa: E402
 from headwise import kernels  # noqa: E402
 from headwise.kernels import quant  # noqa: E402
+from headwise.kernels.attention import KV_KINDS  # noqa: E402  (kernels.h's KV_* of each dtype)
 from headwise.models.linear import QuantizedLinear  # noqa: E402
 from headwise.runtime.config import kv_dtype_for  # noqa: E402
-
-
-KV_KIND = {torch.float32: 0, torch.bfloat16: 2, torch.float16: 3}  # kernels.h's KV_* (int8: not here)
 
 
 def attention_inputs(model, keys: int, g) -> tuple[list[tuple], torch.Tensor]:
@@ -66,16 +64,21 @@ def attention_inputs(model, keys: int, g) -> tuple[list[tuple], torch.Tensor]:
     return kv, torch.randn(cfg.num_heads, cfg.head_dim, generator=g)
 
 
-def attend(lib, kv, q, outs) -> None:
-    """One batch-1 step's attention: every layer's hw_decode_attention_seq (decode_attention.c)."""
+def seq_attention(lib):
+    """A build's hw_decode_attention_seq (decode_attention.c), typed for ctypes."""
     f = lib.hw_decode_attention_seq
     P, L, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
     f.argtypes, f.restype = [P, P, P, P, P, P, L, L, L, L, L, L, F, P, L, ctypes.c_int], ctypes.c_int
+    return f
+
+
+def attend(f, kv, q, outs) -> None:
+    """One batch-1 step's attention: every layer's heads through f (seq_attention)."""
     for (k, v), out in zip(kv, outs):
         Hkv, n, D = k.shape
         G = out.shape[0] // Hkv
         rc = f(q.data_ptr(), k.data_ptr(), v.data_ptr(), None, None, out.data_ptr(), Hkv, G, D, n * D, D, n,
-               D**-0.5, None, 1, KV_KIND[k.dtype])  # fmt: skip
+               D**-0.5, None, 1, KV_KINDS[k.dtype])  # fmt: skip
         if rc:
             raise RuntimeError(f"hw_decode_attention_seq returned {rc}")
 
@@ -131,7 +134,7 @@ def main(argv=None) -> int:
             copy = Path(tmp) / label / here.name
             shutil.copyfile(src, copy)
             builds[label] = load_build(copy, name)
-            libs[label] = ctypes.CDLL(str(copy))  # the same loaded copy: its C symbols
+            libs[label] = seq_attention(ctypes.CDLL(str(copy)))  # the same loaded copy's C symbol
         for item in args.set:
             label, _, rest = item.partition(":")
             setter, _, value = rest.partition("=")

@@ -124,6 +124,16 @@ void hw_store_row_16(const float *x, long D, uint16_t *out, int et) {
 #define PV_WIDEN256(j) widen16_ps(vr16[j] + d, et)
 #define PV_CHUNK(W, T, pv, al) PV_CHUNK_BY(W, T, pv, al, PV_LOAD##W)
 
+/* d8[j] += q's channels d.. (qg) times key row j's, K(j) giving them as fp32, 8 at a time to D: the
+ * ymm channels the wider hooks left. In decode_pair(): qg, d8, d, D; kr (read) or kr16, et (widened). */
+#define DOT_KEYS_YMM(K)                                                                                   \
+    for (; d < D; d += 8) {                                                                               \
+        const __m256 qv = _mm256_load_ps(qg + d);                                                         \
+        for (long j = 0; j < TK; j++) d8[j] = _mm256_fmadd_ps(qv, K(j), d8[j]);                           \
+    }
+#define KEY_LOAD256(j) _mm256_loadu_ps(kr[j] + d)
+#define KEY_WIDEN256(j) widen16_ps(kr16[j] + d, et)
+
 /* Soft-capped base-2 scores (Gemma 2's attn_logit_softcapping): s = natural score * log2 e becomes
  * cap tanh(s ln 2 / cap) log2 e, tanh y = 1 - 2 / (e^2y + 1) with e^2y = 2^(2 s / cap), clamped to
  * 2^+-60 where tanh is +-1 in fp32 already. */
@@ -207,18 +217,11 @@ static inline __attribute__((always_inline)) void decode_pair(const void *k_, co
             const float *qg = qs + g * D;
             __m256 d8[TK];
             for (long j = 0; j < TK; j++) d8[j] = _mm256_setzero_ps();
+            long d = direct ? dot_keys16_head(qg, kr16, et, D, d8) : dot_keys_head(qg, kr, D, d8);
             if (direct) {
-                long d = dot_keys16_head(qg, kr16, et, D, d8);
-                for (; d < D; d += 8) {
-                    const __m256 qv = _mm256_load_ps(qg + d);
-                    for (long j = 0; j < TK; j++) d8[j] = _mm256_fmadd_ps(qv, widen16_ps(kr16[j] + d, et), d8[j]);
-                }
+                DOT_KEYS_YMM(KEY_WIDEN256)
             } else {
-                long d = dot_keys_head(qg, kr, D, d8);
-                for (; d < D; d += 8) {
-                    const __m256 qv = _mm256_load_ps(qg + d);
-                    for (long j = 0; j < TK; j++) d8[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[j] + d), d8[j]);
-                }
+                DOT_KEYS_YMM(KEY_LOAD256)
             }
             __m256 s = hsum8(d8);  /* (TK,) base-2 scores */
             if (cap > 0.0f) s = softcap_ps(s, cap);  /* before the mask, as the reference */
@@ -244,13 +247,11 @@ static inline __attribute__((always_inline)) void decode_pair(const void *k_, co
             for (long j = 0; j < TK; j++) pb[j] = _mm256_broadcast_ss(p + g * TK + j);
             const __m256 al = _mm256_set1_ps(alpha[g]);
             float *ag = acc + g * D;
-            if (direct) {
-                long d = pv16_head(p + g * TK, alpha[g], ag, vr16, et, D);
+            long d = direct ? pv16_head(p + g * TK, alpha[g], ag, vr16, et, D) : pv_head(p + g * TK, alpha[g], ag, vr, D);
+            if (direct)
                 for (; d < D; d += 8) PV_CHUNK_BY(256, __m256, pb, al, PV_WIDEN256);
-            } else {
-                long d = pv_head(p + g * TK, alpha[g], ag, vr, D);
+            else
                 for (; d < D; d += 8) PV_CHUNK(256, __m256, pb, al);
-            }
         }
     }
     for (long g = 0; g < G; g++) {

@@ -50,14 +50,21 @@ static inline long dot_keys_head(const float *qg, const float *const kr[TK], lon
     return d;
 }
 
+/* ag = alpha ag + sum_j pg[j] v_j over every 16 channels, V(j) giving value row j's as fp32: pv_head's and
+ * pv16_head's loop */
+#define PV_ZMM(V)                                                                                            \
+    do {                                                                                                     \
+        if (D >= 16) {                                                                                       \
+            __m512 pz[TK];                                                                                   \
+            for (long j = 0; j < TK; j++) pz[j] = _mm512_set1_ps(pg[j]);                                     \
+            const __m512 alz = _mm512_set1_ps(alpha);                                                        \
+            for (; d + 16 <= D; d += 16) PV_CHUNK_BY(512, __m512, pz, alz, V);                               \
+        }                                                                                                    \
+    } while (0)
+
 static inline long pv_head(const float *pg, float alpha, float *ag, const float *const vr[TK], long D) {
     long d = 0;
-    if (D >= 16) {
-        __m512 pz[TK];
-        for (long j = 0; j < TK; j++) pz[j] = _mm512_set1_ps(pg[j]);
-        const __m512 alz = _mm512_set1_ps(alpha);
-        for (; d + 16 <= D; d += 16) PV_CHUNK(512, __m512, pz, alz);
-    }
+    PV_ZMM(PV_LOAD512);
     return d;
 }
 
@@ -77,11 +84,6 @@ static inline long dot_keys16_head(const float *qg, const uint16_t *const kr[TK]
 #define PV_WIDEN512(j) widen16_zmm(vr16[j] + d, et)
 static inline long pv16_head(const float *pg, float alpha, float *ag, const uint16_t *const vr16[TK], int et, long D) {
     long d = 0;
-    if (D >= 16) {
-        __m512 pz[TK];
-        for (long j = 0; j < TK; j++) pz[j] = _mm512_set1_ps(pg[j]);
-        const __m512 alz = _mm512_set1_ps(alpha);
-        for (; d + 16 <= D; d += 16) PV_CHUNK_BY(512, __m512, pz, alz, PV_WIDEN512);
-    }
+    PV_ZMM(PV_WIDEN512);
     return d;
 }
