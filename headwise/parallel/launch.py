@@ -23,6 +23,7 @@ import pickle
 import queue as queue_mod
 import signal
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -184,6 +185,10 @@ class RankGroup:
         self._answers = ctx.Queue()
         self._outcomes: dict[int, RankOutcome] = {}
         self._closing = False
+        # multiprocessing's forkserver Popen reads a child's exit status off a pipe once; two threads
+        # asking at once (the watchdog's failure() and a step's) make the second read EOF, which it
+        # reports as exit code 255 (and may store over the first's). Every status read holds this.
+        self._status_lock = threading.RLock()
         self.procs = {
             rank: ctx.Process(
                 target=_child,
@@ -221,7 +226,12 @@ class RankGroup:
     def failure(self, wait_s: float = 0.5) -> str | None:
         """Which follower failed and how ("rank 1 of 2 was killed by SIGKILL", "rank 1 of 2 failed:
         ValueError: ..."), or None while every one runs. wait_s: how long to wait for the answer of a
-        follower that exited with code 0 (it wrote one before exiting); never blocks otherwise."""
+        follower that exited with code 0 (it wrote one before exiting); never blocks otherwise.
+        Safe to call from several threads at once."""
+        with self._status_lock:
+            return self._failure(wait_s)
+
+    def _failure(self, wait_s: float) -> str | None:
         self._drain()
         for rank, p in self.procs.items():
             if rank not in self._outcomes and not p.is_alive() and p.exitcode == 0:
@@ -251,9 +261,13 @@ class RankGroup:
     def close(self, timeout: float = 10.0) -> list[RankOutcome]:
         """Wait up to `timeout` s for the followers to exit (their fn returned: e.g. follow() after
         release()), kill the rest, leave the process group; -> the followers' outcomes, by rank."""
+        self._closing = True
+        with self._status_lock:
+            return self._close(timeout)
+
+    def _close(self, timeout: float) -> list[RankOutcome]:
         import torch.distributed as dist
 
-        self._closing = True
         started = {rank: p for rank, p in self.procs.items() if p.pid is not None}
         deadline = time.monotonic() + timeout
         while any(p.is_alive() for p in started.values()) and time.monotonic() < deadline:

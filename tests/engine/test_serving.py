@@ -237,7 +237,15 @@ def test_a_stream_that_stops_reading_is_skipped_until_it_catches_up(tiny_gpt2, m
             while engine.core.counts["steps"] < 20:  # not reading while the engine steps on
                 await asyncio.sleep(0.01)
             seen["stalled_waits"] = list(seen["idle"].waits)
-            return [first] + await collect(agen)
+            pieces = [first]
+            async for piece in agen:  # reading again: the queued pieces at once, then the paced one's pace
+                pieces.append(piece)
+                if len(pieces) == group.handed:
+                    # caught up: it takes each new piece 20 ms after it came, so the engine, which
+                    # waits for it again, finds it not idle yet (a reader that took it at once could
+                    # beat the engine to its check, which then had nothing to wait for)
+                    await asyncio.sleep(0.02)
+            return pieces
 
         async def paced():
             # once the stalled reader reads again, the engine steps at this reader's pace (it waits

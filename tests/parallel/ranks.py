@@ -204,3 +204,8 @@ def die_mid_run(comm, how: str) -> dict:
     except Exception as e:  # noqa: BLE001 - the test inspects it
         return {"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - t0}
     return {"error": None, "seconds": time.perf_counter() - t0}
+
+
+def wait_to_be_killed(comm) -> None:
+    """A RankGroup follower that only waits: the test kills it."""
+    time.sleep(120)
