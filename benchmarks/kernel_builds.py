@@ -51,6 +51,7 @@ import headwise  # noqa: E402
 from headwise import kernels  # noqa: E402
 from headwise.kernels import quant  # noqa: E402
 from headwise.kernels.attention import KV_KINDS  # noqa: E402  (kernels.h's KV_* of each dtype)
+from headwise.kernels.cpu import TUNABLE, tune  # noqa: E402  (the setters kernels._ext calls, and their values)
 from headwise.models.linear import QuantizedLinear  # noqa: E402
 from headwise.runtime.config import kv_dtype_for  # noqa: E402
 
@@ -83,19 +84,13 @@ def attend(f, kv, q, outs) -> None:
             raise RuntimeError(f"hw_decode_attention_seq returned {rc}")
 
 
-TUNABLE = ("prefetch_ahead", "quant_prefetch_ahead", "zmm_min_rows", "quant_prefetch_nta")
-
-
 def load_build(path: Path, name: str):
     """The extension at `path` as a module of its own, tuned as kernels._ext tunes the installed one."""
     loader = importlib.machinery.ExtensionFileLoader(name, str(path))
     spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
     mod = importlib.util.module_from_spec(spec)
     loader.exec_module(mod)
-    mod.prefetch_ahead(kernels.prefetch_ahead_for())
-    mod.quant_prefetch_ahead(kernels.quant_prefetch_ahead_for())
-    mod.zmm_min_rows(kernels.zmm_min_rows_for())
-    mod.quant_prefetch_nta(kernels.quant_prefetch_nta_for())
+    tune(mod)
     return mod
 
 

@@ -13,7 +13,7 @@ The C sources (csrc/generic: the drivers and module.c, the Python entry points; 
 csrc/x86/avx512: the vector code of each ISA, one file per kernel family) are a C extension that `pip install` builds (setup.py) in two variants,
 `_cpu_avx2` and `_cpu_avx512`; `_ext()` imports the one this CPU runs, chosen at run time from
 its flags (HEADWISE_ISA=avx2 / avx512 forces one), with the prefetch distances of its kernels set for
-this core (prefetch_ahead_for, quant_prefetch_ahead_for, quant_prefetch_nta_for, zmm_min_rows_for; environment variables override them). Where none can run (not built at install, no
+this core (cpu.tune: the tables of cpu.py; environment variables override them). Where none can run (not built at install, no
 AVX2, torch not on OpenMP, or HEADWISE_KERNELS=0), `kernels_unavailable()` says why and callers
 keep PyTorch's ops.
 """
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .cpu import cpu_flags, prefetch_ahead_for, quant_prefetch_ahead_for, quant_prefetch_nta_for, zmm_min_rows_for
+from .cpu import cpu_flags, tune
 
 PRO_NONE, PRO_RMSNORM, PRO_SWIGLU, PRO_GEGLU = 0, 1, 2, 3  # GeGLU: gelu_tanh(gate) * up (Gemma)
 GATED = (PRO_SWIGLU, PRO_GEGLU)  # the prologues that read x = [gate | up] (..., 2I)
@@ -109,10 +109,7 @@ def _ext() -> tuple[ModuleType | None, str | None]:
         )
     if len(_omp_libraries()) > max(1, len(before)):  # ours did not bind to torch's libgomp
         return None, f"the kernels loaded a second OpenMP runtime ({sorted(_omp_libraries())})"
-    mod.prefetch_ahead(prefetch_ahead_for())
-    mod.quant_prefetch_ahead(quant_prefetch_ahead_for())
-    mod.zmm_min_rows(zmm_min_rows_for())
-    mod.quant_prefetch_nta(quant_prefetch_nta_for())
+    tune(mod)
     return mod, _self_check(mod)
 
 

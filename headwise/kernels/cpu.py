@@ -130,3 +130,18 @@ def zmm_min_rows_for(vendor: str | None = None, family: str | None = None) -> in
     """quant_group.c's zmm tiles from this many rows of x, as prefetch_ahead_for;
     HEADWISE_ZMM_MIN_ROWS=<rows> (1 to 65; 65: never) overrides it."""
     return _by_cpu(ZMM_MIN_ROWS_BY_CPU, ZMM_MIN_ROWS_DEFAULT, "HEADWISE_ZMM_MIN_ROWS", 65, vendor, family, least=1)
+
+
+# The compiled module's tuning setters, each with what sets it for this CPU (the tables above)
+TUNABLE = {
+    "prefetch_ahead": prefetch_ahead_for,
+    "quant_prefetch_ahead": quant_prefetch_ahead_for,
+    "zmm_min_rows": zmm_min_rows_for,
+    "quant_prefetch_nta": quant_prefetch_nta_for,
+}
+
+
+def tune(mod) -> None:
+    """Set a loaded kernel module's tuning for this CPU (kernels._ext, and benchmarks' second builds)."""
+    for name, value_for in TUNABLE.items():
+        getattr(mod, name)(value_for())

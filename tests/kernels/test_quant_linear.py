@@ -158,14 +158,14 @@ def test_packed_rows_at_once_equal_each_row_alone(fmt):
 @pytest.mark.parametrize("fmt", quant.PACKABLE)
 @pytest.mark.parametrize("M", [1, 16])
 def test_prefetch_distance_changes_no_bit(fmt, M):
-    """The distance set per CPU at load (kernels.quant_prefetch_ahead_for) only moves loads earlier:
+    """The distance set per CPU at load (kernels.cpu.quant_prefetch_ahead_for) only moves loads earlier:
     any distance, none or far past the weight's end, gives the same bits as the reference checks."""
     from headwise import kernels
 
     mod, _ = kernels._ext()
     blocks, x = random_blocks(fmt, 300, 1024, seed=M), torch.randn(M, 1024)
     picked = mod.quant_prefetch_ahead(-1)
-    assert picked == kernels.quant_prefetch_ahead_for()
+    assert picked == kernels.cpu.quant_prefetch_ahead_for()
     try:
         outs = []
         for d in (0, 2048, 8192, 65536):
@@ -183,14 +183,14 @@ def test_prefetch_distance_changes_no_bit(fmt, M):
 @pytest.mark.parametrize("M", [1, 3, 9])
 def test_zmm_min_rows_changes_no_bit(fmt, M):
     """Whether a step reads two packed groups at once in zmm tiles or one in ymm (the row count
-    from which it does is set per CPU at load: kernels.zmm_min_rows_for) gives the same bits, which
+    from which it does is set per CPU at load: kernels.cpu.zmm_min_rows_for) gives the same bits, which
     the reference checks; odd output counts leave a last group alone."""
     from headwise import kernels
 
     mod, _ = kernels._ext()
     blocks, x = random_blocks(fmt, 300, 1024, seed=M), torch.randn(M, 1024)
     picked = mod.zmm_min_rows(-1)
-    assert picked == kernels.zmm_min_rows_for()
+    assert picked == kernels.cpu.zmm_min_rows_for()
     try:
         outs = []
         for rows in (1, 4, 65):

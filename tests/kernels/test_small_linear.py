@@ -89,7 +89,7 @@ def test_prefetch_distance_changes_no_bit(M):
     mod, _ = kernels._ext()
     x, w = torch.randn(M, 576), torch.randn(1000, 576)
     picked = mod.prefetch_ahead(-1)
-    assert picked == kernels.prefetch_ahead_for()
+    assert picked == kernels.cpu.prefetch_ahead_for()
     try:
         outs = []
         for d in (0, 32, 64, 128, 4096):
@@ -105,34 +105,36 @@ def test_prefetch_distance_changes_no_bit(M):
 
 def test_prefetch_distance_by_cpu_and_environment(monkeypatch):
     monkeypatch.delenv("HEADWISE_PREFETCH_AHEAD", raising=False)
-    assert kernels.prefetch_ahead_for("AuthenticAMD", "26") == kernels.cpu.PREFETCH_AHEAD_BY_CPU["AuthenticAMD", "26"]
-    assert kernels.prefetch_ahead_for("GenuineIntel", "6") == kernels.cpu.PREFETCH_AHEAD_DEFAULT
+    assert (
+        kernels.cpu.prefetch_ahead_for("AuthenticAMD", "26") == kernels.cpu.PREFETCH_AHEAD_BY_CPU["AuthenticAMD", "26"]
+    )
+    assert kernels.cpu.prefetch_ahead_for("GenuineIntel", "6") == kernels.cpu.PREFETCH_AHEAD_DEFAULT
     monkeypatch.setenv("HEADWISE_PREFETCH_AHEAD", "96")
-    assert kernels.prefetch_ahead_for("AuthenticAMD", "26") == 96
+    assert kernels.cpu.prefetch_ahead_for("AuthenticAMD", "26") == 96
     monkeypatch.setenv("HEADWISE_PREFETCH_AHEAD", "far")
     with pytest.raises(ValueError, match="HEADWISE_PREFETCH_AHEAD"):
-        kernels.prefetch_ahead_for()
+        kernels.cpu.prefetch_ahead_for()
     monkeypatch.delenv("HEADWISE_QUANT_PREFETCH_AHEAD", raising=False)
     zen5 = kernels.cpu.QUANT_PREFETCH_AHEAD_BY_CPU["AuthenticAMD", "26"]
-    assert kernels.quant_prefetch_ahead_for("AuthenticAMD", "26") == zen5
-    assert kernels.quant_prefetch_ahead_for("AuthenticAMD", "25") == kernels.cpu.QUANT_PREFETCH_AHEAD_DEFAULT
+    assert kernels.cpu.quant_prefetch_ahead_for("AuthenticAMD", "26") == zen5
+    assert kernels.cpu.quant_prefetch_ahead_for("AuthenticAMD", "25") == kernels.cpu.QUANT_PREFETCH_AHEAD_DEFAULT
     intel = kernels.cpu.QUANT_PREFETCH_AHEAD_BY_CPU["GenuineIntel", "6"]
-    assert kernels.quant_prefetch_ahead_for("GenuineIntel", "6") == intel
+    assert kernels.cpu.quant_prefetch_ahead_for("GenuineIntel", "6") == intel
     monkeypatch.delenv("HEADWISE_ZMM_MIN_ROWS", raising=False)
-    assert kernels.zmm_min_rows_for("GenuineIntel", "6") == kernels.cpu.ZMM_MIN_ROWS_BY_CPU["GenuineIntel", "6"]
-    assert kernels.zmm_min_rows_for("AuthenticAMD", "26") == kernels.cpu.ZMM_MIN_ROWS_DEFAULT
+    assert kernels.cpu.zmm_min_rows_for("GenuineIntel", "6") == kernels.cpu.ZMM_MIN_ROWS_BY_CPU["GenuineIntel", "6"]
+    assert kernels.cpu.zmm_min_rows_for("AuthenticAMD", "26") == kernels.cpu.ZMM_MIN_ROWS_DEFAULT
     monkeypatch.setenv("HEADWISE_ZMM_MIN_ROWS", "65")
-    assert kernels.zmm_min_rows_for("GenuineIntel", "6") == 65
+    assert kernels.cpu.zmm_min_rows_for("GenuineIntel", "6") == 65
     for bad in ("0", "66", "few"):
         monkeypatch.setenv("HEADWISE_ZMM_MIN_ROWS", bad)
         with pytest.raises(ValueError, match="HEADWISE_ZMM_MIN_ROWS"):
-            kernels.zmm_min_rows_for()
+            kernels.cpu.zmm_min_rows_for()
     monkeypatch.delenv("HEADWISE_ZMM_MIN_ROWS")
     monkeypatch.setenv("HEADWISE_QUANT_PREFETCH_AHEAD", "4096")
-    assert kernels.quant_prefetch_ahead_for("AuthenticAMD", "26") == 4096
+    assert kernels.cpu.quant_prefetch_ahead_for("AuthenticAMD", "26") == 4096
     monkeypatch.setenv("HEADWISE_QUANT_PREFETCH_AHEAD", "99999")
     with pytest.raises(ValueError, match="HEADWISE_QUANT_PREFETCH_AHEAD"):
-        kernels.quant_prefetch_ahead_for()
+        kernels.cpu.quant_prefetch_ahead_for()
 
 
 @pytest.mark.parametrize(
