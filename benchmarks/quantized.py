@@ -174,9 +174,7 @@ def main() -> None:
     model = str(path) if args.requantize or args.gguf else MODEL
     log(f"headwise quantized-decode benchmark  {env['date']}")
     log(f"torch {torch.__version__}  cpu {env['cpu_model']}  threads {args.threads}  kernels {headwise.kernels.isa()}")
-    env["quant_prefetch_ahead"] = headwise.kernels.quant_prefetch_ahead_for()
-    env["zmm_min_rows"] = headwise.kernels.zmm_min_rows_for()
-    env["quant_prefetch_nta"] = headwise.kernels.quant_prefetch_nta_for()
+    env.update({name: value_for() for name, value_for in headwise.kernels.cpu.TUNABLE.items()})  # as the kernels run
     log(
         f"quantized kernels prefetch {env['quant_prefetch_ahead']} bytes ahead "
         f"({'NTA' if env['quant_prefetch_nta'] else 'T0'} in the K-quant ymm tiles), zmm tiles from "

@@ -16,7 +16,7 @@ def test_prefetch_hint_changes_no_bit(fmt, M):
     mod, _ = kernels._ext()
     blocks, x = random_blocks(fmt, 40, 1024, seed=M), torch.randn(M, 1024)
     picked = mod.quant_prefetch_nta(-1)
-    assert picked == kernels.quant_prefetch_nta_for()
+    assert picked == kernels.cpu.quant_prefetch_nta_for()
     try:
         outs = []
         for hint in (0, 1):
@@ -32,11 +32,11 @@ def test_prefetch_hint_changes_no_bit(fmt, M):
 
 def test_prefetch_hint_by_cpu_and_environment(monkeypatch):
     monkeypatch.delenv("HEADWISE_QUANT_PREFETCH_NTA", raising=False)
-    assert kernels.quant_prefetch_nta_for("AuthenticAMD", "25") == 1  # Zen 4, measured
-    assert kernels.quant_prefetch_nta_for("AuthenticAMD", "26") == 0
-    assert kernels.quant_prefetch_nta_for("GenuineIntel", "6") == 0
+    assert kernels.cpu.quant_prefetch_nta_for("AuthenticAMD", "25") == 1  # Zen 4, measured
+    assert kernels.cpu.quant_prefetch_nta_for("AuthenticAMD", "26") == 0
+    assert kernels.cpu.quant_prefetch_nta_for("GenuineIntel", "6") == 0
     monkeypatch.setenv("HEADWISE_QUANT_PREFETCH_NTA", "0")
-    assert kernels.quant_prefetch_nta_for("AuthenticAMD", "25") == 0
+    assert kernels.cpu.quant_prefetch_nta_for("AuthenticAMD", "25") == 0
     monkeypatch.setenv("HEADWISE_QUANT_PREFETCH_NTA", "2")
     with pytest.raises(ValueError, match="HEADWISE_QUANT_PREFETCH_NTA"):
-        kernels.quant_prefetch_nta_for()
+        kernels.cpu.quant_prefetch_nta_for()
