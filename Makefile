@@ -55,7 +55,8 @@ bench: $(STAMP)
 # prefill against llama-bench, serving against llama-server, decode of a 7B-shaped Q4_K_M from DRAM
 # (benchmarks/synthetic_gguf.py, 3.6 GiB, made once), and the prefetch distances to add to
 # headwise/kernels/cpu.py's tables; ~65 min on 2 cores, run alone. Results under
-# benchmarks/results/<cpu tag>/ (`python benchmarks/_common.py --cpu-tag`).
+# benchmarks/results/<cpu tag>/ (`python benchmarks/_common.py --cpu-tag`; a kind measured before keeps
+# its folder: zen4/, zen5/, Zen 3's at the top level), then `python benchmarks/tables.py` for the docs.
 CPU_RESULTS = benchmarks/results/$(shell $(PY) benchmarks/_common.py --cpu-tag)
 bench-cpu: $(STAMP)
 	$(PY) benchmarks/peers/llama_cpp.py build

@@ -108,6 +108,17 @@ def cpu_tag() -> str:
     return "-".join(parts)
 
 
+# The kinds measured before tags existed keep their folders (tables.py's CPUS): Zen 3's runs sit at the
+# top level, Zen 4's and Zen 5's under their names. A kind not here gets a folder named by its tag.
+FOLDER_OF_TAG = {"amd-f25-avx2": "", "amd-f25-avx512": "zen4", "amd-f26-avx512": "zen5"}
+
+
+def results_folder() -> str:
+    """Where this CPU's results go under benchmarks/results/ ("" = the top level): its known folder or its tag."""
+    tag = cpu_tag()
+    return FOLDER_OF_TAG.get(tag, tag)
+
+
 def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -272,9 +283,9 @@ class Log:
         return "\n".join(self.lines) + "\n"
 
 
-if __name__ == "__main__":  # `python benchmarks/_common.py --cpu-tag`: the Makefile's bench-cpu folder
+if __name__ == "__main__":  # `python benchmarks/_common.py --cpu-tag`: the Makefile's bench-cpu folder (results_folder)
     import sys
 
     if sys.argv[1:] != ["--cpu-tag"]:
         raise SystemExit("usage: python benchmarks/_common.py --cpu-tag")
-    print(cpu_tag())
+    print(results_folder())

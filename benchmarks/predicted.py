@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # benchmark this checkout of headwise
 
-from _common import Log, cpu_isa, cpu_tag, environment, loadavg, rotated, summarize, table  # noqa: E402
+from _common import Log, cpu_isa, environment, loadavg, results_folder, rotated, summarize, table  # noqa: E402
 import torch  # noqa: E402  (after _common: headwise first)
 
 from headwise.engine import Engine  # noqa: E402
@@ -205,7 +205,7 @@ def main() -> None:
     log(f"transformers {hf_version}; load average per round (1/5/15 min): {load}")
     if args.quick:
         return
-    out = ROOT / "benchmarks" / "results" / (args.out or cpu_tag()) / "issue41"
+    out = ROOT / "benchmarks" / "results" / (args.out or results_folder()) / "issue41"
     out.mkdir(parents=True, exist_ok=True)
     name = "predicted" if args.weights == "fp32" else f"predicted_{args.weights}"
     name += "_headwise_only" if args.no_transformers else ""
