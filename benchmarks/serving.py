@@ -198,6 +198,11 @@ def llama_cpp_gguf() -> Path:
 
 # ------------------------------------------------------------------ the client
 async def one_request(client, url: str, prompt: list[int], output_len: int) -> dict:
+    """One streamed completion; a connection the server closed before answering (llama-server, now and
+    then, on a kept-alive connection: "Server disconnected without sending a response") is tried once
+    more on a new one, as the openai client does (max_retries), the time counted from the first try."""
+    import httpx
+
     body = {
         "model": MODEL,
         "prompt": prompt,
@@ -207,31 +212,42 @@ async def one_request(client, url: str, prompt: list[int], output_len: int) -> d
         "ignore_eos": True,
         "stream_options": {"include_usage": True},
     }
-    out = {"ok": False, "chunks": [], "output_tokens": 0, "error": None}
     t0 = time.perf_counter()
-    try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                out["error"] = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+    for attempt in (1, 2):
+        out = {"ok": False, "chunks": [], "output_tokens": 0, "error": None, "retried": attempt > 1}
+        try:
+            return await _stream(client, url, body, output_len, out, t0)
+        except httpx.RemoteProtocolError as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+            if out["chunks"]:  # it had begun answering: a lost stream, not a stale connection
                 return out
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
-                if "error" in data:
-                    out["error"] = data["error"]
-                    return out
-                if data.get("choices") and data["choices"][0].get("text"):
-                    out["chunks"].append(time.perf_counter() - t0)
-                if data.get("usage"):
-                    out["output_tokens"] = data["usage"]["completion_tokens"]
-        out["e2e"] = time.perf_counter() - t0
-        out["output_tokens"] = out["output_tokens"] or len(out["chunks"])  # llama-server: a token a chunk
-        out["ok"] = bool(out["chunks"]) and out["output_tokens"] == output_len
-        if not out["ok"]:
-            out["error"] = f"{out['output_tokens']} tokens instead of {output_len}"
-    except Exception as e:  # a lost request is a result here, not a crash
-        out["error"] = f"{type(e).__name__}: {e}"
+        except Exception as e:  # a lost request is a result here, not a crash
+            out["error"] = f"{type(e).__name__}: {e}"
+            return out
+    return out
+
+
+async def _stream(client, url: str, body: dict, output_len: int, out: dict, t0: float) -> dict:
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            out["error"] = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+            return out
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                out["error"] = data["error"]
+                return out
+            if data.get("choices") and data["choices"][0].get("text"):
+                out["chunks"].append(time.perf_counter() - t0)
+            if data.get("usage"):
+                out["output_tokens"] = data["usage"]["completion_tokens"]
+    out["e2e"] = time.perf_counter() - t0
+    out["output_tokens"] = out["output_tokens"] or len(out["chunks"])  # llama-server: a token a chunk
+    out["ok"] = bool(out["chunks"]) and out["output_tokens"] == output_len
+    if not out["ok"]:
+        out["error"] = f"{out['output_tokens']} tokens instead of {output_len}"
     return out
 
 
@@ -295,6 +311,7 @@ def summarize(results: list[dict], duration: float) -> dict:
         "requests": len(results),
         "completed": len(ok),
         "failed": len(results) - len(ok),
+        "retried": sum(r["retried"] for r in results),  # tried twice: the server closed the first connection
         "errors": sorted({str(r["error"])[:200] for r in results if not r["ok"]}),
         "duration_s": duration,
         "request_throughput": len(ok) / duration,
@@ -540,7 +557,9 @@ def main(argv=None) -> int:
                         log(
                             f"  round {rnd + 1} {name:11s} {c:3d} clients: {r['completed']}/{r['requests']} done, "
                             f"{r['output_throughput']:.1f} out tok/s, p50 decode {decode_rate(r):.1f} tok/s, "
-                            f"load {la} -> {loadavg()[0]}" + (f"  errors {r['errors']}" if r["errors"] else "")
+                            f"load {la} -> {loadavg()[0]}"
+                            + (f"  errors {r['errors']}" if r["errors"] else "")
+                            + (f"  retried {r['retried']}" if r.get("retried") else "")
                         )
             time.sleep(3)  # idle, as a server between bursts (headwise trims its freed heap then: serve/memory.py)
             for name in memory:
