@@ -4,6 +4,7 @@ Each case is its own `python -m headwise.cli` process, as a user runs it; they s
 core at a time). None of them imports torch (~1.5 s a process): the parser, the flags and the model
 names are checked from torch-free modules (test_bad_input_is_answered_without_importing_torch)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -93,8 +94,6 @@ def test_bad_input_is_answered_without_importing_torch():
         "            codes.append(e.code)\n"
         "print(json.dumps([codes, 'torch' in sys.modules]))\n"
     )
-    import json
-
     r = subprocess.run(
         [sys.executable, "-c", code, json.dumps(calls)], capture_output=True, text=True, cwd=ROOT, timeout=120
     )

@@ -217,10 +217,12 @@ static inline __attribute__((always_inline)) void decode_pair(const void *k_, co
             const float *qg = qs + g * D;
             __m256 d8[TK];
             for (long j = 0; j < TK; j++) d8[j] = _mm256_setzero_ps();
-            long d = direct ? dot_keys16_head(qg, kr16, et, D, d8) : dot_keys_head(qg, kr, D, d8);
+            long d;
             if (direct) {
+                d = dot_keys16_head(qg, kr16, et, D, d8);
                 DOT_KEYS_YMM(KEY_WIDEN256)
             } else {
+                d = dot_keys_head(qg, kr, D, d8);
                 DOT_KEYS_YMM(KEY_LOAD256)
             }
             __m256 s = hsum8(d8);  /* (TK,) base-2 scores */
@@ -247,11 +249,12 @@ static inline __attribute__((always_inline)) void decode_pair(const void *k_, co
             for (long j = 0; j < TK; j++) pb[j] = _mm256_broadcast_ss(p + g * TK + j);
             const __m256 al = _mm256_set1_ps(alpha[g]);
             float *ag = acc + g * D;
-            long d = direct ? pv16_head(p + g * TK, alpha[g], ag, vr16, et, D) : pv_head(p + g * TK, alpha[g], ag, vr, D);
-            if (direct)
-                for (; d < D; d += 8) PV_CHUNK_BY(256, __m256, pb, al, PV_WIDEN256);
-            else
-                for (; d < D; d += 8) PV_CHUNK(256, __m256, pb, al);
+            if (direct) {
+                for (long d = pv16_head(p + g * TK, alpha[g], ag, vr16, et, D); d < D; d += 8)
+                    PV_CHUNK_BY(256, __m256, pb, al, PV_WIDEN256);
+            } else {
+                for (long d = pv_head(p + g * TK, alpha[g], ag, vr, D); d < D; d += 8) PV_CHUNK(256, __m256, pb, al);
+            }
         }
     }
     for (long g = 0; g < G; g++) {
